@@ -1,0 +1,97 @@
+# gocomm: `make` sets everything up in place, `make test` runs every test.
+#
+# make            pinned Python env (.venv), code generators (.tools), generated code,
+#                 bin/pgserver, and the Python package in place (importable from .venv)
+# make test       lint + Go tests + Python tests (GPU tests skip, saying why, without a GPU)
+# make test-gpu   the GPU suite, on a machine with GPUs (see README)
+# make bench      CPU benchmark: gocomm against gloo, 2 to 4 ranks
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := all
+
+PYTHON_BOOT ?= python3
+VENV        := .venv
+PY          := $(VENV)/bin/python
+TOOLS       := $(CURDIR)/.tools/bin
+GO          ?= go
+
+PROTOC_GEN_GO_VERSION      := v1.36.12
+PROTOC_GEN_GO_GRPC_VERSION := v1.6.2
+
+PROTO_SRC := proto/gocomm/v1/pgserver.proto
+GO_GEN    := proto/gocomm/v1/pgserver.pb.go proto/gocomm/v1/pgserver_grpc.pb.go
+PY_GEN    := python/gocomm/v1/pgserver_pb2.py python/gocomm/v1/pgserver_pb2_grpc.py
+GO_SRC    := $(shell find cmd pg collectives sparse internal transport rpc -name '*.go' -o -name '*.c' -o -name '*.h' 2>/dev/null)
+SITE      := $(shell $(PYTHON_BOOT) -c 'import sys; print(f"python{sys.version_info[0]}.{sys.version_info[1]}")')
+
+.PHONY: all venv tools gen build python test lint test-go test-py test-gpu bench clean
+
+all: build python
+
+## Python environment, pinned (python/requirements.lock)
+venv: $(VENV)/.stamp
+$(VENV)/.stamp: python/requirements.lock
+	$(PYTHON_BOOT) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip==25.3
+	$(PY) -m pip install -q -r python/requirements.lock
+	$(PY) -m pip check
+	touch $@
+
+## protoc plugins for Go, pinned; protoc itself comes from grpcio-tools in the venv
+tools: $(TOOLS)/protoc-gen-go $(TOOLS)/protoc-gen-go-grpc
+$(TOOLS)/protoc-gen-go:
+	GOBIN=$(TOOLS) $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@$(PROTOC_GEN_GO_VERSION)
+$(TOOLS)/protoc-gen-go-grpc:
+	GOBIN=$(TOOLS) $(GO) install google.golang.org/grpc/cmd/protoc-gen-go-grpc@$(PROTOC_GEN_GO_GRPC_VERSION)
+
+## generated code (not committed)
+gen: $(GO_GEN) $(PY_GEN)
+$(GO_GEN): $(PROTO_SRC) $(VENV)/.stamp $(TOOLS)/protoc-gen-go $(TOOLS)/protoc-gen-go-grpc
+	$(PY) -m grpc_tools.protoc -I proto \
+	  --plugin=protoc-gen-go=$(TOOLS)/protoc-gen-go --plugin=protoc-gen-go-grpc=$(TOOLS)/protoc-gen-go-grpc \
+	  --go_out=. --go_opt=module=github.com/gocomm/gocomm \
+	  --go-grpc_out=. --go-grpc_opt=module=github.com/gocomm/gocomm \
+	  $(PROTO_SRC)
+$(PY_GEN): $(PROTO_SRC) $(VENV)/.stamp
+	$(PY) -m grpc_tools.protoc -I proto --python_out=python --pyi_out=python --grpc_python_out=python $(PROTO_SRC)
+	touch python/gocomm/v1/__init__.py
+
+## pgserver; a copy sits next to the Python package, where the shim looks for it
+build: bin/pgserver
+bin/pgserver: $(GO_GEN) $(GO_SRC) go.mod go.sum
+	$(GO) build -trimpath -o $@ ./cmd/pgserver
+	mkdir -p python/gocomm/bin && cp $@ python/gocomm/bin/pgserver.tmp && mv -f python/gocomm/bin/pgserver.tmp python/gocomm/bin/pgserver
+
+## the Python package, importable from the venv without a copy (like an editable install)
+python: $(PY_GEN) $(VENV)/.stamp
+	echo "$(CURDIR)/python" > $(VENV)/lib/$(SITE)/site-packages/gocomm-inplace.pth
+
+## checks
+test: all lint test-go test-py
+
+lint: gen
+	@out=$$(gofmt -l cmd pg collectives sparse internal transport rpc 2>/dev/null); \
+	  if [ -n "$$out" ]; then echo "gofmt: files need formatting:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+	cp go.mod /tmp/gocomm-go.mod.$$$$ && cp go.sum /tmp/gocomm-go.sum.$$$$ && $(GO) mod tidy && \
+	  if ! diff -q go.mod /tmp/gocomm-go.mod.$$$$ >/dev/null || ! diff -q go.sum /tmp/gocomm-go.sum.$$$$ >/dev/null; then \
+	    echo "go mod tidy changed go.mod/go.sum: commit the tidy result"; exit 1; fi
+	$(VENV)/bin/ruff check python
+	$(VENV)/bin/ruff format --check python
+
+test-go: gen
+	$(GO) test -count=1 ./...
+
+test-py: all
+	$(PY) -m pytest -q python/tests
+
+# On a GPU machine (no Go there: build here, carry bin/ and the generated Python code).
+test-gpu:
+	PYTHONPATH=python python3 -m pytest -q -m gpu python/tests
+
+bench: all
+	$(PY) -m gocomm.bench --world 2,3,4
+
+clean:
+	rm -rf bin python/gocomm/bin python/gocomm/v1 $(GO_GEN)
