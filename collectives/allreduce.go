@@ -1,0 +1,100 @@
+package collectives
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/gocomm/gocomm/collectives/reduce"
+)
+
+// AllReduce reduces buf across the group in place; every rank ends with the same bytes. For
+// reduce.Avg it leaves the sum (the caller applies reduce.Finish).
+//
+// Small buffers use a direct exchange (one round; each rank reduces all inputs in rank order).
+// Large ones use a ring: reduce-scatter then all-gather over n chunks, pipelined in slices.
+// Each chunk's value is computed by one rank and copied to the others, so results are
+// identical on every rank in both algorithms.
+func AllReduce(ctx context.Context, c Comm, buf []byte, dt reduce.DType, op reduce.Op) error {
+	es := dt.Size()
+	if es == 0 || len(buf)%es != 0 {
+		return fmt.Errorf("all_reduce: %d bytes of %s: %w", len(buf), dt, errSize)
+	}
+	n := c.Size()
+	switch {
+	case n == 1 || len(buf) == 0:
+		return nil
+	case len(buf)*(n-1) <= directLimit || len(buf)/es < n:
+		return directAllReduce(ctx, c, buf, dt, op)
+	default:
+		return ringAllReduce(ctx, c, buf, dt, op)
+	}
+}
+
+func directAllReduce(ctx context.Context, c Comm, buf []byte, dt reduce.DType, op reduce.Op) error {
+	n, r := c.Size(), c.Rank()
+	scratch := make([]byte, len(buf)*n)
+	in := func(j int) []byte { return scratch[j*len(buf) : (j+1)*len(buf)] }
+	var recvs, sends []Request
+	for j := 0; j < n; j++ {
+		if j != r {
+			recvs = append(recvs, c.Recv(j, Tag{}, CopySink{in(j)}))
+			sends = append(sends, c.Send(j, Tag{}, buf))
+		}
+	}
+	if err := waitAll(ctx, recvs); err != nil {
+		waitAll(ctx, sends)
+		return err
+	}
+	copy(in(r), buf)
+	acc := in(0)
+	for j := 1; j < n; j++ {
+		if err := reduce.Into(dt, op, acc, in(j)); err != nil {
+			waitAll(ctx, sends)
+			return err
+		}
+	}
+	if err := waitAll(ctx, sends); err != nil {
+		return err
+	}
+	copy(buf, acc)
+	return nil
+}
+
+// ringAllReduce: at step s (0 <= s < 2(n-1)) rank r sends chunk r-s to r+1 and receives chunk
+// r-s-1 from r-1; steps before n-1 reduce what arrives, later steps copy it. Every slice
+// received at step s is forwarded at step s+1, so slices stream around the ring.
+func ringAllReduce(ctx context.Context, c Comm, buf []byte, dt reduce.DType, op reduce.Op) error {
+	n, r := c.Size(), c.Rank()
+	next, prev := mod(r+1, n), mod(r-1, n)
+	es := dt.Size()
+	b := bounds(len(buf), n, es)
+	chunk := func(i int) [][]byte { i = mod(i, n); return slices(buf[b[i]:b[i+1]], es) }
+	steps := 2 * (n - 1)
+	recvs := make([][]Request, steps)
+	for s := 0; s < steps; s++ {
+		for j, sl := range chunk(r - s - 1) {
+			var sink Sink = CopySink{sl}
+			if s < n-1 {
+				sink = ReduceSink{Acc: sl, DType: dt, Op: op}
+			}
+			recvs[s] = append(recvs[s], c.Recv(prev, Tag{uint32(s), uint32(j)}, sink))
+		}
+	}
+	var sends []Request
+	for j, sl := range chunk(r) {
+		sends = append(sends, c.Send(next, Tag{0, uint32(j)}, sl))
+	}
+	for s := 0; s < steps; s++ {
+		sl := chunk(r - s - 1)
+		for j, req := range recvs[s] {
+			if err := req.Wait(ctx); err != nil {
+				waitAll(ctx, sends)
+				return err
+			}
+			if s+1 < steps {
+				sends = append(sends, c.Send(next, Tag{uint32(s + 1), uint32(j)}, sl[j]))
+			}
+		}
+	}
+	return waitAll(ctx, sends)
+}

@@ -1,0 +1,173 @@
+package collectives
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/gocomm/gocomm/collectives/reduce"
+)
+
+// AllGather concatenates every rank's in (equal sizes) into out, in rank order. Small inputs
+// go directly to every rank; large ones travel a ring in slices.
+func AllGather(ctx context.Context, c Comm, in, out []byte) error {
+	n, r := c.Size(), c.Rank()
+	m := len(in)
+	if len(out) != n*m {
+		return fmt.Errorf("all_gather: %d bytes in, %d out for %d ranks: %w", m, len(out), n, errSize)
+	}
+	block := func(i int) []byte { i = mod(i, n); return out[i*m : (i+1)*m] }
+	copy(block(r), in)
+	if n == 1 || m == 0 {
+		return nil
+	}
+	if m*(n-1) <= directLimit {
+		var reqs []Request
+		for j := 0; j < n; j++ {
+			if j != r {
+				reqs = append(reqs, c.Recv(j, Tag{}, CopySink{block(j)}), c.Send(j, Tag{}, in))
+			}
+		}
+		return waitAll(ctx, reqs)
+	}
+	next, prev := mod(r+1, n), mod(r-1, n)
+	steps := n - 1
+	recvs := make([][]Request, steps)
+	for s := 0; s < steps; s++ {
+		for j, sl := range slices(block(r-s-1), 1) {
+			recvs[s] = append(recvs[s], c.Recv(prev, Tag{uint32(s), uint32(j)}, CopySink{sl}))
+		}
+	}
+	var sends []Request
+	for j, sl := range slices(block(r), 1) {
+		sends = append(sends, c.Send(next, Tag{0, uint32(j)}, sl))
+	}
+	for s := 0; s < steps; s++ {
+		sl := slices(block(r-s-1), 1)
+		for j, req := range recvs[s] {
+			if err := req.Wait(ctx); err != nil {
+				waitAll(ctx, sends)
+				return err
+			}
+			if s+1 < steps {
+				sends = append(sends, c.Send(next, Tag{uint32(s + 1), uint32(j)}, sl[j]))
+			}
+		}
+	}
+	return waitAll(ctx, sends)
+}
+
+// ReduceScatter reduces in (n equal blocks) across the group and leaves block r of the
+// result in rank r's out. in is used as scratch. For reduce.Avg out holds the sum.
+//
+// Small: each rank sends block j to rank j, which reduces in rank order. Large: a ring in
+// which rank r sends block r-s-1 at step s and reduces block r-s-2 as it arrives, ending with
+// block r complete.
+func ReduceScatter(ctx context.Context, c Comm, in, out []byte, dt reduce.DType, op reduce.Op) error {
+	n, r := c.Size(), c.Rank()
+	m := len(out)
+	es := dt.Size()
+	if es == 0 || m%es != 0 || len(in) != n*m {
+		return fmt.Errorf("reduce_scatter: %d bytes in, %d out for %d ranks of %s: %w", len(in), m, n, dt, errSize)
+	}
+	block := func(i int) []byte { i = mod(i, n); return in[i*m : (i+1)*m] }
+	if n == 1 || m == 0 {
+		copy(out, block(r))
+		return nil
+	}
+	if m*(n-1) <= directLimit {
+		scratch := make([]byte, n*m)
+		got := func(j int) []byte { return scratch[j*m : (j+1)*m] }
+		var reqs []Request
+		for j := 0; j < n; j++ {
+			if j != r {
+				reqs = append(reqs, c.Recv(j, Tag{}, CopySink{got(j)}), c.Send(j, Tag{}, block(j)))
+			}
+		}
+		if err := waitAll(ctx, reqs); err != nil {
+			return err
+		}
+		copy(got(r), block(r))
+		for j := 1; j < n; j++ {
+			if err := reduce.Into(dt, op, got(0), got(j)); err != nil {
+				return err
+			}
+		}
+		copy(out, got(0))
+		return nil
+	}
+	next, prev := mod(r+1, n), mod(r-1, n)
+	steps := n - 1
+	recvs := make([][]Request, steps)
+	for s := 0; s < steps; s++ {
+		for j, sl := range slices(block(r-s-2), es) {
+			recvs[s] = append(recvs[s], c.Recv(prev, Tag{uint32(s), uint32(j)}, ReduceSink{Acc: sl, DType: dt, Op: op}))
+		}
+	}
+	var sends []Request
+	for j, sl := range slices(block(r-1), es) {
+		sends = append(sends, c.Send(next, Tag{0, uint32(j)}, sl))
+	}
+	for s := 0; s < steps; s++ {
+		sl := slices(block(r-s-2), es)
+		for j, req := range recvs[s] {
+			if err := req.Wait(ctx); err != nil {
+				waitAll(ctx, sends)
+				return err
+			}
+			if s+1 < steps {
+				sends = append(sends, c.Send(next, Tag{uint32(s + 1), uint32(j)}, sl[j]))
+			}
+		}
+	}
+	if err := waitAll(ctx, sends); err != nil {
+		return err
+	}
+	copy(out, block(r))
+	return nil
+}
+
+// Gather concatenates every rank's in into root's out (rank order). out is ignored elsewhere.
+func Gather(ctx context.Context, c Comm, in, out []byte, root int) error {
+	n, r := c.Size(), c.Rank()
+	m := len(in)
+	if root < 0 || root >= n {
+		return fmt.Errorf("gather: root %d in a group of %d", root, n)
+	}
+	if r != root {
+		return waitAll(ctx, []Request{c.Send(root, Tag{}, in)})
+	}
+	if len(out) != n*m {
+		return fmt.Errorf("gather: %d bytes in, %d out for %d ranks: %w", m, len(out), n, errSize)
+	}
+	copy(out[r*m:], in)
+	var recvs []Request
+	for j := 0; j < n; j++ {
+		if j != r {
+			recvs = append(recvs, c.Recv(j, Tag{}, CopySink{out[j*m : (j+1)*m]}))
+		}
+	}
+	return waitAll(ctx, recvs)
+}
+
+// Scatter sends block j of root's in to rank j's out. in is ignored elsewhere.
+func Scatter(ctx context.Context, c Comm, in, out []byte, root int) error {
+	n, r := c.Size(), c.Rank()
+	m := len(out)
+	if root < 0 || root >= n {
+		return fmt.Errorf("scatter: root %d in a group of %d", root, n)
+	}
+	if r != root {
+		return waitAll(ctx, []Request{c.Recv(root, Tag{}, CopySink{out})})
+	}
+	if len(in) != n*m {
+		return fmt.Errorf("scatter: %d bytes in, %d out for %d ranks: %w", len(in), m, n, errSize)
+	}
+	copy(out, in[r*m:(r+1)*m])
+	var sends []Request
+	for j := 0; j < n; j++ {
+		if j != r {
+			sends = append(sends, c.Send(j, Tag{}, in[j*m:(j+1)*m]))
+		}
+	}
+	return waitAll(ctx, sends)
+}
