@@ -1,0 +1,165 @@
+package transport
+
+import (
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+)
+
+// Link handshake. The dialer speaks first; both sides prove they hold the group's secret
+// without sending it, and the accepting side learns which group and rank the link is for.
+//
+//	dialer   -> hello  (88 bytes): u32 magic "GCHI", u32 version, [16]byte group id,
+//	                               u32 from rank, u32 to rank, [32]byte dialer nonce,
+//	                               u32 pid, u32 probe fd, [16]byte probe token
+//	acceptor -> answer (96 bytes): [32]byte acceptor nonce, u8 flags, [31]byte zero,
+//	                               [32]byte HMAC(secret, "srv"|hello|nonce|flags)
+//	dialer   -> proof  (32 bytes): HMAC(secret, "cli"|hello|acceptor nonce)
+//
+// The group id is derived from the secret (GroupID), so the acceptor can find the group but
+// an eavesdropper learns nothing about the secret from it.
+//
+// Same-host probe: a dialer that can lend its shared segments names a small file it holds
+// open (pid, fd) and the random token written in it. An acceptor that can open that file
+// through /proc/<pid>/fd/<fd> and read the token is on the same host, in the same namespaces
+// and allowed to map the dialer's segments: it sets flagRefs, and the dialer then sends large
+// payloads by reference (see kindRef).
+
+const (
+	helloMagic   = 0x49484347 // "GCHI"
+	helloVersion = 2
+	helloSize    = 88
+	answerSize   = 96
+	flagRefs     = 1
+)
+
+// probe is what a dialer offers for the same-host check; pid 0 offers nothing.
+type probe struct {
+	pid, fd int
+	token   [16]byte
+}
+
+// ErrAuth means the peer does not hold the group's secret.
+var ErrAuth = errors.New("transport: peer failed authentication")
+
+// GroupID is the public name of a group derived from its secret.
+func GroupID(secret []byte) [16]byte {
+	h := sha256.New()
+	h.Write([]byte("gocomm group id v1\x00"))
+	h.Write(secret)
+	var id [16]byte
+	copy(id[:], h.Sum(nil))
+	return id
+}
+
+type hello struct {
+	group    [16]byte
+	from, to uint32
+	nonce    [32]byte
+	probe    probe
+}
+
+func (h *hello) encode() []byte {
+	b := make([]byte, helloSize)
+	le := binary.LittleEndian
+	le.PutUint32(b[0:], helloMagic)
+	le.PutUint32(b[4:], helloVersion)
+	copy(b[8:24], h.group[:])
+	le.PutUint32(b[24:], h.from)
+	le.PutUint32(b[28:], h.to)
+	copy(b[32:64], h.nonce[:])
+	le.PutUint32(b[64:], uint32(h.probe.pid))
+	le.PutUint32(b[68:], uint32(h.probe.fd))
+	copy(b[72:88], h.probe.token[:])
+	return b
+}
+
+func decodeHello(b []byte) (hello, error) {
+	le := binary.LittleEndian
+	if le.Uint32(b[0:]) != helloMagic {
+		return hello{}, fmt.Errorf("%w: not a gocomm peer", ErrAuth)
+	}
+	if v := le.Uint32(b[4:]); v != helloVersion {
+		return hello{}, fmt.Errorf("%w: protocol version %d, want %d", ErrAuth, v, helloVersion)
+	}
+	var h hello
+	copy(h.group[:], b[8:24])
+	h.from, h.to = le.Uint32(b[24:]), le.Uint32(b[28:])
+	copy(h.nonce[:], b[32:64])
+	h.probe.pid, h.probe.fd = int(le.Uint32(b[64:])), int(le.Uint32(b[68:]))
+	copy(h.probe.token[:], b[72:88])
+	return h, nil
+}
+
+func mac(secret []byte, role string, helloBytes []byte, nonce []byte) []byte {
+	m := hmac.New(sha256.New, secret)
+	m.Write([]byte(role))
+	m.Write(helloBytes)
+	m.Write(nonce)
+	return m.Sum(nil)
+}
+
+// dialHandshake runs the dialer's half on rw. It reports whether the acceptor can map this
+// side's segments (flagRefs).
+func dialHandshake(rw io.ReadWriter, secret []byte, from, to int, pr probe) (refs bool, err error) {
+	h := hello{group: GroupID(secret), from: uint32(from), to: uint32(to), probe: pr}
+	if _, err := rand.Read(h.nonce[:]); err != nil {
+		return false, err
+	}
+	hb := h.encode()
+	if _, err := rw.Write(hb); err != nil {
+		return false, fmt.Errorf("send hello: %w", err)
+	}
+	var ans [answerSize]byte
+	if _, err := io.ReadFull(rw, ans[:]); err != nil {
+		return false, fmt.Errorf("read answer: %w", err)
+	}
+	if !hmac.Equal(ans[64:], mac(secret, "srv", hb, ans[:33])) {
+		return false, ErrAuth
+	}
+	if _, err := rw.Write(mac(secret, "cli", hb, ans[:32])); err != nil {
+		return false, fmt.Errorf("send proof: %w", err)
+	}
+	return ans[32]&flagRefs != 0, nil
+}
+
+// acceptHandshake reads the dialer's hello, asks lookup for the group's secret, runs the
+// same-host probe with canMap, and checks the dialer's proof. It returns the hello so the
+// caller can route the link.
+func acceptHandshake(rw io.ReadWriter, lookup func(group [16]byte) ([]byte, error), canMap func(probe) bool) (hello, error) {
+	hb := make([]byte, helloSize)
+	if _, err := io.ReadFull(rw, hb); err != nil {
+		return hello{}, fmt.Errorf("read hello: %w", err)
+	}
+	h, err := decodeHello(hb)
+	if err != nil {
+		return hello{}, err
+	}
+	secret, err := lookup(h.group)
+	if err != nil {
+		return hello{}, err
+	}
+	var ans [answerSize]byte
+	if _, err := rand.Read(ans[:32]); err != nil {
+		return hello{}, err
+	}
+	if h.probe.pid != 0 && canMap(h.probe) {
+		ans[32] = flagRefs
+	}
+	copy(ans[64:], mac(secret, "srv", hb, ans[:33]))
+	if _, err := rw.Write(ans[:]); err != nil {
+		return hello{}, fmt.Errorf("send answer: %w", err)
+	}
+	var proof [32]byte
+	if _, err := io.ReadFull(rw, proof[:]); err != nil {
+		return hello{}, fmt.Errorf("read proof: %w", err)
+	}
+	if !hmac.Equal(proof[:], mac(secret, "cli", hb, ans[:32])) {
+		return hello{}, ErrAuth
+	}
+	return h, nil
+}

@@ -1,0 +1,515 @@
+package transport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/gocomm/gocomm/collectives"
+	"github.com/gocomm/gocomm/internal/shm"
+)
+
+// Errors an op can fail with. They wrap into the error the executor reports.
+var (
+	// ErrMismatch: ranks called different collectives, or the same one with other sizes.
+	ErrMismatch = errors.New("collective mismatch")
+	// ErrPeerLost: a peer's sidecar went away (connection closed or refused).
+	ErrPeerLost = errors.New("peer lost")
+	// ErrAborted: a peer (or this sidecar) broke the group.
+	ErrAborted = errors.New("group aborted")
+	// ErrClosed: the group was destroyed on this side.
+	ErrClosed = errors.New("group closed")
+)
+
+// Endpoint is this rank's member of one group: its links to the other members and the
+// matching of arriving frames to posted receives.
+//
+// Design (invariants numbered for reference in comments):
+//  1. Each ordered pair of ranks has its own one-way link: rank a sends to b only over the
+//     connection a dialed, so frames from one peer arrive in the order it sent them.
+//  2. A collective's frames are keyed (source, seq, step, slice). A frame that arrives before
+//     its receive is posted is kept ("early") and handed over when the receive is posted.
+//  3. Because of 1, once a frame of seq s arrives from a peer, no frame of an earlier seq will
+//     follow from it: a receive still posted for an earlier seq can never be satisfied, and
+//     fails at once as a mismatch (the peer skipped or reshaped that collective).
+//  4. A broken endpoint stays broken: every posted and later request fails with the cause,
+//     readers drain and discard what still arrives, and the peers are told (abort frames).
+//  5. A reader writes into a posted receive's memory only between taking it out of posted
+//     (under mu) and finishing it; fills counts those windows, so Quiesce can tell when no
+//     reader will touch op memory again.
+//  6. A payload sent by reference (same host, kindRef) stays untouched by its sender until
+//     the receiver's ack: the send request finishes on the ack, not on the write. The
+//     receiver acks only after it has copied or reduced the bytes, and maps a peer's segment
+//     read-only, once, for the life of the endpoint.
+type Endpoint struct {
+	node   *Node
+	id     [16]byte
+	secret []byte
+	rank   int
+	size   int
+	peers  []string
+	log    *slog.Logger
+
+	mu        sync.Mutex
+	out       []*outLink
+	in        []net.Conn
+	left      []bool // peer said bye
+	posted    map[collKey]*request
+	early     map[collKey]*early
+	lastSeq   []uint64 // per peer: highest seq+1 seen in a collective frame
+	p2pPosted map[p2pKey][]*request
+	anyPosted map[int64][]*request
+	p2pEarly  map[p2pKey][]*early
+	postCount uint64 // orders posted p2p receives (MPI matching order)
+	arrivals  uint64 // orders early p2p frames (any-source matching order)
+	broken    error
+	fills     sync.WaitGroup // invariant 5
+	readers   sync.WaitGroup
+	writers   sync.WaitGroup
+	ctx       context.Context // canceled by Close: stops dials in progress
+	cancel    context.CancelFunc
+	acks      map[ackKey]*request // sends by reference waiting for their ack (invariant 6)
+	refID     uint64
+	peerMaps  map[mapKey][]byte // peers' segments mapped here (invariant 6)
+
+	BytesSent, BytesReceived atomic.Uint64
+	// BytesByRef counts the bytes of BytesSent that went by reference (same host).
+	BytesByRef atomic.Uint64
+}
+
+type collKey struct {
+	src         int
+	seq         uint64
+	step, slice uint32
+}
+
+type p2pKey struct {
+	src int
+	tag int64
+}
+
+type ackKey struct {
+	peer int
+	id   uint64
+}
+
+type mapKey struct {
+	pid, fd int
+	ino     uint64
+}
+
+// early is a frame that arrived before its receive was posted. data is a copy for inline
+// frames, or the bytes in the sender's segment for frames by reference, which are acked
+// once taken.
+type early struct {
+	f       frame
+	src     int
+	data    []byte
+	ack     func()
+	arrival uint64
+}
+
+// take hands an early frame's bytes to a sink and acks a reference.
+func (e *early) take(s collectives.Sink) error {
+	err := s.Take(e.data)
+	if e.ack != nil {
+		e.ack()
+	}
+	return err
+}
+
+// request is a posted receive or a queued send.
+type request struct {
+	done  chan struct{}
+	err   error
+	state atomic.Bool // finished
+	peer  int
+	what  string // for errors: "step 3 slice 0 of all_reduce #12"
+	sink  collectives.Sink
+	sig   Signature
+	post  uint64
+	src   int // p2p: the rank the data came from
+}
+
+func newRequest(peer int, what string) *request {
+	return &request{done: make(chan struct{}), peer: peer, what: what, src: -1}
+}
+
+func (r *request) finish(err error) {
+	if r.state.CompareAndSwap(false, true) {
+		r.err = err
+		close(r.done)
+	}
+}
+
+// Wait blocks until the request finishes or ctx ends.
+func (r *request) Wait(ctx context.Context) error {
+	select {
+	case <-r.done:
+		return r.err
+	case <-ctx.Done():
+		return fmt.Errorf("waiting for rank %d (%s): %w", r.peer, r.what, ctx.Err())
+	}
+}
+
+// Source is the rank a finished p2p receive got its data from.
+func (r *request) Source() int { return r.src }
+
+// Done is closed when the request finishes.
+func (r *request) Done() <-chan struct{} { return r.done }
+
+// Err is the request's result once Done is closed.
+func (r *request) Err() error { return r.err }
+
+// Rank of this member; Size of the group.
+func (ep *Endpoint) Rank() int { return ep.rank }
+func (ep *Endpoint) Size() int { return ep.size }
+
+// Broken returns the cause once the endpoint broke, else nil.
+func (ep *Endpoint) Broken() error {
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	return ep.broken
+}
+
+// Op binds a collective's sequence number and signature to the endpoint, giving the Comm
+// its algorithm runs on.
+func (ep *Endpoint) Op(seq uint64, sig Signature) collectives.Comm {
+	return &opComm{ep: ep, seq: seq, sig: sig}
+}
+
+type opComm struct {
+	ep  *Endpoint
+	seq uint64
+	sig Signature
+}
+
+func (c *opComm) Rank() int { return c.ep.rank }
+func (c *opComm) Size() int { return c.ep.size }
+
+func (c *opComm) what(t collectives.Tag) string {
+	return fmt.Sprintf("%s #%d step %d slice %d", c.sig.OpName, c.seq, t.Step, t.Slice)
+}
+
+func (c *opComm) Send(to int, t collectives.Tag, data []byte) collectives.Request {
+	f := frame{kind: kindColl, sig: c.sig, seq: c.seq, step: t.Step, slice: t.Slice, length: uint64(len(data))}
+	return c.ep.send(to, f, data, c.what(t))
+}
+
+func (c *opComm) Recv(from int, t collectives.Tag, s collectives.Sink) collectives.Request {
+	ep := c.ep
+	r := newRequest(from, c.what(t))
+	r.sink, r.sig = s, c.sig
+	if from < 0 || from >= ep.size || from == ep.rank {
+		r.finish(fmt.Errorf("recv from rank %d in a group of %d", from, ep.size))
+		return r
+	}
+	key := collKey{src: from, seq: c.seq, step: t.Step, slice: t.Slice}
+	ep.mu.Lock()
+	if ep.broken != nil {
+		err := ep.broken
+		ep.mu.Unlock()
+		r.finish(err)
+		return r
+	}
+	if e := ep.early[key]; e != nil {
+		delete(ep.early, key)
+		ep.mu.Unlock()
+		r.finish(takeColl(r, from, e))
+		return r
+	}
+	if ep.lastSeq[from] > c.seq+1 {
+		ep.mu.Unlock()
+		r.finish(fmt.Errorf("%w: rank %d moved past %s without sending its part", ErrMismatch, from, c.sig.OpName))
+		return r
+	}
+	if ep.left[from] {
+		ep.mu.Unlock()
+		r.finish(fmt.Errorf("%w: rank %d left the group", ErrPeerLost, from))
+		return r
+	}
+	ep.posted[key] = r
+	ep.mu.Unlock()
+	return r
+}
+
+// checkColl compares an arriving frame with the receive it matched.
+func checkColl(r *request, from int, f *frame) error {
+	if !f.sig.equal(r.sig) {
+		theirs := f.sig
+		if theirs.Op == r.sig.Op {
+			theirs.OpName = r.sig.OpName
+		} else if opName != nil {
+			theirs.OpName = opName(theirs.Op)
+		}
+		return fmt.Errorf("%w: rank %d called %s, this rank called %s", ErrMismatch, from,
+			describe(theirs), describe(r.sig))
+	}
+	if f.length != uint64(r.sink.Len()) {
+		return fmt.Errorf("%w: rank %d sent %d bytes for %s, this rank expects %d", ErrMismatch, from,
+			f.length, r.what, r.sink.Len())
+	}
+	return nil
+}
+
+func takeColl(r *request, from int, e *early) error {
+	if err := checkColl(r, from, &e.f); err != nil {
+		if e.ack != nil {
+			e.ack()
+		}
+		return err
+	}
+	return e.take(r.sink)
+}
+
+// opName names op codes in errors about a peer's signature; SetOpNames installs it.
+var opName func(op uint8) string
+
+// SetOpNames tells the transport how to name the op codes of signatures (call once, at start).
+func SetOpNames(f func(op uint8) string) { opName = f }
+
+// describe renders a signature for errors, e.g. "op 1 (float32 sum, root 0, count 1024)".
+func describe(s Signature) string {
+	name := s.OpName
+	if name == "" {
+		name = fmt.Sprintf("op %d", s.Op)
+	}
+	return fmt.Sprintf("%s(dtype=%s, op=%s, root=%d, count=%d)", name, s.DType, s.RedOp, s.Root, s.Count)
+}
+
+// SendP2P queues a point-to-point message for rank to under tag.
+func (ep *Endpoint) SendP2P(to int, tag int64, data []byte) *request {
+	f := frame{kind: kindP2P, seq: uint64(tag), length: uint64(len(data))}
+	return ep.send(to, f, data, fmt.Sprintf("send tag %d", tag))
+}
+
+// RecvP2P posts a point-to-point receive from rank from (or any rank when from < 0).
+func (ep *Endpoint) RecvP2P(from int, tag int64, s collectives.Sink) *request {
+	r := newRequest(from, fmt.Sprintf("recv tag %d", tag))
+	r.sink = s
+	if from >= ep.size || from == ep.rank {
+		r.finish(fmt.Errorf("recv from rank %d in a group of %d", from, ep.size))
+		return r
+	}
+	ep.mu.Lock()
+	if ep.broken != nil {
+		err := ep.broken
+		ep.mu.Unlock()
+		r.finish(err)
+		return r
+	}
+	var e *early
+	if from >= 0 {
+		k := p2pKey{from, tag}
+		if q := ep.p2pEarly[k]; len(q) > 0 {
+			e = q[0]
+			ep.p2pEarly[k] = q[1:]
+		}
+	} else {
+		// any source: the earliest arrival with this tag
+		var best p2pKey
+		for k, q := range ep.p2pEarly {
+			if k.tag == tag && len(q) > 0 && (e == nil || q[0].arrival < e.arrival) {
+				e, best = q[0], k
+			}
+		}
+		if e != nil {
+			ep.p2pEarly[best] = ep.p2pEarly[best][1:]
+		}
+	}
+	if e != nil {
+		ep.mu.Unlock()
+		r.finish(takeP2P(r, e))
+		return r
+	}
+	if from >= 0 && ep.left[from] {
+		ep.mu.Unlock()
+		r.finish(fmt.Errorf("%w: rank %d left the group", ErrPeerLost, from))
+		return r
+	}
+	ep.postCount++
+	r.post = ep.postCount
+	if from >= 0 {
+		k := p2pKey{from, tag}
+		ep.p2pPosted[k] = append(ep.p2pPosted[k], r)
+	} else {
+		ep.anyPosted[tag] = append(ep.anyPosted[tag], r)
+	}
+	ep.mu.Unlock()
+	return r
+}
+
+func takeP2P(r *request, e *early) error {
+	r.src = e.src
+	if e.f.length != uint64(r.sink.Len()) {
+		if e.ack != nil {
+			e.ack()
+		}
+		return fmt.Errorf("%w: recv: rank %d sent %d bytes with tag %d, the receiving tensor holds %d", ErrMismatch,
+			r.src, e.f.length, int64(e.f.seq), r.sink.Len())
+	}
+	return e.take(r.sink)
+}
+
+// send queues a frame on the link to rank to.
+func (ep *Endpoint) send(to int, f frame, data []byte, what string) *request {
+	r := newRequest(to, what)
+	if to < 0 || to >= ep.size || to == ep.rank {
+		r.finish(fmt.Errorf("send to rank %d in a group of %d", to, ep.size))
+		return r
+	}
+	ep.mu.Lock()
+	if ep.broken != nil {
+		err := ep.broken
+		ep.mu.Unlock()
+		r.finish(err)
+		return r
+	}
+	l := ep.linkLocked(to)
+	ep.mu.Unlock()
+	l.enqueue(&outMsg{f: f, data: data, req: r})
+	return r
+}
+
+// Connect starts the links to every peer (in the background) instead of on first use, so
+// that each peer also dials this rank and the death of any of them closes a link here.
+func (ep *Endpoint) Connect() {
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	if ep.broken != nil {
+		return
+	}
+	for to := 0; to < ep.size; to++ {
+		if to != ep.rank {
+			ep.linkLocked(to)
+		}
+	}
+}
+
+// linkLocked returns the link to rank to, starting its writer on first use.
+func (ep *Endpoint) linkLocked(to int) *outLink {
+	if l := ep.out[to]; l != nil {
+		return l
+	}
+	l := &outLink{ep: ep, to: to, quick: ep.broken != nil}
+	l.cond = sync.NewCond(&l.mu)
+	ep.out[to] = l
+	ep.writers.Add(1)
+	go l.run()
+	return l
+}
+
+// Break marks the endpoint broken with cause (invariant 4): fails every posted receive, tells
+// the peers, and from then on fails every new request. Breaking twice keeps the first cause.
+func (ep *Endpoint) Break(cause error) {
+	ep.mu.Lock()
+	if ep.broken != nil {
+		ep.mu.Unlock()
+		return
+	}
+	ep.broken = cause
+	var reqs []*request
+	for k, r := range ep.posted {
+		reqs = append(reqs, r)
+		delete(ep.posted, k)
+	}
+	for k, q := range ep.p2pPosted {
+		reqs = append(reqs, q...)
+		delete(ep.p2pPosted, k)
+	}
+	for k, q := range ep.anyPosted {
+		reqs = append(reqs, q...)
+		delete(ep.anyPosted, k)
+	}
+	for k, r := range ep.acks {
+		reqs = append(reqs, r)
+		delete(ep.acks, k)
+	}
+	clear(ep.early)
+	clear(ep.p2pEarly)
+	var links []*outLink
+	for to := range ep.out {
+		if to != ep.rank && !ep.left[to] && !errors.Is(cause, ErrClosed) {
+			links = append(links, ep.linkLocked(to))
+		} else if ep.out[to] != nil {
+			links = append(links, ep.out[to])
+		}
+	}
+	ep.mu.Unlock()
+	if errors.Is(cause, ErrClosed) {
+		ep.log.Debug("group closed", "rank", ep.rank)
+	} else {
+		ep.log.Warn("group broken", "rank", ep.rank, "cause", cause)
+	}
+	for _, r := range reqs {
+		r.finish(cause)
+	}
+	for _, l := range links {
+		if errors.Is(cause, ErrClosed) {
+			l.bye() // leaving on purpose: peers learn it from the bye, not an abort
+		}
+		l.abort(cause)
+	}
+}
+
+// Quiesce waits until no reader writes into op memory any more (invariant 5); after limit it
+// closes the inbound connections to cut fills short. Call after Break.
+func (ep *Endpoint) Quiesce(limit time.Duration) {
+	done := make(chan struct{})
+	go func() { ep.fills.Wait(); close(done) }()
+	select {
+	case <-done:
+		return
+	case <-time.After(limit):
+	}
+	ep.closeInbound()
+	<-done
+}
+
+func (ep *Endpoint) closeInbound() {
+	ep.mu.Lock()
+	conns := append([]net.Conn(nil), ep.in...)
+	ep.mu.Unlock()
+	for _, c := range conns {
+		if c != nil {
+			c.Close()
+		}
+	}
+}
+
+// Close leaves the group: peers get a bye, links close, and every request still pending
+// fails with ErrClosed. It does not wait for the peers to leave too.
+func (ep *Endpoint) Close() {
+	ep.node.leave(ep)
+	ep.Break(fmt.Errorf("%w", ErrClosed)) // sends byes, fails what is pending
+	ep.cancel()                           // links still dialing give up
+	done := make(chan struct{})
+	go func() { ep.writers.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(2 * time.Second):
+		ep.mu.Lock()
+		links := append([]*outLink(nil), ep.out...)
+		ep.mu.Unlock()
+		for _, l := range links {
+			if l != nil {
+				l.closeConn()
+			}
+		}
+	}
+	<-done
+	ep.closeInbound()
+	ep.readers.Wait()
+	ep.mu.Lock()
+	maps := ep.peerMaps
+	ep.peerMaps = map[mapKey][]byte{}
+	ep.mu.Unlock()
+	for _, m := range maps {
+		shm.Unmap(m)
+	}
+}

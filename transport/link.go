@@ -1,0 +1,459 @@
+package transport
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/gocomm/gocomm/internal/shm"
+)
+
+// refMin: payloads at least this large go by reference on same-host links; below it the
+// ack's round trip costs more than copying through the socket.
+const refMin = 64 << 10
+
+// refTrailer follows a kindRef header: where the payload lies in the sender's memory.
+//
+//	0 u32 pid   4 u32 fd   8 u64 inode   16 u64 offset   24 u64 id (echoed by the ack)
+const refTrailer = 32
+
+// payload is the body of an arriving data frame: inline bytes still on the connection, or
+// (by reference) the bytes in the sender's segment plus the ack that releases them.
+type payload struct {
+	conn io.Reader
+	ref  []byte
+	ack  func()
+}
+
+// discard drops a payload nobody will take.
+func (p payload) discard(n uint64) error {
+	if p.ref != nil {
+		p.ack()
+		return nil
+	}
+	_, err := io.CopyN(io.Discard, p.conn, int64(n))
+	return err
+}
+
+// keep turns a payload into an early frame: inline bytes are copied off the connection,
+// referenced bytes stay where they are until taken.
+func (p payload) keep(f *frame, from int) (*early, error) {
+	if p.ref != nil {
+		return &early{f: *f, src: from, data: p.ref, ack: p.ack}, nil
+	}
+	data := make([]byte, f.length)
+	if _, err := io.ReadFull(p.conn, data); err != nil {
+		return nil, err
+	}
+	return &early{f: *f, src: from, data: data}, nil
+}
+
+// reader runs for one inbound link: it matches frames to receives until the link closes.
+func (ep *Endpoint) reader(from int, conn net.Conn) {
+	defer ep.readers.Done()
+	defer conn.Close()
+	hdr := make([]byte, frameHeader)
+	trailer := make([]byte, refTrailer)
+	scratch := make([]byte, 256<<10)
+	for {
+		f, err := readFrame(conn, hdr)
+		if err != nil {
+			ep.mu.Lock()
+			left, broken := ep.left[from], ep.broken != nil
+			ep.mu.Unlock()
+			if !left && !broken {
+				ep.Break(fmt.Errorf("%w: link from rank %d: %v", ErrPeerLost, from, err))
+			}
+			return
+		}
+		ep.BytesReceived.Add(f.length)
+		p := payload{conn: conn}
+		if f.ref {
+			if p, err = ep.resolveRef(from, &f, conn, trailer); err != nil {
+				ep.Break(fmt.Errorf("%w: link from rank %d: %v", ErrPeerLost, from, err))
+				return
+			}
+		}
+		switch f.kind {
+		case kindColl:
+			err = ep.deliverColl(from, &f, p, scratch)
+		case kindP2P:
+			err = ep.deliverP2P(from, &f, p)
+		case kindAck:
+			ep.mu.Lock()
+			r := ep.acks[ackKey{from, f.seq}]
+			delete(ep.acks, ackKey{from, f.seq})
+			ep.mu.Unlock()
+			if r != nil {
+				r.finish(nil)
+			}
+		case kindAbort:
+			msg := make([]byte, min(f.length, 4096))
+			if _, err = io.ReadFull(conn, msg); err == nil {
+				_, err = io.CopyN(io.Discard, conn, int64(f.length)-int64(len(msg)))
+			}
+			ep.Break(fmt.Errorf("%w by rank %d: %s", ErrAborted, from, msg))
+		case kindBye:
+			ep.mu.Lock()
+			ep.left[from] = true
+			ep.mu.Unlock()
+			ep.failPostedFrom(from)
+			return
+		}
+		if err != nil {
+			ep.Break(fmt.Errorf("%w: link from rank %d: %v", ErrPeerLost, from, err))
+			return
+		}
+	}
+}
+
+// resolveRef reads a reference's trailer and finds the bytes in the sender's segment,
+// mapping the segment on first use.
+func (ep *Endpoint) resolveRef(from int, f *frame, conn io.Reader, trailer []byte) (payload, error) {
+	if _, err := io.ReadFull(conn, trailer); err != nil {
+		return payload{}, err
+	}
+	le := binary.LittleEndian
+	key := mapKey{pid: int(le.Uint32(trailer)), fd: int(le.Uint32(trailer[4:])), ino: le.Uint64(trailer[8:])}
+	off, id := le.Uint64(trailer[16:]), le.Uint64(trailer[24:])
+	ep.mu.Lock()
+	m := ep.peerMaps[key]
+	ep.mu.Unlock()
+	if m == nil {
+		var err error
+		if m, err = shm.MapPeer(key.pid, key.fd, key.ino); err != nil {
+			return payload{}, err
+		}
+		ep.mu.Lock()
+		if old := ep.peerMaps[key]; old != nil {
+			shm.Unmap(m)
+			m = old
+		} else {
+			ep.peerMaps[key] = m
+		}
+		ep.mu.Unlock()
+	}
+	if off > uint64(len(m)) || f.length > uint64(len(m))-off {
+		return payload{}, fmt.Errorf("reference to bytes [%d, +%d) of a %d-byte segment", off, f.length, len(m))
+	}
+	ack := func() { ep.send(from, frame{kind: kindAck, seq: id}, nil, "ack") }
+	return payload{ref: m[off : off+f.length : off+f.length], ack: ack}, nil
+}
+
+// failPostedFrom fails the receives that wait on a peer that left.
+func (ep *Endpoint) failPostedFrom(from int) {
+	ep.mu.Lock()
+	var reqs []*request
+	for k, r := range ep.posted {
+		if k.src == from {
+			reqs = append(reqs, r)
+			delete(ep.posted, k)
+		}
+	}
+	for k, q := range ep.p2pPosted {
+		if k.src == from {
+			reqs = append(reqs, q...)
+			delete(ep.p2pPosted, k)
+		}
+	}
+	ep.mu.Unlock()
+	for _, r := range reqs {
+		r.finish(fmt.Errorf("%w: rank %d left the group", ErrPeerLost, from))
+	}
+}
+
+// deliverColl hands one collective frame to its receive, or keeps it early (invariant 2).
+// A returned error means the link is unusable.
+func (ep *Endpoint) deliverColl(from int, f *frame, p payload, scratch []byte) error {
+	key := collKey{src: from, seq: f.seq, step: f.step, slice: f.slice}
+	ep.mu.Lock()
+	if ep.broken != nil {
+		ep.mu.Unlock()
+		return p.discard(f.length)
+	}
+	var stale []*request
+	if f.seq+1 > ep.lastSeq[from] {
+		ep.lastSeq[from] = f.seq + 1
+		for k, r := range ep.posted { // invariant 3
+			if k.src == from && k.seq < f.seq {
+				stale = append(stale, r)
+				delete(ep.posted, k)
+			}
+		}
+	}
+	r := ep.posted[key]
+	if r != nil {
+		delete(ep.posted, key)
+		ep.fills.Add(1)
+	}
+	ep.mu.Unlock()
+	for _, s := range stale {
+		err := fmt.Errorf("%w: rank %d moved on to a later collective without sending its part of %s", ErrMismatch, from, s.what)
+		s.finish(err)
+		ep.Break(err)
+	}
+	if r != nil {
+		defer ep.fills.Done()
+		if err := checkColl(r, from, f); err != nil {
+			r.finish(err)
+			ep.Break(err)
+			return p.discard(f.length)
+		}
+		if p.ref != nil {
+			err := r.sink.Take(p.ref)
+			p.ack()
+			r.finish(err)
+			return nil
+		}
+		if err := r.sink.Fill(p.conn, scratch); err != nil {
+			r.finish(fmt.Errorf("%w: receiving from rank %d: %v", ErrPeerLost, from, err))
+			return err
+		}
+		r.finish(nil)
+		return nil
+	}
+	e, err := p.keep(f, from)
+	if err != nil {
+		return err
+	}
+	ep.mu.Lock()
+	if ep.broken != nil {
+		ep.mu.Unlock()
+		if e.ack != nil {
+			e.ack()
+		}
+		return nil
+	}
+	r = ep.posted[key]
+	if r == nil {
+		ep.early[key] = e
+		ep.mu.Unlock()
+		return nil
+	}
+	delete(ep.posted, key)
+	ep.mu.Unlock()
+	err = takeColl(r, from, e)
+	r.finish(err)
+	if err != nil && errors.Is(err, ErrMismatch) {
+		ep.Break(err)
+	}
+	return nil
+}
+
+// deliverP2P matches a point-to-point frame with the earliest posted receive for its source
+// and tag (or any source), or keeps it early.
+func (ep *Endpoint) deliverP2P(from int, f *frame, p payload) error {
+	tag := int64(f.seq)
+	k := p2pKey{from, tag}
+	e, err := p.keep(f, from)
+	if err != nil {
+		return err
+	}
+	ep.mu.Lock()
+	if ep.broken != nil {
+		ep.mu.Unlock()
+		if e.ack != nil {
+			e.ack()
+		}
+		return nil
+	}
+	var r *request
+	sq, aq := ep.p2pPosted[k], ep.anyPosted[tag]
+	switch {
+	case len(sq) > 0 && (len(aq) == 0 || sq[0].post < aq[0].post):
+		r, ep.p2pPosted[k] = sq[0], sq[1:]
+	case len(aq) > 0:
+		r, ep.anyPosted[tag] = aq[0], aq[1:]
+	}
+	if r == nil {
+		ep.arrivals++
+		e.arrival = ep.arrivals
+		ep.p2pEarly[k] = append(ep.p2pEarly[k], e)
+		ep.mu.Unlock()
+		return nil
+	}
+	ep.mu.Unlock()
+	r.finish(takeP2P(r, e))
+	return nil
+}
+
+// outMsg is one frame queued on a link.
+type outMsg struct {
+	f    frame
+	data []byte
+	req  *request
+}
+
+// outLink is the one-way link to a peer (invariant 1). Its writer dials on first use.
+type outLink struct {
+	ep    *Endpoint
+	to    int
+	quick bool // made only to deliver an abort: one dial attempt, no retries
+	mu    sync.Mutex
+	cond  *sync.Cond
+	q     []*outMsg
+	conn  net.Conn
+	err   error  // set when the link failed; queued and later messages fail with it
+	stop  string // "abort" or "bye": send the final frame after the queue, then close
+	why   error
+}
+
+func (l *outLink) enqueue(m *outMsg) {
+	l.mu.Lock()
+	if l.err != nil {
+		err := l.err
+		l.mu.Unlock()
+		m.req.finish(err)
+		return
+	}
+	l.q = append(l.q, m)
+	l.cond.Signal()
+	l.mu.Unlock()
+}
+
+func (l *outLink) abort(cause error) {
+	l.mu.Lock()
+	if l.stop == "" {
+		l.stop, l.why = "abort", cause
+	}
+	q := l.q
+	l.q = nil
+	l.cond.Signal()
+	l.mu.Unlock()
+	for _, m := range q {
+		m.req.finish(cause)
+	}
+}
+
+func (l *outLink) bye() {
+	l.mu.Lock()
+	if l.stop == "" {
+		l.stop = "bye"
+	}
+	l.cond.Signal()
+	l.mu.Unlock()
+}
+
+func (l *outLink) closeConn() {
+	l.mu.Lock()
+	c := l.conn
+	l.mu.Unlock()
+	if c != nil {
+		c.Close()
+	}
+}
+
+// fail ends the link: every queued message fails with err.
+func (l *outLink) fail(err error) []*outMsg {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.err == nil {
+		l.err = err
+	}
+	q := l.q
+	l.q = nil
+	return q
+}
+
+func (l *outLink) run() {
+	ep := l.ep
+	defer ep.writers.Done()
+	conn, refs, err := ep.node.dial(ep, l.to, l.quick)
+	if err == nil {
+		l.mu.Lock()
+		l.conn = conn
+		l.mu.Unlock()
+		defer conn.Close()
+	}
+	hdr := make([]byte, frameHeader+refTrailer)
+	for {
+		l.mu.Lock()
+		for len(l.q) == 0 && l.stop == "" && err == nil {
+			l.cond.Wait()
+		}
+		if err != nil || len(l.q) == 0 {
+			stop, why := l.stop, l.why
+			l.mu.Unlock()
+			if err != nil {
+				err = fmt.Errorf("%w: link to rank %d: %v", ErrPeerLost, l.to, err)
+				for _, m := range l.fail(err) {
+					m.req.finish(err)
+				}
+				if stop == "" {
+					ep.Break(err)
+				}
+				return
+			}
+			l.fail(fmt.Errorf("%w: link to rank %d is closed", ErrClosed, l.to))
+			l.final(conn, hdr, stop, why)
+			return
+		}
+		m := l.q[0]
+		l.q = l.q[1:]
+		l.mu.Unlock()
+		if err = l.write(conn, hdr, m, refs); err != nil {
+			m.req.finish(fmt.Errorf("%w: link to rank %d: %v", ErrPeerLost, l.to, err))
+		}
+	}
+}
+
+// write puts one message on the wire: by reference when the link allows it and the bytes
+// lie in a shared segment (the request then finishes on the ack), else inline.
+func (l *outLink) write(conn net.Conn, hdr []byte, m *outMsg, refs bool) error {
+	ep := l.ep
+	f := m.f
+	if refs && len(m.data) >= refMin && (f.kind == kindColl || f.kind == kindP2P) {
+		if fd, ino, off, ok := ep.node.locate(m.data); ok {
+			f.ref = true
+			ep.mu.Lock()
+			ep.refID++
+			id := ep.refID
+			ep.acks[ackKey{l.to, id}] = m.req
+			ep.mu.Unlock()
+			f.encode(hdr)
+			le := binary.LittleEndian
+			t := hdr[frameHeader:]
+			le.PutUint32(t, uint32(ep.node.probe.pid))
+			le.PutUint32(t[4:], uint32(fd))
+			le.PutUint64(t[8:], ino)
+			le.PutUint64(t[16:], off)
+			le.PutUint64(t[24:], id)
+			if _, err := conn.Write(hdr); err != nil {
+				ep.mu.Lock()
+				delete(ep.acks, ackKey{l.to, id})
+				ep.mu.Unlock()
+				return err
+			}
+			ep.BytesSent.Add(uint64(len(m.data)))
+			ep.BytesByRef.Add(uint64(len(m.data)))
+			return nil
+		}
+	}
+	f.encode(hdr)
+	bufs := net.Buffers{hdr[:frameHeader], m.data}
+	if _, err := bufs.WriteTo(conn); err != nil {
+		return err
+	}
+	ep.BytesSent.Add(uint64(len(m.data)))
+	m.req.finish(nil)
+	return nil
+}
+
+// final writes the closing frame (abort with its reason, or bye), best effort.
+func (l *outLink) final(conn net.Conn, hdr []byte, stop string, why error) {
+	conn.SetWriteDeadline(time.Now().Add(2 * time.Second))
+	f := frame{kind: kindBye}
+	var msg []byte
+	if stop == "abort" {
+		f.kind = kindAbort
+		msg = []byte(why.Error())
+		f.length = uint64(len(msg))
+	}
+	f.encode(hdr)
+	bufs := net.Buffers{hdr[:frameHeader], msg}
+	bufs.WriteTo(conn)
+}

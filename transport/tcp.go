@@ -1,0 +1,315 @@
+package transport
+
+import (
+	"bytes"
+	"cmp"
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/gocomm/gocomm/internal/shm"
+)
+
+// Node is a sidecar's presence on the network: one TCP listener that peers dial, and the
+// group endpoints it routes accepted links to.
+type Node struct {
+	ln        net.Listener
+	advertise string
+	log       *slog.Logger
+	joinWait  time.Duration
+	dialLimit time.Duration
+	locate    func(b []byte) (fd int, ino, off uint64, ok bool)
+	probe     probe
+	probeSeg  *shm.Segment
+
+	mu     sync.Mutex
+	cond   *sync.Cond
+	groups map[[16]byte]*Endpoint
+	closed bool
+}
+
+// Config of a Node.
+type Config struct {
+	// Listen is the host:port to listen on (port 0: any).
+	Listen string
+	// Advertise is the host peers dial; the port is the one Listen got.
+	Advertise string
+	Log       *slog.Logger
+	// JoinWait bounds how long an accepted link waits for its group to be joined here (a
+	// peer may dial before this member finished ConnectGroup). Default 60 s.
+	JoinWait time.Duration
+	// DialTimeout bounds connecting to a peer, retries included (a refused connection is
+	// retried: the peer may be restarting its listener). Default 10 s.
+	DialTimeout time.Duration
+	// Locate finds bytes inside a shared-memory segment this process holds open (fd, the
+	// file's inode, the offset). Given it, links to peers on this host carry large payloads
+	// by reference: the peer maps the segment and reads the bytes in place (one copy instead
+	// of a trip through the kernel's socket buffers). Nil: every payload goes inline.
+	Locate func(b []byte) (fd int, ino, off uint64, ok bool)
+	// ShmDir holds the probe file peers open to check they share this host.
+	ShmDir string
+}
+
+// socketBuffer is the send and receive buffer asked for on every link: large enough to keep
+// a 1 MiB slice in flight while the receiver reduces the previous one.
+const socketBuffer = 4 << 20
+
+// Listen starts a node.
+func Listen(cfg Config) (*Node, error) {
+	ln, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return nil, fmt.Errorf("transport: listen: %w", err)
+	}
+	_, port, _ := net.SplitHostPort(ln.Addr().String())
+	n := &Node{
+		ln:        ln,
+		advertise: net.JoinHostPort(cfg.Advertise, port),
+		log:       cfg.Log,
+		joinWait:  cmp.Or(cfg.JoinWait, 60*time.Second),
+		dialLimit: cmp.Or(cfg.DialTimeout, 10*time.Second),
+		groups:    map[[16]byte]*Endpoint{},
+	}
+	if n.log == nil {
+		n.log = slog.Default()
+	}
+	if cfg.Locate != nil {
+		if err := n.makeProbe(cmp.Or(cfg.ShmDir, shm.DefaultDir())); err != nil {
+			n.log.Warn("same-host transfers by reference are off", "err", err)
+		} else {
+			n.locate = cfg.Locate
+		}
+	}
+	n.cond = sync.NewCond(&n.mu)
+	go n.serve()
+	return n, nil
+}
+
+// makeProbe creates the small file (held open, already unlinked) whose token proves to a
+// peer that it can open this process's segments.
+func (n *Node) makeProbe(dir string) error {
+	seg, err := shm.Create(dir, "gocomm-probe", 4096)
+	if err != nil {
+		return err
+	}
+	if _, err := rand.Read(n.probe.token[:]); err != nil {
+		seg.Close()
+		return err
+	}
+	copy(seg.Data, n.probe.token[:])
+	seg.Unlink()
+	n.probeSeg = seg
+	n.probe.pid, n.probe.fd = os.Getpid(), int(seg.File.Fd())
+	return nil
+}
+
+// canMap runs the acceptor's side of the same-host probe.
+func (n *Node) canMap(p probe) bool {
+	if n.locate == nil { // this side does not take part (it would also not map peers)
+		return false
+	}
+	b, err := shm.ReadPeer(p.pid, p.fd, len(p.token))
+	return err == nil && bytes.Equal(b, p.token[:])
+}
+
+// Addr is the address peers dial.
+func (n *Node) Addr() string { return n.advertise }
+
+// Close stops accepting links. Endpoints close on their own.
+func (n *Node) Close() error {
+	n.mu.Lock()
+	n.closed = true
+	n.cond.Broadcast()
+	n.mu.Unlock()
+	if n.probeSeg != nil {
+		n.probeSeg.Close()
+	}
+	return n.ln.Close()
+}
+
+// Join registers this rank's member of a group whose secret is secret; peers[i] is the
+// address of rank i's node.
+func (n *Node) Join(secret []byte, rank int, peers []string) (*Endpoint, error) {
+	size := len(peers)
+	if rank < 0 || rank >= size {
+		return nil, fmt.Errorf("transport: rank %d in a group of %d", rank, size)
+	}
+	if len(secret) < 16 {
+		return nil, fmt.Errorf("transport: group secret of %d bytes, want at least 16", len(secret))
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	ep := &Endpoint{
+		ctx:       ctx,
+		cancel:    cancel,
+		node:      n,
+		id:        GroupID(secret),
+		secret:    append([]byte(nil), secret...),
+		rank:      rank,
+		size:      size,
+		peers:     append([]string(nil), peers...),
+		log:       n.log,
+		out:       make([]*outLink, size),
+		in:        make([]net.Conn, size),
+		left:      make([]bool, size),
+		posted:    map[collKey]*request{},
+		early:     map[collKey]*early{},
+		lastSeq:   make([]uint64, size),
+		p2pPosted: map[p2pKey][]*request{},
+		anyPosted: map[int64][]*request{},
+		p2pEarly:  map[p2pKey][]*early{},
+		acks:      map[ackKey]*request{},
+		peerMaps:  map[mapKey][]byte{},
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.closed {
+		cancel()
+		return nil, errors.New("transport: node closed")
+	}
+	if _, dup := n.groups[ep.id]; dup {
+		cancel()
+		return nil, errors.New("transport: this node already joined a group with that secret")
+	}
+	n.groups[ep.id] = ep
+	n.cond.Broadcast()
+	return ep, nil
+}
+
+func (n *Node) leave(ep *Endpoint) {
+	n.mu.Lock()
+	if n.groups[ep.id] == ep {
+		delete(n.groups, ep.id)
+	}
+	n.mu.Unlock()
+}
+
+// lookup waits up to JoinWait for the group with id to be joined.
+func (n *Node) lookup(id [16]byte) (*Endpoint, error) {
+	deadline := time.Now().Add(n.joinWait)
+	timer := time.AfterFunc(n.joinWait, func() {
+		n.mu.Lock()
+		n.cond.Broadcast()
+		n.mu.Unlock()
+	})
+	defer timer.Stop()
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for {
+		if ep := n.groups[id]; ep != nil {
+			return ep, nil
+		}
+		if n.closed || time.Now().After(deadline) {
+			return nil, fmt.Errorf("%w: no such group here", ErrAuth)
+		}
+		n.cond.Wait()
+	}
+}
+
+func (n *Node) serve() {
+	for {
+		conn, err := n.ln.Accept()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			n.log.Warn("accept", "err", err)
+			time.Sleep(10 * time.Millisecond)
+			continue
+		}
+		go n.accept(conn)
+	}
+}
+
+func (n *Node) accept(conn net.Conn) {
+	tune(conn)
+	conn.SetDeadline(time.Now().Add(n.joinWait + 10*time.Second))
+	var ep *Endpoint
+	h, err := acceptHandshake(conn, func(id [16]byte) ([]byte, error) {
+		var err error
+		ep, err = n.lookup(id)
+		if err != nil {
+			return nil, err
+		}
+		return ep.secret, nil
+	}, n.canMap)
+	if err != nil {
+		n.log.Warn("rejected peer link", "remote", conn.RemoteAddr().String(), "err", err)
+		conn.Close()
+		return
+	}
+	conn.SetDeadline(time.Time{})
+	from := int(h.from)
+	if int(h.to) != ep.rank || from < 0 || from >= ep.size || from == ep.rank {
+		n.log.Warn("rejected peer link", "from", from, "to", h.to, "rank", ep.rank, "size", ep.size)
+		conn.Close()
+		return
+	}
+	ep.mu.Lock()
+	if ep.in[from] != nil || ep.broken != nil {
+		ep.mu.Unlock()
+		n.log.Warn("rejected duplicate peer link", "from", from)
+		conn.Close()
+		return
+	}
+	ep.in[from] = conn
+	ep.readers.Add(1)
+	ep.mu.Unlock()
+	go ep.reader(from, conn)
+}
+
+// dial connects and authenticates the link from ep's rank to rank to, retrying refused
+// connections until the dial timeout (the peer's listener may still be starting); quick makes a
+// single short attempt (links that only carry an abort). Close of the endpoint stops it.
+func (n *Node) dial(ep *Endpoint, to int, quick bool) (net.Conn, bool, error) {
+	limit := n.dialLimit
+	if quick {
+		limit = 2 * time.Second
+	}
+	ctx, cancel := context.WithTimeout(ep.ctx, limit)
+	defer cancel()
+	d := net.Dialer{KeepAlive: 15 * time.Second}
+	for {
+		conn, err := d.DialContext(ctx, "tcp", ep.peers[to])
+		if err == nil {
+			tune(conn)
+			conn.SetDeadline(time.Now().Add(n.joinWait + 10*time.Second))
+			var pr probe
+			if n.locate != nil {
+				pr = n.probe
+			}
+			// the endpoint's Close cuts a handshake short (the peer may never answer)
+			stop := context.AfterFunc(ep.ctx, func() { conn.Close() })
+			refs, err := dialHandshake(conn, ep.secret, ep.rank, to, pr)
+			if !stop() {
+				err = cmp.Or(err, ErrClosed)
+			}
+			if err == nil {
+				conn.SetDeadline(time.Time{})
+				return conn, refs, nil
+			}
+			conn.Close()
+			return nil, false, fmt.Errorf("handshake with %s: %w", ep.peers[to], err)
+		}
+		if quick || !errors.Is(err, syscall.ECONNREFUSED) || ctx.Err() != nil {
+			return nil, false, fmt.Errorf("dial %s: %w", ep.peers[to], err)
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+func tune(c net.Conn) {
+	if tc, ok := c.(*net.TCPConn); ok {
+		tc.SetNoDelay(true)
+		tc.SetReadBuffer(socketBuffer)
+		tc.SetWriteBuffer(socketBuffer)
+	}
+}

@@ -1,0 +1,219 @@
+package transport
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/gocomm/gocomm/collectives"
+	"github.com/gocomm/gocomm/collectives/reduce"
+)
+
+func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
+// group joins n nodes (one per rank, as n sidecars would) to one group.
+func group(t *testing.T, n int, secret string) ([]*Node, []*Endpoint) {
+	t.Helper()
+	nodes := make([]*Node, n)
+	addrs := make([]string, n)
+	for r := range nodes {
+		node, err := Listen(Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quiet(), JoinWait: 2 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { node.Close() })
+		nodes[r], addrs[r] = node, node.Addr()
+	}
+	eps := make([]*Endpoint, n)
+	for r := range nodes {
+		ep, err := nodes[r].Join([]byte(secret), r, addrs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(ep.Close)
+		eps[r] = ep
+	}
+	return nodes, eps
+}
+
+func ctxT(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+var sigF32 = Signature{Op: 1, DType: reduce.Float32, RedOp: reduce.Sum, Count: 4, OpName: "all_reduce"}
+
+func TestCollectiveFrames(t *testing.T) {
+	_, eps := group(t, 2, "a secret of at least sixteen bytes")
+	ctx := ctxT(t)
+	a, b := eps[0].Op(0, sigF32), eps[1].Op(0, sigF32)
+	// one receive posted before its frame, one after (early path)
+	got1 := make([]byte, 16)
+	r1 := b.Recv(0, collectives.Tag{Step: 0}, collectives.CopySink{Dst: got1})
+	s1 := a.Send(1, collectives.Tag{Step: 0}, bytes.Repeat([]byte{1}, 16))
+	s2 := a.Send(1, collectives.Tag{Step: 1}, bytes.Repeat([]byte{2}, 16))
+	for _, r := range []collectives.Request{r1, s1, s2} {
+		if err := r.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(50 * time.Millisecond) // let step 1 arrive before its receive
+	got2 := make([]byte, 16)
+	if err := b.Recv(0, collectives.Tag{Step: 1}, collectives.CopySink{Dst: got2}).Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got1, bytes.Repeat([]byte{1}, 16)) || !bytes.Equal(got2, bytes.Repeat([]byte{2}, 16)) {
+		t.Fatalf("payloads %v %v", got1, got2)
+	}
+	if eps[0].BytesSent.Load() != 32 || eps[1].BytesReceived.Load() != 32 {
+		t.Fatalf("counters sent %d received %d", eps[0].BytesSent.Load(), eps[1].BytesReceived.Load())
+	}
+}
+
+func TestSignatureMismatch(t *testing.T) {
+	_, eps := group(t, 2, "a secret of at least sixteen bytes")
+	ctx := ctxT(t)
+	other := sigF32
+	other.Count = 5
+	eps[0].Op(0, other).Send(1, collectives.Tag{}, make([]byte, 20))
+	err := eps[1].Op(0, sigF32).Recv(0, collectives.Tag{}, collectives.CopySink{Dst: make([]byte, 16)}).Wait(ctx)
+	if !errors.Is(err, ErrMismatch) || !strings.Contains(err.Error(), "count=5") {
+		t.Fatalf("Wait = %v, want a mismatch naming count=5", err)
+	}
+	if eps[1].Broken() == nil {
+		t.Fatal("a mismatch must break the group")
+	}
+}
+
+// TestMovedOn: a peer that skips a collective (sends frames of a later one) fails the
+// receive that waits for the skipped one at once, not at timeout (invariant 3).
+func TestMovedOn(t *testing.T) {
+	_, eps := group(t, 2, "a secret of at least sixteen bytes")
+	ctx := ctxT(t)
+	r := eps[1].Op(0, sigF32).Recv(0, collectives.Tag{}, collectives.CopySink{Dst: make([]byte, 16)})
+	eps[0].Op(1, sigF32).Send(1, collectives.Tag{}, make([]byte, 16))
+	if err := r.Wait(ctx); !errors.Is(err, ErrMismatch) {
+		t.Fatalf("Wait = %v, want ErrMismatch", err)
+	}
+}
+
+func TestWrongSecretIsRejected(t *testing.T) {
+	nodes, _ := group(t, 2, "the real secret, sixteen+ bytes")
+	impostor, err := nodes[0].Join([]byte("a different secret, 16+ bytes"), 0, []string{nodes[0].Addr(), nodes[1].Addr()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer impostor.Close()
+	err = impostor.Op(0, sigF32).Send(1, collectives.Tag{}, make([]byte, 16)).Wait(ctxT(t))
+	if !errors.Is(err, ErrPeerLost) {
+		t.Fatalf("send with a wrong secret = %v, want the link refused", err)
+	}
+}
+
+func TestHandshakeRejectsGarbage(t *testing.T) {
+	nodes, _ := group(t, 1, "a secret of at least sixteen bytes")
+	c, err := net.Dial("tcp", nodes[0].Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.Write(bytes.Repeat([]byte("x"), helloSize))
+	c.SetReadDeadline(time.Now().Add(2 * time.Second))
+	if n, err := c.Read(make([]byte, 1)); err == nil {
+		t.Fatalf("node answered %d bytes to a garbage hello", n)
+	}
+}
+
+func TestPointToPoint(t *testing.T) {
+	_, eps := group(t, 3, "a secret of at least sixteen bytes")
+	ctx := ctxT(t)
+	msg := func(b byte) []byte { return bytes.Repeat([]byte{b}, 8) }
+	// same (source, tag) arrives in order; other tags do not interfere
+	eps[0].SendP2P(2, 7, msg(1))
+	eps[0].SendP2P(2, 9, msg(9))
+	eps[0].SendP2P(2, 7, msg(2))
+	for _, want := range []byte{1, 2} {
+		got := make([]byte, 8)
+		if err := eps[2].RecvP2P(0, 7, collectives.CopySink{Dst: got}).Wait(ctx); err != nil || got[0] != want {
+			t.Fatalf("tag 7: got %v (%v), want %d", got, err, want)
+		}
+	}
+	got := make([]byte, 8)
+	if err := eps[2].RecvP2P(0, 9, collectives.CopySink{Dst: got}).Wait(ctx); err != nil || got[0] != 9 {
+		t.Fatalf("tag 9: got %v (%v)", got, err)
+	}
+	// any source: the receive reports who sent
+	r := eps[2].RecvP2P(-1, 3, collectives.CopySink{Dst: got})
+	eps[1].SendP2P(2, 3, msg(5))
+	if err := r.Wait(ctx); err != nil || r.Source() != 1 || got[0] != 5 {
+		t.Fatalf("any source: %v from %d (%v)", got, r.Source(), err)
+	}
+	// wrong size fails the receive only
+	eps[1].SendP2P(2, 4, make([]byte, 3))
+	if err := eps[2].RecvP2P(1, 4, collectives.CopySink{Dst: got}).Wait(ctx); !errors.Is(err, ErrMismatch) {
+		t.Fatalf("short message = %v, want ErrMismatch", err)
+	}
+	if eps[2].Broken() != nil {
+		t.Fatal("a p2p size mismatch must not break the group")
+	}
+}
+
+// TestPeerLoss: when a peer's node dies, a receive that waits on it fails promptly.
+func TestPeerLoss(t *testing.T) {
+	nodes, eps := group(t, 2, "a secret of at least sixteen bytes")
+	ctx := ctxT(t)
+	// establish the link from 1 to 0, then kill rank 1's side abruptly
+	if err := eps[1].Op(0, sigF32).Send(0, collectives.Tag{}, make([]byte, 16)).Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := eps[0].Op(0, sigF32).Recv(1, collectives.Tag{}, collectives.CopySink{Dst: make([]byte, 16)}).Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := eps[0].Op(1, sigF32).Recv(1, collectives.Tag{}, collectives.CopySink{Dst: make([]byte, 16)})
+	nodes[1].Close()
+	eps[1].mu.Lock()
+	for _, l := range eps[1].out {
+		if l != nil {
+			l.mu.Lock()
+			if l.conn != nil {
+				l.conn.Close() // as a SIGKILL would
+			}
+			l.mu.Unlock()
+		}
+	}
+	eps[1].mu.Unlock()
+	start := time.Now()
+	if err := r.Wait(ctx); !errors.Is(err, ErrPeerLost) {
+		t.Fatalf("Wait = %v, want ErrPeerLost", err)
+	}
+	if el := time.Since(start); el > 2*time.Second {
+		t.Fatalf("noticed the loss after %v", el)
+	}
+}
+
+// TestCloseSaysBye: a peer that leaves on purpose is reported as having left, not aborted.
+func TestCloseSaysBye(t *testing.T) {
+	_, eps := group(t, 2, "a secret of at least sixteen bytes")
+	ctx := ctxT(t)
+	if err := eps[1].SendP2P(0, 1, nil).Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := eps[0].RecvP2P(1, 1, collectives.CopySink{}).Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	eps[1].Close()
+	err := eps[0].RecvP2P(1, 2, collectives.CopySink{}).Wait(ctx)
+	if !errors.Is(err, ErrPeerLost) || !strings.Contains(err.Error(), "left") {
+		t.Fatalf("recv from a departed peer = %v", err)
+	}
+	if b := eps[0].Broken(); b != nil {
+		t.Fatalf("a bye broke the group: %v", b)
+	}
+}
