@@ -1,0 +1,15 @@
+// Command pgserver is gocomm's sidecar: one per rank, it runs that rank's collectives for
+// the PyTorch process that started it. See serve.go for its flags and wiring.
+package main
+
+import (
+	"fmt"
+	"os"
+)
+
+func main() {
+	if err := run(os.Args[1:]); err != nil {
+		fmt.Fprintln(os.Stderr, "pgserver:", err)
+		os.Exit(1)
+	}
+}

@@ -1,0 +1,204 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
+
+	"github.com/gocomm/gocomm/pg"
+	"github.com/gocomm/gocomm/rpc"
+	"github.com/gocomm/gocomm/transport"
+)
+
+// version is set at build time (-ldflags "-X main.version=...").
+var version = "dev"
+
+func run(args []string) error {
+	fs := flag.NewFlagSet("pgserver", flag.ContinueOnError)
+	runtimeDir := fs.String("runtime-dir", defaultRuntimeDir(), "private directory (0700) for the control socket")
+	socket := fs.String("socket", "", "control socket path (default <runtime-dir>/pgserver-<pid>.sock)")
+	logFile := fs.String("log-file", "", "append the log here (default stderr)")
+	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	listen := fs.String("listen", ":0", "TCP address peer sidecars connect to")
+	advertise := fs.String("advertise", "", "host name or address peers dial (default: this host's address)")
+	parentPID := fs.Int("parent-pid", 0, "exit when this process exits (the shim passes its own pid)")
+	spin := fs.Duration("spin", 0, "poll the submission ring this long before sleeping")
+	showVersion := fs.Bool("version", false, "print the version and exit")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *showVersion {
+		fmt.Println(version)
+		return nil
+	}
+	if *parentPID > 0 {
+		// Die with the rank that started us: the kernel signals us when it exits, and a
+		// parent that is already gone is caught by the check right after.
+		unix.Prctl(unix.PR_SET_PDEATHSIG, uintptr(unix.SIGTERM), 0, 0, 0)
+		if os.Getppid() != *parentPID {
+			return fmt.Errorf("parent %d is gone", *parentPID)
+		}
+	}
+	if err := privateDir(*runtimeDir); err != nil {
+		return err
+	}
+	if *socket == "" {
+		*socket = filepath.Join(*runtimeDir, fmt.Sprintf("pgserver-%d.sock", os.Getpid()))
+	}
+	log, closeLog, err := openLog(*logFile, *logLevel)
+	if err != nil {
+		return err
+	}
+	defer closeLog()
+
+	host := *advertise
+	if host == "" {
+		host = hostAddress()
+	}
+	var srv *pg.Server // set before any group exists, so before Locate is ever called
+	node, err := transport.Listen(transport.Config{
+		Listen: *listen, Advertise: host, Log: log,
+		Locate: func(b []byte) (int, uint64, uint64, bool) { return srv.Locate(b) },
+	})
+	if err != nil {
+		return err
+	}
+	defer node.Close()
+	srv = pg.NewServer(pg.Config{Version: version, Spin: *spin}, node, log)
+
+	ln, err := listenUnix(*socket)
+	if err != nil {
+		return err
+	}
+	gs := grpc.NewServer()
+	var once sync.Once
+	stop := func(reason string) {
+		once.Do(func() {
+			log.Info("shutting down", "reason", reason)
+			srv.Shutdown(reason)
+			gs.Stop()
+		})
+	}
+	rpc.NewService(srv, rpc.Host{
+		RuntimeDir: *runtimeDir, LogFile: *logFile,
+		CUDAError: "this build of pgserver serves CPU tensors only; its CUDA engine is not there yet",
+	}, stop).Register(gs)
+
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
+	go func() { stop(fmt.Sprintf("signal %v", <-sigs)) }()
+	if *parentPID > 0 {
+		go watchParent(*parentPID, stop)
+	}
+	log.Info("serving", "version", version, "socket", *socket, "peers", node.Addr(), "parent", *parentPID)
+	err = gs.Serve(ln)
+	os.Remove(*socket)
+	if errors.Is(err, grpc.ErrServerStopped) {
+		return nil
+	}
+	return err
+}
+
+// defaultRuntimeDir is $XDG_RUNTIME_DIR/gocomm, else /tmp/gocomm-<uid>.
+func defaultRuntimeDir() string {
+	if d := os.Getenv("XDG_RUNTIME_DIR"); d != "" {
+		return filepath.Join(d, "gocomm")
+	}
+	return filepath.Join(os.TempDir(), fmt.Sprintf("gocomm-%d", os.Getuid()))
+}
+
+// privateDir makes dir (0700) or checks that an existing one is ours and private: the control
+// socket in it must be reachable by this user only.
+func privateDir(dir string) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("runtime dir: %w", err)
+	}
+	var st unix.Stat_t
+	if err := unix.Lstat(dir, &st); err != nil {
+		return fmt.Errorf("runtime dir: %w", err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFDIR || int(st.Uid) != os.Getuid() {
+		return fmt.Errorf("runtime dir %s is not a directory owned by uid %d", dir, os.Getuid())
+	}
+	if st.Mode&0o077 != 0 {
+		if err := os.Chmod(dir, 0o700); err != nil {
+			return fmt.Errorf("runtime dir %s is open to others and cannot be made private: %w", dir, err)
+		}
+	}
+	return nil
+}
+
+// listenUnix creates the control socket readable and writable by this user only.
+func listenUnix(path string) (net.Listener, error) {
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("control socket: %w", err)
+	}
+	old := unix.Umask(0o177)
+	ln, err := net.Listen("unix", path)
+	unix.Umask(old)
+	if err != nil {
+		return nil, fmt.Errorf("control socket: %w", err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("control socket: %w", err)
+	}
+	return ln, nil
+}
+
+func openLog(path, level string) (*slog.Logger, func(), error) {
+	var lvl slog.Level
+	if err := lvl.UnmarshalText([]byte(level)); err != nil {
+		return nil, nil, fmt.Errorf("log level %q: %w", level, err)
+	}
+	var w io.Writer = os.Stderr
+	closeFn := func() {}
+	if path != "" {
+		f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+		if err != nil {
+			return nil, nil, fmt.Errorf("log file: %w", err)
+		}
+		w, closeFn = f, func() { f.Close() }
+	}
+	log := slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: lvl})).With("pid", os.Getpid())
+	return log, closeFn, nil
+}
+
+// hostAddress is the first address this host's name resolves to that is not loopback, else
+// 127.0.0.1 (a single-host job).
+func hostAddress() string {
+	name, err := os.Hostname()
+	if err == nil {
+		if addrs, err := net.LookupHost(name); err == nil {
+			for _, a := range addrs {
+				if ip := net.ParseIP(a); ip != nil && !ip.IsLoopback() {
+					return a
+				}
+			}
+		}
+	}
+	return "127.0.0.1"
+}
+
+// watchParent stops the server when the parent process is gone (backs up PDEATHSIG, which
+// fires on the death of the parent's thread, not process).
+func watchParent(pid int, stop func(string)) {
+	for range time.Tick(200 * time.Millisecond) {
+		if err := unix.Kill(pid, 0); errors.Is(err, unix.ESRCH) || os.Getppid() != pid {
+			stop(fmt.Sprintf("parent process %d exited", pid))
+			return
+		}
+	}
+}

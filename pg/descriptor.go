@@ -1,0 +1,321 @@
+package pg
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+
+	"github.com/gocomm/gocomm/collectives/reduce"
+)
+
+// Ring record types of the gocomm protocol (the ring reserves types below 16).
+const (
+	// RecOp is an op descriptor, client to sidecar.
+	RecOp uint16 = 16
+	// RecDone is a completion, sidecar to client.
+	RecDone uint16 = 17
+)
+
+// OpKind is what an op descriptor asks for. Wire values are fixed (python/gocomm/_wire.py).
+type OpKind uint8
+
+const (
+	OpAllReduce     OpKind = 1
+	OpBroadcast     OpKind = 2
+	OpReduce        OpKind = 3
+	OpAllGather     OpKind = 4
+	OpReduceScatter OpKind = 5
+	OpAllToAll      OpKind = 6
+	OpGather        OpKind = 7
+	OpScatter       OpKind = 8
+	OpSend          OpKind = 9
+	OpRecv          OpKind = 10
+	OpBarrier       OpKind = 11
+)
+
+var opNames = map[OpKind]string{
+	OpAllReduce: "all_reduce", OpBroadcast: "broadcast", OpReduce: "reduce",
+	OpAllGather: "all_gather", OpReduceScatter: "reduce_scatter", OpAllToAll: "all_to_all",
+	OpGather: "gather", OpScatter: "scatter", OpSend: "send", OpRecv: "recv", OpBarrier: "barrier",
+}
+
+func (k OpKind) String() string {
+	if s, ok := opNames[k]; ok {
+		return s
+	}
+	return fmt.Sprintf("op(%d)", uint8(k))
+}
+
+// Collective reports whether every rank of the group takes part (and the op takes a place in
+// the group's sequence).
+func (k OpKind) Collective() bool { return k != OpSend && k != OpRecv }
+
+// Device a descriptor's buffers live on.
+const (
+	DeviceHost uint8 = 0
+	DeviceCUDA uint8 = 1
+)
+
+// Desc is a decoded op descriptor.
+//
+// Wire layout of a RecOp payload (little-endian):
+//
+//	 0 u64 seq         client's op id; echoed in the completion
+//	 8 u32 group       handle from CreateGroup
+//	12 u8  kind        OpKind
+//	13 u8  dtype       reduce.DType
+//	14 u8  redop       reduce.Op (0 when the op does not reduce)
+//	15 u8  device      DeviceHost or DeviceCUDA
+//	16 i32 root        root rank; peer rank for send/recv (-1: recv from any rank)
+//	20 i32 tag         send/recv tag
+//	24 u64 count       elements of this rank's unit (see Validate)
+//	32 u64 timeout_ms  0: the group's timeout
+//	40 u16 nbufs       buffer references that follow
+//	42 u16 reserved
+//	44 u32 nsplits     split entries that follow the buffers
+//	48 nbufs x {u32 segment, u32 reserved, u64 offset, u64 length}
+//	.. nsplits x i64   element counts
+type Desc struct {
+	Seq       uint64
+	Group     uint32
+	Kind      OpKind
+	DType     reduce.DType
+	RedOp     reduce.Op
+	Device    uint8
+	Root      int32
+	Tag       int32
+	Count     uint64
+	TimeoutMS uint64
+	Bufs      []BufRef
+	Splits    []int64
+}
+
+// BufRef names bytes inside a registered segment.
+type BufRef struct {
+	Segment uint32
+	Offset  uint64
+	Length  uint64
+}
+
+const (
+	descHeader = 48
+	bufRefSize = 24
+	maxBufs    = 4
+	maxSplits  = 1 << 20
+)
+
+// ErrInvalid marks a descriptor the sidecar refuses.
+var ErrInvalid = errors.New("invalid op descriptor")
+
+// DecodeDesc parses a RecOp payload. It checks the structure only; Validate checks meaning.
+// When the payload holds at least a seq, the returned Desc carries it even on error, so the
+// client's op can be failed.
+func DecodeDesc(b []byte) (Desc, error) {
+	le := binary.LittleEndian
+	var d Desc
+	if len(b) >= 8 {
+		d.Seq = le.Uint64(b)
+	}
+	if len(b) < descHeader {
+		return d, fmt.Errorf("%w: %d bytes, the header alone is %d", ErrInvalid, len(b), descHeader)
+	}
+	d.Group = le.Uint32(b[8:])
+	d.Kind = OpKind(b[12])
+	d.DType = reduce.DType(b[13])
+	d.RedOp = reduce.Op(b[14])
+	d.Device = b[15]
+	d.Root = int32(le.Uint32(b[16:]))
+	d.Tag = int32(le.Uint32(b[20:]))
+	d.Count = le.Uint64(b[24:])
+	d.TimeoutMS = le.Uint64(b[32:])
+	nbufs := int(le.Uint16(b[40:]))
+	nsplits := int(le.Uint32(b[44:]))
+	if nbufs > maxBufs || nsplits > maxSplits {
+		return d, fmt.Errorf("%w: %d buffers and %d splits", ErrInvalid, nbufs, nsplits)
+	}
+	if want := descHeader + nbufs*bufRefSize + nsplits*8; len(b) != want {
+		return d, fmt.Errorf("%w: %d bytes for %d buffers and %d splits, want %d", ErrInvalid, len(b), nbufs, nsplits, want)
+	}
+	at := descHeader
+	for i := 0; i < nbufs; i++ {
+		d.Bufs = append(d.Bufs, BufRef{
+			Segment: le.Uint32(b[at:]),
+			Offset:  le.Uint64(b[at+8:]),
+			Length:  le.Uint64(b[at+16:]),
+		})
+		at += bufRefSize
+	}
+	for i := 0; i < nsplits; i++ {
+		d.Splits = append(d.Splits, int64(le.Uint64(b[at:])))
+		at += 8
+	}
+	return d, nil
+}
+
+// Encode is DecodeDesc's inverse (tests, and Go clients).
+func (d *Desc) Encode() []byte {
+	le := binary.LittleEndian
+	b := make([]byte, descHeader+len(d.Bufs)*bufRefSize+len(d.Splits)*8)
+	le.PutUint64(b, d.Seq)
+	le.PutUint32(b[8:], d.Group)
+	b[12], b[13], b[14], b[15] = uint8(d.Kind), uint8(d.DType), uint8(d.RedOp), d.Device
+	le.PutUint32(b[16:], uint32(d.Root))
+	le.PutUint32(b[20:], uint32(d.Tag))
+	le.PutUint64(b[24:], d.Count)
+	le.PutUint64(b[32:], d.TimeoutMS)
+	le.PutUint16(b[40:], uint16(len(d.Bufs)))
+	le.PutUint32(b[44:], uint32(len(d.Splits)))
+	at := descHeader
+	for _, r := range d.Bufs {
+		le.PutUint32(b[at:], r.Segment)
+		le.PutUint64(b[at+8:], r.Offset)
+		le.PutUint64(b[at+16:], r.Length)
+		at += bufRefSize
+	}
+	for _, s := range d.Splits {
+		le.PutUint64(b[at:], uint64(s))
+		at += 8
+	}
+	return b
+}
+
+// Validate checks that the descriptor makes sense for a member of rank rank in a group of
+// size ranks: the kind, dtype and reduce op, the root, and that each buffer has exactly the
+// length its role needs:
+//
+//	all_reduce, broadcast, reduce   bufs[0] in/out: count elements
+//	all_gather, gather (root)       bufs[0] in: count; bufs[1] out: size*count (gather: root only)
+//	reduce_scatter                  bufs[0] in: size*count; bufs[1] out: count
+//	scatter                         bufs[0] out: count; bufs[1] in: size*count (root only)
+//	all_to_all                      bufs[0] in, bufs[1] out; splits: size input counts, then
+//	                                size output counts; each list sums to its buffer
+//	send, recv                      bufs[0]: count elements; root is the peer (recv: -1 = any)
+//	barrier                         no buffers
+//
+// Bounds of each buffer inside its segment are checked when the buffer is resolved.
+func (d *Desc) Validate(rank, size int) error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: %s: "+format, append([]any{ErrInvalid, d.Kind}, args...)...)
+	}
+	if _, ok := opNames[d.Kind]; !ok {
+		return fmt.Errorf("%w: unknown op kind %d", ErrInvalid, uint8(d.Kind))
+	}
+	if d.Device != DeviceHost {
+		return bad("device %d is not served by the host engine", d.Device)
+	}
+	if d.Kind != OpBarrier && !d.DType.Valid() {
+		return bad("unknown dtype %d", uint8(d.DType))
+	}
+	reduces := d.Kind == OpAllReduce || d.Kind == OpReduce || d.Kind == OpReduceScatter
+	if reduces {
+		if err := reduce.Check(d.DType, d.RedOp); err != nil {
+			return bad("%v", err)
+		}
+	} else if d.RedOp != 0 {
+		return bad("reduce op %d on an op that does not reduce", d.RedOp)
+	}
+	needsRoot := d.Kind == OpBroadcast || d.Kind == OpReduce || d.Kind == OpGather || d.Kind == OpScatter || d.Kind == OpSend
+	if needsRoot && (d.Root < 0 || int(d.Root) >= size) {
+		return bad("root %d in a group of %d", d.Root, size)
+	}
+	if d.Kind == OpRecv && (d.Root < -1 || int(d.Root) >= size) {
+		return bad("peer %d in a group of %d", d.Root, size)
+	}
+	if (d.Kind == OpSend || d.Kind == OpRecv) && int(d.Root) == rank {
+		return bad("peer %d is this rank", d.Root)
+	}
+	es := uint64(d.DType.Size())
+	n := uint64(size)
+	// unit is count elements in bytes; products are checked against overflow.
+	if d.Count > (1<<62)/max(es, 1)/n {
+		return bad("count %d is too large", d.Count)
+	}
+	unit := d.Count * es
+	want := func(lens ...uint64) error {
+		if len(d.Bufs) != len(lens) {
+			return bad("%d buffers, want %d", len(d.Bufs), len(lens))
+		}
+		for i, l := range lens {
+			if d.Bufs[i].Length != l {
+				return bad("buffer %d holds %d bytes, want %d", i, d.Bufs[i].Length, l)
+			}
+		}
+		return nil
+	}
+	if d.Kind != OpAllToAll && len(d.Splits) != 0 {
+		return bad("%d splits on an op without splits", len(d.Splits))
+	}
+	root := int(d.Root) == rank
+	switch d.Kind {
+	case OpAllReduce, OpBroadcast, OpReduce, OpSend, OpRecv:
+		return want(unit)
+	case OpAllGather:
+		return want(unit, n*unit)
+	case OpGather:
+		if root {
+			return want(unit, n*unit)
+		}
+		return want(unit)
+	case OpReduceScatter:
+		return want(n*unit, unit)
+	case OpScatter:
+		if root {
+			return want(unit, n*unit)
+		}
+		return want(unit)
+	case OpBarrier:
+		return want()
+	case OpAllToAll:
+		if len(d.Splits) != 2*size {
+			return bad("%d splits, want %d (input then output counts)", len(d.Splits), 2*size)
+		}
+		if len(d.Bufs) != 2 {
+			return bad("%d buffers, want 2", len(d.Bufs))
+		}
+		for half, name := range []string{"input", "output"} {
+			var sum uint64
+			for i, s := range d.Splits[half*size : (half+1)*size] {
+				if s < 0 || uint64(s) > (1<<62)/max(es, 1) {
+					return bad("%s split %d is %d", name, i, s)
+				}
+				sum += uint64(s) * es
+				if sum > 1<<62 {
+					return bad("%s splits overflow", name)
+				}
+			}
+			if sum != d.Bufs[half].Length {
+				return bad("%s splits add up to %d bytes, the buffer holds %d", name, sum, d.Bufs[half].Length)
+			}
+		}
+		if d.Splits[rank] != d.Splits[size+rank] {
+			return bad("rank %d sends itself %d elements but expects %d", rank, d.Splits[rank], d.Splits[size+rank])
+		}
+	}
+	return nil
+}
+
+// Completion statuses, as the client sees them (python/gocomm/_wire.py mirrors them).
+const (
+	StatusOK          int32 = 0
+	StatusInvalid     int32 = 1 // the descriptor was refused
+	StatusUnsupported int32 = 2 // valid, but not served here (e.g. CUDA without a driver)
+	StatusTimeout     int32 = 3 // the op's deadline passed
+	StatusMismatch    int32 = 4 // ranks called different collectives
+	StatusPeerLost    int32 = 5 // a peer's sidecar went away
+	StatusAborted     int32 = 6 // the group was aborted (by a peer, a client or shutdown)
+	StatusBroken      int32 = 7 // an earlier op broke the group
+	StatusInternal    int32 = 8
+)
+
+// encodeDone builds a RecDone payload:
+//
+//	0 u64 seq   8 i32 status   12 i32 source rank (recv from any rank; else -1)   16 message
+func encodeDone(seq uint64, status int32, source int32, msg string) []byte {
+	b := make([]byte, 16+len(msg))
+	le := binary.LittleEndian
+	le.PutUint64(b, seq)
+	le.PutUint32(b[8:], uint32(status))
+	le.PutUint32(b[12:], uint32(source))
+	copy(b[16:], msg)
+	return b
+}

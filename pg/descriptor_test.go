@@ -1,0 +1,131 @@
+package pg
+
+import (
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/gocomm/gocomm/collectives/reduce"
+)
+
+func buf(n uint64) BufRef { return BufRef{Segment: 1, Offset: 0, Length: n} }
+
+func TestDescRoundTrip(t *testing.T) {
+	d := Desc{
+		Seq: 7, Group: 3, Kind: OpAllToAll, DType: reduce.BFloat16, Device: DeviceHost, Root: -1, Tag: 42,
+		Count: 9, TimeoutMS: 1500, Bufs: []BufRef{{1, 64, 12}, {2, 0, 8}}, Splits: []int64{1, 5, 2, 2},
+	}
+	got, err := DecodeDesc(d.Encode())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Seq != d.Seq || got.Group != d.Group || got.Kind != d.Kind || got.DType != d.DType || got.Root != d.Root ||
+		got.Tag != d.Tag || got.Count != d.Count || got.TimeoutMS != d.TimeoutMS || len(got.Bufs) != 2 ||
+		got.Bufs[1] != d.Bufs[1] || len(got.Splits) != 4 || got.Splits[1] != 5 {
+		t.Fatalf("round trip: got %+v, want %+v", got, d)
+	}
+}
+
+func TestDecodeRejects(t *testing.T) {
+	good := (&Desc{Seq: 5, Kind: OpAllReduce, DType: reduce.Float32, RedOp: reduce.Sum, Count: 1, Bufs: []BufRef{buf(4)}}).Encode()
+	for _, tc := range []struct {
+		desc string
+		b    []byte
+	}{
+		{"empty", nil},
+		{"shorter than the header", good[:40]},
+		{"truncated buffer list", good[:len(good)-1]},
+		{"trailing bytes", append(append([]byte(nil), good...), 0)},
+		{"too many buffers", func() []byte { b := append([]byte(nil), good...); b[40] = 200; return b }()},
+	} {
+		t.Run(tc.desc, func(t *testing.T) {
+			d, err := DecodeDesc(tc.b)
+			if !errors.Is(err, ErrInvalid) {
+				t.Fatalf("DecodeDesc = %v, want ErrInvalid", err)
+			}
+			if len(tc.b) >= 8 && d.Seq != 5 {
+				t.Fatalf("seq %d not recovered from a bad descriptor", d.Seq)
+			}
+		})
+	}
+}
+
+func TestValidate(t *testing.T) {
+	const f32 = reduce.Float32
+	for _, tc := range []struct {
+		desc       string
+		d          Desc
+		rank, size int
+		bad        string // substring of the error; "" means valid
+	}{
+		{"all_reduce", Desc{Kind: OpAllReduce, DType: f32, RedOp: reduce.Sum, Count: 3, Bufs: []BufRef{buf(12)}}, 0, 2, ""},
+		{"all_reduce empty", Desc{Kind: OpAllReduce, DType: f32, RedOp: reduce.Sum, Count: 0, Bufs: []BufRef{buf(0)}}, 0, 2, ""},
+		{"all_reduce short buffer", Desc{Kind: OpAllReduce, DType: f32, RedOp: reduce.Sum, Count: 3, Bufs: []BufRef{buf(8)}}, 0, 2, "holds 8 bytes, want 12"},
+		{"all_reduce no op", Desc{Kind: OpAllReduce, DType: f32, Count: 3, Bufs: []BufRef{buf(12)}}, 0, 2, "invalid"},
+		{"max on complex", Desc{Kind: OpAllReduce, DType: reduce.Complex64, RedOp: reduce.Max, Count: 1, Bufs: []BufRef{buf(8)}}, 0, 2, "complex64"},
+		{"bxor on float", Desc{Kind: OpAllReduce, DType: f32, RedOp: reduce.BXor, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "bxor"},
+		{"broadcast with a reduce op", Desc{Kind: OpBroadcast, DType: f32, RedOp: reduce.Sum, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "does not reduce"},
+		{"unknown dtype", Desc{Kind: OpBroadcast, DType: 99, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "unknown dtype"},
+		{"unknown kind", Desc{Kind: 77, DType: f32}, 0, 2, "unknown op kind"},
+		{"cuda on the host engine", Desc{Kind: OpBroadcast, DType: f32, Device: DeviceCUDA, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "device"},
+		{"broadcast root out of range", Desc{Kind: OpBroadcast, DType: f32, Root: 2, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "root 2"},
+		{"all_gather", Desc{Kind: OpAllGather, DType: f32, Count: 2, Bufs: []BufRef{buf(8), buf(24)}}, 1, 3, ""},
+		{"all_gather output short", Desc{Kind: OpAllGather, DType: f32, Count: 2, Bufs: []BufRef{buf(8), buf(16)}}, 1, 3, "want 24"},
+		{"reduce_scatter", Desc{Kind: OpReduceScatter, DType: f32, RedOp: reduce.Max, Count: 2, Bufs: []BufRef{buf(24), buf(8)}}, 2, 3, ""},
+		{"gather at root", Desc{Kind: OpGather, DType: f32, Root: 1, Count: 2, Bufs: []BufRef{buf(8), buf(16)}}, 1, 2, ""},
+		{"gather elsewhere", Desc{Kind: OpGather, DType: f32, Root: 1, Count: 2, Bufs: []BufRef{buf(8)}}, 0, 2, ""},
+		{"gather elsewhere with output", Desc{Kind: OpGather, DType: f32, Root: 1, Count: 2, Bufs: []BufRef{buf(8), buf(16)}}, 0, 2, "2 buffers, want 1"},
+		{"scatter at root", Desc{Kind: OpScatter, DType: f32, Root: 0, Count: 1, Bufs: []BufRef{buf(4), buf(8)}}, 0, 2, ""},
+		{"send", Desc{Kind: OpSend, DType: f32, Root: 1, Tag: 3, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, ""},
+		{"send to self", Desc{Kind: OpSend, DType: f32, Root: 0, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "this rank"},
+		{"recv any", Desc{Kind: OpRecv, DType: f32, Root: -1, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, ""},
+		{"recv peer -2", Desc{Kind: OpRecv, DType: f32, Root: -2, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "peer -2"},
+		{"barrier", Desc{Kind: OpBarrier}, 0, 2, ""},
+		{"barrier with a buffer", Desc{Kind: OpBarrier, Bufs: []BufRef{buf(0)}}, 0, 2, "1 buffers, want 0"},
+		{"all_to_all", Desc{Kind: OpAllToAll, DType: f32, Bufs: []BufRef{buf(12), buf(8)}, Splits: []int64{1, 2, 1, 1}}, 0, 2, ""},
+		{"all_to_all empty", Desc{Kind: OpAllToAll, DType: f32, Bufs: []BufRef{buf(0), buf(0)}, Splits: []int64{0, 0, 0, 0}}, 1, 2, ""},
+		{"all_to_all split sum", Desc{Kind: OpAllToAll, DType: f32, Bufs: []BufRef{buf(12), buf(8)}, Splits: []int64{1, 1, 1, 1}}, 0, 2, "input splits add up to 8"},
+		{"all_to_all negative", Desc{Kind: OpAllToAll, DType: f32, Bufs: []BufRef{buf(4), buf(4)}, Splits: []int64{2, -1, 1, 0}}, 0, 2, "is -1"},
+		{"all_to_all self", Desc{Kind: OpAllToAll, DType: f32, Bufs: []BufRef{buf(8), buf(8)}, Splits: []int64{2, 0, 1, 1}}, 0, 2, "sends itself 2"},
+		{"all_to_all split count", Desc{Kind: OpAllToAll, DType: f32, Bufs: []BufRef{buf(8), buf(8)}, Splits: []int64{2, 2}}, 0, 2, "2 splits, want 4"},
+		{"splits on all_reduce", Desc{Kind: OpAllReduce, DType: f32, RedOp: reduce.Sum, Count: 1, Bufs: []BufRef{buf(4)}, Splits: []int64{1}}, 0, 2, "without splits"},
+		{"count overflow", Desc{Kind: OpAllGather, DType: reduce.Float64, Count: 1 << 61, Bufs: []BufRef{buf(8), buf(16)}}, 0, 2, "too large"},
+	} {
+		t.Run(tc.desc, func(t *testing.T) {
+			err := tc.d.Validate(tc.rank, tc.size)
+			if tc.bad == "" {
+				if err != nil {
+					t.Fatalf("Validate = %v, want nil", err)
+				}
+				return
+			}
+			if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), tc.bad) {
+				t.Fatalf("Validate = %v, want ErrInvalid containing %q", err, tc.bad)
+			}
+		})
+	}
+}
+
+// FuzzDesc: no byte string makes decoding or validation panic, and whatever validates
+// keeps its promises (buffer lengths add up).
+func FuzzDesc(f *testing.F) {
+	f.Add((&Desc{Kind: OpAllReduce, DType: reduce.Float32, RedOp: reduce.Sum, Count: 1, Bufs: []BufRef{buf(4)}}).Encode())
+	f.Add((&Desc{Kind: OpAllToAll, DType: reduce.Int8, Bufs: []BufRef{buf(3), buf(3)}, Splits: []int64{1, 2, 1, 2}}).Encode())
+	f.Fuzz(func(t *testing.T, b []byte) {
+		d, err := DecodeDesc(b)
+		if err != nil {
+			return
+		}
+		for _, size := range []int{1, 2, 3} {
+			if d.Validate(0, size) == nil && d.Kind == OpAllToAll {
+				var in uint64
+				for _, s := range d.Splits[:size] {
+					in += uint64(s) * uint64(d.DType.Size())
+				}
+				if in != d.Bufs[0].Length {
+					t.Fatalf("validated all_to_all whose splits do not cover its input")
+				}
+			}
+		}
+	})
+}

@@ -1,0 +1,373 @@
+package pg
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/gocomm/gocomm/collectives"
+	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/transport"
+)
+
+// Group is this rank's member of one process group, and the executor of its ops.
+//
+// Design:
+//  1. Collectives run one at a time, in submission order, on the executor goroutine; each
+//     takes the next number of the group's sequence (seq), which every rank assigns the same
+//     way because every rank submits the group's collectives in the same order. Peers match
+//     frames by seq, so one rank's op can never pair with another's different op.
+//  2. Point-to-point ops do not take a sequence number and run concurrently with collectives;
+//     the transport keeps them ordered per (peer, tag).
+//  3. Every op has a deadline (the group's timeout from submission). A collective or p2p op
+//     that fails for any reason other than bad input breaks the group: the endpoint tells the
+//     peers, fails everything pending, and every later op fails at once with the cause. The
+//     executor reports an op's completion only after the endpoint is quiescent, so no reader
+//     writes into an op's memory after the client was told the op ended.
+//  4. An op holds references on its segments until it completes (registry invariant 2).
+type Group struct {
+	Handle      uint32
+	Name        string
+	Rank, Size  int
+	GlobalRanks []int
+	Timeout     time.Duration
+
+	sess *Session
+	log  *slog.Logger
+
+	mu      sync.Mutex
+	cond    *sync.Cond
+	ep      *transport.Endpoint
+	queue   []*op
+	closing string // why the group is closing; new ops fail with it
+	seq     uint64
+	running sync.WaitGroup // the executor and point-to-point ops
+	stats   Stats
+}
+
+// Stats are a group's counters.
+type Stats struct {
+	Ops    map[string]uint64
+	Errors uint64
+	Sent   uint64
+	Recv   uint64
+	ByRef  uint64 // of Sent, bytes lent to same-host peers by reference
+}
+
+type op struct {
+	desc     Desc
+	bufs     [][]byte
+	release  func()
+	deadline time.Time
+	timeout  time.Duration
+}
+
+func newGroup(sess *Session, name string, rank, size int, globalRanks []int, timeout time.Duration) *Group {
+	g := &Group{
+		Name: name, Rank: rank, Size: size, GlobalRanks: globalRanks, Timeout: timeout,
+		sess: sess, log: sess.log,
+		stats: Stats{Ops: map[string]uint64{}},
+	}
+	g.cond = sync.NewCond(&g.mu)
+	return g
+}
+
+func (g *Group) connect(ep *transport.Endpoint) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.ep != nil {
+		return fmt.Errorf("%w: group %d is already connected", ErrInvalid, g.Handle)
+	}
+	if g.closing != "" {
+		return fmt.Errorf("group %d: %w", g.Handle, ErrNotFound)
+	}
+	g.ep = ep
+	g.running.Add(1)
+	go g.execute()
+	return nil
+}
+
+// Broken returns why the group is unusable, or nil.
+func (g *Group) Broken() error {
+	g.mu.Lock()
+	ep, closing := g.ep, g.closing
+	g.mu.Unlock()
+	if closing != "" {
+		return errors.New(closing)
+	}
+	if ep == nil {
+		return nil
+	}
+	return ep.Broken()
+}
+
+// Stats returns a copy of the group's counters.
+func (g *Group) Stats() Stats {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	s := g.stats
+	s.Ops = make(map[string]uint64, len(g.stats.Ops))
+	for k, v := range g.stats.Ops {
+		s.Ops[k] = v
+	}
+	if g.ep != nil {
+		s.Sent, s.Recv, s.ByRef = g.ep.BytesSent.Load(), g.ep.BytesReceived.Load(), g.ep.BytesByRef.Load()
+	}
+	return s
+}
+
+// Abort breaks the group with reason; pending and later ops fail.
+func (g *Group) Abort(reason string) {
+	g.mu.Lock()
+	ep := g.ep
+	g.mu.Unlock()
+	if ep != nil {
+		ep.Break(fmt.Errorf("%w: %s (rank %d)", transport.ErrAborted, reason, g.Rank))
+	}
+}
+
+// reject fails a descriptor that did not validate. A collective that one rank cannot run
+// leaves its peers waiting, so the group is broken at once: they fail now, not at timeout.
+func (g *Group) reject(d Desc, err error) {
+	g.sess.complete(d.Seq, StatusInvalid, -1, err.Error())
+	g.count(d.Kind, true)
+	if d.Kind.Collective() {
+		g.mu.Lock()
+		ep := g.ep
+		g.mu.Unlock()
+		if ep != nil {
+			ep.Break(fmt.Errorf("%w: rank %d refused its %s: %v", transport.ErrAborted, g.Rank, d.Kind, err))
+		}
+	}
+}
+
+func (g *Group) submit(o *op) {
+	g.mu.Lock()
+	if g.ep == nil || g.closing != "" {
+		why := "group is not connected"
+		if g.closing != "" {
+			why = g.closing
+		}
+		g.mu.Unlock()
+		g.finish(o, StatusAborted, -1, fmt.Sprintf("%s on group %q: %s", o.desc.Kind, g.Name, why))
+		return
+	}
+	if !o.desc.Kind.Collective() {
+		// Post now, in submission order: the transport keeps (peer, tag) order only for
+		// what reaches it in order. Only the waiting happens on another goroutine.
+		g.running.Add(1)
+		ep := g.ep
+		g.mu.Unlock()
+		go g.p2p(o, g.postP2P(ep, o))
+		return
+	}
+	g.queue = append(g.queue, o)
+	g.cond.Signal()
+	g.mu.Unlock()
+}
+
+// close fails what is queued, waits for running ops and leaves the group.
+func (g *Group) close(reason string) {
+	g.mu.Lock()
+	if g.closing == "" {
+		g.closing = reason
+	}
+	q := g.queue
+	g.queue = nil
+	ep := g.ep
+	g.cond.Broadcast()
+	g.mu.Unlock()
+	if ep != nil {
+		ep.Break(fmt.Errorf("%w: %s", transport.ErrClosed, reason))
+	}
+	for _, o := range q {
+		g.finish(o, StatusAborted, -1, fmt.Sprintf("%s on group %q: %s", o.desc.Kind, g.Name, reason))
+	}
+	g.running.Wait()
+	if ep != nil {
+		ep.Close()
+	}
+	g.log.Info("group closed", "reason", reason)
+}
+
+// execute runs the collectives of the group in order (design 1).
+func (g *Group) execute() {
+	defer g.running.Done()
+	for {
+		g.mu.Lock()
+		for len(g.queue) == 0 && g.closing == "" {
+			g.cond.Wait()
+		}
+		if len(g.queue) == 0 {
+			g.mu.Unlock()
+			return
+		}
+		o := g.queue[0]
+		g.queue = g.queue[1:]
+		seq := g.seq
+		g.seq++
+		ep := g.ep
+		g.mu.Unlock()
+		g.runCollective(ep, seq, o)
+	}
+}
+
+func (g *Group) runCollective(ep *transport.Endpoint, seq uint64, o *op) {
+	d := &o.desc
+	if err := ep.Broken(); err != nil {
+		g.finish(o, StatusBroken, -1, fmt.Sprintf("%s #%d on group %q: the group is broken: %v", d.Kind, seq, g.Name, err))
+		return
+	}
+	ctx, cancel := context.WithDeadline(context.Background(), o.deadline)
+	defer cancel()
+	sig := transport.Signature{Op: uint8(d.Kind), DType: d.DType, RedOp: d.RedOp, Count: d.Count, OpName: d.Kind.String()}
+	switch d.Kind {
+	case OpBroadcast, OpReduce, OpGather, OpScatter:
+		sig.Root = d.Root
+	case OpAllToAll:
+		sig.Count = 0 // splits differ per rank; the transport checks each pair's length
+	}
+	err := runHost(ctx, ep.Op(seq, sig), d, o.bufs)
+	if err != nil {
+		status, msg := g.failure(ctx, d, seq, o.timeout, err)
+		ep.Break(errors.New(msg))
+		ep.Quiesce(time.Second)
+		g.finish(o, status, -1, msg)
+		return
+	}
+	g.finish(o, StatusOK, -1, "")
+}
+
+// p2pReq is a posted send or receive.
+type p2pReq interface {
+	Wait(context.Context) error
+	Source() int
+}
+
+func (g *Group) postP2P(ep *transport.Endpoint, o *op) p2pReq {
+	d := &o.desc
+	if d.Kind == OpSend {
+		return ep.SendP2P(int(d.Root), int64(d.Tag), o.bufs[0])
+	}
+	return ep.RecvP2P(int(d.Root), int64(d.Tag), collectives.CopySink{Dst: o.bufs[0]})
+}
+
+// p2p waits for one posted send or recv (design 2).
+func (g *Group) p2p(o *op, req p2pReq) {
+	defer g.running.Done()
+	d := &o.desc
+	g.mu.Lock()
+	ep := g.ep
+	g.mu.Unlock()
+	ctx, cancel := context.WithDeadline(context.Background(), o.deadline)
+	defer cancel()
+	err := req.Wait(ctx)
+	switch {
+	case err == nil:
+		g.finish(o, StatusOK, req.Source(), "")
+	case errors.Is(err, transport.ErrMismatch) && ctx.Err() == nil:
+		// the message was the wrong size: it was consumed, nothing stays posted
+		g.finish(o, StatusMismatch, -1, fmt.Sprintf("%s on group %q: %v", d.Kind, g.Name, err))
+	default:
+		status, msg := g.failure(ctx, d, 0, o.timeout, err)
+		ep.Break(errors.New(msg))
+		ep.Quiesce(time.Second)
+		g.finish(o, status, -1, msg)
+	}
+}
+
+// failure names what went wrong for the client and picks the status.
+func (g *Group) failure(ctx context.Context, d *Desc, seq uint64, timeout time.Duration, err error) (int32, string) {
+	what := fmt.Sprintf("%s #%d", d.Kind, seq)
+	if !d.Kind.Collective() {
+		what = fmt.Sprintf("%s (peer %d, tag %d)", d.Kind, d.Root, d.Tag)
+	}
+	where := fmt.Sprintf("on group %q (rank %d of %d)", g.Name, g.Rank, g.Size)
+	switch {
+	case ctx.Err() != nil && errors.Is(err, context.DeadlineExceeded):
+		return StatusTimeout, fmt.Sprintf("%s %s timed out after %v: %v", what, where, timeout, err)
+	case errors.Is(err, transport.ErrMismatch):
+		return StatusMismatch, fmt.Sprintf("%s %s: %v", what, where, err)
+	case errors.Is(err, transport.ErrPeerLost):
+		return StatusPeerLost, fmt.Sprintf("%s %s: %v", what, where, err)
+	case errors.Is(err, transport.ErrAborted), errors.Is(err, transport.ErrClosed):
+		return StatusAborted, fmt.Sprintf("%s %s: %v", what, where, err)
+	case errors.Is(err, reduce.ErrUnsupported):
+		return StatusInvalid, fmt.Sprintf("%s %s: %v", what, where, err)
+	default:
+		return StatusInternal, fmt.Sprintf("%s %s: %v", what, where, err)
+	}
+}
+
+func (g *Group) finish(o *op, status int32, source int, msg string) {
+	o.release()
+	g.count(o.desc.Kind, status != StatusOK)
+	if status != StatusOK && status != StatusAborted {
+		g.log.Warn("op failed", "seq", o.desc.Seq, "status", status, "err", msg)
+	}
+	g.sess.complete(o.desc.Seq, status, source, msg)
+}
+
+func (g *Group) count(k OpKind, failed bool) {
+	g.mu.Lock()
+	g.stats.Ops[k.String()]++
+	if failed {
+		g.stats.Errors++
+	}
+	g.mu.Unlock()
+}
+
+// runHost runs a validated host-memory collective. bufs follow Desc.Validate's roles.
+func runHost(ctx context.Context, c collectives.Comm, d *Desc, bufs [][]byte) error {
+	root := int(d.Root)
+	n := c.Size()
+	isRoot := c.Rank() == root
+	finish := func(b []byte) error { return reduce.Finish(d.DType, d.RedOp, b, n) }
+	switch d.Kind {
+	case OpAllReduce:
+		if err := collectives.AllReduce(ctx, c, bufs[0], d.DType, d.RedOp); err != nil {
+			return err
+		}
+		return finish(bufs[0])
+	case OpBroadcast:
+		return collectives.Broadcast(ctx, c, bufs[0], root)
+	case OpReduce:
+		if err := collectives.Reduce(ctx, c, bufs[0], d.DType, d.RedOp, root); err != nil || !isRoot {
+			return err
+		}
+		return finish(bufs[0])
+	case OpAllGather:
+		return collectives.AllGather(ctx, c, bufs[0], bufs[1])
+	case OpReduceScatter:
+		if err := collectives.ReduceScatter(ctx, c, bufs[0], bufs[1], d.DType, d.RedOp); err != nil {
+			return err
+		}
+		return finish(bufs[1])
+	case OpAllToAll:
+		es := int64(d.DType.Size())
+		in := make([]int, n)
+		out := make([]int, n)
+		for i := 0; i < n; i++ {
+			in[i], out[i] = int(d.Splits[i]*es), int(d.Splits[n+i]*es)
+		}
+		return collectives.AllToAll(ctx, c, bufs[0], in, bufs[1], out)
+	case OpGather:
+		var out []byte
+		if isRoot {
+			out = bufs[1]
+		}
+		return collectives.Gather(ctx, c, bufs[0], out, root)
+	case OpScatter:
+		var in []byte
+		if isRoot {
+			in = bufs[1]
+		}
+		return collectives.Scatter(ctx, c, in, bufs[0], root)
+	case OpBarrier:
+		return collectives.Barrier(ctx, c)
+	}
+	return fmt.Errorf("%w: %s is not a collective", ErrInvalid, d.Kind)
+}

@@ -1,0 +1,225 @@
+// Package pg is the sidecar's domain: client sessions, the process groups they create, the
+// shared-memory segments their tensors live in, and the executor that runs each group's ops
+// in order under a deadline. The gRPC edge (package rpc) translates to and from these calls;
+// nothing here imports proto types.
+package pg
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/gocomm/gocomm/internal/ring"
+	"github.com/gocomm/gocomm/internal/shm"
+	"github.com/gocomm/gocomm/transport"
+)
+
+// Config of a Server.
+type Config struct {
+	// Version reported by Info.
+	Version string
+	// ShmDir holds the shared-memory files (rings, segments).
+	ShmDir string
+	// RingBytes is the default capacity of each ring queue.
+	RingBytes int
+	// Spin is how long a session's loop polls its ring before sleeping on the futex. Spinning
+	// costs a core but saves the wake-up latency (a few microseconds) on busy GPU ranks.
+	Spin time.Duration
+}
+
+// Engine describes one way ops can run (Info).
+type Engine struct {
+	Name      string
+	Available bool
+	Detail    string
+}
+
+// Server is one sidecar.
+type Server struct {
+	cfg     Config
+	node    *transport.Node
+	log     *slog.Logger
+	started time.Time
+
+	mu       sync.Mutex
+	sessions map[uint64]*Session
+	groups   map[uint32]*Group
+	nextSess uint64
+	nextGrp  uint32
+	closed   bool
+}
+
+// ErrShutdown: the server is shutting down.
+var ErrShutdown = errors.New("pgserver is shutting down")
+
+// NewServer builds a server whose groups reach their peers through node.
+func NewServer(cfg Config, node *transport.Node, log *slog.Logger) *Server {
+	if cfg.ShmDir == "" {
+		cfg.ShmDir = shm.DefaultDir()
+	}
+	if cfg.RingBytes == 0 {
+		cfg.RingBytes = 1 << 20
+	}
+	transport.SetOpNames(func(op uint8) string { return OpKind(op).String() })
+	return &Server{
+		cfg: cfg, node: node, log: log, started: time.Now(),
+		sessions: map[uint64]*Session{}, groups: map[uint32]*Group{},
+	}
+}
+
+// Version of the server.
+func (s *Server) Version() string { return s.cfg.Version }
+
+// PeerAddress is where peers reach this sidecar.
+func (s *Server) PeerAddress() string { return s.node.Addr() }
+
+// Uptime since the server was built.
+func (s *Server) Uptime() time.Duration { return time.Since(s.started) }
+
+// Engines available on this sidecar.
+func (s *Server) Engines() []Engine {
+	return []Engine{{Name: "host", Available: true, Detail: "CPU tensors over TCP between sidecars"}}
+}
+
+// Attach opens a session for a client process: it creates the ring file the client maps.
+func (s *Server) Attach(clientPID int64, rank int, ringBytes int) (*Session, error) {
+	if ringBytes <= 0 {
+		ringBytes = s.cfg.RingBytes
+	}
+	if ringBytes > 1<<28 {
+		return nil, fmt.Errorf("%w: ring of %d bytes", ErrInvalid, ringBytes)
+	}
+	mem, err := shm.Create(s.cfg.ShmDir, "gocomm-ring", ring.Size(ringBytes))
+	if err != nil {
+		return nil, err
+	}
+	if err := ring.Format(mem.Data, ringBytes); err != nil {
+		mem.Close()
+		return nil, err
+	}
+	sub, cmp, err := ring.Open(mem.Data)
+	if err != nil {
+		mem.Close()
+		return nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		mem.Close()
+		return nil, ErrShutdown
+	}
+	s.nextSess++
+	sess := &Session{
+		ID: s.nextSess, srv: s, pid: clientPID, rank: rank,
+		ringMem: mem, cons: ring.NewConsumer(sub), prod: ring.NewProducer(cmp),
+		reg:    newRegistry(s.cfg.ShmDir),
+		groups: map[uint32]*Group{},
+		done:   make(chan struct{}),
+		log:    s.log.With("session", s.nextSess, "rank", rank),
+	}
+	s.sessions[sess.ID] = sess
+	go sess.serve()
+	sess.log.Info("client attached", "pid", clientPID, "ring", mem.Path)
+	return sess, nil
+}
+
+// Session returns a live session.
+func (s *Server) Session(id uint64) (*Session, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if sess := s.sessions[id]; sess != nil {
+		return sess, nil
+	}
+	return nil, fmt.Errorf("session %d: %w", id, ErrNotFound)
+}
+
+// Sessions returns the live sessions.
+func (s *Server) Sessions() []*Session {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]*Session, 0, len(s.sessions))
+	for _, sess := range s.sessions {
+		out = append(out, sess)
+	}
+	return out
+}
+
+// Groups returns every group of every session.
+func (s *Server) Groups() []*Group {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]*Group, 0, len(s.groups))
+	for _, g := range s.groups {
+		out = append(out, g)
+	}
+	return out
+}
+
+// Shutdown fails whatever is pending and closes every session.
+func (s *Server) Shutdown(reason string) {
+	s.mu.Lock()
+	s.closed = true
+	sessions := make([]*Session, 0, len(s.sessions))
+	for _, sess := range s.sessions {
+		sessions = append(sessions, sess)
+	}
+	s.mu.Unlock()
+	for _, sess := range sessions {
+		sess.Close(reason)
+	}
+}
+
+// Locate finds bytes inside a segment of any session (transport.Config.Locate): sends from
+// op buffers then go to same-host peers by reference.
+func (s *Server) Locate(b []byte) (fd int, ino, off uint64, ok bool) {
+	s.mu.Lock()
+	sessions := make([]*Session, 0, len(s.sessions))
+	for _, sess := range s.sessions {
+		sessions = append(sessions, sess)
+	}
+	s.mu.Unlock()
+	for _, sess := range sessions {
+		if fd, ino, off, ok = sess.reg.locate(b); ok {
+			return fd, ino, off, ok
+		}
+	}
+	return 0, 0, 0, false
+}
+
+// bootstrap is the blob a member publishes to its peers through the torch Store.
+type bootstrap struct {
+	Addr     string `json:"addr"`
+	Hostname string `json:"hostname"`
+	PID      int    `json:"pid"`
+	Version  string `json:"version"`
+}
+
+func (s *Server) bootstrapBlob() []byte {
+	host, _ := os.Hostname()
+	b, _ := json.Marshal(bootstrap{Addr: s.node.Addr(), Hostname: host, PID: os.Getpid(), Version: s.cfg.Version})
+	return b
+}
+
+func (s *Server) addGroup(g *Group) {
+	s.mu.Lock()
+	s.nextGrp++
+	g.Handle = s.nextGrp
+	s.groups[g.Handle] = g
+	s.mu.Unlock()
+}
+
+func (s *Server) dropGroup(g *Group) {
+	s.mu.Lock()
+	delete(s.groups, g.Handle)
+	s.mu.Unlock()
+}
+
+func (s *Server) dropSession(sess *Session) {
+	s.mu.Lock()
+	delete(s.sessions, sess.ID)
+	s.mu.Unlock()
+}

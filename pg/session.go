@@ -1,0 +1,284 @@
+package pg
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/gocomm/gocomm/internal/ring"
+	"github.com/gocomm/gocomm/internal/shm"
+)
+
+// Session is one attached client process: its rings, its segments and its groups.
+//
+// Its loop (serve) is the only consumer of the submission queue; completions come from many
+// goroutines (group executors, point-to-point ops) and are serialized by cmpMu.
+type Session struct {
+	ID   uint64
+	srv  *Server
+	pid  int64
+	rank int
+	log  *slog.Logger
+
+	ringMem *shm.Segment
+	cons    *ring.Consumer
+	cmpMu   sync.Mutex
+	prod    *ring.Producer
+	reg     *registry
+
+	mu     sync.Mutex
+	groups map[uint32]*Group
+	closed bool
+	done   chan struct{} // closed when the session ends
+	loop   sync.WaitGroup
+}
+
+// RingPath is the file holding the session's rings (the client unlinks it once mapped).
+func (sess *Session) RingPath() string { return sess.ringMem.Path }
+
+// RingBytes is the size of the ring file.
+func (sess *Session) RingBytes() int { return len(sess.ringMem.Data) }
+
+// Done is closed when the session has ended.
+func (sess *Session) Done() <-chan struct{} { return sess.done }
+
+// AllocSegment creates a shared-memory segment for host tensors.
+func (sess *Session) AllocSegment(bytes uint64) (id uint32, path string, size uint64, err error) {
+	if sess.isClosed() {
+		return 0, "", 0, fmt.Errorf("session %d: %w", sess.ID, ErrNotFound)
+	}
+	return sess.reg.alloc(bytes)
+}
+
+// FreeSegment releases a segment once its ops are done.
+func (sess *Session) FreeSegment(id uint32) error { return sess.reg.free(id) }
+
+// CreateGroup creates this rank's member of a group. It is not usable until ConnectGroup.
+func (sess *Session) CreateGroup(name string, rank, size int, globalRanks []int, timeout time.Duration) (*Group, []byte, error) {
+	if size < 1 || rank < 0 || rank >= size {
+		return nil, nil, fmt.Errorf("%w: rank %d in a group of %d", ErrInvalid, rank, size)
+	}
+	if len(globalRanks) != 0 && len(globalRanks) != size {
+		return nil, nil, fmt.Errorf("%w: %d global ranks for a group of %d", ErrInvalid, len(globalRanks), size)
+	}
+	if timeout <= 0 {
+		timeout = 30 * time.Minute
+	}
+	g := newGroup(sess, name, rank, size, globalRanks, timeout)
+	sess.mu.Lock()
+	if sess.closed {
+		sess.mu.Unlock()
+		return nil, nil, fmt.Errorf("session %d: %w", sess.ID, ErrNotFound)
+	}
+	sess.srv.addGroup(g)
+	sess.groups[g.Handle] = g
+	sess.mu.Unlock()
+	g.log = sess.log.With("group", g.Handle, "name", name, "grank", rank, "gsize", size)
+	g.log.Info("group created", "timeout", timeout)
+	return g, sess.srv.bootstrapBlob(), nil
+}
+
+// ConnectGroup wires a group to its peers: blobs[i] is what rank i's CreateGroup returned.
+func (sess *Session) ConnectGroup(handle uint32, blobs [][]byte, secret []byte) (string, error) {
+	g, err := sess.Group(handle)
+	if err != nil {
+		return "", err
+	}
+	if len(blobs) != g.Size {
+		return "", fmt.Errorf("%w: %d bootstrap blobs for a group of %d", ErrInvalid, len(blobs), g.Size)
+	}
+	peers := make([]string, len(blobs))
+	for i, b := range blobs {
+		var bs bootstrap
+		if err := json.Unmarshal(b, &bs); err != nil || bs.Addr == "" {
+			return "", fmt.Errorf("%w: bootstrap blob of rank %d: %v", ErrInvalid, i, err)
+		}
+		peers[i] = bs.Addr
+	}
+	ep, err := sess.srv.node.Join(secret, g.Rank, peers)
+	if err != nil {
+		return "", fmt.Errorf("%w: %v", ErrInvalid, err)
+	}
+	if err := g.connect(ep); err != nil {
+		ep.Close()
+		return "", err
+	}
+	// Dial every peer now: a peer whose sidecar dies is then seen at once (its link to us
+	// closes), also before the group's first op.
+	ep.Connect()
+	g.log.Info("group connected", "transport", "tcp", "peers", peers)
+	return "tcp", nil
+}
+
+// Group returns one of the session's groups.
+func (sess *Session) Group(handle uint32) (*Group, error) {
+	sess.mu.Lock()
+	defer sess.mu.Unlock()
+	if g := sess.groups[handle]; g != nil {
+		return g, nil
+	}
+	return nil, fmt.Errorf("group %d: %w", handle, ErrNotFound)
+}
+
+// Groups of the session.
+func (sess *Session) Groups() []*Group {
+	sess.mu.Lock()
+	defer sess.mu.Unlock()
+	out := make([]*Group, 0, len(sess.groups))
+	for _, g := range sess.groups {
+		out = append(out, g)
+	}
+	return out
+}
+
+// DestroyGroup ends a group: pending ops fail, links close.
+func (sess *Session) DestroyGroup(handle uint32) error {
+	sess.mu.Lock()
+	g := sess.groups[handle]
+	delete(sess.groups, handle)
+	sess.mu.Unlock()
+	if g == nil {
+		return fmt.Errorf("group %d: %w", handle, ErrNotFound)
+	}
+	g.close("group destroyed")
+	sess.srv.dropGroup(g)
+	return nil
+}
+
+// Abort breaks one group (handle != 0) or all of them with reason.
+func (sess *Session) Abort(handle uint32, reason string) error {
+	if handle != 0 {
+		g, err := sess.Group(handle)
+		if err != nil {
+			return err
+		}
+		g.Abort(reason)
+		return nil
+	}
+	for _, g := range sess.Groups() {
+		g.Abort(reason)
+	}
+	return nil
+}
+
+// Close ends the session: every group is destroyed (their pending ops fail), the loop stops,
+// segments and rings are released.
+func (sess *Session) Close(reason string) {
+	sess.mu.Lock()
+	if sess.closed {
+		sess.mu.Unlock()
+		return
+	}
+	sess.closed = true
+	groups := make([]*Group, 0, len(sess.groups))
+	for _, g := range sess.groups {
+		groups = append(groups, g)
+	}
+	clear(sess.groups)
+	sess.mu.Unlock()
+	for _, g := range groups {
+		g.close(reason)
+		sess.srv.dropGroup(g)
+	}
+	sess.loop.Wait()
+	sess.cmpMu.Lock()
+	sess.prod = nil // no completion touches the ring after this
+	sess.cmpMu.Unlock()
+	errs := errors.Join(sess.reg.closeAll(), sess.ringMem.Close())
+	sess.srv.dropSession(sess)
+	close(sess.done)
+	sess.log.Info("session closed", "reason", reason, "err", errs)
+}
+
+func (sess *Session) isClosed() bool {
+	sess.mu.Lock()
+	defer sess.mu.Unlock()
+	return sess.closed
+}
+
+// serve consumes the submission queue until the session closes.
+func (sess *Session) serve() {
+	sess.loop.Add(1)
+	defer sess.loop.Done()
+	for !sess.isClosed() {
+		rec, ok, err := sess.cons.Next()
+		if err != nil {
+			sess.log.Error("submission ring corrupt; no more ops from this client", "err", err)
+			sess.complete(^uint64(0), StatusInternal, -1, err.Error())
+			for !sess.isClosed() {
+				time.Sleep(100 * time.Millisecond)
+			}
+			return
+		}
+		if !ok {
+			sess.cons.Wait(sess.srv.cfg.Spin, 100*time.Millisecond)
+			continue
+		}
+		switch rec.Type {
+		case RecOp:
+			sess.submit(rec.Payload)
+		default:
+			seq := uint64(0)
+			if len(rec.Payload) >= 8 {
+				seq = binary.LittleEndian.Uint64(rec.Payload)
+			}
+			sess.complete(seq, StatusInvalid, -1, fmt.Sprintf("unknown record type %d", rec.Type))
+		}
+		sess.cons.Release()
+	}
+}
+
+// submit validates one descriptor and hands it to its group. Nothing in the descriptor is
+// trusted: a bad one is answered with an invalid completion and the loop goes on.
+func (sess *Session) submit(payload []byte) {
+	d, err := DecodeDesc(payload)
+	if err != nil {
+		sess.complete(d.Seq, StatusInvalid, -1, err.Error())
+		return
+	}
+	g, err := sess.Group(d.Group)
+	if err != nil {
+		sess.complete(d.Seq, StatusInvalid, -1, fmt.Sprintf("%v: %v", ErrInvalid, err))
+		return
+	}
+	if err := d.Validate(g.Rank, g.Size); err != nil {
+		g.reject(d, err)
+		return
+	}
+	bufs, release, err := sess.reg.resolve(d.Bufs)
+	if err != nil {
+		g.reject(d, err)
+		return
+	}
+	timeout := g.Timeout
+	if d.TimeoutMS > 0 {
+		timeout = time.Duration(d.TimeoutMS) * time.Millisecond
+	}
+	g.submit(&op{desc: d, bufs: bufs, release: release, deadline: time.Now().Add(timeout), timeout: timeout})
+}
+
+// complete posts a completion. If the client stops reading, it waits for room until the
+// session closes.
+func (sess *Session) complete(seq uint64, status int32, source int, msg string) {
+	const maxMsg = 4096
+	if len(msg) > maxMsg {
+		msg = msg[:maxMsg]
+	}
+	payload := encodeDone(seq, status, int32(source), msg)
+	sess.cmpMu.Lock()
+	defer sess.cmpMu.Unlock()
+	for sess.prod != nil {
+		err := sess.prod.Write(time.Now().Add(time.Second), 20*time.Microsecond, RecDone, 0, payload)
+		if err == nil {
+			return
+		}
+		if !errors.Is(err, ring.ErrFull) || sess.isClosed() {
+			sess.log.Warn("completion dropped", "seq", seq, "err", err)
+			return
+		}
+	}
+}

@@ -1,0 +1,227 @@
+// Package rpc is pgserver's gRPC edge: each method translates a request into a call on the
+// pg domain and the result into a response. Errors map to gRPC status codes in one place
+// (toStatus); nothing below this package sees proto types.
+package rpc
+
+import (
+	"context"
+	"errors"
+	"os"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/gocomm/gocomm/pg"
+	v1 "github.com/gocomm/gocomm/proto/gocomm/v1"
+)
+
+// Host describes what the sidecar found on its machine, for Info.
+type Host struct {
+	RuntimeDir    string
+	LogFile       string
+	CUDAAvailable bool
+	CUDAError     string
+	Devices       []*v1.Device
+}
+
+// Service implements v1.PGServerServer on a pg.Server.
+type Service struct {
+	v1.UnimplementedPGServerServer
+	srv      *pg.Server
+	host     Host
+	shutdown func(reason string)
+}
+
+// NewService serves srv; shutdown is called (once, asynchronously) by the Shutdown rpc.
+func NewService(srv *pg.Server, host Host, shutdown func(reason string)) *Service {
+	return &Service{srv: srv, host: host, shutdown: shutdown}
+}
+
+// Register adds the service to a gRPC server.
+func (s *Service) Register(gs *grpc.Server) { v1.RegisterPGServerServer(gs, s) }
+
+// toStatus maps domain errors to gRPC status codes.
+func toStatus(err error) error {
+	if err == nil {
+		return nil
+	}
+	switch {
+	case errors.Is(err, pg.ErrNotFound):
+		return status.Error(codes.NotFound, err.Error())
+	case errors.Is(err, pg.ErrInvalid):
+		return status.Error(codes.InvalidArgument, err.Error())
+	case errors.Is(err, pg.ErrShutdown):
+		return status.Error(codes.Unavailable, err.Error())
+	default:
+		return status.Error(codes.Internal, err.Error())
+	}
+}
+
+func (s *Service) Info(context.Context, *v1.InfoRequest) (*v1.InfoResponse, error) {
+	host, _ := os.Hostname()
+	resp := &v1.InfoResponse{
+		Version:       s.srv.Version(),
+		Pid:           int64(os.Getpid()),
+		Hostname:      host,
+		CudaAvailable: s.host.CUDAAvailable,
+		CudaError:     s.host.CUDAError,
+		Devices:       s.host.Devices,
+		PeerAddress:   s.srv.PeerAddress(),
+		RuntimeDir:    s.host.RuntimeDir,
+		LogFile:       s.host.LogFile,
+	}
+	for _, e := range s.srv.Engines() {
+		resp.Engines = append(resp.Engines, &v1.Engine{Name: e.Name, Available: e.Available, Detail: e.Detail})
+	}
+	return resp, nil
+}
+
+func (s *Service) Health(context.Context, *v1.HealthRequest) (*v1.HealthResponse, error) {
+	resp := &v1.HealthResponse{Serving: true, UptimeSeconds: s.srv.Uptime().Seconds()}
+	for _, g := range s.srv.Groups() {
+		gh := &v1.GroupHealth{Group: g.Handle, Name: g.Name}
+		if err := g.Broken(); err != nil {
+			gh.Broken, gh.Error = true, err.Error()
+		}
+		resp.Groups = append(resp.Groups, gh)
+	}
+	return resp, nil
+}
+
+func (s *Service) Attach(_ context.Context, req *v1.AttachRequest) (*v1.AttachResponse, error) {
+	sess, err := s.srv.Attach(req.ClientPid, int(req.Rank), int(req.RingBytes))
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &v1.AttachResponse{Session: sess.ID, RingPath: sess.RingPath(), RingBytes: uint64(sess.RingBytes())}, nil
+}
+
+// Watch holds the session open: when the client's stream ends, the session closes; when the
+// session or the server ends, the stream does.
+func (s *Service) Watch(req *v1.WatchRequest, stream v1.PGServer_WatchServer) error {
+	sess, err := s.srv.Session(req.Session)
+	if err != nil {
+		return toStatus(err)
+	}
+	if err := stream.Send(&v1.WatchEvent{Kind: "attached"}); err != nil {
+		sess.Close("client's watch stream failed")
+		return err
+	}
+	select {
+	case <-stream.Context().Done():
+		sess.Close("client went away")
+		return nil
+	case <-sess.Done():
+		stream.Send(&v1.WatchEvent{Kind: "shutdown", Detail: "session closed"})
+		return nil
+	}
+}
+
+func (s *Service) AllocSegment(_ context.Context, req *v1.AllocSegmentRequest) (*v1.AllocSegmentResponse, error) {
+	sess, err := s.srv.Session(req.Session)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	id, path, size, err := sess.AllocSegment(req.Bytes)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &v1.AllocSegmentResponse{Segment: id, Path: path, Bytes: size}, nil
+}
+
+func (s *Service) FreeSegment(_ context.Context, req *v1.FreeSegmentRequest) (*v1.FreeSegmentResponse, error) {
+	sess, err := s.srv.Session(req.Session)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &v1.FreeSegmentResponse{}, toStatus(sess.FreeSegment(req.Segment))
+}
+
+func (s *Service) CreateGroup(_ context.Context, req *v1.CreateGroupRequest) (*v1.CreateGroupResponse, error) {
+	sess, err := s.srv.Session(req.Session)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	global := make([]int, len(req.GlobalRanks))
+	for i, r := range req.GlobalRanks {
+		global[i] = int(r)
+	}
+	g, blob, err := sess.CreateGroup(req.Name, int(req.Rank), int(req.Size), global, time.Duration(req.TimeoutMs)*time.Millisecond)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &v1.CreateGroupResponse{Group: g.Handle, Bootstrap: blob}, nil
+}
+
+func (s *Service) ConnectGroup(_ context.Context, req *v1.ConnectGroupRequest) (*v1.ConnectGroupResponse, error) {
+	sess, err := s.srv.Session(req.Session)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	transport, err := sess.ConnectGroup(req.Group, req.Bootstrap, req.Secret)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &v1.ConnectGroupResponse{Transport: transport}, nil
+}
+
+func (s *Service) DestroyGroup(_ context.Context, req *v1.DestroyGroupRequest) (*v1.DestroyGroupResponse, error) {
+	sess, err := s.srv.Session(req.Session)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &v1.DestroyGroupResponse{}, toStatus(sess.DestroyGroup(req.Group))
+}
+
+func (s *Service) Stats(_ context.Context, req *v1.StatsRequest) (*v1.StatsResponse, error) {
+	var sessions []*pg.Session
+	if req.Session == 0 {
+		sessions = s.srv.Sessions()
+	} else {
+		sess, err := s.srv.Session(req.Session)
+		if err != nil {
+			return nil, toStatus(err)
+		}
+		sessions = []*pg.Session{sess}
+	}
+	resp := &v1.StatsResponse{}
+	for _, sess := range sessions {
+		for _, g := range sess.Groups() {
+			st := g.Stats()
+			resp.Groups = append(resp.Groups, &v1.GroupStats{
+				Group: g.Handle, Name: g.Name, Ops: st.Ops, Errors: st.Errors,
+				BytesSent: st.Sent, BytesReceived: st.Recv, BytesByReference: st.ByRef,
+			})
+		}
+	}
+	return resp, nil
+}
+
+func (s *Service) Abort(_ context.Context, req *v1.AbortRequest) (*v1.AbortResponse, error) {
+	reason := req.Reason
+	if reason == "" {
+		reason = "aborted by the client"
+	}
+	if req.Session == 0 {
+		for _, sess := range s.srv.Sessions() {
+			sess.Abort(0, reason)
+		}
+		return &v1.AbortResponse{}, nil
+	}
+	sess, err := s.srv.Session(req.Session)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &v1.AbortResponse{}, toStatus(sess.Abort(req.Group, reason))
+}
+
+func (s *Service) Shutdown(_ context.Context, req *v1.ShutdownRequest) (*v1.ShutdownResponse, error) {
+	reason := req.Reason
+	if reason == "" {
+		reason = "shutdown requested"
+	}
+	go s.shutdown(reason)
+	return &v1.ShutdownResponse{}, nil
+}
