@@ -1,0 +1,50 @@
+"""gocomm: a PyTorch process-group backend served by a Go sidecar (pgserver).
+
+    import gocomm                                   # registers the "gocomm" backend
+    dist.init_process_group(backend="gocomm")       # torchrun / env:// / tcp:// / file://
+
+Every torch.distributed collective, point-to-point op and barrier then runs in this rank's
+sidecar, which talks to the other ranks' sidecars. The sidecar is started for each rank
+(GOCOMM_PGSERVER, next to this package, or on PATH) or attached to (GOCOMM_SIDECAR=unix:///...);
+it logs to a per-rank file in GOCOMM_LOG_DIR (default: the runtime directory).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ._backend import ProcessGroupGocomm, Work, create
+from ._sidecar import SidecarError, find_pgserver, shutdown
+
+__all__ = ["ProcessGroupGocomm", "SidecarError", "Work", "find_pgserver", "info", "shutdown"]
+__version__ = "0.1.0"
+
+
+def _check_environment() -> None:
+    if not dist.is_available():
+        raise ImportError("gocomm needs torch.distributed, which this build of torch lacks")
+
+
+def info() -> dict:
+    """What this process's sidecar reports (version, pid, engines, devices), or {} if none runs."""
+    from . import _sidecar
+
+    sc = _sidecar.current()
+    if sc is None:
+        return {}
+    i = sc.info
+    return {
+        "version": i.version,
+        "pid": i.pid,
+        "hostname": i.hostname,
+        "engines": {e.name: (e.available, e.detail) for e in i.engines},
+        "cuda_available": i.cuda_available,
+        "cuda_error": i.cuda_error,
+        "peer_address": i.peer_address,
+        "log_file": sc.log_file or i.log_file,
+    }
+
+
+_check_environment()
+if "gocomm" not in dist.Backend.backend_list:
+    dist.Backend.register_backend("gocomm", create, extended_api=True, devices=["cpu", "cuda"])

@@ -1,0 +1,853 @@
+"""The "gocomm" process group: a torch ProcessGroup whose ops run in this rank's sidecar.
+
+Per op: check the arguments (clear TypeError/ValueError before anything is sent), stage CPU
+inputs into the shared arena, write a descriptor into the submission ring, and return a Work.
+A completion thread reads the completion ring, copies outputs back into the caller's tensors,
+frees the arena space and finishes the Work and its Future.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import _sidecar, _wire
+from ._sidecar import SidecarError
+from .v1 import pgserver_pb2 as pb
+
+log = logging.getLogger("gocomm")
+
+# Extra time past an op's own deadline before the shim stops waiting for the sidecar's answer
+# (the sidecar enforces the deadline itself; this only guards against a wedged sidecar).
+_GRACE = 30.0
+
+
+def _timeout_seconds(timeout) -> float:
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+class Work(dist._Work):
+    """One op in flight. wait() blocks until the outputs are in the caller's tensors."""
+
+    def __init__(self, op: str, result: list[torch.Tensor], limit: float):
+        super().__init__()
+        self._op = op
+        self._result = result
+        self._done = threading.Event()
+        self._exc: BaseException | None = None
+        self._fut: torch.futures.Future = torch.futures.Future()
+        self._source = -1
+        self._limit = limit  # seconds after which wait() gives up on the sidecar
+        self._children: list[Work] = []
+
+    def _finish(self, exc: BaseException | None) -> None:
+        if self._done.is_set():
+            return
+        self._exc = exc
+        self._done.set()
+        if exc is None:
+            self._fut.set_result(self._result)
+        else:
+            self._fut.set_exception(exc)
+
+    def wait(self, timeout=None) -> bool:
+        limit = self._limit
+        if timeout is not None and _timeout_seconds(timeout) > 0:
+            limit = min(limit, _timeout_seconds(timeout))
+        if not self._done.wait(limit):
+            raise dist.DistBackendError(
+                f"gocomm {self._op}: no completion from pgserver within {limit:.0f}s "
+                "(the sidecar enforces op deadlines itself; it may be wedged)"
+            )
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._exc is None
+
+    def exception(self):
+        return self._exc
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def source_rank(self) -> int:
+        return self._source
+
+    def _source_rank(self) -> int:
+        return self._source
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class _Batch(Work):
+    """A Work standing for several ops (the coalesced variants)."""
+
+    def __init__(self, op: str, works: list[Work], result: list[torch.Tensor]):
+        super().__init__(op, result, max((w._limit for w in works), default=1.0))
+        self._children = works
+        if not works:
+            self._finish(None)
+        remaining = [len(works)]
+        lock = threading.Lock()
+
+        def one_done(fut, w=None):
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                exc = next((c._exc for c in works if c._exc is not None), None)
+                self._finish(exc)
+
+        for w in works:
+            w.get_future().add_done_callback(one_done)
+
+
+@dataclass
+class _Pending:
+    work: Work
+    op: str
+    deadline: float
+    allocs: list[tuple[int, int, int]] = field(default_factory=list)
+    copy_out: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+class _Dispatcher:
+    """Per-process: submits descriptors and finishes Works from the completion ring."""
+
+    def __init__(self, sc: _sidecar.Sidecar):
+        self.sc = sc
+        self._seq = itertools.count(1)
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._stop = False
+        sc.on_lost(self._fail_all)
+        self._thread = threading.Thread(target=self._loop, name="gocomm-completions", daemon=True)
+        self._thread.start()
+
+    def submit(self, desc_fn, p: _Pending) -> Work:
+        seq = next(self._seq)
+        with self._lock:
+            if self.sc.lost:
+                self._release(p)
+                raise dist.DistBackendError(f"gocomm {p.op}: {self.sc.lost}")
+            self._pending[seq] = p
+        payload = desc_fn(seq)
+        while not self.sc.ring.submit(_wire.REC_OP, payload):
+            if self.sc.lost:
+                break  # _fail_all finishes the work
+            time.sleep(20e-6)
+        return p.work
+
+    def _loop(self) -> None:
+        ring = self.sc.ring
+        last_check = time.monotonic()
+        while not self._stop:
+            recs = ring.poll()
+            for typ, payload in recs:
+                if typ == _wire.REC_DONE:
+                    self._complete(*_wire.decode_done(payload))
+            if not recs:
+                now = time.monotonic()
+                if now - last_check > 1.0:
+                    last_check = now
+                    self._expire(now)
+                ring.wait(0.05)
+
+    def _complete(self, seq: int, status: int, source: int, msg: str) -> None:
+        with self._lock:
+            p = self._pending.pop(seq, None)
+        if p is None:
+            log.error("gocomm: pgserver reported %s for unknown op %d: %s", _wire.STATUS_NAMES.get(status), seq, msg)
+            return
+        exc = None
+        try:
+            if status == _wire.STATUS_OK:
+                for dst, src in p.copy_out:
+                    dst.copy_(src)
+                p.work._source = source
+            else:
+                exc = _error(p.op, status, msg)
+        except BaseException as e:  # never let a copy error kill the completion thread
+            exc = e
+        self._release(p)
+        p.work._finish(exc)
+
+    def _release(self, p: _Pending) -> None:
+        for seg, off, n in p.allocs:
+            self.sc.arena.release(seg, off, n)
+        p.allocs = []
+        p.copy_out = []
+
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            late = [(s, p) for s, p in self._pending.items() if now > p.deadline]
+            for s, _ in late:
+                del self._pending[s]
+        for _, p in late:
+            # The sidecar may still write into these buffers: leak them rather than reuse.
+            p.work._finish(
+                dist.DistBackendError(f"gocomm {p.op}: pgserver did not answer within its deadline plus {_GRACE:.0f}s")
+            )
+
+    def _fail_all(self, why: str) -> None:
+        with self._lock:
+            pending = list(self._pending.values())
+            self._pending.clear()
+        for p in pending:
+            p.work._finish(dist.DistBackendError(f"gocomm {p.op}: {why}"))
+
+
+def _error(op: str, status: int, msg: str) -> BaseException:
+    kind = _wire.STATUS_NAMES.get(status, f"status {status}")
+    text = f"gocomm {op} failed ({kind}): {msg}"
+    return dist.DistBackendError(text)
+
+
+_dispatchers: dict[int, _Dispatcher] = {}
+_dispatch_lock = threading.Lock()
+
+
+def _dispatcher(sc: _sidecar.Sidecar) -> _Dispatcher:
+    with _dispatch_lock:
+        d = _dispatchers.get(id(sc))
+        if d is None or d.sc is not sc:
+            d = _Dispatcher(sc)
+            _dispatchers[id(sc)] = d
+        return d
+
+
+class _BackendView:
+    """What torch.distributed asks of a group's per-device backend (pg._get_backend(dev))."""
+
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+
+    def __init__(self, pg: ProcessGroupGocomm):
+        self._pg = pg
+
+    def __getattr__(self, name):
+        return getattr(self._pg, name)
+
+
+class ProcessGroupGocomm(dist.ProcessGroup):
+    """A process group served by pgserver. Created by torch through the "gocomm" backend;
+    every collective, point-to-point op and barrier of torch.distributed works on it."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta,
+        group_name: str = "",
+        global_ranks: list[int] | None = None,
+    ):
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._timeout = max(_timeout_seconds(timeout), 0.001)
+        self._group_name = group_name
+        self._global_ranks = list(global_ranks or range(size))
+        global_rank = self._global_ranks[rank] if rank < len(self._global_ranks) else rank
+        self._sc = _sidecar.get(global_rank)
+        self._disp = _dispatcher(self._sc)
+        resp = self._sc.call(
+            "CreateGroup",
+            pb.CreateGroupRequest(
+                session=self._sc.session,
+                name=group_name,
+                rank=rank,
+                size=size,
+                global_ranks=self._global_ranks,
+                timeout_ms=int(self._timeout * 1000),
+            ),
+        )
+        self._handle = resp.group
+        # Bootstrap through the group's Store: rank 0 hands out the secret peer links are
+        # authenticated with; every rank publishes where its sidecar listens.
+        if rank == 0:
+            store.set("gocomm/secret", os.urandom(32).hex())
+        secret = bytes.fromhex(store.get("gocomm/secret").decode())
+        store.set(f"gocomm/boot/{rank}", resp.bootstrap)
+        blobs = [store.get(f"gocomm/boot/{r}") for r in range(size)]
+        conn = self._sc.call(
+            "ConnectGroup",
+            pb.ConnectGroupRequest(session=self._sc.session, group=self._handle, bootstrap=blobs, secret=secret),
+        )
+        self.transport = conn.transport
+        self._closed = False
+        log.info("gocomm group %r rank %d/%d on handle %d via %s", group_name, rank, size, self._handle, conn.transport)
+
+    # ----- identity -------------------------------------------------------------------------
+
+    def getBackendName(self) -> str:
+        return "gocomm"
+
+    def name(self) -> str:
+        return "gocomm"
+
+    # torch keeps a group's name on the C++ backends registered with it; this group registers
+    # none, so the base class's group_name raises "ProcessGroup name not set" (and with it
+    # dist.destroy_process_group(subgroup)). Keep the name here instead.
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupGocomm(rank={self._rank}, size={self._size}, name={self._group_name!r})"
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device("cpu")]
+
+    def _get_backend(self, device=None) -> _BackendView:
+        return _BackendView(self)
+
+    @property
+    def options(self):
+        return None
+
+    # ----- plumbing -------------------------------------------------------------------------
+
+    def _submit(
+        self,
+        op: str,
+        kind: int,
+        dtype: torch.dtype | None,
+        *,
+        count: int = 0,
+        redop: int = 0,
+        root: int = 0,
+        tag: int = 0,
+        inputs: list[list[torch.Tensor] | None] = (),
+        outputs: list[tuple[int, list[torch.Tensor]]] = (),
+        splits: list[int] | None = None,
+        result: list[torch.Tensor] | None = None,
+        timeout=None,
+    ) -> Work:
+        """Stage buffers and submit one op.
+
+        inputs: one entry per descriptor buffer: the tensors packed into it (copied in), or
+        None for a buffer that only receives (its size comes from outputs).
+        outputs: (buffer index, tensors) whose bytes are copied back from that buffer, in
+        order, when the op succeeds.
+        """
+        if self._closed:
+            raise ValueError(f"gocomm {op}: the process group was destroyed")
+        t_limit = self._timeout
+        if timeout is not None and _timeout_seconds(timeout) > 0:
+            t_limit = _timeout_seconds(timeout)
+        work = Work(op, result if result is not None else [], t_limit + _GRACE)
+        p = _Pending(work, op, time.monotonic() + t_limit + _GRACE)
+        out_for = {i: ts for i, ts in outputs}
+        bufs = []
+        arena = self._sc.arena
+        try:
+            for i, ins in enumerate(inputs):
+                tensors = ins if ins is not None else out_for[i]
+                nbytes = sum(t.nbytes for t in tensors)
+                seg, off, view = arena.alloc(nbytes)
+                p.allocs.append((seg, off, nbytes))
+                bufs.append((seg, off, nbytes))
+                if ins is not None:
+                    pos = 0
+                    for t in tensors:
+                        view[pos : pos + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+                        pos += t.nbytes
+            for i, ts in outputs:
+                seg, off, nbytes = bufs[i]
+                view = arena._segs[seg].bytes[off : off + nbytes]
+                pos = 0
+                for t in ts:
+                    p.copy_out.append((t, view[pos : pos + t.nbytes].view(t.dtype).view(t.shape)))
+                    pos += t.nbytes
+        except BaseException:
+            self._disp._release(p)
+            raise
+        dt = _wire.DTYPES[dtype] if dtype is not None else 0
+        timeout_ms = int(t_limit * 1000) if timeout is not None else 0
+        return self._disp.submit(
+            lambda seq: _wire.encode_desc(
+                seq, self._handle, kind, dt, redop, root, tag, count, timeout_ms, bufs, splits
+            ),
+            p,
+        )
+
+    # ----- collectives ------------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        t = _single("all_reduce", "tensor", tensors)
+        redop = _redop("all_reduce", opts, t.dtype)
+        return self._submit(
+            "all_reduce",
+            _wire.ALL_REDUCE,
+            t.dtype,
+            count=t.numel(),
+            redop=redop,
+            inputs=[[t]],
+            outputs=[(0, [t])],
+            result=[t],
+            timeout=_opt_timeout(opts),
+        )
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        ts = _tensor_list("all_reduce_coalesced", "tensors", tensors)
+        if not ts:
+            return _Batch("all_reduce_coalesced", [], [])
+        _same_dtype("all_reduce_coalesced", "tensors", ts)
+        redop = _redop("all_reduce_coalesced", opts, ts[0].dtype)
+        return self._submit(
+            "all_reduce_coalesced",
+            _wire.ALL_REDUCE,
+            ts[0].dtype,
+            count=sum(t.numel() for t in ts),
+            redop=redop,
+            inputs=[ts],
+            outputs=[(0, ts)],
+            result=ts,
+            timeout=_opt_timeout(opts),
+        )
+
+    def broadcast(self, tensors, opts=None):
+        t = _single("broadcast", "tensor", tensors)
+        root = _root("broadcast", opts, self._size)
+        me = root == self._rank
+        return self._submit(
+            "broadcast",
+            _wire.BROADCAST,
+            t.dtype,
+            count=t.numel(),
+            root=root,
+            inputs=[[t] if me else None],
+            outputs=[] if me else [(0, [t])],
+            result=[t],
+            timeout=_opt_timeout(opts),
+        )
+
+    def reduce(self, tensors, opts=None):
+        t = _single("reduce", "tensor", tensors)
+        redop = _redop("reduce", opts, t.dtype)
+        root = _root("reduce", opts, self._size)
+        return self._submit(
+            "reduce",
+            _wire.REDUCE,
+            t.dtype,
+            count=t.numel(),
+            redop=redop,
+            root=root,
+            inputs=[[t]],
+            outputs=[(0, [t])] if root == self._rank else [],
+            result=[t],
+            timeout=_opt_timeout(opts),
+        )
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        t = _single("all_gather", "tensor", input_tensors)
+        outs = _output_list("all_gather", "tensor_list", output_tensors, t, self._size)
+        return self._submit(
+            "all_gather",
+            _wire.ALL_GATHER,
+            t.dtype,
+            count=t.numel(),
+            inputs=[[t], None],
+            outputs=[(1, outs)],
+            result=outs,
+            timeout=_opt_timeout(opts),
+        )
+
+    def _allgather_base(self, output, input, opts=None):
+        _check("all_gather_into_tensor", "input_tensor", input)
+        _check("all_gather_into_tensor", "output_tensor", output)
+        _match_dtype("all_gather_into_tensor", "output_tensor", output, input)
+        if output.numel() != self._size * input.numel():
+            raise ValueError(
+                f"gocomm all_gather_into_tensor: output_tensor has {output.numel()} elements, "
+                f"want world_size * input numel = {self._size} * {input.numel()}"
+            )
+        return self._submit(
+            "all_gather_into_tensor",
+            _wire.ALL_GATHER,
+            input.dtype,
+            count=input.numel(),
+            inputs=[[input], None],
+            outputs=[(1, [output])],
+            result=[output],
+            timeout=_opt_timeout(opts),
+        )
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return _Batch("all_gather_into_tensor_coalesced", works, list(outputs))
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        works = [self.allgather([o], [i], opts) for o, i in zip(output_lists, input_list, strict=True)]
+        return _Batch("all_gather_coalesced", works, [t for o in output_lists for t in o])
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        out = _single("reduce_scatter", "output", output_tensors)
+        if not isinstance(input_tensors, (list, tuple)) or len(input_tensors) != 1:
+            raise ValueError("gocomm reduce_scatter: expected one input list")
+        ins = _output_list("reduce_scatter", "input_list", input_tensors, out, self._size)
+        redop = _redop("reduce_scatter", opts, out.dtype)
+        return self._submit(
+            "reduce_scatter",
+            _wire.REDUCE_SCATTER,
+            out.dtype,
+            count=out.numel(),
+            redop=redop,
+            inputs=[ins, None],
+            outputs=[(1, [out])],
+            result=[out],
+            timeout=_opt_timeout(opts),
+        )
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        _check("reduce_scatter_tensor", "input", input)
+        _check("reduce_scatter_tensor", "output", output)
+        _match_dtype("reduce_scatter_tensor", "output", output, input)
+        if input.numel() != self._size * output.numel():
+            raise ValueError(
+                f"gocomm reduce_scatter_tensor: input has {input.numel()} elements, "
+                f"want world_size * output numel = {self._size} * {output.numel()}"
+            )
+        redop = _redop("reduce_scatter_tensor", opts, output.dtype)
+        return self._submit(
+            "reduce_scatter_tensor",
+            _wire.REDUCE_SCATTER,
+            output.dtype,
+            count=output.numel(),
+            redop=redop,
+            inputs=[[input], None],
+            outputs=[(1, [output])],
+            result=[output],
+            timeout=_opt_timeout(opts),
+        )
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return _Batch("reduce_scatter_tensor_coalesced", works, list(outputs))
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        op = "all_to_all_single"
+        _check(op, "input", input)
+        _check(op, "output", output)
+        _match_dtype(op, "output", output, input)
+        n = self._size
+        if input.dim() == 0 or output.dim() == 0:
+            raise ValueError(f"gocomm {op}: input and output need at least one dimension to split")
+        if input.shape[1:] != output.shape[1:]:
+            raise ValueError(
+                f"gocomm {op}: output rows have shape {tuple(output.shape[1:])}, input rows "
+                f"{tuple(input.shape[1:])}; they must match"
+            )
+        row = input[0].numel() if input.shape[0] else max(1, int(torch.Size(input.shape[1:]).numel()))
+        ins = _splits(op, "input_split_sizes", input_split_sizes, input.shape[0], n)
+        outs = _splits(op, "output_split_sizes", output_split_sizes, output.shape[0], n)
+        if ins[self._rank] != outs[self._rank]:
+            raise ValueError(
+                f"gocomm {op}: rank {self._rank} sends itself {ins[self._rank]} rows "
+                f"(input_split_sizes) but expects {outs[self._rank]} (output_split_sizes)"
+            )
+        return self._submit(
+            op,
+            _wire.ALL_TO_ALL,
+            input.dtype,
+            inputs=[[input], None],
+            outputs=[(1, [output])],
+            splits=[s * row for s in ins] + [s * row for s in outs],
+            result=[output],
+            timeout=_opt_timeout(opts),
+        )
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        op = "all_to_all"
+        ins = _tensor_list(op, "input_tensor_list", input_tensors)
+        outs = _tensor_list(op, "output_tensor_list", output_tensors)
+        n = self._size
+        if len(ins) != n or len(outs) != n:
+            raise ValueError(f"gocomm {op}: {len(ins)} inputs and {len(outs)} outputs, want {n} each")
+        _same_dtype(op, "input_tensor_list", ins)
+        for o in outs:
+            _match_dtype(op, "output_tensor_list", o, ins[0])
+        if ins[self._rank].numel() != outs[self._rank].numel():
+            raise ValueError(
+                f"gocomm {op}: input {self._rank} has {ins[self._rank].numel()} elements but "
+                f"output {self._rank} has {outs[self._rank].numel()}"
+            )
+        return self._submit(
+            op,
+            _wire.ALL_TO_ALL,
+            ins[0].dtype,
+            inputs=[ins, None],
+            outputs=[(1, outs)],
+            splits=[t.numel() for t in ins] + [t.numel() for t in outs],
+            result=outs,
+            timeout=_opt_timeout(opts),
+        )
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        t = _single("gather", "tensor", input_tensors)
+        root = _root("gather", opts, self._size)
+        if root == self._rank:
+            outs = _output_list("gather", "gather_list", output_tensors, t, self._size)
+            inputs, outputs = [[t], None], [(1, outs)]
+        else:
+            if output_tensors and any(len(o) for o in output_tensors):
+                raise ValueError("gocomm gather: gather_list must be given on the destination rank only")
+            outs, inputs, outputs = [], [[t]], []
+        return self._submit(
+            "gather",
+            _wire.GATHER,
+            t.dtype,
+            count=t.numel(),
+            root=root,
+            inputs=inputs,
+            outputs=outputs,
+            result=outs,
+            timeout=_opt_timeout(opts),
+        )
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        t = _single("scatter", "tensor", output_tensors)
+        root = _root("scatter", opts, self._size)
+        if root == self._rank:
+            ins = _output_list("scatter", "scatter_list", input_tensors, t, self._size)
+            inputs = [None, ins]
+        else:
+            if input_tensors and any(len(i) for i in input_tensors):
+                raise ValueError("gocomm scatter: scatter_list must be given on the source rank only")
+            inputs = [None]
+        return self._submit(
+            "scatter",
+            _wire.SCATTER,
+            t.dtype,
+            count=t.numel(),
+            root=root,
+            inputs=inputs,
+            outputs=[(0, [t])],
+            result=[t],
+            timeout=_opt_timeout(opts),
+        )
+
+    def barrier(self, opts=None):
+        return self._submit("barrier", _wire.BARRIER, None, timeout=_opt_timeout(opts))
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        self._submit("monitored_barrier", _wire.BARRIER, None, timeout=timeout).wait()
+
+    # ----- point to point -----------------------------------------------------------------
+
+    def send(self, tensors, dst, tag=0):
+        t = _single("send", "tensor", tensors)
+        self._peer("send", "dst", dst)
+        return self._submit("send", _wire.SEND, t.dtype, count=t.numel(), root=dst, tag=tag, inputs=[[t]], result=[t])
+
+    def recv(self, tensors, src, tag=0):
+        t = _single("recv", "tensor", tensors)
+        self._peer("recv", "src", src)
+        return self._submit(
+            "recv",
+            _wire.RECV,
+            t.dtype,
+            count=t.numel(),
+            root=src,
+            tag=tag,
+            inputs=[None],
+            outputs=[(0, [t])],
+            result=[t],
+        )
+
+    def recv_anysource(self, tensors, tag=0):
+        t = _single("recv", "tensor", tensors)
+        return self._submit(
+            "recv",
+            _wire.RECV,
+            t.dtype,
+            count=t.numel(),
+            root=-1,
+            tag=tag,
+            inputs=[None],
+            outputs=[(0, [t])],
+            result=[t],
+        )
+
+    def _peer(self, op: str, name: str, peer) -> None:
+        if not isinstance(peer, int) or not 0 <= peer < self._size:
+            raise ValueError(f"gocomm {op}: {name}={peer!r} is not a rank of this group of {self._size}")
+        if peer == self._rank:
+            raise ValueError(f"gocomm {op}: {name}={peer} is this rank")
+
+    # ----- lifetime -------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Leave the group: pending ops fail, peer links close."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._sc.lost:
+            return
+        try:
+            self._sc.call(
+                "DestroyGroup", pb.DestroyGroupRequest(session=self._sc.session, group=self._handle), timeout=30
+            )
+        except SidecarError as e:
+            log.warning("gocomm: destroying group %r: %s", self._group_name, e)
+
+    def abort(self) -> None:
+        """Fail everything pending on the group, on this rank and its peers."""
+        if self._closed or self._sc.lost:
+            return
+        self._sc.call("Abort", pb.AbortRequest(session=self._sc.session, group=self._handle, reason="abort()"))
+        self.shutdown()
+
+    def stats(self) -> dict:
+        """This group's counters from the sidecar."""
+        resp = self._sc.call("Stats", pb.StatsRequest(session=self._sc.session))
+        for g in resp.groups:
+            if g.group == self._handle:
+                return {
+                    "ops": dict(g.ops),
+                    "errors": g.errors,
+                    "bytes_sent": g.bytes_sent,
+                    "bytes_received": g.bytes_received,
+                }
+        return {}
+
+
+# ----- argument checks (before anything is sent) -------------------------------------------------
+
+
+def _check(op: str, name: str, t) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"gocomm {op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"gocomm {op}: {name} is a {t.layout} tensor; only dense (strided) tensors are supported")
+    if t.device.type != "cpu":
+        raise NotImplementedError(
+            f"gocomm {op}: {name} is on {t.device}; this version of gocomm runs CPU tensors only "
+            "(its CUDA engine is not built yet). Move the tensor to the CPU or use the nccl backend."
+        )
+    if t.dtype not in _wire.DTYPES:
+        raise TypeError(f"gocomm {op}: {name} has dtype {t.dtype}, which gocomm does not support")
+    if not t.is_contiguous():
+        raise ValueError(f"gocomm {op}: {name} must be contiguous (call .contiguous() on it)")
+    return t
+
+
+def _single(op: str, name: str, tensors) -> torch.Tensor:
+    if isinstance(tensors, torch.Tensor):
+        return _check(op, name, tensors)
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
+        n = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
+        raise ValueError(f"gocomm {op}: expected exactly one {name} per call, got {n}")
+    return _check(op, name, tensors[0])
+
+
+def _tensor_list(op: str, name: str, tensors) -> list[torch.Tensor]:
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"gocomm {op}: {name} must be a list of tensors, got {type(tensors).__name__}")
+    return [_check(op, f"{name}[{i}]", t) for i, t in enumerate(tensors)]
+
+
+def _same_dtype(op: str, name: str, ts: list[torch.Tensor]) -> None:
+    for i, t in enumerate(ts):
+        if t.dtype != ts[0].dtype:
+            raise TypeError(f"gocomm {op}: {name}[{i}] has dtype {t.dtype}, {name}[0] has {ts[0].dtype}")
+
+
+def _match_dtype(op: str, name: str, t: torch.Tensor, like: torch.Tensor) -> None:
+    if t.dtype != like.dtype:
+        raise TypeError(f"gocomm {op}: {name} has dtype {t.dtype}, the input has {like.dtype}")
+
+
+def _output_list(op: str, name: str, lists, like: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """The one list of size tensors shaped like `like` that list-style collectives take."""
+    if not isinstance(lists, (list, tuple)) or len(lists) != 1:
+        raise ValueError(f"gocomm {op}: expected one {name}")
+    ts = _tensor_list(op, name, lists[0])
+    if len(ts) != size:
+        raise ValueError(f"gocomm {op}: {name} has {len(ts)} tensors, the group has {size} ranks")
+    for i, t in enumerate(ts):
+        _match_dtype(op, f"{name}[{i}]", t, like)
+        if t.numel() != like.numel():
+            raise ValueError(
+                f"gocomm {op}: {name}[{i}] has {t.numel()} elements (shape {tuple(t.shape)}), "
+                f"want {like.numel()} (shape {tuple(like.shape)})"
+            )
+    return ts
+
+
+def _redop(op: str, opts, dtype: torch.dtype) -> int:
+    want = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+    for torch_op, code, _name in _wire.REDUCE_OPS:
+        if want == torch_op:
+            why = _wire.reduce_support(dtype, code)
+            if why:
+                raise TypeError(f"gocomm {op}: {why}")
+            return code
+    raise ValueError(f"gocomm {op}: reduce op {want} is not supported (PREMUL_SUM is NCCL-only)")
+
+
+def _root(op: str, opts, size: int) -> int:
+    root = opts.rootRank
+    if not 0 <= root < size:
+        raise ValueError(f"gocomm {op}: root rank {root} is not in the group of {size}")
+    return root
+
+
+def _splits(op: str, name: str, splits, rows: int, n: int) -> list[int]:
+    if not splits:
+        if rows % n:
+            raise ValueError(f"gocomm {op}: {rows} rows do not split evenly over {n} ranks; pass {name}")
+        return [rows // n] * n
+    splits = [int(s) for s in splits]
+    if len(splits) != n:
+        raise ValueError(f"gocomm {op}: {name} has {len(splits)} entries, the group has {n} ranks")
+    if any(s < 0 for s in splits):
+        raise ValueError(f"gocomm {op}: {name} has a negative entry: {splits}")
+    if sum(splits) != rows:
+        raise ValueError(f"gocomm {op}: {name} add up to {sum(splits)} rows, the tensor has {rows}")
+    return splits
+
+
+def _opt_timeout(opts):
+    if opts is None:
+        return None
+    t = getattr(opts, "timeout", None)
+    if t is None or _timeout_seconds(t) <= 0:
+        return None
+    return t
+
+
+def create(dist_opts, backend_opts=None) -> ProcessGroupGocomm:
+    """The creator torch calls for backend="gocomm" (extended API)."""
+    return ProcessGroupGocomm(
+        dist_opts.store,
+        dist_opts.group_rank,
+        dist_opts.group_size,
+        dist_opts.timeout,
+        group_name=str(dist_opts.group_id),
+        global_ranks=list(dist_opts.global_ranks_in_group),
+    )

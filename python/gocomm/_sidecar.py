@@ -1,0 +1,329 @@
+"""This process's sidecar: finding or starting pgserver, the gRPC control channel, the
+session (rings, watch stream) and the shared-memory arena host tensors are staged in."""
+
+from __future__ import annotations
+
+import atexit
+import bisect
+import mmap
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from . import _ring
+from .v1 import pgserver_pb2 as pb
+from .v1 import pgserver_pb2_grpc as pb_grpc
+
+_START_TIMEOUT = float(os.environ.get("GOCOMM_START_TIMEOUT", "30"))
+
+
+class SidecarError(RuntimeError):
+    """pgserver could not be found, started or reached, or it went away."""
+
+
+def find_pgserver() -> str:
+    """The pgserver binary: $GOCOMM_PGSERVER, then next to this package, then on PATH."""
+    env = os.environ.get("GOCOMM_PGSERVER")
+    if env:
+        if not os.access(env, os.X_OK):
+            raise SidecarError(f"GOCOMM_PGSERVER={env} is not an executable file")
+        return env
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", "pgserver")
+    if os.access(here, os.X_OK):
+        return here
+    found = shutil.which("pgserver")
+    if found:
+        return found
+    raise SidecarError(
+        "gocomm cannot find pgserver: set GOCOMM_PGSERVER, run `make` in the gocomm checkout "
+        f"(it puts the binary at {here}), or put pgserver on PATH"
+    )
+
+
+def runtime_dir() -> str:
+    """Private directory for sockets and logs ($XDG_RUNTIME_DIR/gocomm or /tmp/gocomm-<uid>)."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = os.path.join(base, "gocomm") if base else os.path.join(tempfile.gettempdir(), f"gocomm-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if st.st_uid != os.getuid():
+        raise SidecarError(f"runtime directory {path} belongs to uid {st.st_uid}, not {os.getuid()}")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def advertise_host() -> str:
+    """The address peers should dial to reach this host's sidecars.
+
+    $GOCOMM_ADVERTISE_ADDR wins; otherwise the local address of the route towards MASTER_ADDR
+    (the interface torchrun's store is reached over), else 127.0.0.1 for a one-host job.
+    """
+    env = os.environ.get("GOCOMM_ADVERTISE_ADDR")
+    if env:
+        return env
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        infos = socket.getaddrinfo(master, 1, type=socket.SOCK_DGRAM)
+        fam, _, _, _, addr = infos[0]
+        with socket.socket(fam, socket.SOCK_DGRAM) as s:
+            s.connect(addr)  # no packet is sent; this only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+@dataclass
+class _Segment:
+    id: int
+    mm: mmap.mmap
+    size: int
+    bytes: torch.Tensor  # uint8 view of the whole mapping
+    free: list[tuple[int, int]] = field(default_factory=list)  # sorted (offset, length)
+
+
+class Arena:
+    """Host memory shared with the sidecar, carved into op buffers.
+
+    Segments come from AllocSegment (the sidecar creates and registers them; descriptors name
+    bytes by (segment, offset, length), which the sidecar bounds-checks). Buffers are 64-byte
+    aligned; freed space coalesces; a request that fits nowhere adds a segment at least twice
+    the size of the last.
+    """
+
+    ALIGN = 64
+
+    def __init__(self, sidecar: Sidecar, first: int = 16 << 20):
+        self._sc = sidecar
+        self._lock = threading.Lock()
+        self._segs: dict[int, _Segment] = {}
+        self._next_size = first
+        self._grow(first)
+
+    def _grow(self, need: int) -> _Segment:
+        size = max(need, self._next_size)
+        resp = self._sc.call("AllocSegment", pb.AllocSegmentRequest(session=self._sc.session, bytes=size))
+        fd = os.open(resp.path, os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, resp.bytes)
+        finally:
+            os.close(fd)
+        os.unlink(resp.path)
+        seg = _Segment(resp.segment, mm, resp.bytes, torch.frombuffer(mm, dtype=torch.uint8), [(0, resp.bytes)])
+        self._segs[seg.id] = seg
+        self._next_size = 2 * resp.bytes
+        return seg
+
+    def alloc(self, nbytes: int) -> tuple[int, int, torch.Tensor]:
+        """Reserve nbytes: (segment id, offset, uint8 tensor over the bytes)."""
+        want = max((nbytes + self.ALIGN - 1) // self.ALIGN * self.ALIGN, self.ALIGN)
+        with self._lock:
+            for seg in self._segs.values():
+                for i, (off, n) in enumerate(seg.free):
+                    if n >= want:
+                        seg.free[i : i + 1] = [(off + want, n - want)] if n > want else []
+                        return seg.id, off, seg.bytes[off : off + nbytes]
+            seg = self._grow(want)
+            off, n = seg.free[0]
+            seg.free[0:1] = [(off + want, n - want)] if n > want else []
+            return seg.id, off, seg.bytes[off : off + nbytes]
+
+    def release(self, seg_id: int, off: int, nbytes: int) -> None:
+        want = max((nbytes + self.ALIGN - 1) // self.ALIGN * self.ALIGN, self.ALIGN)
+        with self._lock:
+            free = self._segs[seg_id].free
+            i = bisect.bisect(free, (off, 0))
+            free.insert(i, (off, want))
+            # coalesce with the neighbours
+            if i + 1 < len(free) and free[i][0] + free[i][1] == free[i + 1][0]:
+                free[i : i + 2] = [(free[i][0], free[i][1] + free[i + 1][1])]
+            if i > 0 and free[i - 1][0] + free[i - 1][1] == free[i][0]:
+                free[i - 1 : i + 1] = [(free[i - 1][0], free[i - 1][1] + free[i][1])]
+
+
+class Sidecar:
+    """The connection to this process's pgserver: started here, or attached to with
+    GOCOMM_SIDECAR=unix:///path. One per process, shared by every gocomm group."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.proc: subprocess.Popen | None = None
+        self.log_file: str | None = None
+        self._closed = False
+        self._lost: str | None = None
+        self._on_lost: list = []
+        address = os.environ.get("GOCOMM_SIDECAR")
+        if address:
+            if not address.startswith("unix://"):
+                raise SidecarError(f"GOCOMM_SIDECAR={address}: only unix:///path sockets are supported")
+            self.socket = address[len("unix://") :]
+        else:
+            self.socket = self._start(rank)
+        self.channel = grpc.insecure_channel(
+            "unix://" + self.socket,
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.enable_http_proxy", 0)],
+        )
+        self.stub = pb_grpc.PGServerStub(self.channel)
+        self._wait_ready()
+        self.info = self.call("Info", pb.InfoRequest())
+        resp = self.call("Attach", pb.AttachRequest(client_pid=os.getpid(), rank=rank))
+        self.session = resp.session
+        self.ring = _ring.Ring(resp.ring_path, resp.ring_bytes)
+        self._watch = self.stub.Watch(pb.WatchRequest(session=self.session))
+        first = next(self._watch)
+        if first.kind != "attached":
+            raise SidecarError(f"pgserver answered the watch with {first.kind!r}")
+        threading.Thread(target=self._watch_loop, name="gocomm-watch", daemon=True).start()
+        self.arena = Arena(self)
+
+    def _start(self, rank: int) -> str:
+        exe = find_pgserver()
+        rdir = runtime_dir()
+        sock = os.path.join(rdir, f"pgserver-{os.getpid()}-r{rank}.sock")
+        log_dir = os.environ.get("GOCOMM_LOG_DIR", rdir)
+        os.makedirs(log_dir, exist_ok=True)
+        self.log_file = os.path.join(log_dir, f"pgserver-rank{rank}-{os.getpid()}.log")
+        cmd = [
+            exe,
+            "--socket",
+            sock,
+            "--runtime-dir",
+            rdir,
+            "--log-file",
+            self.log_file,
+            "--log-level",
+            os.environ.get("GOCOMM_LOG_LEVEL", "info"),
+            "--advertise",
+            advertise_host(),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
+        if os.environ.get("GOCOMM_SPIN"):
+            cmd += ["--spin", os.environ["GOCOMM_SPIN"]]
+        with open(self.log_file, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True)
+        return sock
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + _START_TIMEOUT
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise SidecarError(f"pgserver exited with status {self.proc.returncode} at start; {self._log_tail()}")
+            try:
+                grpc.channel_ready_future(self.channel).result(timeout=0.2)
+                return
+            except grpc.FutureTimeoutError:
+                if time.monotonic() > deadline:
+                    raise SidecarError(f"pgserver did not answer on {self.socket} within {_START_TIMEOUT}s") from None
+
+    def _log_tail(self) -> str:
+        if not self.log_file:
+            return "no log (attached sidecar)"
+        try:
+            with open(self.log_file, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_file) - 2000))
+                return f"log {self.log_file} ends with:\n" + f.read().decode("utf-8", "replace")
+        except OSError:
+            return f"log: {self.log_file}"
+
+    def call(self, method: str, request, timeout: float = 120.0):
+        """One control-plane rpc; errors become SidecarError naming the method."""
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout)
+        except grpc.RpcError as e:
+            raise SidecarError(f"pgserver {method}: {e.code().name}: {e.details()}") from None
+
+    def _watch_loop(self) -> None:
+        try:
+            for ev in self._watch:
+                if ev.kind == "shutdown":
+                    self._mark_lost(f"pgserver closed the session: {ev.detail}")
+                    return
+            self._mark_lost("pgserver closed the session")
+        except grpc.RpcError as e:
+            if not self._closed:
+                self._mark_lost(f"lost the connection to pgserver ({e.code().name})")
+
+    def _mark_lost(self, why: str) -> None:
+        if self._closed:
+            return
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
+            rc = self.proc.returncode
+            if rc is not None:
+                why += f"; pgserver (pid {self.proc.pid}) exited with status {rc}"
+                if rc < 0:
+                    why += f" (killed by signal {-rc})"
+            why += f"; see {self.log_file}"
+        self._lost = why
+        for fn in list(self._on_lost):
+            fn(why)
+
+    @property
+    def lost(self) -> str | None:
+        """Why the sidecar is gone, or None while it serves."""
+        return self._lost
+
+    def on_lost(self, fn) -> None:
+        self._on_lost.append(fn)
+
+    def close(self) -> None:
+        """Detach; a sidecar started here exits with the session."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._watch.cancel()
+        except Exception:
+            pass
+        if self.proc is not None:
+            try:
+                self.stub.Shutdown(pb.ShutdownRequest(reason="client closed"), timeout=5)
+            except grpc.RpcError:
+                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.channel.close()
+
+
+_lock = threading.Lock()
+_sidecar: Sidecar | None = None
+
+
+def get(rank: int) -> Sidecar:
+    """This process's sidecar, started (or attached to) on first use."""
+    global _sidecar
+    with _lock:
+        if _sidecar is None or _sidecar.lost:
+            _sidecar = Sidecar(rank)
+        return _sidecar
+
+
+def current() -> Sidecar | None:
+    return _sidecar
+
+
+def shutdown() -> None:
+    """Stop this process's sidecar (also run at interpreter exit)."""
+    global _sidecar
+    with _lock:
+        sc, _sidecar = _sidecar, None
+    if sc is not None:
+        sc.close()
+
+
+atexit.register(shutdown)
