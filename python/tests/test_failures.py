@@ -1,0 +1,334 @@
+"""Failures end in errors, never in hangs: ranks that call different collectives, a sidecar killed
+in the middle of a collective, and descriptors the sidecar must refuse (sent straight into the
+submission ring, past the shim's own checks)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from _harness import GROUP_TIMEOUT_S
+from ranklib import Checker, gen
+
+R = dist.ReduceOp
+
+
+def _new_group(rk):
+    """A fresh gocomm group over the whole world with the world's (20 s) timeout: new_group
+    would otherwise take torch's default of 30 minutes."""
+    return dist.new_group(backend="gocomm", timeout=datetime.timedelta(seconds=rk.timeout_s))
+
+
+def _outcome(fn):
+    t0 = time.monotonic()
+    try:
+        fn()
+        err = None
+    except Exception as e:  # noqa: BLE001
+        err = e
+    return {
+        "error": type(err).__name__ if err else None,
+        "backend_error": isinstance(err, dist.DistBackendError),
+        "message": str(err) if err else "",
+        "elapsed": time.monotonic() - t0,
+    }
+
+
+# ----- ranks that disagree ---------------------------------------------------------------------
+
+
+def check_disagree(rk, seed, case):
+    """Every rank runs its side of `case` on a fresh gocomm group; returns how it ended."""
+    g = _new_group(rk)
+    me, n = rk.rank, rk.size
+
+    def run():
+        if case == "count":  # rank 0: 10 elements, the others 12
+            dist.all_reduce(torch.ones(10 if me == 0 else 12), group=g)
+        elif case == "kind":  # rank 0 all_reduce, the others all_gather
+            if me == 0:
+                dist.all_reduce(torch.ones(8), group=g)
+            else:
+                dist.all_gather([torch.zeros(8) for _ in range(n)], torch.ones(8), group=g)
+        elif case == "skip":  # rank 1 calls all_reduce once then barrier; the others all_reduce twice
+            dist.all_reduce(torch.ones(8), group=g)
+            if me == 1:
+                dist.barrier(group=g)
+            else:
+                dist.all_reduce(torch.ones(8), group=g)
+        else:
+            raise ValueError(case)
+
+    out = _outcome(run)
+    dist.destroy_process_group(g)
+    return out
+
+
+@pytest.mark.parametrize(
+    "size,case,words",
+    [
+        (2, "count", ["mismatch"]),
+        (2, "kind", ["mismatch"]),
+        (3, "kind", ["mismatch"]),
+        (3, "skip", []),
+    ],
+    ids=[
+        "w2-count-10-vs-12",
+        "w2-all_reduce-vs-all_gather",
+        "w3-all_reduce-vs-all_gather",
+        "w3-rank1-skips",
+    ],
+)
+def test_ranks_that_disagree_get_errors(worlds, seed, size, case, words):
+    results = worlds.get(size).run(check_disagree, seed=seed, case=case)
+    report = "\n".join(
+        f"rank {r}: {o['error']} after {o['elapsed']:.2f}s: {o['message'][:400]}" for r, o in enumerate(results)
+    )
+    for r, o in enumerate(results):
+        assert o["backend_error"], f"rank {r} did not raise DistBackendError:\n{report}"
+        assert o["elapsed"] < GROUP_TIMEOUT_S, f"rank {r} took longer than the group timeout:\n{report}"
+        for w in words:
+            assert w in o["message"].lower(), f"rank {r}'s error does not mention {w!r}:\n{report}"
+    # the world group was not touched and still works
+    worlds.get(size).run(check_world_works, seed=seed)
+
+
+def check_world_works(rk, seed):
+    xs = [gen(seed, "works", r, (257,), torch.int64) for r in range(rk.size)]
+    t = xs[rk.rank].clone()
+    dist.all_reduce(t, op=R.BXOR)
+    ck = Checker("world group after", seed, rk.rank)
+    ck.reduced("all_reduce BXOR", t, xs, R.BXOR, torch.int64)
+    ck.done()
+    return True
+
+
+# ----- a sidecar killed mid-collective ------------------------------------------------------------
+
+
+def check_sidecar_killed(rk, seed, warm):
+    import gocomm
+
+    x = gen(seed, "big", rk.rank, (8 << 20,), torch.float32)  # 32 MiB
+    if warm:  # an op first, so that the peer links are up when the sidecar dies
+        t = torch.ones(1000)
+        dist.all_reduce(t)
+    dist.barrier(group=rk.world.gloo)
+    t0 = time.monotonic()
+    work = dist.all_reduce(x, async_op=True)
+    killed = None
+    if rk.rank == 1:
+        killed = gocomm.info()["pid"]
+        os.kill(killed, signal.SIGKILL)
+    try:
+        work.wait()
+        err = None
+    except Exception as e:  # noqa: BLE001
+        err = e
+    return {
+        "killed": killed,
+        "error": type(err).__name__ if err else None,
+        "backend_error": isinstance(err, dist.DistBackendError),
+        "message": str(err) if err else "",
+        "elapsed": time.monotonic() - t0,
+    }
+
+
+def _check_killed(results, report_of):
+    report = report_of(results)
+    for r, o in enumerate(results):
+        if o.get("killed"):
+            msg = o["message"]
+            assert o["backend_error"], f"rank {r}: no DistBackendError:\n{report}"
+            assert "pgserver" in msg and str(o["killed"]) in msg, (
+                f"rank {r}'s error does not name its sidecar:\n{report}"
+            )
+            assert "signal 9" in msg or "killed" in msg, f"rank {r}'s error does not say its sidecar died:\n{report}"
+        else:
+            assert o["backend_error"], f"rank {r}: wait() did not raise DistBackendError:\n{report}"
+        assert o["elapsed"] < GROUP_TIMEOUT_S, (
+            f"rank {r} raised only after {o['elapsed']:.1f}s, not before the {GROUP_TIMEOUT_S:.0f}s group timeout "
+            f"(the death was not noticed, the op just timed out):\n{report}"
+        )
+
+
+def _report(results):
+    return "\n".join(
+        f"rank {r}: {o['error']} after {o['elapsed']:.2f}s: {o['message'][:500]}" for r, o in enumerate(results)
+    )
+
+
+def test_sidecar_killed_mid_collective(worlds, seed):
+    """3 ranks (links up: one all_reduce first) each start a 32 MiB async all_reduce; rank 1
+    SIGKILLs its own pgserver right after submitting. wait() raises on every rank before the
+    group timeout, and rank 1's error says its sidecar died."""
+    world = worlds.fresh(3, label="-kill")
+    try:
+        results = world.run(check_sidecar_killed, seed=seed, timeout=GROUP_TIMEOUT_S + 60, warm=True)
+    finally:
+        world.kill()
+    _check_killed(results, _report)
+
+
+def check_peer_dead_before_op(rk, seed):
+    import gocomm
+
+    killed = None
+    if rk.rank == 1:
+        killed = gocomm.info()["pid"]
+        os.kill(killed, signal.SIGKILL)
+        time.sleep(0.5)
+    dist.barrier(group=rk.world.gloo)
+    out = _outcome(lambda: dist.all_reduce(torch.ones(1000)))
+    out["killed"] = killed
+    return out
+
+
+def test_peer_sidecar_dead_before_first_op(worlds, seed):
+    """Rank 1's pgserver is SIGKILLed before the group's first op; then every rank calls
+    all_reduce. Rank 1 fails at once (its sidecar is gone); ranks 0 and 2 must fail before the
+    group timeout too (a peer's sidecar that died is noticed, even when no data went over a
+    link to it yet), not only when the op's deadline passes."""
+    world = worlds.fresh(3, label="-dead")
+    try:
+        results = world.run(check_peer_dead_before_op, seed=seed, timeout=GROUP_TIMEOUT_S + 60)
+    finally:
+        world.kill()
+    _check_killed(results, _report)
+
+
+# ----- malformed descriptors ---------------------------------------------------------------------
+
+
+def _submit_raw(pg, op, desc_fn):
+    """Put a hand-made descriptor into the submission ring, the way ProcessGroupGocomm._submit does."""
+    from gocomm._backend import _GRACE, Work, _Pending
+
+    work = Work(op, [], pg._timeout + _GRACE)
+    pending = _Pending(work, op, time.monotonic() + pg._timeout + _GRACE)
+    return pg._disp.submit(desc_fn, pending)
+
+
+def check_malformed_descriptors(rk, seed):
+    from gocomm import ProcessGroupGocomm, _wire
+
+    ck = Checker("malformed descriptors", seed, rk.rank)
+    me, n = rk.rank, rk.size
+    peer = (me + 1) % n
+    f32 = _wire.DTYPES[torch.float32]
+    g = _new_group(rk)
+    ck.expect(
+        "new_group gives a ProcessGroupGocomm",
+        isinstance(g, ProcessGroupGocomm),
+        type(g).__name__,
+    )
+    seg_id, seg = next(iter(g._sc.arena._segs.items()))
+
+    # (a) sends whose buffer is not inside its segment: refused, and the group is not broken
+    bad_sends = [
+        (
+            "buffer running past the end of its segment",
+            seg_id,
+            seg.size - 8,
+            ["invalid", "outside"],
+        ),
+        ("buffer far outside its segment", seg_id, 1 << 40, ["invalid", "outside"]),
+        ("buffer in a segment that does not exist", 999_999, 0, ["invalid", "segment"]),
+    ]
+    for label, sid, off, words in bad_sends:
+        with ck.case(label):
+
+            def desc(seq, sid=sid, off=off):
+                return _wire.encode_desc(seq, g._handle, _wire.SEND, f32, 0, peer, 0, 4, 0, [(sid, off, 16)])
+
+            out = _outcome(lambda desc=desc: _submit_raw(g, "send", desc).wait())
+            ck.expect(
+                label + ": DistBackendError",
+                out["backend_error"],
+                f"{out['error']}: {out['message']}",
+            )
+            missing = [w for w in words if w not in out["message"].lower()]
+            ck.expect(
+                label + ": message",
+                not missing,
+                f"does not say {missing}: {out['message']}",
+            )
+            ck.expect(
+                label + ": refused at once",
+                out["elapsed"] < 5,
+                f"took {out['elapsed']:.1f}s",
+            )
+    with ck.case("the group still works after refused sends"):
+        x = torch.arange(6, dtype=torch.float32) + 10 * me
+        got = torch.zeros(6)
+        works = [
+            dist.isend(x, dst=peer, group=g),
+            dist.irecv(got, src=(me - 1) % n, group=g),
+        ]
+        for w in works:
+            w.wait()
+        ck.same(
+            "send/recv after",
+            got,
+            torch.arange(6, dtype=torch.float32) + 10 * ((me - 1) % n),
+        )
+        t = torch.ones(5)
+        dist.all_reduce(t, group=g)
+        ck.same("all_reduce after", t, torch.full((5,), float(n)))
+
+    # (b) an unknown op kind from rank 0, a valid all_reduce from the others: rank 0's op is
+    # refused as invalid and the group breaks, so the others fail fast rather than time out.
+    g2 = _new_group(rk)
+    with ck.case("unknown op kind"):
+        if me == 0:
+
+            def desc(seq):
+                return _wire.encode_desc(seq, g2._handle, 99, f32, 0, 0, 0, 4, 0, [])
+
+            out = _outcome(lambda: _submit_raw(g2, "op 99", desc).wait())
+            ck.expect(
+                "unknown op kind: DistBackendError",
+                out["backend_error"],
+                f"{out['error']}: {out['message']}",
+            )
+            for w in ("invalid", "unknown op kind"):
+                ck.expect(
+                    f"unknown op kind: says {w!r}",
+                    w in out["message"].lower(),
+                    out["message"],
+                )
+        else:
+            out = _outcome(lambda: dist.all_reduce(torch.ones(4), group=g2))
+            ck.expect(
+                "peer of the refused op: DistBackendError",
+                out["backend_error"],
+                f"{out['error']}: {out['message']}",
+            )
+        ck.expect(
+            "fails within the timeout",
+            out["elapsed"] < GROUP_TIMEOUT_S,
+            f"took {out['elapsed']:.1f}s",
+        )
+    with ck.case("the sidecar keeps serving: a new group works"):
+        g3 = _new_group(rk)
+        xs = [gen(seed, "g3", r, (100,), torch.float64) for r in range(n)]
+        t = xs[me].clone()
+        dist.all_reduce(t, group=g3)
+        ck.reduced("all_reduce on a new group", t, xs, R.SUM, torch.float64)
+        dist.destroy_process_group(g3)
+    with ck.case("the world group still works"):
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        ck.same("world all_reduce", t, torch.full((3,), float(n)))
+    for grp in (g, g2):
+        dist.destroy_process_group(grp)
+    return ck.done()
+
+
+def test_malformed_descriptors_are_refused(worlds, seed):
+    worlds.get(2).run(check_malformed_descriptors, seed=seed)

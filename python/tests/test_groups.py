@@ -1,0 +1,155 @@
+"""gocomm groups as torch sees them: new_group / new_subgroups / destroy_process_group, the
+group's identity (backend, ranks, name), several groups in flight at once."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from ranklib import Checker, gen
+
+
+def check_group_lifecycle(rk, seed):
+    import gocomm
+
+    ck = Checker("group lifecycle", seed, rk.rank)
+    me, n = rk.rank, rk.size
+    with ck.case("world group identity"):
+        w = dist.group.WORLD
+        ck.expect(
+            "world is a ProcessGroupGocomm",
+            isinstance(w, gocomm.ProcessGroupGocomm),
+            type(w).__name__,
+        )
+        ck.expect("get_backend(world)", dist.get_backend() == "gocomm", dist.get_backend())
+        ck.expect(
+            "world group_name",
+            isinstance(w.group_name, str) and w.group_name != "",
+            repr(w.group_name),
+        )
+
+    # Members destroy their groups only once every rank is past the group's op (a gloo barrier):
+    # destroying right after one's own op is test_destroy_right_after_a_collective.
+    def settle_and_destroy(*groups):
+        dist.barrier(group=rk.world.gloo)
+        for g in groups:
+            if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(g)
+
+    for ranks in ([0, 2], [3, 1], [1, 2, 3], list(range(n))):
+        label = f"new_group {ranks}"
+        g = None
+        with ck.case(label):
+            g = dist.new_group(ranks, backend="gocomm")
+            if me not in ranks:
+                ck.expect(
+                    label + " non-member gets NON_GROUP_MEMBER",
+                    g == dist.GroupMember.NON_GROUP_MEMBER,
+                    repr(g),
+                )
+            else:
+                ck.expect(
+                    label + " backend",
+                    dist.get_backend(g) == "gocomm",
+                    dist.get_backend(g),
+                )
+                ck.expect(
+                    label + " size",
+                    dist.get_world_size(g) == len(ranks),
+                    str(dist.get_world_size(g)),
+                )
+                want_rank = sorted(ranks).index(me)
+                ck.expect(
+                    label + " rank",
+                    dist.get_rank(g) == want_rank,
+                    str(dist.get_rank(g)),
+                )
+                got_ranks = dist.get_process_group_ranks(g)
+                ck.expect(label + " ranks", got_ranks == sorted(ranks), str(got_ranks))
+                ck.expect(
+                    label + " group_name",
+                    isinstance(g.group_name, str) and g.group_name != "",
+                    repr(g.group_name),
+                )
+                t = torch.full((3,), float(me))
+                dist.all_reduce(t, group=g)
+                ck.same(label + " all_reduce", t, torch.full((3,), float(sum(ranks))))
+        with ck.case(label + ": destroy_process_group"):
+            settle_and_destroy(g)
+    with ck.case("create and destroy a subgroup 10 times"):
+        for i in range(10):
+            g = dist.new_group([0, n - 1], backend="gocomm")
+            if me in (0, n - 1):
+                t = torch.full((2,), float(i + me))
+                dist.all_reduce(t, group=g)
+                ck.same(f"round {i}", t, torch.full((2,), float(2 * i + n - 1)))
+            settle_and_destroy(g)
+    with ck.case("new_subgroups(group_size=2)"):
+        mine, subs = dist.new_subgroups(group_size=2, backend="gocomm")
+        t = torch.full((1,), float(me))
+        dist.all_reduce(t, group=mine)
+        base = me - me % 2
+        ck.same("all_reduce in my subgroup", t, torch.full((1,), float(2 * base + 1)))
+        settle_and_destroy(*subs)
+    with ck.case("overlapping groups in flight at once"):
+        ga = dist.new_group([0, 1, 2], backend="gocomm")
+        gb = dist.new_group([1, 2, 3], backend="gocomm")
+        xa = [gen(seed, "ga", r, (20000,), torch.float64) for r in range(n)]
+        xb = [gen(seed, "gb", r, (20000,), torch.float64) for r in range(n)]
+        ta, tb = xa[me].clone(), xb[me].clone()
+        works = []
+        # ranks 1 and 2 start gb's op before ga's: the groups must not wait on one another
+        if me in (1, 2):
+            order = [(gb, tb), (ga, ta)]
+        else:
+            order = [(ga, ta), (gb, tb)]
+        for g, t in order:
+            if g != dist.GroupMember.NON_GROUP_MEMBER:
+                works.append(dist.all_reduce(t, group=g, async_op=True))
+        for w in works:
+            w.wait()
+        if me in (0, 1, 2):
+            ck.reduced("group a", ta, xa[:3], dist.ReduceOp.SUM, torch.float64)
+        if me in (1, 2, 3):
+            ck.reduced("group b", tb, xb[1:], dist.ReduceOp.SUM, torch.float64)
+        settle_and_destroy(ga, gb)
+    with ck.case("world still works"):
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        ck.same("world all_reduce", t, torch.full((4,), float(n)))
+    return ck.done()
+
+
+def test_group_lifecycle(worlds, seed):
+    worlds.get(4).run(check_group_lifecycle, seed=seed)
+
+
+def check_destroy_right_after(rk, seed, rounds):
+    """Each round: a new gocomm group, one all_reduce on it, and every rank destroys the group as
+    soon as its own all_reduce returned (no barrier). A rank that is done may leave: the peers'
+    all_reduce, whose data it already sent, must still succeed (it does on gloo)."""
+    import datetime
+
+    failures = []
+    for i in range(rounds):
+        timeout = datetime.timedelta(seconds=rk.timeout_s)
+        g = dist.new_group(backend="gocomm", timeout=timeout)
+        t = torch.ones(3)
+        try:
+            dist.all_reduce(t, group=g)
+            if not torch.equal(t, torch.full((3,), float(rk.size))):
+                failures.append(f"round {i}: wrong result {t.tolist()}")
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"round {i}: {type(e).__name__}: {e}")
+        dist.destroy_process_group(g)
+        dist.barrier(group=rk.world.gloo)
+    if failures:
+        raise AssertionError(
+            f"rank {rk.rank}: the all_reduce failed in {len(failures)} of {rounds} rounds "
+            "because a peer destroyed the group right after its own all_reduce returned; "
+            f"first: {failures[0]}"
+        )
+    return rounds
+
+
+def test_destroy_right_after_a_collective(worlds, seed):
+    worlds.get(3).run(check_destroy_right_after, seed=seed, rounds=40)
