@@ -1,0 +1,544 @@
+// Package cuda binds the few CUDA driver API calls the sidecar needs, loaded at run time
+// from libcuda.so.1 so that pgserver builds without a CUDA toolkit and starts where there is
+// no driver (it then serves CPU tensors and says why CUDA is unavailable).
+//
+// Three layers: the C table of function pointers filled by dlsym (cuda.h is not needed:
+// the prototypes below are the only ones used); thin wrappers returning Result, the driver's
+// status, which implements error with its own string table; and the typed functions the rest
+// of the sidecar calls. Every wrapper checks that the library is loaded: calling an
+// unresolved pointer would kill the process, so "not loaded" is an error, never a crash.
+package cuda
+
+/*
+#cgo LDFLAGS: -ldl
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void* CUcontext;
+typedef void* CUstream;
+typedef void* CUevent;
+typedef unsigned long long CUdeviceptr;
+typedef struct { char bytes[64]; } CUipcMemHandle;
+typedef struct { char bytes[64]; } CUipcEventHandle;
+typedef struct { char bytes[16]; } CUuuid;
+
+static void* gc_lib;
+static CUresult (*p_cuInit)(unsigned int);
+static CUresult (*p_cuDriverGetVersion)(int*);
+static CUresult (*p_cuDeviceGetCount)(int*);
+static CUresult (*p_cuDeviceGet)(CUdevice*, int);
+static CUresult (*p_cuDeviceGetAttribute)(int*, int, CUdevice);
+static CUresult (*p_cuDeviceGetName)(char*, int, CUdevice);
+static CUresult (*p_cuDeviceGetUuid)(CUuuid*, CUdevice);
+static CUresult (*p_cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
+static CUresult (*p_cuDevicePrimaryCtxRelease)(CUdevice);
+static CUresult (*p_cuCtxSetCurrent)(CUcontext);
+static CUresult (*p_cuStreamCreate)(CUstream*, unsigned int);
+static CUresult (*p_cuStreamDestroy)(CUstream);
+static CUresult (*p_cuStreamSynchronize)(CUstream);
+static CUresult (*p_cuStreamQuery)(CUstream);
+static CUresult (*p_cuStreamWaitValue32)(CUstream, CUdeviceptr, uint32_t, unsigned int);
+static CUresult (*p_cuStreamWriteValue32)(CUstream, CUdeviceptr, uint32_t, unsigned int);
+static CUresult (*p_cuStreamWaitEvent)(CUstream, CUevent, unsigned int);
+static CUresult (*p_cuEventCreate)(CUevent*, unsigned int);
+static CUresult (*p_cuEventDestroy)(CUevent);
+static CUresult (*p_cuEventRecord)(CUevent, CUstream);
+static CUresult (*p_cuEventQuery)(CUevent);
+static CUresult (*p_cuEventSynchronize)(CUevent);
+static CUresult (*p_cuIpcOpenMemHandle)(CUdeviceptr*, CUipcMemHandle, unsigned int);
+static CUresult (*p_cuIpcCloseMemHandle)(CUdeviceptr);
+static CUresult (*p_cuIpcGetMemHandle)(CUipcMemHandle*, CUdeviceptr);
+static CUresult (*p_cuMemAlloc)(CUdeviceptr*, size_t);
+static CUresult (*p_cuMemFree)(CUdeviceptr);
+static CUresult (*p_cuMemsetD32Async)(CUdeviceptr, unsigned int, size_t, CUstream);
+static CUresult (*p_cuMemcpyDtoH)(void*, CUdeviceptr, size_t);
+static CUresult (*p_cuMemcpyHtoD)(CUdeviceptr, const void*, size_t);
+
+// gc_load opens the library and resolves every symbol; it returns the name of the first
+// missing symbol (or the dlerror text) in err, and -1, on failure.
+static int gc_load(const char* path, char* err, int errlen) {
+	void* h = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+	if (!h) {
+		const char* e = dlerror();
+		snprintf(err, errlen, "%s", e ? e : "dlopen failed");
+		return -1;
+	}
+#define SYM(var, name) do { *(void**)(&var) = dlsym(h, name); if (!var) { snprintf(err, errlen, "symbol %s missing", name); return -1; } } while (0)
+	SYM(p_cuInit, "cuInit");
+	SYM(p_cuDriverGetVersion, "cuDriverGetVersion");
+	SYM(p_cuDeviceGetCount, "cuDeviceGetCount");
+	SYM(p_cuDeviceGet, "cuDeviceGet");
+	SYM(p_cuDeviceGetAttribute, "cuDeviceGetAttribute");
+	SYM(p_cuDeviceGetName, "cuDeviceGetName");
+	SYM(p_cuDeviceGetUuid, "cuDeviceGetUuid_v2");
+	SYM(p_cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+	SYM(p_cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
+	SYM(p_cuCtxSetCurrent, "cuCtxSetCurrent");
+	SYM(p_cuStreamCreate, "cuStreamCreate");
+	SYM(p_cuStreamDestroy, "cuStreamDestroy_v2");
+	SYM(p_cuStreamSynchronize, "cuStreamSynchronize");
+	SYM(p_cuStreamQuery, "cuStreamQuery");
+	SYM(p_cuStreamWaitValue32, "cuStreamWaitValue32_v2");
+	SYM(p_cuStreamWriteValue32, "cuStreamWriteValue32_v2");
+	SYM(p_cuStreamWaitEvent, "cuStreamWaitEvent");
+	SYM(p_cuEventCreate, "cuEventCreate");
+	SYM(p_cuEventDestroy, "cuEventDestroy_v2");
+	SYM(p_cuEventRecord, "cuEventRecord");
+	SYM(p_cuEventQuery, "cuEventQuery");
+	SYM(p_cuEventSynchronize, "cuEventSynchronize");
+	SYM(p_cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2");
+	SYM(p_cuIpcCloseMemHandle, "cuIpcCloseMemHandle");
+	SYM(p_cuIpcGetMemHandle, "cuIpcGetMemHandle");
+	SYM(p_cuMemAlloc, "cuMemAlloc_v2");
+	SYM(p_cuMemFree, "cuMemFree_v2");
+	SYM(p_cuMemsetD32Async, "cuMemsetD32Async");
+	SYM(p_cuMemcpyDtoH, "cuMemcpyDtoH_v2");
+	SYM(p_cuMemcpyHtoD, "cuMemcpyHtoD_v2");
+#undef SYM
+	gc_lib = h;
+	return 0;
+}
+
+static int gc_loaded(void) { return gc_lib != NULL; }
+static CUresult gc_cuInit(unsigned int f) { return p_cuInit(f); }
+static CUresult gc_cuDriverGetVersion(int* v) { return p_cuDriverGetVersion(v); }
+static CUresult gc_cuDeviceGetCount(int* n) { return p_cuDeviceGetCount(n); }
+static CUresult gc_cuDeviceGet(CUdevice* d, int i) { return p_cuDeviceGet(d, i); }
+static CUresult gc_cuDeviceGetAttribute(int* v, int a, CUdevice d) { return p_cuDeviceGetAttribute(v, a, d); }
+static CUresult gc_cuDeviceGetName(char* s, int n, CUdevice d) { return p_cuDeviceGetName(s, n, d); }
+static CUresult gc_cuDeviceGetUuid(CUuuid* u, CUdevice d) { return p_cuDeviceGetUuid(u, d); }
+static CUresult gc_cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) { return p_cuDevicePrimaryCtxRetain(c, d); }
+static CUresult gc_cuDevicePrimaryCtxRelease(CUdevice d) { return p_cuDevicePrimaryCtxRelease(d); }
+static CUresult gc_cuCtxSetCurrent(CUcontext c) { return p_cuCtxSetCurrent(c); }
+static CUresult gc_cuStreamCreate(CUstream* s, unsigned int f) { return p_cuStreamCreate(s, f); }
+static CUresult gc_cuStreamDestroy(CUstream s) { return p_cuStreamDestroy(s); }
+static CUresult gc_cuStreamSynchronize(CUstream s) { return p_cuStreamSynchronize(s); }
+static CUresult gc_cuStreamQuery(CUstream s) { return p_cuStreamQuery(s); }
+static CUresult gc_cuStreamWaitValue32(CUstream s, CUdeviceptr a, uint32_t v, unsigned int f) { return p_cuStreamWaitValue32(s, a, v, f); }
+static CUresult gc_cuStreamWriteValue32(CUstream s, CUdeviceptr a, uint32_t v, unsigned int f) { return p_cuStreamWriteValue32(s, a, v, f); }
+static CUresult gc_cuStreamWaitEvent(CUstream s, CUevent e, unsigned int f) { return p_cuStreamWaitEvent(s, e, f); }
+static CUresult gc_cuEventCreate(CUevent* e, unsigned int f) { return p_cuEventCreate(e, f); }
+static CUresult gc_cuEventDestroy(CUevent e) { return p_cuEventDestroy(e); }
+static CUresult gc_cuEventRecord(CUevent e, CUstream s) { return p_cuEventRecord(e, s); }
+static CUresult gc_cuEventQuery(CUevent e) { return p_cuEventQuery(e); }
+static CUresult gc_cuEventSynchronize(CUevent e) { return p_cuEventSynchronize(e); }
+static CUresult gc_cuIpcOpenMemHandle(CUdeviceptr* p, const void* h, unsigned int f) {
+	CUipcMemHandle hh; memcpy(&hh, h, sizeof hh); return p_cuIpcOpenMemHandle(p, hh, f);
+}
+static CUresult gc_cuIpcCloseMemHandle(CUdeviceptr p) { return p_cuIpcCloseMemHandle(p); }
+static CUresult gc_cuIpcGetMemHandle(void* h, CUdeviceptr p) { return p_cuIpcGetMemHandle((CUipcMemHandle*)h, p); }
+static CUresult gc_cuMemAlloc(CUdeviceptr* p, size_t n) { return p_cuMemAlloc(p, n); }
+static CUresult gc_cuMemFree(CUdeviceptr p) { return p_cuMemFree(p); }
+static CUresult gc_cuMemsetD32Async(CUdeviceptr p, unsigned int v, size_t n, CUstream s) { return p_cuMemsetD32Async(p, v, n, s); }
+static CUresult gc_cuMemcpyDtoH(void* d, CUdeviceptr s, size_t n) { return p_cuMemcpyDtoH(d, s, n); }
+static CUresult gc_cuMemcpyHtoD(CUdeviceptr d, const void* s, size_t n) { return p_cuMemcpyHtoD(d, s, n); }
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"unsafe"
+)
+
+// ErrNotLoaded: the driver library is not (or could not be) loaded.
+var ErrNotLoaded = errors.New("cuda: driver library not loaded")
+
+var (
+	loadOnce sync.Once
+	loadErr  = ErrNotLoaded
+)
+
+// Load opens libcuda.so.1 and initializes the driver, once; later calls return the first
+// call's result.
+func Load() error {
+	loadOnce.Do(func() {
+		var buf [512]C.char
+		path := C.CString("libcuda.so.1")
+		defer C.free(unsafe.Pointer(path))
+		if C.gc_load(path, &buf[0], C.int(len(buf))) != 0 {
+			loadErr = fmt.Errorf("%w: %s", ErrNotLoaded, C.GoString(&buf[0]))
+			return
+		}
+		if r := Result(C.gc_cuInit(0)); r != Success {
+			loadErr = fmt.Errorf("cuda: cuInit: %w", r)
+			return
+		}
+		loadErr = nil
+	})
+	return loadErr
+}
+
+func loaded() error {
+	if C.gc_loaded() == 0 {
+		return ErrNotLoaded
+	}
+	return nil
+}
+
+// Result is the driver's status code; every non-Success value is an error.
+type Result int32
+
+// Results the sidecar tells apart.
+const (
+	Success           Result = 0
+	ErrInvalidValue   Result = 1
+	ErrOutOfMemory    Result = 2
+	ErrNotInitialized Result = 3
+	ErrNoDevice       Result = 100
+	ErrInvalidDevice  Result = 101
+	ErrInvalidHandle  Result = 400
+	ErrNotReady       Result = 600
+	ErrNotSupported   Result = 801
+)
+
+// names works without the library (messages when it is absent or broken).
+var names = map[Result]string{
+	Success: "CUDA_SUCCESS", ErrInvalidValue: "CUDA_ERROR_INVALID_VALUE",
+	ErrOutOfMemory: "CUDA_ERROR_OUT_OF_MEMORY", ErrNotInitialized: "CUDA_ERROR_NOT_INITIALIZED",
+	ErrNoDevice: "CUDA_ERROR_NO_DEVICE", ErrInvalidDevice: "CUDA_ERROR_INVALID_DEVICE",
+	ErrInvalidHandle: "CUDA_ERROR_INVALID_HANDLE", ErrNotReady: "CUDA_ERROR_NOT_READY",
+	ErrNotSupported: "CUDA_ERROR_NOT_SUPPORTED",
+	201:             "CUDA_ERROR_INVALID_CONTEXT", 208: "CUDA_ERROR_ALREADY_MAPPED", 217: "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
+	700: "CUDA_ERROR_ILLEGAL_ADDRESS", 719: "CUDA_ERROR_LAUNCH_FAILED", 999: "CUDA_ERROR_UNKNOWN",
+}
+
+func (r Result) Error() string {
+	if s, ok := names[r]; ok {
+		return s
+	}
+	return fmt.Sprintf("CUDA error %d", int32(r))
+}
+
+// check turns a status into a Go error exactly once (a zero status stored in an error
+// would be a non-nil error).
+func check(what string, r C.CUresult) error {
+	if Result(r) == Success {
+		return nil
+	}
+	return fmt.Errorf("cuda: %s: %w", what, Result(r))
+}
+
+// DriverVersion is the driver's CUDA version, e.g. 13000.
+func DriverVersion() (int, error) {
+	if err := loaded(); err != nil {
+		return 0, err
+	}
+	var v C.int
+	return int(v), check("cuDriverGetVersion", C.gc_cuDriverGetVersion(&v))
+}
+
+// DeviceCount is the number of visible devices.
+func DeviceCount() (int, error) {
+	if err := loaded(); err != nil {
+		return 0, err
+	}
+	var n C.int
+	return int(n), check("cuDeviceGetCount", C.gc_cuDeviceGetCount(&n))
+}
+
+// Device is a device ordinal's handle.
+type Device int32
+
+// DeviceGet returns the device of an ordinal.
+func DeviceGet(ordinal int) (Device, error) {
+	if err := loaded(); err != nil {
+		return 0, err
+	}
+	var d C.CUdevice
+	return Device(d), check("cuDeviceGet", C.gc_cuDeviceGet(&d, C.int(ordinal)))
+}
+
+// Device attributes used here (cuda.h CUdevice_attribute).
+const (
+	AttrComputeCapabilityMajor = 75
+	AttrComputeCapabilityMinor = 76
+	AttrCanUseStreamMemOps     = 92
+	AttrIPCEventSupported      = 125
+	AttrMPSEnabled             = 133
+)
+
+// Attribute reads one device attribute.
+func (d Device) Attribute(attr int) (int, error) {
+	if err := loaded(); err != nil {
+		return 0, err
+	}
+	var v C.int
+	return int(v), check("cuDeviceGetAttribute", C.gc_cuDeviceGetAttribute(&v, C.int(attr), C.CUdevice(d)))
+}
+
+// Name of the device, e.g. "NVIDIA H200".
+func (d Device) Name() (string, error) {
+	if err := loaded(); err != nil {
+		return "", err
+	}
+	var buf [256]C.char
+	if err := check("cuDeviceGetName", C.gc_cuDeviceGetName(&buf[0], C.int(len(buf)), C.CUdevice(d))); err != nil {
+		return "", err
+	}
+	return C.GoString(&buf[0]), nil
+}
+
+// UUID of the device.
+func (d Device) UUID() ([16]byte, error) {
+	var u [16]byte
+	if err := loaded(); err != nil {
+		return u, err
+	}
+	var cu C.CUuuid
+	if err := check("cuDeviceGetUuid", C.gc_cuDeviceGetUuid(&cu, C.CUdevice(d))); err != nil {
+		return u, err
+	}
+	copy(u[:], C.GoBytes(unsafe.Pointer(&cu.bytes[0]), 16))
+	return u, nil
+}
+
+// Context is a CUDA context.
+type Context struct{ p C.CUcontext }
+
+// PrimaryContext retains the device's primary context (shared with every user of the
+// runtime API in this process).
+func (d Device) PrimaryContext() (Context, error) {
+	if err := loaded(); err != nil {
+		return Context{}, err
+	}
+	var c C.CUcontext
+	return Context{c}, check("cuDevicePrimaryCtxRetain", C.gc_cuDevicePrimaryCtxRetain(&c, C.CUdevice(d)))
+}
+
+// ReleasePrimaryContext drops a reference taken by PrimaryContext.
+func (d Device) ReleasePrimaryContext() error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuDevicePrimaryCtxRelease", C.gc_cuDevicePrimaryCtxRelease(C.CUdevice(d)))
+}
+
+// SetCurrent binds the context to the calling OS thread. Go code that calls the driver
+// must hold its goroutine on one thread (runtime.LockOSThread) or bind before every call.
+func (c Context) SetCurrent() error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuCtxSetCurrent", C.gc_cuCtxSetCurrent(c.p))
+}
+
+// Ptr is a device address.
+type Ptr uint64
+
+// Stream is a CUDA stream.
+type Stream struct{ p C.CUstream }
+
+// Handle is the stream's driver handle, for libraries that take a cudaStream_t (NCCL).
+func (s Stream) Handle() unsafe.Pointer { return unsafe.Pointer(s.p) }
+
+// StreamNonBlocking does not synchronize with the legacy default stream.
+const StreamNonBlocking = 1
+
+// NewStream creates a stream in the current context.
+func NewStream(flags uint) (Stream, error) {
+	if err := loaded(); err != nil {
+		return Stream{}, err
+	}
+	var s C.CUstream
+	return Stream{s}, check("cuStreamCreate", C.gc_cuStreamCreate(&s, C.uint(flags)))
+}
+
+// Destroy the stream (work already queued still runs).
+func (s Stream) Destroy() error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuStreamDestroy", C.gc_cuStreamDestroy(s.p))
+}
+
+// Synchronize waits for everything queued on the stream.
+func (s Stream) Synchronize() error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuStreamSynchronize", C.gc_cuStreamSynchronize(s.p))
+}
+
+// Done reports whether everything queued on the stream has finished.
+func (s Stream) Done() (bool, error) {
+	if err := loaded(); err != nil {
+		return false, err
+	}
+	r := Result(C.gc_cuStreamQuery(s.p))
+	if r == ErrNotReady {
+		return false, nil
+	}
+	return r == Success, check("cuStreamQuery", C.CUresult(r))
+}
+
+// Wait flags for WaitValue32.
+const (
+	WaitGEQ = 0x0
+	WaitEQ  = 0x1
+)
+
+// WaitValue32 makes the stream wait until the 32-bit word at addr reaches value (flags:
+// WaitGEQ compares as (int32)(*addr - value) >= 0, so counters may wrap).
+func (s Stream) WaitValue32(addr Ptr, value uint32, flags uint) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuStreamWaitValue32", C.gc_cuStreamWaitValue32(s.p, C.CUdeviceptr(addr), C.uint32_t(value), C.uint(flags)))
+}
+
+// WriteValue32 queues a write of value to the word at addr.
+func (s Stream) WriteValue32(addr Ptr, value uint32) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuStreamWriteValue32", C.gc_cuStreamWriteValue32(s.p, C.CUdeviceptr(addr), C.uint32_t(value), 0))
+}
+
+// WaitEvent makes the stream wait for an event.
+func (s Stream) WaitEvent(e Event) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuStreamWaitEvent", C.gc_cuStreamWaitEvent(s.p, e.p, 0))
+}
+
+// Memset32 queues filling n 32-bit words at p with v.
+func (s Stream) Memset32(p Ptr, v uint32, n int) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuMemsetD32Async", C.gc_cuMemsetD32Async(C.CUdeviceptr(p), C.uint(v), C.size_t(n), s.p))
+}
+
+// Event is a CUDA event.
+type Event struct{ p C.CUevent }
+
+// Event flags.
+const (
+	EventDisableTiming = 0x2
+	EventInterprocess  = 0x4
+)
+
+// NewEvent creates an event in the current context.
+func NewEvent(flags uint) (Event, error) {
+	if err := loaded(); err != nil {
+		return Event{}, err
+	}
+	var e C.CUevent
+	return Event{e}, check("cuEventCreate", C.gc_cuEventCreate(&e, C.uint(flags)))
+}
+
+// Record the event on a stream.
+func (e Event) Record(s Stream) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuEventRecord", C.gc_cuEventRecord(e.p, s.p))
+}
+
+// Done reports whether the work before the event's last record has finished.
+func (e Event) Done() (bool, error) {
+	if err := loaded(); err != nil {
+		return false, err
+	}
+	r := Result(C.gc_cuEventQuery(e.p))
+	if r == ErrNotReady {
+		return false, nil
+	}
+	return r == Success, check("cuEventQuery", C.CUresult(r))
+}
+
+// Synchronize waits for the event.
+func (e Event) Synchronize() error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuEventSynchronize", C.gc_cuEventSynchronize(e.p))
+}
+
+// Destroy the event.
+func (e Event) Destroy() error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuEventDestroy", C.gc_cuEventDestroy(e.p))
+}
+
+// IPCHandle is a cudaIpcMemHandle_t: an allocation of another process on this node.
+type IPCHandle [64]byte
+
+// IPCLazyPeerAccess lets the mapping enable peer access between devices as needed.
+const IPCLazyPeerAccess = 0x1
+
+// OpenIPC maps another process's allocation into the current context.
+func OpenIPC(h IPCHandle) (Ptr, error) {
+	if err := loaded(); err != nil {
+		return 0, err
+	}
+	var p C.CUdeviceptr
+	return Ptr(p), check("cuIpcOpenMemHandle", C.gc_cuIpcOpenMemHandle(&p, unsafe.Pointer(&h[0]), IPCLazyPeerAccess))
+}
+
+// CloseIPC unmaps an allocation opened with OpenIPC.
+func CloseIPC(p Ptr) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuIpcCloseMemHandle", C.gc_cuIpcCloseMemHandle(C.CUdeviceptr(p)))
+}
+
+// ExportIPC returns the IPC handle of an allocation of this process (its base address).
+func ExportIPC(p Ptr) (IPCHandle, error) {
+	var h IPCHandle
+	if err := loaded(); err != nil {
+		return h, err
+	}
+	return h, check("cuIpcGetMemHandle", C.gc_cuIpcGetMemHandle(unsafe.Pointer(&h[0]), C.CUdeviceptr(p)))
+}
+
+// Alloc allocates n bytes of device memory in the current context.
+func Alloc(n int) (Ptr, error) {
+	if err := loaded(); err != nil {
+		return 0, err
+	}
+	var p C.CUdeviceptr
+	return Ptr(p), check("cuMemAlloc", C.gc_cuMemAlloc(&p, C.size_t(n)))
+}
+
+// Free releases memory from Alloc.
+func Free(p Ptr) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuMemFree", C.gc_cuMemFree(C.CUdeviceptr(p)))
+}
+
+// CopyToHost copies len(dst) bytes from device address src (synchronous).
+func CopyToHost(dst []byte, src Ptr) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	if len(dst) == 0 {
+		return nil
+	}
+	return check("cuMemcpyDtoH", C.gc_cuMemcpyDtoH(unsafe.Pointer(&dst[0]), C.CUdeviceptr(src), C.size_t(len(dst))))
+}
+
+// CopyToDevice copies src to device address dst (synchronous).
+func CopyToDevice(dst Ptr, src []byte) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	if len(src) == 0 {
+		return nil
+	}
+	return check("cuMemcpyHtoD", C.gc_cuMemcpyHtoD(C.CUdeviceptr(dst), unsafe.Pointer(&src[0]), C.size_t(len(src))))
+}
