@@ -14,7 +14,17 @@ const (
 	RecOp uint16 = 16
 	// RecDone is a completion, sidecar to client.
 	RecDone uint16 = 17
+	// RecIPC registers a CUDA allocation of the client, client to sidecar:
+	//	0 u32 segment (client-chosen, CUDASegment bit set)   4 u32 reserved
+	//	8 u64 size   16 [64]byte CUDA IPC handle of the allocation
+	RecIPC uint16 = 18
+	// RecIPCDrop says an allocation is gone: 0 u32 segment.
+	RecIPCDrop uint16 = 19
 )
+
+// CUDASegment marks segment ids that name CUDA allocations (RecIPC); the others name host
+// segments (AllocSegment).
+const CUDASegment = 1 << 31
 
 // OpKind is what an op descriptor asks for. Wire values are fixed (python/gocomm/_wire.py).
 type OpKind uint8
@@ -73,7 +83,10 @@ const (
 //	40 u16 nbufs       buffer references that follow
 //	42 u16 reserved
 //	44 u32 nsplits     split entries that follow the buffers
-//	48 nbufs x {u32 segment, u32 reserved, u64 offset, u64 length}
+//	48 u32 stream      CUDA ops: the value the client's stream writes to the group's ready
+//	                   counter before the op (and the engine writes to done after it)
+//	52 u32 reserved
+//	56 nbufs x {u32 segment, u32 reserved, u64 offset, u64 length}
 //	.. nsplits x i64   element counts
 type Desc struct {
 	Seq       uint64
@@ -86,8 +99,10 @@ type Desc struct {
 	Tag       int32
 	Count     uint64
 	TimeoutMS uint64
-	Bufs      []BufRef
-	Splits    []int64
+	// StreamValue orders a CUDA op against the client's stream (see DeviceSession.NewGroup).
+	StreamValue uint32
+	Bufs        []BufRef
+	Splits      []int64
 }
 
 // BufRef names bytes inside a registered segment.
@@ -98,7 +113,7 @@ type BufRef struct {
 }
 
 const (
-	descHeader = 48
+	descHeader = 56
 	bufRefSize = 24
 	maxBufs    = 4
 	maxSplits  = 1 << 20
@@ -130,6 +145,7 @@ func DecodeDesc(b []byte) (Desc, error) {
 	d.TimeoutMS = le.Uint64(b[32:])
 	nbufs := int(le.Uint16(b[40:]))
 	nsplits := int(le.Uint32(b[44:]))
+	d.StreamValue = le.Uint32(b[48:])
 	if nbufs > maxBufs || nsplits > maxSplits {
 		return d, fmt.Errorf("%w: %d buffers and %d splits", ErrInvalid, nbufs, nsplits)
 	}
@@ -165,6 +181,7 @@ func (d *Desc) Encode() []byte {
 	le.PutUint64(b[32:], d.TimeoutMS)
 	le.PutUint16(b[40:], uint16(len(d.Bufs)))
 	le.PutUint32(b[44:], uint32(len(d.Splits)))
+	le.PutUint32(b[48:], d.StreamValue)
 	at := descHeader
 	for _, r := range d.Bufs {
 		le.PutUint32(b[at:], r.Segment)
@@ -192,7 +209,9 @@ func (d *Desc) Encode() []byte {
 //	send, recv                      bufs[0]: count elements; root is the peer (recv: -1 = any)
 //	barrier                         no buffers
 //
-// Bounds of each buffer inside its segment are checked when the buffer is resolved.
+// Bounds of each buffer inside its segment are checked when the buffer is resolved; whether
+// the reduce op suits the dtype depends on the engine (host: reduce.Check), and so does
+// whether the device is served: the caller checks both.
 func (d *Desc) Validate(rank, size int) error {
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf("%w: %s: "+format, append([]any{ErrInvalid, d.Kind}, args...)...)
@@ -200,16 +219,20 @@ func (d *Desc) Validate(rank, size int) error {
 	if _, ok := opNames[d.Kind]; !ok {
 		return fmt.Errorf("%w: unknown op kind %d", ErrInvalid, uint8(d.Kind))
 	}
-	if d.Device != DeviceHost {
-		return bad("device %d is not served by the host engine", d.Device)
+	if d.Device != DeviceHost && d.Device != DeviceCUDA {
+		return bad("unknown device %d", d.Device)
+	}
+	for i, b := range d.Bufs {
+		if (b.Segment&CUDASegment != 0) != (d.Device == DeviceCUDA) {
+			return bad("buffer %d is in segment %#x, not a segment of device %d", i, b.Segment, d.Device)
+		}
 	}
 	if d.Kind != OpBarrier && !d.DType.Valid() {
 		return bad("unknown dtype %d", uint8(d.DType))
 	}
-	reduces := d.Kind == OpAllReduce || d.Kind == OpReduce || d.Kind == OpReduceScatter
-	if reduces {
-		if err := reduce.Check(d.DType, d.RedOp); err != nil {
-			return bad("%v", err)
+	if d.Reduces() {
+		if d.RedOp < reduce.Sum || d.RedOp > reduce.BXor {
+			return bad("unknown reduce op %d", d.RedOp)
 		}
 	} else if d.RedOp != 0 {
 		return bad("reduce op %d on an op that does not reduce", d.RedOp)
@@ -292,6 +315,11 @@ func (d *Desc) Validate(rank, size int) error {
 		}
 	}
 	return nil
+}
+
+// Reduces reports whether the op combines values with RedOp.
+func (d *Desc) Reduces() bool {
+	return d.Kind == OpAllReduce || d.Kind == OpReduce || d.Kind == OpReduceScatter
 }
 
 // Completion statuses, as the client sees them (python/gocomm/_wire.py mirrors them).

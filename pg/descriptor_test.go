@@ -13,14 +13,14 @@ func buf(n uint64) BufRef { return BufRef{Segment: 1, Offset: 0, Length: n} }
 func TestDescRoundTrip(t *testing.T) {
 	d := Desc{
 		Seq: 7, Group: 3, Kind: OpAllToAll, DType: reduce.BFloat16, Device: DeviceHost, Root: -1, Tag: 42,
-		Count: 9, TimeoutMS: 1500, Bufs: []BufRef{{1, 64, 12}, {2, 0, 8}}, Splits: []int64{1, 5, 2, 2},
+		Count: 9, TimeoutMS: 1500, StreamValue: 99, Bufs: []BufRef{{1, 64, 12}, {2, 0, 8}}, Splits: []int64{1, 5, 2, 2},
 	}
 	got, err := DecodeDesc(d.Encode())
 	if err != nil {
 		t.Fatal(err)
 	}
 	if got.Seq != d.Seq || got.Group != d.Group || got.Kind != d.Kind || got.DType != d.DType || got.Root != d.Root ||
-		got.Tag != d.Tag || got.Count != d.Count || got.TimeoutMS != d.TimeoutMS || len(got.Bufs) != 2 ||
+		got.Tag != d.Tag || got.Count != d.Count || got.TimeoutMS != d.TimeoutMS || got.StreamValue != 99 || len(got.Bufs) != 2 ||
 		got.Bufs[1] != d.Bufs[1] || len(got.Splits) != 4 || got.Splits[1] != 5 {
 		t.Fatalf("round trip: got %+v, want %+v", got, d)
 	}
@@ -62,12 +62,14 @@ func TestValidate(t *testing.T) {
 		{"all_reduce empty", Desc{Kind: OpAllReduce, DType: f32, RedOp: reduce.Sum, Count: 0, Bufs: []BufRef{buf(0)}}, 0, 2, ""},
 		{"all_reduce short buffer", Desc{Kind: OpAllReduce, DType: f32, RedOp: reduce.Sum, Count: 3, Bufs: []BufRef{buf(8)}}, 0, 2, "holds 8 bytes, want 12"},
 		{"all_reduce no op", Desc{Kind: OpAllReduce, DType: f32, Count: 3, Bufs: []BufRef{buf(12)}}, 0, 2, "invalid"},
-		{"max on complex", Desc{Kind: OpAllReduce, DType: reduce.Complex64, RedOp: reduce.Max, Count: 1, Bufs: []BufRef{buf(8)}}, 0, 2, "complex64"},
-		{"bxor on float", Desc{Kind: OpAllReduce, DType: f32, RedOp: reduce.BXor, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "bxor"},
+		{"unknown reduce op", Desc{Kind: OpAllReduce, DType: f32, RedOp: 9, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "unknown reduce op 9"},
+		{"cuda op on a host segment", Desc{Kind: OpBroadcast, DType: f32, Device: DeviceCUDA, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "not a segment of device 1"},
+		{"host op on a cuda segment", Desc{Kind: OpBroadcast, DType: f32, Count: 1, Bufs: []BufRef{{Segment: CUDASegment | 3, Length: 4}}}, 0, 2, "not a segment of device 0"},
+		{"cuda all_reduce", Desc{Kind: OpAllReduce, DType: f32, RedOp: reduce.Sum, Device: DeviceCUDA, Count: 1, StreamValue: 7, Bufs: []BufRef{{Segment: CUDASegment | 1, Length: 4}}}, 0, 2, ""},
+		{"unknown device", Desc{Kind: OpBroadcast, DType: f32, Device: 5, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "unknown device 5"},
 		{"broadcast with a reduce op", Desc{Kind: OpBroadcast, DType: f32, RedOp: reduce.Sum, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "does not reduce"},
 		{"unknown dtype", Desc{Kind: OpBroadcast, DType: 99, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "unknown dtype"},
 		{"unknown kind", Desc{Kind: 77, DType: f32}, 0, 2, "unknown op kind"},
-		{"cuda on the host engine", Desc{Kind: OpBroadcast, DType: f32, Device: DeviceCUDA, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "device"},
 		{"broadcast root out of range", Desc{Kind: OpBroadcast, DType: f32, Root: 2, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "root 2"},
 		{"all_gather", Desc{Kind: OpAllGather, DType: f32, Count: 2, Bufs: []BufRef{buf(8), buf(24)}}, 1, 3, ""},
 		{"all_gather output short", Desc{Kind: OpAllGather, DType: f32, Count: 2, Bufs: []BufRef{buf(8), buf(16)}}, 1, 3, "want 24"},

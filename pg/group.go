@@ -1,6 +1,7 @@
 package pg
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -34,6 +35,8 @@ type Group struct {
 	Rank, Size  int
 	GlobalRanks []int
 	Timeout     time.Duration
+	// Slot is the group's stream counter slot (CounterBase), or -1 when the session ran out.
+	Slot int
 
 	sess *Session
 	log  *slog.Logger
@@ -44,8 +47,10 @@ type Group struct {
 	queue   []*op
 	closing string // why the group is closing; new ops fail with it
 	seq     uint64
-	running sync.WaitGroup // the executor and point-to-point ops
+	running sync.WaitGroup // the executor, point-to-point ops, device ops in flight
 	stats   Stats
+	ncclIDs [2][]byte   // rank 0's communicator ids (from the bootstrap)
+	dev     DeviceGroup // created by the first CUDA op
 }
 
 // Stats are a group's counters.
@@ -169,7 +174,8 @@ func (g *Group) submit(o *op) {
 	g.mu.Unlock()
 }
 
-// close fails what is queued, waits for running ops and leaves the group.
+// close fails what is queued, waits for running ops and leaves the group. Device ops get a
+// grace period to finish on the GPU; then the device group is aborted, which releases them.
 func (g *Group) close(reason string) {
 	g.mu.Lock()
 	if g.closing == "" {
@@ -177,7 +183,7 @@ func (g *Group) close(reason string) {
 	}
 	q := g.queue
 	g.queue = nil
-	ep := g.ep
+	ep, dev := g.ep, g.dev
 	g.cond.Broadcast()
 	g.mu.Unlock()
 	if ep != nil {
@@ -186,11 +192,71 @@ func (g *Group) close(reason string) {
 	for _, o := range q {
 		g.finish(o, StatusAborted, -1, fmt.Sprintf("%s on group %q: %s", o.desc.Kind, g.Name, reason))
 	}
-	g.running.Wait()
+	idle := make(chan struct{})
+	go func() { g.running.Wait(); close(idle) }()
+	select {
+	case <-idle:
+	case <-time.After(5 * time.Second):
+		if dev != nil {
+			dev.Abort(fmt.Errorf("%w: %s", transport.ErrClosed, reason))
+		}
+		<-idle
+	}
+	if dev != nil {
+		if err := dev.Close(); err != nil {
+			g.log.Warn("closing the device group", "err", err)
+		}
+	}
 	if ep != nil {
 		ep.Close()
 	}
 	g.log.Info("group closed", "reason", reason)
+}
+
+// submitDevice hands a resolved CUDA op to the group's device engine, creating the device
+// group on first use. A device op's failure breaks the whole group (design 3), and a broken
+// group aborts its device work, so peers on either engine fail instead of hanging.
+func (g *Group) submitDevice(ds DeviceSession, o *op, ptrs []uint64) {
+	g.mu.Lock()
+	if g.ep == nil || g.closing != "" {
+		why := cmp.Or(g.closing, "group is not connected")
+		g.mu.Unlock()
+		g.finish(o, StatusAborted, -1, fmt.Sprintf("%s on group %q: %s", o.desc.Kind, g.Name, why))
+		return
+	}
+	if g.dev == nil {
+		if g.Slot < 0 {
+			g.mu.Unlock()
+			g.finish(o, StatusInvalid, -1, fmt.Sprintf("%s on group %q: more than %d groups use CUDA tensors in this process", o.desc.Kind, g.Name, CounterSlots))
+			return
+		}
+		dev, err := ds.NewGroup(g.Rank, g.Size, g.Slot, g.ncclIDs)
+		if err != nil {
+			g.mu.Unlock()
+			g.finish(o, StatusInternal, -1, fmt.Sprintf("%s on group %q: %v", o.desc.Kind, g.Name, err))
+			return
+		}
+		g.dev = dev
+		g.ep.OnBreak(func(cause error) {
+			if !errors.Is(cause, transport.ErrClosed) { // a destroy gives device ops their grace period (close)
+				dev.Abort(cause)
+			}
+		})
+	}
+	dev, ep := g.dev, g.ep
+	g.running.Add(1)
+	g.mu.Unlock()
+	d := &o.desc
+	dev.Enqueue(DeviceOp{Desc: d, Ptrs: ptrs, Deadline: o.deadline, Done: func(err error) {
+		defer g.running.Done()
+		if err == nil {
+			g.finish(o, StatusOK, -1, "")
+			return
+		}
+		status, msg := g.failure(context.Background(), d, uint64(d.StreamValue), o.timeout, err)
+		ep.Break(errors.New(msg))
+		g.finish(o, status, -1, msg)
+	}})
 }
 
 // execute runs the collectives of the group in order (design 1).
@@ -287,7 +353,7 @@ func (g *Group) failure(ctx context.Context, d *Desc, seq uint64, timeout time.D
 	}
 	where := fmt.Sprintf("on group %q (rank %d of %d)", g.Name, g.Rank, g.Size)
 	switch {
-	case ctx.Err() != nil && errors.Is(err, context.DeadlineExceeded):
+	case ctx.Err() != nil && errors.Is(err, context.DeadlineExceeded), errors.Is(err, ErrTimeout):
 		return StatusTimeout, fmt.Sprintf("%s %s timed out after %v: %v", what, where, timeout, err)
 	case errors.Is(err, transport.ErrMismatch):
 		return StatusMismatch, fmt.Sprintf("%s %s: %v", what, where, err)

@@ -29,6 +29,8 @@ type Config struct {
 	// Spin is how long a session's loop polls its ring before sleeping on the futex. Spinning
 	// costs a core but saves the wake-up latency (a few microseconds) on busy GPU ranks.
 	Spin time.Duration
+	// Device is the GPU engine, or nil where the sidecar serves CPU tensors only.
+	Device DeviceEngine
 }
 
 // Engine describes one way ops can run (Info).
@@ -82,11 +84,21 @@ func (s *Server) Uptime() time.Duration { return time.Since(s.started) }
 
 // Engines available on this sidecar.
 func (s *Server) Engines() []Engine {
-	return []Engine{{Name: "host", Available: true, Detail: "CPU tensors over TCP between sidecars"}}
+	out := []Engine{{Name: "host", Available: true, Detail: "CPU tensors over TCP between sidecars"}}
+	if s.cfg.Device == nil {
+		return append(out, Engine{Name: "nccl", Detail: "no GPU engine in this sidecar"})
+	}
+	ok, detail, _ := s.cfg.Device.Info()
+	return append(out, Engine{Name: "nccl", Available: ok, Detail: detail})
 }
 
+// Device is the GPU engine (nil without one).
+func (s *Server) Device() DeviceEngine { return s.cfg.Device }
+
 // Attach opens a session for a client process: it creates the ring file the client maps.
-func (s *Server) Attach(clientPID int64, rank int, ringBytes int) (*Session, error) {
+// ncclPath names the NCCL the client loaded ("" when it has none); the sidecar loads the same
+// library, so that groups get communicator ids from it.
+func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath string) (*Session, error) {
 	if ringBytes <= 0 {
 		ringBytes = s.cfg.RingBytes
 	}
@@ -122,8 +134,15 @@ func (s *Server) Attach(clientPID int64, rank int, ringBytes int) (*Session, err
 		log:    s.log.With("session", s.nextSess, "rank", rank),
 	}
 	s.sessions[sess.ID] = sess
+	if ncclPath != "" && s.cfg.Device != nil {
+		if err := s.cfg.Device.LoadNCCL(ncclPath); err != nil {
+			sess.log.Warn("NCCL not loaded; CUDA tensors will fail", "path", ncclPath, "err", err)
+		} else {
+			sess.nccl = true
+		}
+	}
 	go sess.serve()
-	sess.log.Info("client attached", "pid", clientPID, "ring", mem.Path)
+	sess.log.Info("client attached", "pid", clientPID, "ring", mem.Path, "nccl", sess.nccl)
 	return sess, nil
 }
 
@@ -196,11 +215,13 @@ type bootstrap struct {
 	Hostname string `json:"hostname"`
 	PID      int    `json:"pid"`
 	Version  string `json:"version"`
+	// NCCL holds rank 0's communicator ids (collectives, point to point).
+	NCCL [][]byte `json:"nccl,omitempty"`
 }
 
-func (s *Server) bootstrapBlob() []byte {
+func (s *Server) bootstrapBlob(ncclIDs [][]byte) []byte {
 	host, _ := os.Hostname()
-	b, _ := json.Marshal(bootstrap{Addr: s.node.Addr(), Hostname: host, PID: os.Getpid(), Version: s.cfg.Version})
+	b, _ := json.Marshal(bootstrap{Addr: s.node.Addr(), Hostname: host, PID: os.Getpid(), Version: s.cfg.Version, NCCL: ncclIDs})
 	return b
 }
 

@@ -32,7 +32,7 @@ type client struct {
 
 func newClient(t *testing.T, srv *Server, rank int) *client {
 	t.Helper()
-	sess, err := srv.Attach(1, rank, 64<<10)
+	sess, err := srv.Attach(1, rank, 64<<10, "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -219,6 +219,14 @@ func TestMalformedDescriptors(t *testing.T) {
 			c.submit(Desc{Group: g.Handle, Kind: OpAllReduce, DType: reduce.Float32, RedOp: reduce.Sum, Count: 1,
 				Bufs: []BufRef{{Segment: 77, Length: 4}}})
 		}, "segment 77"},
+		{"max on complex (host engine)", func() {
+			c.submit(Desc{Group: g.Handle, Kind: OpAllReduce, DType: reduce.Complex64, RedOp: reduce.Max, Count: 1,
+				Bufs: []BufRef{{Segment: seg, Length: 8}}})
+		}, "complex64"},
+		{"cuda op without a device", func() {
+			c.submit(Desc{Group: g.Handle, Kind: OpAllReduce, DType: reduce.Float32, RedOp: reduce.Sum, Device: DeviceCUDA,
+				Count: 1, Bufs: []BufRef{{Segment: CUDASegment | 1, Length: 4}}})
+		}, "never attached its GPU"},
 		{"length that does not match the count", func() {
 			c.submit(Desc{Group: g.Handle, Kind: OpAllReduce, DType: reduce.Float32, RedOp: reduce.Sum, Count: 2,
 				Bufs: []BufRef{{Segment: seg, Length: 4}}})

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/gocomm/gocomm/collectives/reduce"
 	"github.com/gocomm/gocomm/internal/ring"
 	"github.com/gocomm/gocomm/internal/shm"
 )
@@ -35,6 +36,90 @@ type Session struct {
 	closed bool
 	done   chan struct{} // closed when the session ends
 	loop   sync.WaitGroup
+
+	nccl    bool          // the client's NCCL is loaded here
+	device  DeviceSession // set by AttachDevice
+	ipcErr  map[uint32]error
+	slots   [CounterSlots]bool
+	devLock sync.Mutex
+}
+
+// AttachDevice binds the session to the client's GPU (by UUID). The counters of every group
+// live in the ring file's first page, which the engine shares with the GPU.
+func (sess *Session) AttachDevice(uuid [16]byte) error {
+	dev := sess.srv.cfg.Device
+	if dev == nil {
+		return fmt.Errorf("%w: this sidecar has no GPU engine", ErrNoDevice)
+	}
+	if ok, why, _ := dev.Info(); !ok {
+		return fmt.Errorf("%w: %s", ErrNoDevice, why)
+	}
+	if !sess.nccl {
+		return fmt.Errorf("%w: the client's NCCL could not be loaded in the sidecar (see its log)", ErrNoDevice)
+	}
+	sess.devLock.Lock()
+	defer sess.devLock.Unlock()
+	if sess.device != nil {
+		return nil
+	}
+	ds, err := dev.Attach(uuid, sess.ringMem.Data[:4096])
+	if err != nil {
+		return fmt.Errorf("%w: %v", ErrNoDevice, err)
+	}
+	sess.device = ds
+	sess.log.Info("device attached", "uuid", fmt.Sprintf("%x", uuid))
+	return nil
+}
+
+func (sess *Session) deviceSession() DeviceSession {
+	sess.devLock.Lock()
+	defer sess.devLock.Unlock()
+	return sess.device
+}
+
+// registerIPC maps a client allocation (RecIPC). A failure is remembered and reported by the
+// first op that names the segment.
+func (sess *Session) registerIPC(p []byte) {
+	if len(p) != 80 {
+		sess.log.Warn("malformed IPC record", "bytes", len(p))
+		return
+	}
+	le := binary.LittleEndian
+	seg, size := le.Uint32(p), le.Uint64(p[8:])
+	var h [64]byte
+	copy(h[:], p[16:80])
+	ds := sess.deviceSession()
+	err := fmt.Errorf("%w: segment %#x registered before the device was attached", ErrInvalid, seg)
+	if ds != nil {
+		if seg&CUDASegment == 0 {
+			err = fmt.Errorf("%w: CUDA segment id %#x lacks the CUDA bit", ErrInvalid, seg)
+		} else {
+			err = ds.RegisterIPC(seg, h, size)
+		}
+	}
+	sess.devLock.Lock()
+	if err != nil {
+		if sess.ipcErr == nil {
+			sess.ipcErr = map[uint32]error{}
+		}
+		sess.ipcErr[seg] = err
+		sess.log.Warn("CUDA allocation not mapped", "segment", seg, "err", err)
+	} else {
+		delete(sess.ipcErr, seg)
+	}
+	sess.devLock.Unlock()
+}
+
+func (sess *Session) dropIPC(p []byte) {
+	if len(p) < 4 {
+		return
+	}
+	seg := binary.LittleEndian.Uint32(p)
+	if ds := sess.deviceSession(); ds != nil {
+		if err := ds.DropIPC(seg); err != nil {
+			sess.log.Debug("drop CUDA segment", "segment", seg, "err", err)
+		}
+	}
 }
 
 // RingPath is the file holding the session's rings (the client unlinks it once mapped).
@@ -69,17 +154,34 @@ func (sess *Session) CreateGroup(name string, rank, size int, globalRanks []int,
 		timeout = 30 * time.Minute
 	}
 	g := newGroup(sess, name, rank, size, globalRanks, timeout)
+	var ids [][]byte
+	if sess.nccl && rank == 0 {
+		for i := 0; i < 2; i++ {
+			id, err := sess.srv.cfg.Device.NewUniqueID()
+			if err != nil {
+				return nil, nil, fmt.Errorf("NCCL id for group %q: %w", name, err)
+			}
+			ids = append(ids, id)
+		}
+	}
 	sess.mu.Lock()
 	if sess.closed {
 		sess.mu.Unlock()
 		return nil, nil, fmt.Errorf("session %d: %w", sess.ID, ErrNotFound)
 	}
+	g.Slot = -1
+	for i := range sess.slots {
+		if !sess.slots[i] {
+			sess.slots[i], g.Slot = true, i
+			break
+		}
+	}
 	sess.srv.addGroup(g)
 	sess.groups[g.Handle] = g
 	sess.mu.Unlock()
 	g.log = sess.log.With("group", g.Handle, "name", name, "grank", rank, "gsize", size)
-	g.log.Info("group created", "timeout", timeout)
-	return g, sess.srv.bootstrapBlob(), nil
+	g.log.Info("group created", "timeout", timeout, "counter_slot", g.Slot)
+	return g, sess.srv.bootstrapBlob(ids), nil
 }
 
 // ConnectGroup wires a group to its peers: blobs[i] is what rank i's CreateGroup returned.
@@ -98,6 +200,9 @@ func (sess *Session) ConnectGroup(handle uint32, blobs [][]byte, secret []byte) 
 			return "", fmt.Errorf("%w: bootstrap blob of rank %d: %v", ErrInvalid, i, err)
 		}
 		peers[i] = bs.Addr
+		if i == 0 && len(bs.NCCL) == 2 {
+			g.ncclIDs = [2][]byte{bs.NCCL[0], bs.NCCL[1]}
+		}
 	}
 	ep, err := sess.srv.node.Join(secret, g.Rank, peers)
 	if err != nil {
@@ -146,6 +251,11 @@ func (sess *Session) DestroyGroup(handle uint32) error {
 	}
 	g.close("group destroyed")
 	sess.srv.dropGroup(g)
+	sess.mu.Lock()
+	if g.Slot >= 0 {
+		sess.slots[g.Slot] = false
+	}
+	sess.mu.Unlock()
 	return nil
 }
 
@@ -188,7 +298,11 @@ func (sess *Session) Close(reason string) {
 	sess.cmpMu.Lock()
 	sess.prod = nil // no completion touches the ring after this
 	sess.cmpMu.Unlock()
-	errs := errors.Join(sess.reg.closeAll(), sess.ringMem.Close())
+	var errDev error
+	if ds := sess.deviceSession(); ds != nil {
+		errDev = ds.Close() // unregisters the counters page before the ring file goes
+	}
+	errs := errors.Join(errDev, sess.reg.closeAll(), sess.ringMem.Close())
 	sess.srv.dropSession(sess)
 	close(sess.done)
 	sess.log.Info("session closed", "reason", reason, "err", errs)
@@ -221,6 +335,10 @@ func (sess *Session) serve() {
 		switch rec.Type {
 		case RecOp:
 			sess.submit(rec.Payload)
+		case RecIPC:
+			sess.registerIPC(rec.Payload)
+		case RecIPCDrop:
+			sess.dropIPC(rec.Payload)
 		default:
 			seq := uint64(0)
 			if len(rec.Payload) >= 8 {
@@ -249,16 +367,59 @@ func (sess *Session) submit(payload []byte) {
 		g.reject(d, err)
 		return
 	}
+	timeout := g.Timeout
+	if d.TimeoutMS > 0 {
+		timeout = time.Duration(d.TimeoutMS) * time.Millisecond
+	}
+	deadline := time.Now().Add(timeout)
+	if d.Device == DeviceCUDA {
+		sess.submitDevice(g, d, deadline, timeout)
+		return
+	}
+	if d.Reduces() {
+		if err := reduce.Check(d.DType, d.RedOp); err != nil {
+			g.reject(d, fmt.Errorf("%w: %v", ErrInvalid, err))
+			return
+		}
+	}
 	bufs, release, err := sess.reg.resolve(d.Bufs)
 	if err != nil {
 		g.reject(d, err)
 		return
 	}
-	timeout := g.Timeout
-	if d.TimeoutMS > 0 {
-		timeout = time.Duration(d.TimeoutMS) * time.Millisecond
+	g.submit(&op{desc: d, bufs: bufs, release: release, deadline: deadline, timeout: timeout})
+}
+
+// submitDevice checks a CUDA op against the device engine and hands it to the group.
+func (sess *Session) submitDevice(g *Group, d Desc, deadline time.Time, timeout time.Duration) {
+	ds := sess.deviceSession()
+	if ds == nil {
+		g.reject(d, fmt.Errorf("%w: %w: the client never attached its GPU", ErrInvalid, ErrNoDevice))
+		return
 	}
-	g.submit(&op{desc: d, bufs: bufs, release: release, deadline: time.Now().Add(timeout), timeout: timeout})
+	if d.Reduces() {
+		if err := sess.srv.cfg.Device.Check(d.DType, d.RedOp); err != nil {
+			g.reject(d, fmt.Errorf("%w: %v", ErrInvalid, err))
+			return
+		}
+	}
+	if d.Kind == OpRecv && d.Root < 0 {
+		g.reject(d, fmt.Errorf("%w: recv from any rank is not supported for CUDA tensors (NCCL has no wildcard receive)", ErrInvalid))
+		return
+	}
+	ptrs, release, err := ds.Resolve(d.Bufs)
+	if err != nil {
+		sess.devLock.Lock()
+		for _, b := range d.Bufs {
+			if why := sess.ipcErr[b.Segment]; why != nil {
+				err = fmt.Errorf("%w: %v", ErrInvalid, why)
+			}
+		}
+		sess.devLock.Unlock()
+		g.reject(d, err)
+		return
+	}
+	g.submitDevice(ds, &op{desc: d, release: release, deadline: deadline, timeout: timeout}, ptrs)
 }
 
 // complete posts a completion. If the client stops reading, it waits for room until the

@@ -6,6 +6,7 @@ package rpc
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"time"
 
@@ -17,13 +18,10 @@ import (
 	v1 "github.com/gocomm/gocomm/proto/gocomm/v1"
 )
 
-// Host describes what the sidecar found on its machine, for Info.
+// Host describes the sidecar's process, for Info.
 type Host struct {
-	RuntimeDir    string
-	LogFile       string
-	CUDAAvailable bool
-	CUDAError     string
-	Devices       []*v1.Device
+	RuntimeDir string
+	LogFile    string
 }
 
 // Service implements v1.PGServerServer on a pg.Server.
@@ -54,6 +52,8 @@ func toStatus(err error) error {
 		return status.Error(codes.InvalidArgument, err.Error())
 	case errors.Is(err, pg.ErrShutdown):
 		return status.Error(codes.Unavailable, err.Error())
+	case errors.Is(err, pg.ErrNoDevice):
+		return status.Error(codes.FailedPrecondition, err.Error())
 	default:
 		return status.Error(codes.Internal, err.Error())
 	}
@@ -62,18 +62,26 @@ func toStatus(err error) error {
 func (s *Service) Info(context.Context, *v1.InfoRequest) (*v1.InfoResponse, error) {
 	host, _ := os.Hostname()
 	resp := &v1.InfoResponse{
-		Version:       s.srv.Version(),
-		Pid:           int64(os.Getpid()),
-		Hostname:      host,
-		CudaAvailable: s.host.CUDAAvailable,
-		CudaError:     s.host.CUDAError,
-		Devices:       s.host.Devices,
-		PeerAddress:   s.srv.PeerAddress(),
-		RuntimeDir:    s.host.RuntimeDir,
-		LogFile:       s.host.LogFile,
+		Version:     s.srv.Version(),
+		Pid:         int64(os.Getpid()),
+		Hostname:    host,
+		CudaError:   "this sidecar has no GPU engine",
+		PeerAddress: s.srv.PeerAddress(),
+		RuntimeDir:  s.host.RuntimeDir,
+		LogFile:     s.host.LogFile,
 	}
 	for _, e := range s.srv.Engines() {
 		resp.Engines = append(resp.Engines, &v1.Engine{Name: e.Name, Available: e.Available, Detail: e.Detail})
+	}
+	if dev := s.srv.Device(); dev != nil {
+		ok, detail, devices := dev.Info()
+		resp.CudaAvailable, resp.CudaError = ok, ""
+		if !ok {
+			resp.CudaError = detail
+		}
+		for _, d := range devices {
+			resp.Devices = append(resp.Devices, &v1.Device{Index: int32(d.Index), Name: d.Name, Uuid: fmt.Sprintf("%x", d.UUID)})
+		}
 	}
 	return resp, nil
 }
@@ -91,11 +99,24 @@ func (s *Service) Health(context.Context, *v1.HealthRequest) (*v1.HealthResponse
 }
 
 func (s *Service) Attach(_ context.Context, req *v1.AttachRequest) (*v1.AttachResponse, error) {
-	sess, err := s.srv.Attach(req.ClientPid, int(req.Rank), int(req.RingBytes))
+	sess, err := s.srv.Attach(req.ClientPid, int(req.Rank), int(req.RingBytes), req.NcclPath)
 	if err != nil {
 		return nil, toStatus(err)
 	}
 	return &v1.AttachResponse{Session: sess.ID, RingPath: sess.RingPath(), RingBytes: uint64(sess.RingBytes())}, nil
+}
+
+func (s *Service) AttachDevice(_ context.Context, req *v1.AttachDeviceRequest) (*v1.AttachDeviceResponse, error) {
+	sess, err := s.srv.Session(req.Session)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	if len(req.DeviceUuid) != 16 {
+		return nil, status.Errorf(codes.InvalidArgument, "device_uuid has %d bytes, want 16", len(req.DeviceUuid))
+	}
+	var uuid [16]byte
+	copy(uuid[:], req.DeviceUuid)
+	return &v1.AttachDeviceResponse{}, toStatus(sess.AttachDevice(uuid))
 }
 
 // Watch holds the session open: when the client's stream ends, the session closes; when the
@@ -152,7 +173,7 @@ func (s *Service) CreateGroup(_ context.Context, req *v1.CreateGroupRequest) (*v
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	return &v1.CreateGroupResponse{Group: g.Handle, Bootstrap: blob}, nil
+	return &v1.CreateGroupResponse{Group: g.Handle, Bootstrap: blob, CounterSlot: int32(g.Slot)}, nil
 }
 
 func (s *Service) ConnectGroup(_ context.Context, req *v1.ConnectGroupRequest) (*v1.ConnectGroupResponse, error) {

@@ -74,6 +74,7 @@ type Endpoint struct {
 	ctx       context.Context // canceled by Close: stops dials in progress
 	cancel    context.CancelFunc
 	acks      map[ackKey]*request // sends by reference waiting for their ack (invariant 6)
+	onBreak   []func(error)
 	refID     uint64
 	peerMaps  map[mapKey][]byte // peers' segments mapped here (invariant 6)
 
@@ -376,6 +377,19 @@ func (ep *Endpoint) send(to int, f frame, data []byte, what string) *request {
 	return r
 }
 
+// OnBreak registers f to be called (once) with the cause when the endpoint breaks; an
+// endpoint already broken calls it at once.
+func (ep *Endpoint) OnBreak(f func(error)) {
+	ep.mu.Lock()
+	if err := ep.broken; err != nil {
+		ep.mu.Unlock()
+		f(err)
+		return
+	}
+	ep.onBreak = append(ep.onBreak, f)
+	ep.mu.Unlock()
+}
+
 // Connect starts the links to every peer (in the background) instead of on first use, so
 // that each peer also dials this rank and the death of any of them closes a link here.
 func (ep *Endpoint) Connect() {
@@ -440,7 +454,11 @@ func (ep *Endpoint) Break(cause error) {
 			links = append(links, ep.out[to])
 		}
 	}
+	hooks := ep.onBreak
 	ep.mu.Unlock()
+	for _, h := range hooks {
+		h(cause)
+	}
 	if errors.Is(cause, ErrClosed) {
 		ep.log.Debug("group closed", "rank", ep.rank)
 	} else {

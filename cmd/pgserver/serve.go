@@ -10,6 +10,8 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"runtime/pprof"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -17,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 
+	"github.com/gocomm/gocomm/collectives/device"
 	"github.com/gocomm/gocomm/pg"
 	"github.com/gocomm/gocomm/rpc"
 	"github.com/gocomm/gocomm/transport"
@@ -76,7 +79,7 @@ func run(args []string) error {
 		return err
 	}
 	defer node.Close()
-	srv = pg.NewServer(pg.Config{Version: version, Spin: *spin}, node, log)
+	srv = pg.NewServer(pg.Config{Version: version, Spin: *spin, Device: device.New(log)}, node, log)
 
 	ln, err := listenUnix(*socket)
 	if err != nil {
@@ -91,14 +94,21 @@ func run(args []string) error {
 			gs.Stop()
 		})
 	}
-	rpc.NewService(srv, rpc.Host{
-		RuntimeDir: *runtimeDir, LogFile: *logFile,
-		CUDAError: "this build of pgserver serves CPU tensors only; its CUDA engine is not there yet",
-	}, stop).Register(gs)
+	rpc.NewService(srv, rpc.Host{RuntimeDir: *runtimeDir, LogFile: *logFile}, stop).Register(gs)
 
 	sigs := make(chan os.Signal, 1)
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
 	go func() { stop(fmt.Sprintf("signal %v", <-sigs)) }()
+	// SIGUSR1 logs every goroutine's stack and goes on serving: what a hang is waiting for.
+	dump := make(chan os.Signal, 1)
+	signal.Notify(dump, syscall.SIGUSR1)
+	go func() {
+		for range dump {
+			var b strings.Builder
+			pprof.Lookup("goroutine").WriteTo(&b, 2)
+			log.Warn("goroutine dump (SIGUSR1)", "stacks", b.String())
+		}
+	}()
 	if *parentPID > 0 {
 		go watchParent(*parentPID, stop)
 	}

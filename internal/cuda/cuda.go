@@ -59,6 +59,9 @@ static CUresult (*p_cuMemFree)(CUdeviceptr);
 static CUresult (*p_cuMemsetD32Async)(CUdeviceptr, unsigned int, size_t, CUstream);
 static CUresult (*p_cuMemcpyDtoH)(void*, CUdeviceptr, size_t);
 static CUresult (*p_cuMemcpyHtoD)(CUdeviceptr, const void*, size_t);
+static CUresult (*p_cuMemHostRegister)(void*, size_t, unsigned int);
+static CUresult (*p_cuMemHostUnregister)(void*);
+static CUresult (*p_cuMemHostGetDevicePointer)(CUdeviceptr*, void*, unsigned int);
 
 // gc_load opens the library and resolves every symbol; it returns the name of the first
 // missing symbol (or the dlerror text) in err, and -1, on failure.
@@ -100,6 +103,9 @@ static int gc_load(const char* path, char* err, int errlen) {
 	SYM(p_cuMemsetD32Async, "cuMemsetD32Async");
 	SYM(p_cuMemcpyDtoH, "cuMemcpyDtoH_v2");
 	SYM(p_cuMemcpyHtoD, "cuMemcpyHtoD_v2");
+	SYM(p_cuMemHostRegister, "cuMemHostRegister_v2");
+	SYM(p_cuMemHostUnregister, "cuMemHostUnregister");
+	SYM(p_cuMemHostGetDevicePointer, "cuMemHostGetDevicePointer_v2");
 #undef SYM
 	gc_lib = h;
 	return 0;
@@ -138,6 +144,9 @@ static CUresult gc_cuMemFree(CUdeviceptr p) { return p_cuMemFree(p); }
 static CUresult gc_cuMemsetD32Async(CUdeviceptr p, unsigned int v, size_t n, CUstream s) { return p_cuMemsetD32Async(p, v, n, s); }
 static CUresult gc_cuMemcpyDtoH(void* d, CUdeviceptr s, size_t n) { return p_cuMemcpyDtoH(d, s, n); }
 static CUresult gc_cuMemcpyHtoD(CUdeviceptr d, const void* s, size_t n) { return p_cuMemcpyHtoD(d, s, n); }
+static CUresult gc_cuMemHostRegister(void* p, size_t n, unsigned int f) { return p_cuMemHostRegister(p, n, f); }
+static CUresult gc_cuMemHostUnregister(void* p) { return p_cuMemHostUnregister(p); }
+static CUresult gc_cuMemHostGetDevicePointer(CUdeviceptr* d, void* p) { return p_cuMemHostGetDevicePointer(d, p, 0); }
 */
 import "C"
 
@@ -541,4 +550,58 @@ func CopyToDevice(dst Ptr, src []byte) error {
 		return nil
 	}
 	return check("cuMemcpyHtoD", C.gc_cuMemcpyHtoD(C.CUdeviceptr(dst), unsafe.Pointer(&src[0]), C.size_t(len(src))))
+}
+
+// Host registration flags.
+const (
+	HostRegisterPortable  = 0x1
+	HostRegisterDeviceMap = 0x2
+)
+
+// RegisterHost pins host memory (page-aligned, e.g. a shared-memory mapping) and maps it
+// for every context; the returned device address reads and writes the same bytes. Stream
+// memory ops on it let the GPU wait on words the CPU (or another process) writes.
+func RegisterHost(b []byte) (Ptr, error) {
+	if err := loaded(); err != nil {
+		return 0, err
+	}
+	if len(b) == 0 {
+		return 0, fmt.Errorf("cuda: register empty host range")
+	}
+	p := unsafe.Pointer(&b[0])
+	if err := check("cuMemHostRegister", C.gc_cuMemHostRegister(p, C.size_t(len(b)), HostRegisterPortable|HostRegisterDeviceMap)); err != nil {
+		return 0, err
+	}
+	var d C.CUdeviceptr
+	if err := check("cuMemHostGetDevicePointer", C.gc_cuMemHostGetDevicePointer(&d, p)); err != nil {
+		C.gc_cuMemHostUnregister(p)
+		return 0, err
+	}
+	return Ptr(d), nil
+}
+
+// UnregisterHost undoes RegisterHost.
+func UnregisterHost(b []byte) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuMemHostUnregister", C.gc_cuMemHostUnregister(unsafe.Pointer(&b[0])))
+}
+
+// DeviceByUUID finds the visible device with this UUID.
+func DeviceByUUID(uuid [16]byte) (Device, error) {
+	n, err := DeviceCount()
+	if err != nil {
+		return 0, err
+	}
+	for i := 0; i < n; i++ {
+		d, err := DeviceGet(i)
+		if err != nil {
+			return 0, err
+		}
+		if u, err := d.UUID(); err == nil && u == uuid {
+			return d, nil
+		}
+	}
+	return 0, fmt.Errorf("cuda: no visible device has UUID %x (CUDA_VISIBLE_DEVICES differs between the rank and its sidecar?)", uuid)
 }

@@ -1,0 +1,244 @@
+// Package device runs collectives on GPUs for the sidecar: NCCL directly on the client's
+// memory (CUDA IPC), ordered against the client's streams by counters in shared host memory.
+// It implements pg.DeviceEngine; cmd/pgserver wires it in where the driver loads.
+package device
+
+import (
+	"fmt"
+	"log/slog"
+	"runtime"
+	"sync"
+
+	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/internal/cuda"
+	"github.com/gocomm/gocomm/internal/nccl"
+	"github.com/gocomm/gocomm/pg"
+)
+
+// Engine is the sidecar's GPU engine.
+type Engine struct {
+	log     *slog.Logger
+	err     error // why there is no GPU engine, or nil
+	devices []pg.DeviceInfo
+}
+
+// New loads the driver and lists the devices; a machine without a driver gets an engine
+// whose Info says why and whose every call fails.
+func New(log *slog.Logger) *Engine {
+	e := &Engine{log: log}
+	if e.err = cuda.Load(); e.err != nil {
+		return e
+	}
+	n, err := cuda.DeviceCount()
+	if err != nil {
+		e.err = err
+		return e
+	}
+	if n == 0 {
+		e.err = fmt.Errorf("cuda: no visible devices")
+		return e
+	}
+	for i := 0; i < n; i++ {
+		d, err := cuda.DeviceGet(i)
+		if err != nil {
+			e.err = err
+			return e
+		}
+		name, _ := d.Name()
+		uuid, _ := d.UUID()
+		e.devices = append(e.devices, pg.DeviceInfo{Index: i, Name: name, UUID: uuid})
+	}
+	return e
+}
+
+// Info implements pg.DeviceEngine.
+func (e *Engine) Info() (bool, string, []pg.DeviceInfo) {
+	if e.err != nil {
+		return false, e.err.Error(), nil
+	}
+	return true, fmt.Sprintf("%d device(s)", len(e.devices)), e.devices
+}
+
+// LoadNCCL implements pg.DeviceEngine.
+func (e *Engine) LoadNCCL(path string) error {
+	if e.err != nil {
+		return e.err
+	}
+	return nccl.Load(path)
+}
+
+// NewUniqueID implements pg.DeviceEngine.
+func (e *Engine) NewUniqueID() ([]byte, error) {
+	if e.err != nil {
+		return nil, e.err
+	}
+	id, err := nccl.NewUniqueID()
+	return id[:], err
+}
+
+// Check implements pg.DeviceEngine.
+func (e *Engine) Check(dt reduce.DType, op reduce.Op) error { return Check(dt, op) }
+
+// Attach implements pg.DeviceEngine.
+func (e *Engine) Attach(uuid [16]byte, counters []byte) (pg.DeviceSession, error) {
+	if e.err != nil {
+		return nil, e.err
+	}
+	dev, err := cuda.DeviceByUUID(uuid)
+	if err != nil {
+		return nil, err
+	}
+	ctx, err := dev.PrimaryContext()
+	if err != nil {
+		return nil, err
+	}
+	s := &session{log: e.log, dev: dev, ctx: ctx, counters: counters, segs: map[uint32]*ipcSeg{}}
+	err = s.do(func() error {
+		s.countersDev, err = cuda.RegisterHost(counters)
+		return err
+	})
+	if err != nil {
+		dev.ReleasePrimaryContext()
+		return nil, fmt.Errorf("share the stream counters with the GPU: %w", err)
+	}
+	return s, nil
+}
+
+// session is one client's device: its context, its IPC-mapped allocations, its counters.
+//
+// Invariants:
+//  1. Every driver call runs on a locked OS thread with the device's context current (do,
+//     or a group's executor thread).
+//  2. A segment stays mapped while an op that resolved it may still run: ops hold a
+//     reference until their Done, and DropIPC unmaps only when the last is released.
+type session struct {
+	log         *slog.Logger
+	dev         cuda.Device
+	ctx         cuda.Context
+	counters    []byte
+	countersDev cuda.Ptr
+
+	mu   sync.Mutex
+	segs map[uint32]*ipcSeg
+}
+
+type ipcSeg struct {
+	ptr     cuda.Ptr
+	size    uint64
+	refs    int
+	dropped bool
+}
+
+// do runs f on a locked thread with the context current (invariant 1).
+func (s *session) do(f func() error) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if err := s.ctx.SetCurrent(); err != nil {
+		return err
+	}
+	return f()
+}
+
+func (s *session) RegisterIPC(seg uint32, handle [64]byte, size uint64) error {
+	s.mu.Lock()
+	if _, dup := s.segs[seg]; dup {
+		s.mu.Unlock()
+		return fmt.Errorf("%w: CUDA segment %d registered twice", pg.ErrInvalid, seg)
+	}
+	s.mu.Unlock()
+	var p cuda.Ptr
+	err := s.do(func() (err error) {
+		p, err = cuda.OpenIPC(cuda.IPCHandle(handle))
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("map the client's allocation (segment %d, %d bytes): %w", seg, size, err)
+	}
+	s.mu.Lock()
+	s.segs[seg] = &ipcSeg{ptr: p, size: size}
+	s.mu.Unlock()
+	return nil
+}
+
+func (s *session) DropIPC(seg uint32) error {
+	s.mu.Lock()
+	g := s.segs[seg]
+	if g == nil || g.dropped {
+		s.mu.Unlock()
+		return fmt.Errorf("CUDA segment %d: %w", seg, pg.ErrNotFound)
+	}
+	g.dropped = true
+	unmap := g.refs == 0
+	if unmap {
+		delete(s.segs, seg)
+	}
+	s.mu.Unlock()
+	if unmap {
+		return s.do(func() error { return cuda.CloseIPC(g.ptr) })
+	}
+	return nil
+}
+
+func (s *session) Resolve(refs []pg.BufRef) ([]uint64, func(), error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ptrs := make([]uint64, len(refs))
+	for i, r := range refs {
+		if r.Length == 0 {
+			continue // an empty buffer: NCCL never touches it (ptr 0)
+		}
+		g := s.segs[r.Segment]
+		if g == nil || g.dropped {
+			return nil, nil, fmt.Errorf("%w: buffer %d: CUDA segment %d is not registered", pg.ErrInvalid, i, r.Segment)
+		}
+		if r.Offset > g.size || r.Length > g.size-r.Offset {
+			return nil, nil, fmt.Errorf("%w: buffer %d: bytes [%d, %d+%d) outside CUDA segment %d of %d bytes",
+				pg.ErrInvalid, i, r.Offset, r.Offset, r.Length, r.Segment, g.size)
+		}
+		ptrs[i] = uint64(g.ptr) + r.Offset
+	}
+	var held []*ipcSeg
+	for _, r := range refs {
+		if r.Length > 0 {
+			g := s.segs[r.Segment]
+			g.refs++
+			held = append(held, g)
+		}
+	}
+	var once sync.Once
+	return ptrs, func() {
+		once.Do(func() {
+			var unmap []*ipcSeg
+			s.mu.Lock()
+			for _, g := range held {
+				g.refs--
+				if g.refs == 0 && g.dropped {
+					unmap = append(unmap, g)
+					for id, x := range s.segs {
+						if x == g {
+							delete(s.segs, id)
+						}
+					}
+				}
+			}
+			s.mu.Unlock()
+			for _, g := range unmap {
+				s.do(func() error { return cuda.CloseIPC(g.ptr) })
+			}
+		})
+	}, nil
+}
+
+func (s *session) Close() error {
+	s.mu.Lock()
+	segs := s.segs
+	s.segs = map[uint32]*ipcSeg{}
+	s.mu.Unlock()
+	return s.do(func() error {
+		for _, g := range segs {
+			cuda.CloseIPC(g.ptr)
+		}
+		cuda.UnregisterHost(s.counters)
+		return s.dev.ReleasePrimaryContext()
+	})
+}

@@ -1,0 +1,67 @@
+package device
+
+import (
+	"errors"
+	"io"
+	"log/slog"
+	"testing"
+
+	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/internal/nccl"
+)
+
+// TestNCCLTypes: which reductions run on CUDA tensors, and how they map to NCCL.
+func TestNCCLTypes(t *testing.T) {
+	for _, tc := range []struct {
+		desc  string
+		dt    reduce.DType
+		op    reduce.Op
+		ok    bool
+		t     nccl.DataType
+		r     nccl.RedOp
+		scale int
+	}{
+		{"float32 sum", reduce.Float32, reduce.Sum, true, nccl.Float32, nccl.Sum, 1},
+		{"bfloat16 avg", reduce.BFloat16, reduce.Avg, true, nccl.BFloat16, nccl.Avg, 1},
+		{"fp8 e4m3 max", reduce.Float8E4M3FN, reduce.Max, true, nccl.Float8E4M3, nccl.Max, 1},
+		{"bool sum is or (max of 0/1)", reduce.Bool, reduce.Sum, true, nccl.Uint8, nccl.Max, 1},
+		{"bool product is and (min of 0/1)", reduce.Bool, reduce.Product, true, nccl.Uint8, nccl.Min, 1},
+		{"complex64 sum as float pairs", reduce.Complex64, reduce.Sum, true, nccl.Float32, nccl.Sum, 2},
+		{"complex128 avg", reduce.Complex128, reduce.Avg, true, nccl.Float64, nccl.Avg, 2},
+		{"complex product", reduce.Complex64, reduce.Product, false, 0, 0, 0},
+		{"int16 (no NCCL type)", reduce.Int16, reduce.Sum, false, 0, 0, 0},
+		{"bitwise and", reduce.Int32, reduce.BAnd, false, 0, 0, 0},
+		{"bool avg", reduce.Bool, reduce.Avg, false, 0, 0, 0},
+	} {
+		t.Run(tc.desc, func(t *testing.T) {
+			typ, r, k, err := ncclType(tc.dt, tc.op)
+			if !tc.ok {
+				if !errors.Is(err, reduce.ErrUnsupported) {
+					t.Fatalf("ncclType = %v, want ErrUnsupported", err)
+				}
+				return
+			}
+			if err != nil || typ != tc.t || r != tc.r || k != tc.scale {
+				t.Fatalf("ncclType = %v %v %d %v, want %v %v %d", typ, r, k, err, tc.t, tc.r, tc.scale)
+			}
+		})
+	}
+}
+
+// TestNoDriver: without a driver the engine says why and refuses to attach, never crashes.
+func TestNoDriver(t *testing.T) {
+	e := New(slog.New(slog.NewTextHandler(io.Discard, nil)))
+	ok, why, _ := e.Info()
+	if ok {
+		t.Skip("a CUDA driver is present here")
+	}
+	if why == "" {
+		t.Fatal("no reason given for the missing GPU engine")
+	}
+	if _, err := e.Attach([16]byte{}, make([]byte, 4096)); err == nil {
+		t.Fatal("Attach without a driver succeeded")
+	}
+	if _, err := e.NewUniqueID(); err == nil {
+		t.Fatal("NewUniqueID without a driver succeeded")
+	}
+}

@@ -1,0 +1,87 @@
+package pg
+
+import (
+	"errors"
+	"time"
+
+	"github.com/gocomm/gocomm/collectives/reduce"
+)
+
+// DeviceEngine is the GPU half of the sidecar. Package collectives/device implements it
+// with the CUDA driver and NCCL; cmd/pgserver wires it in where the driver loads, and pg
+// runs without one (CPU tensors only) everywhere else, tests included.
+type DeviceEngine interface {
+	// Info says whether GPUs can be used, and if not why; and which devices there are.
+	Info() (available bool, detail string, devices []DeviceInfo)
+	// LoadNCCL loads the NCCL library the client uses (its path; "" for the default).
+	LoadNCCL(path string) error
+	// NewUniqueID makes the bootstrap id of a communicator (rank 0 of a group calls it).
+	NewUniqueID() ([]byte, error)
+	// Check says whether a reduction of dtype by op can run on the device.
+	Check(dt reduce.DType, op reduce.Op) error
+	// Attach binds a session to the device with this UUID. counters is host memory shared
+	// with the client (inside the ring file, page-aligned) that holds the groups' stream
+	// counters (see Session: counter slots).
+	Attach(uuid [16]byte, counters []byte) (DeviceSession, error)
+}
+
+// DeviceInfo describes one GPU.
+type DeviceInfo struct {
+	Index int
+	Name  string
+	UUID  [16]byte
+}
+
+// DeviceSession is one client's use of its device.
+type DeviceSession interface {
+	// RegisterIPC maps an allocation of the client (CUDA IPC handle) as segment seg.
+	RegisterIPC(seg uint32, handle [64]byte, size uint64) error
+	// DropIPC unmaps a segment the client says is gone.
+	DropIPC(seg uint32) error
+	// Resolve bounds-checks each (seg, offset, length) and returns the device addresses,
+	// holding the segments mapped until release is called.
+	Resolve(refs []BufRef) (ptrs []uint64, release func(), err error)
+	// NewGroup makes this rank's member of a group on the device. slot names the group's
+	// counters (see counterBase): before its k-th collective the client's stream writes
+	// ready = k; the engine's stream waits for that, runs the op and writes done = k, and the
+	// client's stream waits for done >= k when the op's work is waited on. Point-to-point ops
+	// use the second pair, on a stream of their own. ids are the communicators' bootstrap
+	// ids from rank 0 (collectives, point to point).
+	NewGroup(rank, size, slot int, ids [2][]byte) (DeviceGroup, error)
+	Close() error
+}
+
+// DeviceOp is one op for the device engine: a validated descriptor and its buffers'
+// device addresses (Desc.Validate's roles).
+type DeviceOp struct {
+	Desc     *Desc
+	Ptrs     []uint64
+	Deadline time.Time
+	// Done is called once, when the op finished on the GPU or failed.
+	Done func(err error)
+}
+
+// DeviceGroup runs one group's device ops in submission order on its own streams.
+type DeviceGroup interface {
+	Enqueue(op DeviceOp)
+	// Abort fails everything pending, cancels what runs (ncclCommAbort) and releases the
+	// client's waiting streams; the group stays broken.
+	Abort(cause error)
+	Close() error
+}
+
+// Errors of device ops.
+var (
+	// ErrNoDevice: the op needs a GPU this sidecar does not have (or was not given).
+	ErrNoDevice = errors.New("no CUDA device attached")
+	// ErrTimeout: an op did not finish before its deadline.
+	ErrTimeout = errors.New("deadline exceeded")
+)
+
+// Counter slots live in the ring file's header page, after the ring's own words: slot i
+// is four u32 words at CounterBase + 16*i: collective ready, collective done, p2p ready,
+// p2p done.
+const (
+	CounterBase  = 1024
+	CounterSlots = (4096 - CounterBase) / 16
+)
