@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import _sidecar, _wire
+from . import _cuda, _sidecar, _wire
 from ._sidecar import SidecarError
 from .v1 import pgserver_pb2 as pb
 
@@ -49,6 +49,7 @@ class Work(dist._Work):
         self._source = -1
         self._limit = limit  # seconds after which wait() gives up on the sidecar
         self._children: list[Work] = []
+        self._cuda_wait = None  # CUDA ops: makes the current stream wait for the op
 
     def _finish(self, exc: BaseException | None) -> None:
         if self._done.is_set():
@@ -61,6 +62,13 @@ class Work(dist._Work):
             self._fut.set_exception(exc)
 
     def wait(self, timeout=None) -> bool:
+        """Host tensors: block until the outputs are in place. CUDA tensors: make the current
+        stream wait for the op (as torch's NCCL backend does) and return at once."""
+        if self._cuda_wait is not None:
+            if self._exc is not None:
+                raise self._exc
+            self._cuda_wait()
+            return True
         limit = self._limit
         if timeout is not None and _timeout_seconds(timeout) > 0:
             limit = min(limit, _timeout_seconds(timeout))
@@ -128,6 +136,7 @@ class _Pending:
     deadline: float
     allocs: list[tuple[int, int, int]] = field(default_factory=list)
     copy_out: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    keep: list[torch.Tensor] = field(default_factory=list)  # alive until the op finished
 
 
 class _Dispatcher:
@@ -196,6 +205,7 @@ class _Dispatcher:
             self.sc.arena.release(seg, off, n)
         p.allocs = []
         p.copy_out = []
+        p.keep = []
 
     def _expire(self, now: float) -> None:
         with self._lock:
@@ -282,6 +292,8 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             ),
         )
         self._handle = resp.group
+        self._slot = resp.counter_slot
+        self._k = [0, 0]  # CUDA ops issued per lane (collectives, point to point)
         # Bootstrap through the group's Store: rank 0 hands out the secret peer links are
         # authenticated with; every rank publishes where its sidecar listens.
         if rank == 0:
@@ -362,6 +374,11 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         work = Work(op, result if result is not None else [], t_limit + _GRACE)
         p = _Pending(work, op, time.monotonic() + t_limit + _GRACE)
         out_for = {i: ts for i, ts in outputs}
+        first = next((ts[0] for ts in list(inputs) + list(out_for.values()) if ts), None)
+        if first is not None and first.device.type == "cuda":
+            return self._submit_cuda(
+                op, kind, dtype, count, redop, root, tag, inputs, out_for, splits, t_limit, timeout, p
+            )
         bufs = []
         arena = self._sc.arena
         try:
@@ -395,11 +412,75 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             p,
         )
 
+    def _submit_cuda(self, op, kind, dtype, count, redop, root, tag, inputs, out_for, splits, t_limit, timeout, p):
+        """The CUDA form of _submit: no staging; ordered on the caller's current stream.
+
+        On the current stream S: pack list inputs into a flat buffer; write ready = k to the
+        group's counter; (the sidecar waits for it, runs NCCL on the tensors' memory, writes
+        done = k). Ops with list outputs also make S wait for done and unpack, and record an
+        event for wait(); the others leave S alone until wait() makes the current stream
+        wait for done >= k. Every tensor stays referenced until the GPU finished the op, so
+        the caching allocator cannot hand its memory out while the sidecar uses it.
+        """
+        sc = self._sc
+        if self._slot < 0:
+            raise RuntimeError(
+                f"gocomm {op}: this process has more groups using CUDA tensors than the sidecar has counters for"
+            )
+        tensors = [t for ts in list(inputs) + list(out_for.values()) if ts for t in ts]
+        dev = tensors[0].device
+        for t in tensors:
+            if t.device != dev:
+                raise ValueError(f"gocomm {op}: tensors on {t.device} and {dev}; one op runs on one device")
+        counters = sc.attach_device(dev) + 1024 + 16 * self._slot
+        stream = torch.cuda.current_stream(dev)
+        lane = 1 if kind in (_wire.SEND, _wire.RECV) else 0
+        bufs, keep, unpack = [], list(tensors), []
+        for i, ins in enumerate(inputs):
+            ts = ins if ins is not None else out_for[i]
+            outs = out_for.get(i)
+            if len(ts) == 1 and (outs is None or (len(outs) == 1 and outs[0] is ts[0])):
+                buf = ts[0]
+            else:
+                buf = torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype, device=dev)
+                if ins is not None:
+                    torch.cat([t.reshape(-1) for t in ins], out=buf)
+                if outs is not None:
+                    unpack.append((buf, outs))
+                keep.append(buf)
+            bufs.append(sc.cuda_segment(buf))
+        self._k[lane] += 1
+        k = self._k[lane]
+        ready, done = counters + 8 * lane, counters + 8 * lane + 4
+        _cuda.write_value(stream.cuda_stream, ready, k)
+        dt = _wire.DTYPES[dtype] if dtype is not None else 0
+        timeout_ms = int(t_limit * 1000) if timeout is not None else 0
+        p.keep = keep
+        work = self._disp.submit(
+            lambda seq: _wire.encode_desc(
+                seq, self._handle, kind, dt, redop, root, tag, count, timeout_ms, bufs, splits, _wire.DEVICE_CUDA, k
+            ),
+            p,
+        )
+        if unpack:
+            _cuda.wait_value(stream.cuda_stream, done, k)
+            for buf, outs in unpack:
+                pos = 0
+                for t in outs:
+                    t.copy_(buf[pos : pos + t.numel()].view(t.shape))
+                    pos += t.numel()
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            work._cuda_wait = lambda: torch.cuda.current_stream(dev).wait_event(ev)
+        else:
+            work._cuda_wait = lambda: _cuda.wait_value(torch.cuda.current_stream(dev).cuda_stream, done, k)
+        return work
+
     # ----- collectives ------------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
         t = _single("all_reduce", "tensor", tensors)
-        redop = _redop("all_reduce", opts, t.dtype)
+        redop = _redop("all_reduce", opts, t)
         return self._submit(
             "all_reduce",
             _wire.ALL_REDUCE,
@@ -417,7 +498,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         if not ts:
             return _Batch("all_reduce_coalesced", [], [])
         _same_dtype("all_reduce_coalesced", "tensors", ts)
-        redop = _redop("all_reduce_coalesced", opts, ts[0].dtype)
+        redop = _redop("all_reduce_coalesced", opts, ts[0])
         return self._submit(
             "all_reduce_coalesced",
             _wire.ALL_REDUCE,
@@ -448,7 +529,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
 
     def reduce(self, tensors, opts=None):
         t = _single("reduce", "tensor", tensors)
-        redop = _redop("reduce", opts, t.dtype)
+        redop = _redop("reduce", opts, t)
         root = _root("reduce", opts, self._size)
         return self._submit(
             "reduce",
@@ -510,7 +591,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         if not isinstance(input_tensors, (list, tuple)) or len(input_tensors) != 1:
             raise ValueError("gocomm reduce_scatter: expected one input list")
         ins = _output_list("reduce_scatter", "input_list", input_tensors, out, self._size)
-        redop = _redop("reduce_scatter", opts, out.dtype)
+        redop = _redop("reduce_scatter", opts, out)
         return self._submit(
             "reduce_scatter",
             _wire.REDUCE_SCATTER,
@@ -532,7 +613,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
                 f"gocomm reduce_scatter_tensor: input has {input.numel()} elements, "
                 f"want world_size * output numel = {self._size} * {output.numel()}"
             )
-        redop = _redop("reduce_scatter_tensor", opts, output.dtype)
+        redop = _redop("reduce_scatter_tensor", opts, output)
         return self._submit(
             "reduce_scatter_tensor",
             _wire.REDUCE_SCATTER,
@@ -744,11 +825,21 @@ def _check(op: str, name: str, t) -> torch.Tensor:
         raise TypeError(f"gocomm {op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise ValueError(f"gocomm {op}: {name} is a {t.layout} tensor; only dense (strided) tensors are supported")
-    if t.device.type != "cpu":
-        raise NotImplementedError(
-            f"gocomm {op}: {name} is on {t.device}; this version of gocomm runs CPU tensors only "
-            "(its CUDA engine is not built yet). Move the tensor to the CPU or use the nccl backend."
-        )
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"gocomm {op}: {name} is on {t.device}; gocomm serves cpu and cuda tensors")
+    if t.device.type == "cuda":
+        if os.environ.get("GOCOMM_CUDA", "0") != "1":
+            raise NotImplementedError(
+                f"gocomm {op}: {name} is on {t.device}. gocomm's CUDA engine is experimental and off by default "
+                "in this version (GPU test runs still hang, see NOTES.md); set GOCOMM_CUDA=1 to try it, or use "
+                "the nccl backend for CUDA tensors"
+            )
+        sc = _sidecar.current()
+        if sc is not None and not sc.info.cuda_available:
+            raise NotImplementedError(
+                f"gocomm {op}: {name} is on {t.device}, but this rank's pgserver cannot run CUDA ops: "
+                f"{sc.info.cuda_error}"
+            )
     if t.dtype not in _wire.DTYPES:
         raise TypeError(f"gocomm {op}: {name} has dtype {t.dtype}, which gocomm does not support")
     if not t.is_contiguous():
@@ -780,6 +871,8 @@ def _same_dtype(op: str, name: str, ts: list[torch.Tensor]) -> None:
 def _match_dtype(op: str, name: str, t: torch.Tensor, like: torch.Tensor) -> None:
     if t.dtype != like.dtype:
         raise TypeError(f"gocomm {op}: {name} has dtype {t.dtype}, the input has {like.dtype}")
+    if t.device != like.device:
+        raise ValueError(f"gocomm {op}: {name} is on {t.device}, the input on {like.device}")
 
 
 def _output_list(op: str, name: str, lists, like: torch.Tensor, size: int) -> list[torch.Tensor]:
@@ -799,11 +892,12 @@ def _output_list(op: str, name: str, lists, like: torch.Tensor, size: int) -> li
     return ts
 
 
-def _redop(op: str, opts, dtype: torch.dtype) -> int:
+def _redop(op: str, opts, t: torch.Tensor) -> int:
     want = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+    support = _wire.cuda_reduce_support if t.device.type == "cuda" else _wire.reduce_support
     for torch_op, code, _name in _wire.REDUCE_OPS:
         if want == torch_op:
-            why = _wire.reduce_support(dtype, code)
+            why = support(t.dtype, code)
             if why:
                 raise TypeError(f"gocomm {op}: {why}")
             return code

@@ -109,6 +109,24 @@ def reduce_support(dtype: torch.dtype, op: int) -> str | None:
     return None
 
 
+_CUDA_REDUCE_INT = {torch.uint8, torch.int8, torch.int32, torch.int64, torch.uint32, torch.uint64}
+
+
+def cuda_reduce_support(dtype: torch.dtype, op: int) -> str | None:
+    """Why op cannot reduce dtype on CUDA tensors (NCCL), or None (mirrors collectives/device)."""
+    if op in (BAND, BOR, BXOR):
+        return "bitwise reductions are not supported on CUDA tensors (NCCL has none)"
+    if dtype == torch.bool:
+        return "avg is not defined for bool" if op == AVG else None
+    if dtype.is_complex:
+        return None if op in (SUM, AVG) else f"{REDUCE_NAMES[op]} is not supported for {dtype} on CUDA tensors"
+    if dtype in _CUDA_REDUCE_INT or dtype.is_floating_point:
+        return None
+    return f"{dtype} cannot be reduced on CUDA tensors (NCCL has no such type)"
+
+
+REDUCE_NAMES = {code: name for _, code, name in REDUCE_OPS}
+
 # Completion statuses (pg.Status*).
 STATUS_OK = 0
 STATUS_INVALID = 1
@@ -132,10 +150,16 @@ STATUS_NAMES = {
 }
 
 # Descriptor: see pg/descriptor.go for the field table.
-DESC = struct.Struct("<QIBBBBiiQQHHI")
+DESC = struct.Struct("<QIBBBBiiQQHHIII")
 BUFREF = struct.Struct("<IIQQ")
 DONE = struct.Struct("<Qii")
-assert DESC.size == 48 and BUFREF.size == 24 and DONE.size == 16
+assert DESC.size == 56 and BUFREF.size == 24 and DONE.size == 16
+
+# CUDA allocations registered with REC_IPC carry this bit in their segment id.
+CUDA_SEGMENT = 1 << 31
+REC_IPC = 18
+REC_IPC_DROP = 19
+IPC = struct.Struct("<IIQ")  # segment, reserved, size; then the 64-byte IPC handle
 
 
 def encode_desc(
@@ -151,6 +175,7 @@ def encode_desc(
     bufs: list[tuple[int, int, int]],
     splits: list[int] | None = None,
     device: int = DEVICE_HOST,
+    stream_value: int = 0,
 ) -> bytes:
     """Pack an op descriptor; bufs are (segment, offset, length) triples."""
     splits = splits or []
@@ -169,6 +194,8 @@ def encode_desc(
             len(bufs),
             0,
             len(splits),
+            stream_value,
+            0,
         )
     ]
     parts.extend(BUFREF.pack(seg, 0, off, n) for seg, off, n in bufs)

@@ -388,12 +388,19 @@ class World:
                     )
                     pending.discard(r)
         if pending:
-            # Dump the stacks of the ranks that hang into their logs before they are killed.
+            # Dump the stacks of the ranks that hang, and of every goroutine of their
+            # pgservers (SIGUSR1 makes pgserver log them), into their logs before they die.
             for r in pending:
                 try:
                     os.kill(self.procs[r].pid, signal.SIGUSR1)
                 except (ProcessLookupError, TypeError):
                     pass
+                spid = self.info[r].get("sidecar_pid")
+                if spid:
+                    try:
+                        os.kill(spid, signal.SIGUSR1)
+                    except ProcessLookupError:
+                        pass
             time.sleep(0.5)
             for r in pending:
                 replies[r] = ("hung", f"no answer within {timeout:.0f}s (killed)")

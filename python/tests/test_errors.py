@@ -182,7 +182,7 @@ def _cases(rk):
         (
             "meta tensor",
             lambda: dist.all_reduce(torch.empty(4, device="meta")),
-            NotImplementedError,
+            ValueError,
             ["tensor", "meta", "cpu"],
         ),
         # --- layout

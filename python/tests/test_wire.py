@@ -99,7 +99,7 @@ def test_reduce_ops_match_go(wire):
 def test_descriptor_layout(wire):
     """encode_desc puts each field at the offset the table in pg/descriptor.go gives."""
     text = DESCRIPTOR_GO.read_text()
-    assert re.search(r"descHeader\s*=\s*48", text) and re.search(r"bufRefSize\s*=\s*24", text)
+    assert re.search(r"descHeader\s*=\s*56", text) and re.search(r"bufRefSize\s*=\s*24", text)
     b = wire.encode_desc(
         0x0102030405060708,
         7,
@@ -112,8 +112,10 @@ def test_descriptor_layout(wire):
         5678,
         [(3, 64, 128), (4, 0, 8)],
         [1, -2, 3],
+        wire.DEVICE_CUDA,
+        0xDEADBEEF,
     )
-    assert len(b) == 48 + 2 * 24 + 3 * 8
+    assert len(b) == 56 + 2 * 24 + 3 * 8
     seq, group = struct.unpack_from("<QI", b, 0)
     kind, dtype, redop, device = b[12], b[13], b[14], b[15]
     root, tag = struct.unpack_from("<ii", b, 16)
@@ -128,12 +130,13 @@ def test_descriptor_layout(wire):
         wire.SEND,
         9,
         3,
-        0,
+        wire.DEVICE_CUDA,
     )
     assert (root, tag, count, timeout, nbufs, nsplits) == (-1, -5, 1234, 5678, 2, 3)
-    assert struct.unpack_from("<IIQQ", b, 48) == (3, 0, 64, 128)
-    assert struct.unpack_from("<IIQQ", b, 72) == (4, 0, 0, 8)
-    assert struct.unpack_from("<3q", b, 96) == (1, -2, 3)
+    assert struct.unpack_from("<I", b, 48)[0] == 0xDEADBEEF
+    assert struct.unpack_from("<IIQQ", b, 56) == (3, 0, 64, 128)
+    assert struct.unpack_from("<IIQQ", b, 80) == (4, 0, 0, 8)
+    assert struct.unpack_from("<3q", b, 104) == (1, -2, 3)
     done = struct.pack("<Qii", 42, wire.STATUS_MISMATCH, 3) + "ünï".encode()
     assert wire.decode_done(done) == (42, wire.STATUS_MISMATCH, 3, "ünï")
 

@@ -1,0 +1,199 @@
+"""GPU benchmark: gocomm against torch's NCCL backend, in one run, on the same GPUs.
+
+    python -m gocomm.bench_gpu [--sizes 8K,...,1G] [--ops all_reduce,...] [--json F] [--png F]
+
+One rank per visible GPU. Each rank joins the gocomm default group and an NCCL group over
+the same ranks and times, on bf16 tensors, each op two ways (nccl-tests' columns):
+- alone: one op between CUDA events after a barrier and a device sync (median of 20 after 5
+  warm-ups), the way ../shared/reference/nccl_baseline.py times;
+- loop: 20 ops back to back between two events, time per op.
+Columns: time (us), algorithm bandwidth (bytes / time) and bus bandwidth (algbw times 2(n-1)/n
+for all_reduce, (n-1)/n for the others), and gocomm's time over NCCL's. Set MPS up first
+(gocomm.launch) to measure what the design expects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all_single")
+
+
+def _size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(s[:-1]) * mult[s[-1]] if s[-1] in mult else int(s)
+
+
+def _fmt(n: int) -> str:
+    for unit, m in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= m and n % m == 0:
+            return f"{n // m}{unit}"
+    return str(n)
+
+
+def _busbw(op: str, n: int) -> float:
+    return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+
+
+def _alone(fn, sync, iters=20, warm=5) -> float:
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        sync()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) * 1000)
+    return statistics.median(ts)
+
+
+def _loop(fn, sync, iters=20) -> float:
+    fn()
+    sync()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(iters):
+        fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) * 1000 / iters
+
+
+def _op(op: str, n: int, world: int, dev, g):
+    """The timed call for one op on n elements (the nccl-tests size: all_gather's output,
+    reduce_scatter's input), on group g (None: the default group, gocomm)."""
+    x = torch.randn(n, device=dev).to(torch.bfloat16)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(x, group=g)
+    if op == "all_gather":
+        part = torch.randn(n // world, device=dev).to(torch.bfloat16)
+        return lambda: dist.all_gather_into_tensor(x, part, group=g)
+    if op == "reduce_scatter":
+        out = torch.empty(n // world, dtype=x.dtype, device=dev)
+        return lambda: dist.reduce_scatter_tensor(out, x, group=g)
+    out = torch.empty_like(x)
+    return lambda: dist.all_to_all_single(out, x, group=g)
+
+
+def _worker(rank: int, world: int, port: int, sizes: list[int], ops: list[str], q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    import gocomm  # noqa: F401
+
+    dist.init_process_group("gocomm", rank=rank, world_size=world)
+    nccl = dist.new_group(backend="nccl", device_id=dev)
+    gsync = torch.zeros(1, device=dev)
+
+    def sync():  # a barrier through NCCL, so both backends start from the same point
+        dist.all_reduce(gsync, group=nccl)
+
+    rows = []
+    for op in ops:
+        for nbytes in sizes:
+            n = max(world, nbytes // 2 // world * world)  # elements of the nccl-tests "size"
+            res = {"op": op, "bytes": n * 2, "world": world}
+            for name, g in (("nccl", nccl), ("gocomm", None)):
+                fn = _op(op, n, world, dev, g)
+                res[name] = {"alone": _alone(fn, sync), "loop": _loop(fn, sync)}
+            rows.append(res)
+            if rank == 0:
+                print(f"{op} {_fmt(n * 2)}: nccl {res['nccl']} gocomm {res['gocomm']}", flush=True)
+    if rank == 0:
+        q.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _plot(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = sorted({r["op"] for r in rows}, key=OPS.index)
+    fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
+    for ax, op in zip(axes[0], ops, strict=True):
+        rs = [r for r in rows if r["op"] == op]
+        xs = [r["bytes"] for r in rs]
+        for name, style in (("nccl", "--"), ("gocomm", "-")):
+            for mode, marker in (("alone", "o"), ("loop", "s")):
+                bw = [r["bytes"] / (r[name][mode] * 1e-6) / 1e9 * _busbw(op, r["world"]) for r in rs]
+                ax.plot(xs, bw, style, marker=marker, label=f"{name} {mode}")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{op}, {rs[0]['world']} GPUs, bf16")
+        ax.set_xlabel("bytes")
+        ax.set_ylabel("bus bandwidth GB/s")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="8K,64K,1M,16M,256M,1G")
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--json")
+    ap.add_argument("--png")
+    args = ap.parse_args(argv)
+    world = torch.cuda.device_count()
+    if world < 1:
+        print("bench_gpu: no GPU", file=sys.stderr)
+        return 2
+    sizes = [_size(s) for s in args.sizes.split(",")]
+    ops = [o for o in args.ops.split(",") if o]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    q = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_worker, args=(world, port, sizes, ops, q), nprocs=world)
+    rows = q.get()
+    mps = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "(default pipe dir)"
+    print(
+        f"gocomm vs torch NCCL, {world}x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+        f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, MPS pipe {mps}"
+    )
+    hdr = (
+        f"{'op':18s} {'size':>6s} | {'nccl us':>9s} {'gocomm us':>9s} {'ratio':>6s} {'busbw':>7s} | "
+        f"{'nccl loop':>9s} {'gocomm loop':>11s} {'ratio':>6s} {'busbw':>7s}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        nb, gb = r["nccl"], r["gocomm"]
+
+        def bw(t, r=r):
+            return r["bytes"] / (t * 1e-6) / 1e9 * _busbw(r["op"], r["world"])
+
+        print(
+            f"{r['op']:18s} {_fmt(r['bytes']):>6s} | {nb['alone']:9.1f} {gb['alone']:9.1f} "
+            f"{gb['alone'] / nb['alone']:6.2f} {bw(gb['alone']):7.1f} | {nb['loop']:9.1f} {gb['loop']:11.1f} "
+            f"{gb['loop'] / nb['loop']:6.2f} {bw(gb['loop']):7.1f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.png:
+        _plot(rows, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
