@@ -65,36 +65,14 @@ func directAllReduce(ctx context.Context, c Comm, buf []byte, dt reduce.DType, o
 // received at step s is forwarded at step s+1, so slices stream around the ring.
 func ringAllReduce(ctx context.Context, c Comm, buf []byte, dt reduce.DType, op reduce.Op) error {
 	n, r := c.Size(), c.Rank()
-	next, prev := mod(r+1, n), mod(r-1, n)
 	es := dt.Size()
 	b := bounds(len(buf), n, es)
 	chunk := func(i int) [][]byte { i = mod(i, n); return slices(buf[b[i]:b[i+1]], es) }
-	steps := 2 * (n - 1)
-	recvs := make([][]Request, steps)
-	for s := 0; s < steps; s++ {
-		for j, sl := range chunk(r - s - 1) {
-			var sink Sink = CopySink{sl}
+	return ring(ctx, c, 2*(n-1), chunk(r), func(s int) [][]byte { return chunk(r - s - 1) },
+		func(s int, sl []byte) Sink {
 			if s < n-1 {
-				sink = ReduceSink{Acc: sl, DType: dt, Op: op}
+				return ReduceSink{Acc: sl, DType: dt, Op: op}
 			}
-			recvs[s] = append(recvs[s], c.Recv(prev, Tag{uint32(s), uint32(j)}, sink))
-		}
-	}
-	var sends []Request
-	for j, sl := range chunk(r) {
-		sends = append(sends, c.Send(next, Tag{0, uint32(j)}, sl))
-	}
-	for s := 0; s < steps; s++ {
-		sl := chunk(r - s - 1)
-		for j, req := range recvs[s] {
-			if err := req.Wait(ctx); err != nil {
-				waitAll(ctx, sends)
-				return err
-			}
-			if s+1 < steps {
-				sends = append(sends, c.Send(next, Tag{uint32(s + 1), uint32(j)}, sl[j]))
-			}
-		}
-	}
-	return waitAll(ctx, sends)
+			return CopySink{sl}
+		})
 }

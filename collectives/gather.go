@@ -29,31 +29,8 @@ func AllGather(ctx context.Context, c Comm, in, out []byte) error {
 		}
 		return waitAll(ctx, reqs)
 	}
-	next, prev := mod(r+1, n), mod(r-1, n)
-	steps := n - 1
-	recvs := make([][]Request, steps)
-	for s := 0; s < steps; s++ {
-		for j, sl := range slices(block(r-s-1), 1) {
-			recvs[s] = append(recvs[s], c.Recv(prev, Tag{uint32(s), uint32(j)}, CopySink{sl}))
-		}
-	}
-	var sends []Request
-	for j, sl := range slices(block(r), 1) {
-		sends = append(sends, c.Send(next, Tag{0, uint32(j)}, sl))
-	}
-	for s := 0; s < steps; s++ {
-		sl := slices(block(r-s-1), 1)
-		for j, req := range recvs[s] {
-			if err := req.Wait(ctx); err != nil {
-				waitAll(ctx, sends)
-				return err
-			}
-			if s+1 < steps {
-				sends = append(sends, c.Send(next, Tag{uint32(s + 1), uint32(j)}, sl[j]))
-			}
-		}
-	}
-	return waitAll(ctx, sends)
+	return ring(ctx, c, n-1, slices(block(r), 1), func(s int) [][]byte { return slices(block(r-s-1), 1) },
+		func(_ int, sl []byte) Sink { return CopySink{sl} })
 }
 
 // ReduceScatter reduces in (n equal blocks) across the group and leaves block r of the
@@ -95,31 +72,9 @@ func ReduceScatter(ctx context.Context, c Comm, in, out []byte, dt reduce.DType,
 		copy(out, got(0))
 		return nil
 	}
-	next, prev := mod(r+1, n), mod(r-1, n)
-	steps := n - 1
-	recvs := make([][]Request, steps)
-	for s := 0; s < steps; s++ {
-		for j, sl := range slices(block(r-s-2), es) {
-			recvs[s] = append(recvs[s], c.Recv(prev, Tag{uint32(s), uint32(j)}, ReduceSink{Acc: sl, DType: dt, Op: op}))
-		}
-	}
-	var sends []Request
-	for j, sl := range slices(block(r-1), es) {
-		sends = append(sends, c.Send(next, Tag{0, uint32(j)}, sl))
-	}
-	for s := 0; s < steps; s++ {
-		sl := slices(block(r-s-2), es)
-		for j, req := range recvs[s] {
-			if err := req.Wait(ctx); err != nil {
-				waitAll(ctx, sends)
-				return err
-			}
-			if s+1 < steps {
-				sends = append(sends, c.Send(next, Tag{uint32(s + 1), uint32(j)}, sl[j]))
-			}
-		}
-	}
-	if err := waitAll(ctx, sends); err != nil {
+	err := ring(ctx, c, n-1, slices(block(r-1), es), func(s int) [][]byte { return slices(block(r-s-2), es) },
+		func(_ int, sl []byte) Sink { return ReduceSink{Acc: sl, DType: dt, Op: op} })
+	if err != nil {
 		return err
 	}
 	copy(out, block(r))

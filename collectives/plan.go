@@ -54,3 +54,37 @@ func waitAll(ctx context.Context, reqs []Request) error {
 }
 
 var errSize = errors.New("buffer sizes do not fit the collective")
+
+// ring runs the pipelined ring that all-reduce, all-gather and reduce-scatter share: rank r
+// sends the slices of first to r+1 at step 0; at step s (0 <= s < steps) it receives the
+// slices of chunk(s) from r-1 into sink(s, slice), and forwards each slice, as soon as it has
+// landed, to r+1 at step s+1. All receives are posted up front, so slices of later steps that
+// arrive early land in place. A slice is forwarded only after it arrived, which is what keeps
+// a buffer from being sent and overwritten at once.
+func ring(ctx context.Context, c Comm, steps int, first [][]byte, chunk func(s int) [][]byte, sink func(s int, b []byte) Sink) error {
+	n, r := c.Size(), c.Rank()
+	next, prev := mod(r+1, n), mod(r-1, n)
+	recvs := make([][]Request, steps)
+	for s := 0; s < steps; s++ {
+		for j, sl := range chunk(s) {
+			recvs[s] = append(recvs[s], c.Recv(prev, Tag{uint32(s), uint32(j)}, sink(s, sl)))
+		}
+	}
+	var sends []Request
+	for j, sl := range first {
+		sends = append(sends, c.Send(next, Tag{0, uint32(j)}, sl))
+	}
+	for s := 0; s < steps; s++ {
+		sl := chunk(s)
+		for j, req := range recvs[s] {
+			if err := req.Wait(ctx); err != nil {
+				waitAll(ctx, sends)
+				return err
+			}
+			if s+1 < steps {
+				sends = append(sends, c.Send(next, Tag{uint32(s + 1), uint32(j)}, sl[j]))
+			}
+		}
+	}
+	return waitAll(ctx, sends)
+}
