@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 
@@ -25,20 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .bench import _fmt, _free_port, _size
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all_single")
-
-
-def _size(s: str) -> int:
-    s = s.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(s[:-1]) * mult[s[-1]] if s[-1] in mult else int(s)
-
-
-def _fmt(n: int) -> str:
-    for unit, m in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= m and n % m == 0:
-            return f"{n // m}{unit}"
-    return str(n)
 
 
 def _busbw(op: str, n: int) -> float:
@@ -159,11 +147,8 @@ def main(argv=None) -> int:
         return 2
     sizes = [_size(s) for s in args.sizes.split(",")]
     ops = [o for o in args.ops.split(",") if o]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     q = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(world, port, sizes, ops, q), nprocs=world)
+    mp.spawn(_worker, args=(world, _free_port(), sizes, ops, q), nprocs=world)
     rows = q.get()
     mps = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "(default pipe dir)"
     print(
