@@ -31,6 +31,8 @@ type Config struct {
 	Spin time.Duration
 	// Device is the GPU engine, or nil where the sidecar serves CPU tensors only.
 	Device DeviceEngine
+	// Extra engines to report (e.g. the sparse transport chosen for this node).
+	Extra []Engine
 }
 
 // Engine describes one way ops can run (Info).
@@ -86,10 +88,10 @@ func (s *Server) Uptime() time.Duration { return time.Since(s.started) }
 func (s *Server) Engines() []Engine {
 	out := []Engine{{Name: "host", Available: true, Detail: "CPU tensors over TCP between sidecars"}}
 	if s.cfg.Device == nil {
-		return append(out, Engine{Name: "nccl", Detail: "no GPU engine in this sidecar"})
+		return append(append(out, Engine{Name: "nccl", Detail: "no GPU engine in this sidecar"}), s.cfg.Extra...)
 	}
 	ok, detail, _ := s.cfg.Device.Info()
-	return append(out, Engine{Name: "nccl", Available: ok, Detail: detail})
+	return append(append(out, Engine{Name: "nccl", Available: ok, Detail: detail}), s.cfg.Extra...)
 }
 
 // Device is the GPU engine (nil without one).

@@ -19,9 +19,13 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
 	"github.com/gocomm/gocomm/collectives/device"
+	gonvml "github.com/gocomm/gocomm/internal/nvml"
 	"github.com/gocomm/gocomm/pg"
 	"github.com/gocomm/gocomm/rpc"
+	"github.com/gocomm/gocomm/sparse"
 	"github.com/gocomm/gocomm/transport"
 )
 
@@ -79,7 +83,11 @@ func run(args []string) error {
 		return err
 	}
 	defer node.Close()
-	srv = pg.NewServer(pg.Config{Version: version, Spin: *spin, Device: device.New(log)}, node, log)
+	sparseEngine, err := chooseSparse(log)
+	if err != nil {
+		return err
+	}
+	srv = pg.NewServer(pg.Config{Version: version, Spin: *spin, Device: device.New(log), Extra: []pg.Engine{sparseEngine}}, node, log)
 
 	ln, err := listenUnix(*socket)
 	if err != nil {
@@ -119,6 +127,27 @@ func run(args []string) error {
 		return nil
 	}
 	return err
+}
+
+// errNoNVSHMEM: the NVSHMEM engine (one-sided kernels for the sparse all-to-all) is not in
+// this build yet, so the choice below can only ever land on NCCL.
+var errNoNVSHMEM = errors.New("the NVSHMEM engine is not in this build of pgserver yet")
+
+// chooseSparse picks the sparse all-to-all transport for this node from its NVML topology
+// and GOCOMM_TRANSPORT, logs it, and returns it as an engine for Info.
+func chooseSparse(log *slog.Logger) (pg.Engine, error) {
+	var topo sparse.Topology
+	if t, err := gonvml.Read(nvml.New()); err != nil {
+		log.Info("no GPU topology", "err", err)
+	} else {
+		topo = t
+	}
+	c, err := sparse.Choose(topo, os.Getenv("GOCOMM_TRANSPORT"), errNoNVSHMEM)
+	if err != nil {
+		return pg.Engine{}, err
+	}
+	log.Info("sparse all-to-all transport", "transport", c.Transport, "why", c.Reason)
+	return pg.Engine{Name: "sparse", Available: true, Detail: c.Transport + ": " + c.Reason}, nil
 }
 
 // defaultRuntimeDir is $XDG_RUNTIME_DIR/gocomm, else /tmp/gocomm-<uid>.
