@@ -19,10 +19,8 @@ type DeviceEngine interface {
 	NewUniqueID() ([]byte, error)
 	// Check says whether a reduction of dtype by op can run on the device.
 	Check(dt reduce.DType, op reduce.Op) error
-	// Attach binds a session to the device with this UUID. counters is host memory shared
-	// with the client (inside the ring file, page-aligned) that holds the groups' stream
-	// counters (see Session: counter slots).
-	Attach(uuid [16]byte, counters []byte) (DeviceSession, error)
+	// Attach binds a session to the device with this UUID.
+	Attach(uuid [16]byte) (DeviceSession, error)
 }
 
 // DeviceInfo describes one GPU.
@@ -34,6 +32,10 @@ type DeviceInfo struct {
 
 // DeviceSession is one client's use of its device.
 type DeviceSession interface {
+	// Counters is the CUDA IPC handle of the session's counter memory (CounterBytes of device
+	// memory the engine allocated, zeroed): the client maps it to order its streams against
+	// the engine's (see NewGroup).
+	Counters() [64]byte
 	// RegisterIPC maps an allocation of the client (CUDA IPC handle) as segment seg.
 	RegisterIPC(seg uint32, handle [64]byte, size uint64) error
 	// DropIPC unmaps a segment the client says is gone.
@@ -42,7 +44,7 @@ type DeviceSession interface {
 	// holding the segments mapped until release is called.
 	Resolve(refs []BufRef) (ptrs []uint64, release func(), err error)
 	// NewGroup makes this rank's member of a group on the device. slot names the group's
-	// counters (see counterBase): before its k-th collective the client's stream writes
+	// counters (see CounterSlots): before its k-th collective the client's stream writes
 	// ready = k; the engine's stream waits for that, runs the op and writes done = k, and the
 	// client's stream waits for done >= k when the op's work is waited on. Point-to-point ops
 	// use the second pair, on a stream of their own. ids are the communicators' bootstrap
@@ -78,10 +80,11 @@ var (
 	ErrTimeout = errors.New("deadline exceeded")
 )
 
-// Counter slots live in the ring file's header page, after the ring's own words: slot i
-// is four u32 words at CounterBase + 16*i: collective ready, collective done, p2p ready,
-// p2p done.
+// Counter slots live in device memory the engine allocates per session and shares with the
+// client by CUDA IPC (not in host memory: host pages registered by two MPS clients were seen
+// to alias, see NOTES.md). Slot i is four u32 words at 16*i: collective ready, collective
+// done, p2p ready, p2p done.
 const (
-	CounterBase  = 1024
-	CounterSlots = (4096 - CounterBase) / 16
+	CounterBytes = 4096
+	CounterSlots = CounterBytes / 16
 )

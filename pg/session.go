@@ -44,31 +44,31 @@ type Session struct {
 	devLock sync.Mutex
 }
 
-// AttachDevice binds the session to the client's GPU (by UUID). The counters of every group
-// live in the ring file's first page, which the engine shares with the GPU.
-func (sess *Session) AttachDevice(uuid [16]byte) error {
+// AttachDevice binds the session to the client's GPU (by UUID) and returns the IPC handle of
+// the groups' stream counters (DeviceSession.Counters).
+func (sess *Session) AttachDevice(uuid [16]byte) ([64]byte, error) {
+	var none [64]byte
 	dev := sess.srv.cfg.Device
 	if dev == nil {
-		return fmt.Errorf("%w: this sidecar has no GPU engine", ErrNoDevice)
+		return none, fmt.Errorf("%w: this sidecar has no GPU engine", ErrNoDevice)
 	}
 	if ok, why, _ := dev.Info(); !ok {
-		return fmt.Errorf("%w: %s", ErrNoDevice, why)
+		return none, fmt.Errorf("%w: %s", ErrNoDevice, why)
 	}
 	if !sess.nccl {
-		return fmt.Errorf("%w: the client's NCCL could not be loaded in the sidecar (see its log)", ErrNoDevice)
+		return none, fmt.Errorf("%w: the client's NCCL could not be loaded in the sidecar (see its log)", ErrNoDevice)
 	}
 	sess.devLock.Lock()
 	defer sess.devLock.Unlock()
-	if sess.device != nil {
-		return nil
+	if sess.device == nil {
+		ds, err := dev.Attach(uuid)
+		if err != nil {
+			return none, fmt.Errorf("%w: %v", ErrNoDevice, err)
+		}
+		sess.device = ds
+		sess.log.Info("device attached", "uuid", fmt.Sprintf("%x", uuid))
 	}
-	ds, err := dev.Attach(uuid, sess.ringMem.Data[:4096])
-	if err != nil {
-		return fmt.Errorf("%w: %v", ErrNoDevice, err)
-	}
-	sess.device = ds
-	sess.log.Info("device attached", "uuid", fmt.Sprintf("%x", uuid))
-	return nil
+	return sess.device.Counters(), nil
 }
 
 func (sess *Session) deviceSession() DeviceSession {
@@ -300,7 +300,7 @@ func (sess *Session) Close(reason string) {
 	sess.cmpMu.Unlock()
 	var errDev error
 	if ds := sess.deviceSession(); ds != nil {
-		errDev = ds.Close() // unregisters the counters page before the ring file goes
+		errDev = ds.Close()
 	}
 	errs := errors.Join(errDev, sess.reg.closeAll(), sess.ringMem.Close())
 	sess.srv.dropSession(sess)

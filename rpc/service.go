@@ -116,7 +116,11 @@ func (s *Service) AttachDevice(_ context.Context, req *v1.AttachDeviceRequest) (
 	}
 	var uuid [16]byte
 	copy(uuid[:], req.DeviceUuid)
-	return &v1.AttachDeviceResponse{}, toStatus(sess.AttachDevice(uuid))
+	h, err := sess.AttachDevice(uuid)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &v1.AttachDeviceResponse{CountersHandle: h[:]}, nil
 }
 
 // Watch holds the session open: when the client's stream ends, the session closes; when the

@@ -1,9 +1,11 @@
 // Package device runs collectives on GPUs for the sidecar: NCCL directly on the client's
-// memory (CUDA IPC), ordered against the client's streams by counters in shared host memory.
+// memory (CUDA IPC), ordered against the client's streams by counters in device memory that
+// both processes map.
 // It implements pg.DeviceEngine; cmd/pgserver wires it in where the driver loads.
 package device
 
 import (
+	"encoding/binary"
 	"fmt"
 	"log/slog"
 	"runtime"
@@ -80,7 +82,7 @@ func (e *Engine) NewUniqueID() ([]byte, error) {
 func (e *Engine) Check(dt reduce.DType, op reduce.Op) error { return Check(dt, op) }
 
 // Attach implements pg.DeviceEngine.
-func (e *Engine) Attach(uuid [16]byte, counters []byte) (pg.DeviceSession, error) {
+func (e *Engine) Attach(uuid [16]byte) (pg.DeviceSession, error) {
 	if e.err != nil {
 		return nil, e.err
 	}
@@ -92,14 +94,29 @@ func (e *Engine) Attach(uuid [16]byte, counters []byte) (pg.DeviceSession, error
 	if err != nil {
 		return nil, err
 	}
-	s := &session{log: e.log, dev: dev, ctx: ctx, counters: counters, segs: map[uint32]*ipcSeg{}}
-	err = s.do(func() error {
-		s.countersDev, err = cuda.RegisterHost(counters)
+	s := &session{log: e.log, dev: dev, ctx: ctx, segs: map[uint32]*ipcSeg{}}
+	err = s.do(func() (err error) {
+		if s.ctl, err = cuda.NewStream(cuda.StreamNonBlocking); err != nil {
+			return err
+		}
+		if s.counters, err = cuda.Alloc(pg.CounterBytes); err != nil {
+			return err
+		}
+		if err = s.ctl.CopyToDeviceOn(s.counters, make([]byte, pg.CounterBytes)); err != nil {
+			return err
+		}
+		s.countersIPC, err = cuda.ExportIPC(s.counters)
 		return err
 	})
 	if err != nil {
+		s.do(func() error {
+			if s.counters != 0 {
+				cuda.Free(s.counters)
+			}
+			return nil
+		})
 		dev.ReleasePrimaryContext()
-		return nil, fmt.Errorf("share the stream counters with the GPU: %w", err)
+		return nil, fmt.Errorf("stream counters: %w", err)
 	}
 	return s, nil
 }
@@ -111,12 +128,17 @@ func (e *Engine) Attach(uuid [16]byte, counters []byte) (pg.DeviceSession, error
 //     or a group's executor thread).
 //  2. A segment stays mapped while an op that resolved it may still run: ops hold a
 //     reference until their Done, and DropIPC unmaps only when the last is released.
+//  3. The counters are written by streams only, except on abort, when release writes them
+//     through ctl, a non-blocking stream that waits for no other stream (so it runs while
+//     every stream waiting on a counter is stuck).
 type session struct {
 	log         *slog.Logger
 	dev         cuda.Device
 	ctx         cuda.Context
-	counters    []byte
-	countersDev cuda.Ptr
+	ctl         cuda.Stream
+	counters    cuda.Ptr
+	countersIPC cuda.IPCHandle
+	relMu       sync.Mutex
 
 	mu   sync.Mutex
 	segs map[uint32]*ipcSeg
@@ -137,6 +159,29 @@ func (s *session) do(f func() error) error {
 		return err
 	}
 	return f()
+}
+
+func (s *session) Counters() [64]byte { return s.countersIPC }
+
+// release sets the done (and ready) counters of a slot far ahead of anything issued, so
+// that every stream waiting on them goes on (invariant 3).
+func (s *session) release(slot int) error {
+	s.relMu.Lock()
+	defer s.relMu.Unlock()
+	return s.do(func() error {
+		base := s.counters + cuda.Ptr(16*slot)
+		var w [16]byte
+		if err := s.ctl.CopyToHostOn(w[:], base); err != nil {
+			return err
+		}
+		le := binary.LittleEndian
+		for lane := 0; lane < 2; lane++ {
+			far := le.Uint32(w[8*lane:]) + 1<<30
+			le.PutUint32(w[8*lane:], far)
+			le.PutUint32(w[8*lane+4:], far)
+		}
+		return s.ctl.CopyToDeviceOn(base, w[:])
+	})
 }
 
 func (s *session) RegisterIPC(seg uint32, handle [64]byte, size uint64) error {
@@ -238,7 +283,8 @@ func (s *session) Close() error {
 		for _, g := range segs {
 			cuda.CloseIPC(g.ptr)
 		}
-		cuda.UnregisterHost(s.counters)
+		s.ctl.Destroy()
+		cuda.Free(s.counters)
 		return s.dev.ReleasePrimaryContext()
 	})
 }

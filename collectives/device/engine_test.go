@@ -58,7 +58,7 @@ func TestNoDriver(t *testing.T) {
 	if why == "" {
 		t.Fatal("no reason given for the missing GPU engine")
 	}
-	if _, err := e.Attach([16]byte{}, make([]byte, 4096)); err == nil {
+	if _, err := e.Attach([16]byte{}); err == nil {
 		t.Fatal("Attach without a driver succeeded")
 	}
 	if _, err := e.NewUniqueID(); err == nil {

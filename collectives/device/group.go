@@ -5,9 +5,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
-	"sync/atomic"
 	"time"
-	"unsafe"
 
 	"github.com/gocomm/gocomm/collectives/reduce"
 	"github.com/gocomm/gocomm/internal/cuda"
@@ -31,16 +29,16 @@ const (
 //  2. A poller retires ops in order per lane as their events complete and calls Done; it is
 //     also the watchdog: an op past its deadline aborts the group.
 //  3. Abort cancels the communicators (ncclCommAbort), then releases every stream waiting on
-//     a counter, the client's and ours, by writing far-ahead values from the CPU into the
-//     shared host words: nothing stays blocked on a GPU after a failure.
+//     a counter, the client's and ours, by writing far-ahead values into the counters from a
+//     stream that waits for nothing (session invariant 3): nothing stays blocked on a GPU
+//     after a failure.
 type group struct {
 	s          *session
 	rank, size int
 	ids        [2]nccl.UniqueID
+	slot       int
 	ready      [2]cuda.Ptr // device addresses of the counters
 	done       [2]cuda.Ptr
-	readyHost  [2]*uint32 // the same words, from the CPU
-	doneHost   [2]*uint32
 
 	mu       sync.Mutex
 	cond     *sync.Cond
@@ -62,20 +60,17 @@ func (s *session) NewGroup(rank, size, slot int, ids [2][]byte) (pg.DeviceGroup,
 	if slot < 0 || slot >= pg.CounterSlots {
 		return nil, fmt.Errorf("counter slot %d out of range", slot)
 	}
-	g := &group{s: s, rank: rank, size: size}
+	g := &group{s: s, rank: rank, size: size, slot: slot}
 	for i := range ids {
 		if size > 1 && len(ids[i]) != len(g.ids[i]) {
 			return nil, fmt.Errorf("%w: NCCL id %d of %d bytes", pg.ErrInvalid, i, len(ids[i]))
 		}
 		copy(g.ids[i][:], ids[i])
 	}
-	base := pg.CounterBase + 16*slot
 	for lane := 0; lane < 2; lane++ {
-		off := base + 8*lane
-		g.ready[lane] = s.countersDev + cuda.Ptr(off)
-		g.done[lane] = s.countersDev + cuda.Ptr(off+4)
-		g.readyHost[lane] = (*uint32)(unsafe.Pointer(&s.counters[off]))
-		g.doneHost[lane] = (*uint32)(unsafe.Pointer(&s.counters[off+4]))
+		off := 16*slot + 8*lane
+		g.ready[lane] = s.counters + cuda.Ptr(off)
+		g.done[lane] = s.counters + cuda.Ptr(off+4)
 	}
 	g.cond = sync.NewCond(&g.mu)
 	started := make(chan error, 1)
@@ -313,11 +308,8 @@ func (g *group) Abort(cause error) {
 			c.Abort()
 		}
 	}
-	for lane := 0; lane < 2; lane++ {
-		// far ahead of anything issued: every GEQ wait on these words passes
-		release := atomic.LoadUint32(g.readyHost[lane]) + 1<<30
-		atomic.StoreUint32(g.readyHost[lane], release)
-		atomic.StoreUint32(g.doneHost[lane], release)
+	if err := g.s.release(g.slot); err != nil {
+		g.s.log.Error("could not release the streams waiting on an aborted group", "err", err)
 	}
 	for _, f := range flights {
 		f.op.Done(cause)

@@ -59,9 +59,8 @@ static CUresult (*p_cuMemFree)(CUdeviceptr);
 static CUresult (*p_cuMemsetD32Async)(CUdeviceptr, unsigned int, size_t, CUstream);
 static CUresult (*p_cuMemcpyDtoH)(void*, CUdeviceptr, size_t);
 static CUresult (*p_cuMemcpyHtoD)(CUdeviceptr, const void*, size_t);
-static CUresult (*p_cuMemHostRegister)(void*, size_t, unsigned int);
-static CUresult (*p_cuMemHostUnregister)(void*);
-static CUresult (*p_cuMemHostGetDevicePointer)(CUdeviceptr*, void*, unsigned int);
+static CUresult (*p_cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
+static CUresult (*p_cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream);
 
 // gc_load opens the library and resolves every symbol; it returns the name of the first
 // missing symbol (or the dlerror text) in err, and -1, on failure.
@@ -103,9 +102,8 @@ static int gc_load(const char* path, char* err, int errlen) {
 	SYM(p_cuMemsetD32Async, "cuMemsetD32Async");
 	SYM(p_cuMemcpyDtoH, "cuMemcpyDtoH_v2");
 	SYM(p_cuMemcpyHtoD, "cuMemcpyHtoD_v2");
-	SYM(p_cuMemHostRegister, "cuMemHostRegister_v2");
-	SYM(p_cuMemHostUnregister, "cuMemHostUnregister");
-	SYM(p_cuMemHostGetDevicePointer, "cuMemHostGetDevicePointer_v2");
+	SYM(p_cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
+	SYM(p_cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
 #undef SYM
 	gc_lib = h;
 	return 0;
@@ -144,9 +142,8 @@ static CUresult gc_cuMemFree(CUdeviceptr p) { return p_cuMemFree(p); }
 static CUresult gc_cuMemsetD32Async(CUdeviceptr p, unsigned int v, size_t n, CUstream s) { return p_cuMemsetD32Async(p, v, n, s); }
 static CUresult gc_cuMemcpyDtoH(void* d, CUdeviceptr s, size_t n) { return p_cuMemcpyDtoH(d, s, n); }
 static CUresult gc_cuMemcpyHtoD(CUdeviceptr d, const void* s, size_t n) { return p_cuMemcpyHtoD(d, s, n); }
-static CUresult gc_cuMemHostRegister(void* p, size_t n, unsigned int f) { return p_cuMemHostRegister(p, n, f); }
-static CUresult gc_cuMemHostUnregister(void* p) { return p_cuMemHostUnregister(p); }
-static CUresult gc_cuMemHostGetDevicePointer(CUdeviceptr* d, void* p) { return p_cuMemHostGetDevicePointer(d, p, 0); }
+static CUresult gc_cuMemcpyDtoHAsync(void* d, CUdeviceptr s, size_t n, CUstream st) { return p_cuMemcpyDtoHAsync(d, s, n, st); }
+static CUresult gc_cuMemcpyHtoDAsync(CUdeviceptr d, const void* s, size_t n, CUstream st) { return p_cuMemcpyHtoDAsync(d, s, n, st); }
 */
 import "C"
 
@@ -552,40 +549,34 @@ func CopyToDevice(dst Ptr, src []byte) error {
 	return check("cuMemcpyHtoD", C.gc_cuMemcpyHtoD(C.CUdeviceptr(dst), unsafe.Pointer(&src[0]), C.size_t(len(src))))
 }
 
-// Host registration flags.
-const (
-	HostRegisterPortable  = 0x1
-	HostRegisterDeviceMap = 0x2
-)
-
-// RegisterHost pins host memory (page-aligned, e.g. a shared-memory mapping) and maps it
-// for every context; the returned device address reads and writes the same bytes. Stream
-// memory ops on it let the GPU wait on words the CPU (or another process) writes.
-func RegisterHost(b []byte) (Ptr, error) {
-	if err := loaded(); err != nil {
-		return 0, err
-	}
-	if len(b) == 0 {
-		return 0, fmt.Errorf("cuda: register empty host range")
-	}
-	p := unsafe.Pointer(&b[0])
-	if err := check("cuMemHostRegister", C.gc_cuMemHostRegister(p, C.size_t(len(b)), HostRegisterPortable|HostRegisterDeviceMap)); err != nil {
-		return 0, err
-	}
-	var d C.CUdeviceptr
-	if err := check("cuMemHostGetDevicePointer", C.gc_cuMemHostGetDevicePointer(&d, p)); err != nil {
-		C.gc_cuMemHostUnregister(p)
-		return 0, err
-	}
-	return Ptr(d), nil
-}
-
-// UnregisterHost undoes RegisterHost.
-func UnregisterHost(b []byte) error {
+// CopyToHostOn copies len(dst) bytes from src on stream s and waits for it. On a
+// non-blocking stream it does not wait for work queued on other streams (copy engines run
+// even while kernels elsewhere are stuck).
+func (s Stream) CopyToHostOn(dst []byte, src Ptr) error {
 	if err := loaded(); err != nil {
 		return err
 	}
-	return check("cuMemHostUnregister", C.gc_cuMemHostUnregister(unsafe.Pointer(&b[0])))
+	if len(dst) == 0 {
+		return nil
+	}
+	if err := check("cuMemcpyDtoHAsync", C.gc_cuMemcpyDtoHAsync(unsafe.Pointer(&dst[0]), C.CUdeviceptr(src), C.size_t(len(dst)), s.p)); err != nil {
+		return err
+	}
+	return s.Synchronize()
+}
+
+// CopyToDeviceOn copies src to dst on stream s and waits for it (see CopyToHostOn).
+func (s Stream) CopyToDeviceOn(dst Ptr, src []byte) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	if len(src) == 0 {
+		return nil
+	}
+	if err := check("cuMemcpyHtoDAsync", C.gc_cuMemcpyHtoDAsync(C.CUdeviceptr(dst), unsafe.Pointer(&src[0]), C.size_t(len(src)), s.p)); err != nil {
+		return err
+	}
+	return s.Synchronize()
 }
 
 // DeviceByUUID finds the visible device with this UUID.

@@ -432,7 +432,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         for t in tensors:
             if t.device != dev:
                 raise ValueError(f"gocomm {op}: tensors on {t.device} and {dev}; one op runs on one device")
-        counters = sc.attach_device(dev) + 1024 + 16 * self._slot
+        counters = sc.attach_device(dev) + 16 * self._slot
         stream = torch.cuda.current_stream(dev)
         lane = 1 if kind in (_wire.SEND, _wire.RECV) else 0
         bufs, keep, unpack = [], list(tensors), []

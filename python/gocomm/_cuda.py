@@ -1,6 +1,7 @@
 """The few CUDA driver calls the shim makes itself (ctypes on the libcuda torch loaded):
 naming a tensor's allocation for CUDA IPC, and ordering the sidecar's work against the
-caller's stream with 32-bit counters in shared host memory (stream memory operations)."""
+caller's stream with 32-bit counters in device memory the sidecar shares (stream memory
+operations)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import os
 
 import torch
 
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
 _ATTR_BUFFER_ID = 7  # CU_POINTER_ATTRIBUTE_BUFFER_ID: unique per allocation, never reused
 _WAIT_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0
-_HOST_REGISTER = 0x1 | 0x2  # PORTABLE | DEVICEMAP
 
 _lib = None
 
@@ -34,9 +39,11 @@ def _load():
         lib.cuIpcGetMemHandle.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
         lib.cuStreamWriteValue32_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         lib.cuStreamWaitValue32_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-        lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-        lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+        lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]
+        lib.cuStreamCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         _lib = lib
     return _lib
 
@@ -82,17 +89,29 @@ def wait_value(stream: int, addr: int, value: int) -> None:
     _check("cuStreamWaitValue32", _load().cuStreamWaitValue32_v2(stream, addr, value & 0xFFFFFFFF, _WAIT_GEQ))
 
 
-def register_host(addr: int, size: int) -> int:
-    """Pin and map host memory for the GPU; returns its device address."""
-    lib = _load()
-    _check("cuMemHostRegister", lib.cuMemHostRegister_v2(addr, size, _HOST_REGISTER))
+def open_ipc(handle: bytes) -> int:
+    """Map another process's allocation (its 64-byte CUDA IPC handle); its device address."""
+    h = _IpcHandle()
+    ctypes.memmove(ctypes.addressof(h), handle, 64)
     dev = ctypes.c_uint64()
-    _check("cuMemHostGetDevicePointer", lib.cuMemHostGetDevicePointer_v2(ctypes.byref(dev), addr, 0))
+    _check("cuIpcOpenMemHandle", _load().cuIpcOpenMemHandle_v2(ctypes.byref(dev), h, 1))
     return dev.value
 
 
-def unregister_host(addr: int) -> None:
-    _load().cuMemHostUnregister(addr)
+def release_counters(addr: int, nbytes: int) -> None:
+    """Set every (ready, done) pair of the counters at addr to done = ready + 2^30, through a
+    stream of its own that waits for no other: streams stuck on a counter of a sidecar that is
+    gone go on."""
+    lib = _load()
+    st = ctypes.c_void_p()
+    _check("cuStreamCreate", lib.cuStreamCreate(ctypes.byref(st), 1))  # CU_STREAM_NON_BLOCKING
+    buf = (ctypes.c_uint32 * (nbytes // 4))()
+    _check("cuMemcpyDtoHAsync", lib.cuMemcpyDtoHAsync_v2(buf, addr, nbytes, st))
+    _check("cuStreamSynchronize", lib.cuStreamSynchronize(st))
+    for i in range(0, len(buf), 2):
+        buf[i + 1] = (buf[i] + (1 << 30)) & 0xFFFFFFFF
+    _check("cuMemcpyHtoDAsync", lib.cuMemcpyHtoDAsync_v2(addr, buf, nbytes, st))
+    _check("cuStreamSynchronize", lib.cuStreamSynchronize(st))
 
 
 def mps_client(device: torch.device) -> bool:

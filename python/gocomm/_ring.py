@@ -70,17 +70,6 @@ class Ring:
         self._lock = threading.Lock()
         self.max_record = self._sub_size // 4 - 8
 
-    def release_counters(self) -> None:
-        """Set every group's done counters far ahead of anything issued, from the CPU: streams
-        waiting on them go on. For when the sidecar is gone and nobody else will write them."""
-        for off in range(1024, 4096, 8):  # (ready, done) pairs of both lanes of every slot
-            ready = _U32.unpack_from(self._mm, off)[0]
-            _U32.pack_into(self._mm, off + 4, (ready + (1 << 30)) & 0xFFFFFFFF)
-
-    def page_address(self) -> int:
-        """Address of the file's first page in this process (the counters' page)."""
-        return ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
-
     def submit(self, typ: int, payload: bytes) -> bool:
         """Append one record; False when the queue is full (the sidecar is behind)."""
         n = len(payload)

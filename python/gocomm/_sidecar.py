@@ -253,7 +253,7 @@ class Sidecar:
 
     def attach_device(self, device: torch.device) -> int:
         """Bind the sidecar to this process's GPU (once); returns the device address of the
-        ring file's first page, where the groups' stream counters live."""
+        groups' stream counters (device memory of the sidecar's, mapped here by IPC)."""
         if self._device is not None:
             if device != self._device:
                 raise ValueError(f"gocomm: this process already uses {self._device}; one GPU per rank (got {device})")
@@ -266,11 +266,11 @@ class Sidecar:
                     device = torch.device("cuda", torch.cuda.current_device())
                 with torch.cuda.device(device):
                     torch.cuda.init()
-                    self.call(
+                    resp = self.call(
                         "AttachDevice",
                         pb.AttachDeviceRequest(session=self.session, device_uuid=_cuda.device_uuid(device)),
                     )
-                    self._counters_dev = _cuda.register_host(self.ring.page_address(), 4096)
+                    self._counters_dev = _cuda.open_ipc(resp.counters_handle)
                     self.mps = _cuda.mps_client(device)
                 self._device = device
                 if self.mps:
@@ -346,7 +346,12 @@ class Sidecar:
                     why += f" (killed by signal {-rc})"
             why += f"; see {self.log_file}"
         self._lost = why
-        self.ring.release_counters()  # CUDA streams waiting on this sidecar must not hang
+        if getattr(self, "_counters_dev", 0):  # CUDA streams waiting on this sidecar must not hang
+            try:
+                with torch.cuda.device(self._device):
+                    _cuda.release_counters(self._counters_dev, 4096)
+            except Exception as e:  # noqa: BLE001
+                log.error("gocomm: could not release CUDA streams waiting on the lost sidecar: %s", e)
         for fn in list(self._on_lost):
             fn(why)
 
