@@ -230,7 +230,9 @@ func (g *Group) submitDevice(ds DeviceSession, o *op, ptrs []uint64) {
 			g.finish(o, StatusInvalid, -1, fmt.Sprintf("%s on group %q: more than %d groups use CUDA tensors in this process", o.desc.Kind, g.Name, CounterSlots))
 			return
 		}
+		start := time.Now()
 		dev, err := ds.NewGroup(g.Rank, g.Size, g.Slot, g.ncclIDs)
+		g.log.Info("device group created", "took", time.Since(start), "err", err)
 		if err != nil {
 			g.mu.Unlock()
 			g.finish(o, StatusInternal, -1, fmt.Sprintf("%s on group %q: %v", o.desc.Kind, g.Name, err))

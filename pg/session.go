@@ -94,7 +94,9 @@ func (sess *Session) registerIPC(p []byte) {
 		if seg&CUDASegment == 0 {
 			err = fmt.Errorf("%w: CUDA segment id %#x lacks the CUDA bit", ErrInvalid, seg)
 		} else {
+			start := time.Now()
 			err = ds.RegisterIPC(seg, h, size)
+			sess.log.Debug("CUDA allocation mapped", "segment", seg, "bytes", size, "took", time.Since(start))
 		}
 	}
 	sess.devLock.Lock()

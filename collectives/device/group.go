@@ -178,6 +178,7 @@ func (g *group) comm(lane int, deadline time.Time) (nccl.Comm, error) {
 	}
 	ch := make(chan result, 1)
 	ctx := g.s.ctx
+	start := time.Now()
 	go func() {
 		runtime.LockOSThread()
 		defer runtime.UnlockOSThread()
@@ -196,6 +197,7 @@ func (g *group) comm(lane int, deadline time.Time) (nccl.Comm, error) {
 		g.mu.Lock()
 		g.comms[lane] = r.c
 		g.mu.Unlock()
+		g.s.log.Info("NCCL communicator ready", "lane", lane, "rank", g.rank, "size", g.size, "took", time.Since(start))
 		return r.c, nil
 	case <-time.After(time.Until(deadline)):
 		return nccl.Comm{}, fmt.Errorf("%w: NCCL communicator init: a peer did not join before the deadline", pg.ErrTimeout)
