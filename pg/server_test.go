@@ -36,6 +36,12 @@ func newClient(t *testing.T, srv *Server, rank int) *client {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return attachClient(t, sess)
+}
+
+// attachClient maps a session's ring as its client would.
+func attachClient(t *testing.T, sess *Session) *client {
+	t.Helper()
 	mem, err := shm.Open(sess.RingPath())
 	if err != nil {
 		t.Fatal(err)

@@ -1,0 +1,293 @@
+package pg
+
+import (
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/transport"
+)
+
+// fakeEngine stands in for the CUDA/NCCL engine: segments are bookkeeping only, and ops
+// complete after a moment, or hang until aborted, or fail, as the test asks.
+type fakeEngine struct {
+	mu     sync.Mutex
+	groups []*fakeDevGroup
+	hang   bool  // new groups' ops never finish (until Abort)
+	fail   error // new groups' ops fail with this
+}
+
+func (e *fakeEngine) Info() (bool, string, []DeviceInfo) { return true, "fake", nil }
+func (e *fakeEngine) LoadNCCL(string) error              { return nil }
+func (e *fakeEngine) NewUniqueID() ([]byte, error) {
+	id := make([]byte, 128)
+	_, err := rand.Read(id)
+	return id, err
+}
+func (e *fakeEngine) Check(dt reduce.DType, op reduce.Op) error {
+	if op >= reduce.BAnd {
+		return fmt.Errorf("%w: %s on CUDA tensors", reduce.ErrUnsupported, op)
+	}
+	return nil
+}
+func (e *fakeEngine) Attach([16]byte) (DeviceSession, error) {
+	return &fakeDevSession{e: e, segs: map[uint32]uint64{}}, nil
+}
+
+type fakeDevSession struct {
+	e    *fakeEngine
+	mu   sync.Mutex
+	segs map[uint32]uint64
+}
+
+func (s *fakeDevSession) Counters() [64]byte { return [64]byte{1} }
+func (s *fakeDevSession) RegisterIPC(seg uint32, _ [64]byte, size uint64) error {
+	if size == 7 {
+		return errors.New("cuIpcOpenMemHandle: CUDA_ERROR_INVALID_VALUE")
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.segs[seg] = size
+	return nil
+}
+func (s *fakeDevSession) DropIPC(seg uint32) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.segs, seg)
+	return nil
+}
+func (s *fakeDevSession) Resolve(refs []BufRef) ([]uint64, func(), error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ptrs := make([]uint64, len(refs))
+	for i, r := range refs {
+		size, ok := s.segs[r.Segment]
+		if !ok {
+			return nil, nil, fmt.Errorf("%w: CUDA segment %#x is not registered", ErrInvalid, r.Segment)
+		}
+		if r.Offset+r.Length > size {
+			return nil, nil, fmt.Errorf("%w: outside CUDA segment", ErrInvalid)
+		}
+		ptrs[i] = 0x1000 + r.Offset
+	}
+	return ptrs, func() {}, nil
+}
+func (s *fakeDevSession) NewGroup(rank, size, slot int, ids [2][]byte) (DeviceGroup, error) {
+	if size > 1 && len(ids[0]) != 128 {
+		return nil, errors.New("no NCCL ids from rank 0")
+	}
+	s.e.mu.Lock()
+	defer s.e.mu.Unlock()
+	g := &fakeDevGroup{hang: s.e.hang, fail: s.e.fail, slot: slot}
+	s.e.groups = append(s.e.groups, g)
+	return g, nil
+}
+func (s *fakeDevSession) Close() error { return nil }
+
+type fakeDevGroup struct {
+	mu      sync.Mutex
+	hang    bool
+	fail    error
+	slot    int
+	pending []DeviceOp
+	broken  error
+	ran     []uint32 // stream values, in the order ops ran
+}
+
+func (g *fakeDevGroup) Enqueue(op DeviceOp) {
+	g.mu.Lock()
+	if g.broken != nil {
+		err := g.broken
+		g.mu.Unlock()
+		op.Done(err)
+		return
+	}
+	g.ran = append(g.ran, op.Desc.StreamValue)
+	if g.hang {
+		g.pending = append(g.pending, op)
+		g.mu.Unlock()
+		return
+	}
+	fail := g.fail
+	g.mu.Unlock()
+	go func() {
+		time.Sleep(time.Millisecond)
+		op.Done(fail)
+	}()
+}
+
+func (g *fakeDevGroup) Abort(cause error) {
+	g.mu.Lock()
+	if g.broken != nil {
+		g.mu.Unlock()
+		return
+	}
+	g.broken = cause
+	pending := g.pending
+	g.pending = nil
+	g.mu.Unlock()
+	for _, op := range pending {
+		op.Done(cause)
+	}
+}
+
+func (g *fakeDevGroup) Close() error { return nil }
+
+func (e *fakeEngine) group(i int) *fakeDevGroup {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.groups[i]
+}
+
+func (g *fakeDevGroup) runList() string {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return fmt.Sprint(g.ran)
+}
+
+func (g *fakeDevGroup) isBroken() bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.broken != nil
+}
+
+// deviceCluster is cluster() with a fake GPU engine per sidecar and every client attached
+// to its device.
+func deviceCluster(t *testing.T, n int, timeout time.Duration, eng *fakeEngine) ([]*client, []*Group) {
+	t.Helper()
+	clients := make([]*client, n)
+	groups := make([]*Group, n)
+	blobs := make([][]byte, n)
+	for r := 0; r < n; r++ {
+		node, err := transport.Listen(transport.Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quietLog()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := NewServer(Config{Version: "test", ShmDir: t.TempDir(), Device: eng}, node, quietLog())
+		t.Cleanup(func() { srv.Shutdown("test over"); node.Close() })
+		sess, err := srv.Attach(1, r, 64<<10, "/fake/libnccl.so.2")
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := attachClient(t, sess)
+		if h, err := sess.AttachDevice([16]byte{byte(r)}); err != nil || h[0] != 1 {
+			t.Fatalf("AttachDevice = %v, %v", h[:1], err)
+		}
+		g, blob, err := sess.CreateGroup("g", r, n, nil, timeout)
+		if err != nil {
+			t.Fatal(err)
+		}
+		clients[r], groups[r], blobs[r] = c, g, blob
+	}
+	for r := 0; r < n; r++ {
+		if _, err := clients[r].sess.ConnectGroup(groups[r].Handle, blobs, []byte("0123456789abcdef0123456789abcdef")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return clients, groups
+}
+
+// registerIPC sends a RecIPC record for segment seg of size bytes.
+func (c *client) registerIPC(seg uint32, size uint64) {
+	b := make([]byte, 80)
+	binary.LittleEndian.PutUint32(b, seg)
+	binary.LittleEndian.PutUint64(b[8:], size)
+	c.raw(RecIPC, b)
+}
+
+func cudaAllReduce(g *Group, seg uint32, count, value uint64) Desc {
+	return Desc{Group: g.Handle, Kind: OpAllReduce, DType: reduce.Float32, RedOp: reduce.Sum, Device: DeviceCUDA,
+		Count: count, StreamValue: uint32(value), Bufs: []BufRef{{Segment: seg, Length: count * 4}}}
+}
+
+// TestDeviceOps: CUDA descriptors reach the device engine in order, with their stream
+// values, and complete; bad ones are refused with the reason.
+func TestDeviceOps(t *testing.T) {
+	eng := &fakeEngine{}
+	clients, groups := deviceCluster(t, 2, 5*time.Second, eng)
+	seg := uint32(CUDASegment | 1)
+	for r := range clients {
+		clients[r].registerIPC(seg, 1<<20)
+	}
+	for k := uint64(1); k <= 5; k++ {
+		for r := range clients {
+			clients[r].submit(cudaAllReduce(groups[r], seg, 1000, k))
+		}
+		for r := range clients {
+			if d := clients[r].next(5 * time.Second); d.status != StatusOK {
+				t.Fatalf("rank %d op %d: %+v", r, k, d)
+			}
+		}
+	}
+	for i := range clients {
+		if got := eng.group(i).runList(); got != "[1 2 3 4 5]" {
+			t.Fatalf("device ops ran as %v", got)
+		}
+	}
+	c, g := clients[0], groups[0]
+	for _, tc := range []struct {
+		desc string
+		d    Desc
+		want string
+	}{
+		{"unregistered segment", cudaAllReduce(g, CUDASegment|9, 10, 6), "not registered"},
+		{"past the end of the allocation", cudaAllReduce(g, seg, 1<<19, 6), "outside CUDA segment"},
+		{"bitwise op", func() Desc { d := cudaAllReduce(g, seg, 10, 6); d.RedOp = reduce.BXor; return d }(), "bxor"},
+		{"recv from any rank", Desc{Group: g.Handle, Kind: OpRecv, DType: reduce.Float32, Device: DeviceCUDA, Root: -1, Count: 1,
+			StreamValue: 1, Bufs: []BufRef{{Segment: seg, Length: 4}}}, "any rank"},
+	} {
+		t.Run(tc.desc, func(t *testing.T) {
+			c.submit(tc.d)
+			if d := c.next(5 * time.Second); d.status != StatusInvalid || !strings.Contains(d.msg, tc.want) {
+				t.Fatalf("completion %+v, want invalid containing %q", d, tc.want)
+			}
+		})
+	}
+	// a segment the engine could not map: the op names why
+	c.registerIPC(CUDASegment|7, 7)
+	c.submit(Desc{Group: g.Handle, Kind: OpSend, DType: reduce.Uint8, Device: DeviceCUDA, Root: 1, Count: 4,
+		StreamValue: 1, Bufs: []BufRef{{Segment: CUDASegment | 7, Length: 4}}})
+	if d := c.next(5 * time.Second); d.status != StatusInvalid || !strings.Contains(d.msg, "CUDA_ERROR_INVALID_VALUE") {
+		t.Fatalf("op on an unmapped segment: %+v", d)
+	}
+}
+
+// TestDeviceFailureBreaksEveryRank: a device op that fails on one rank breaks the group;
+// the peer's hung device op is aborted (its streams released) instead of waiting forever.
+func TestDeviceFailureBreaksEveryRank(t *testing.T) {
+	eng := &fakeEngine{hang: true}
+	clients, groups := deviceCluster(t, 2, 20*time.Second, eng)
+	seg := uint32(CUDASegment | 1)
+	for r := range clients {
+		clients[r].registerIPC(seg, 1<<20)
+	}
+	// rank 1's op hangs on the GPU (its device group is made first, hanging); rank 0's group
+	// is made next and fails its op, as the engine's watchdog would report a timeout
+	clients[1].submit(cudaAllReduce(groups[1], seg, 100, 1))
+	time.Sleep(50 * time.Millisecond)
+	eng.mu.Lock()
+	eng.hang, eng.fail = false, fmt.Errorf("%w: all_reduce did not finish on the GPU", ErrTimeout)
+	eng.mu.Unlock()
+	start := time.Now()
+	clients[0].submit(cudaAllReduce(groups[0], seg, 100, 1))
+	d0 := clients[0].next(5 * time.Second)
+	d1 := clients[1].next(5 * time.Second)
+	if d0.status != StatusTimeout {
+		t.Fatalf("rank 0: %+v, want a timeout", d0)
+	}
+	if d1.status == StatusOK || !strings.Contains(d1.msg, "rank 0") {
+		t.Fatalf("rank 1: %+v, want a failure naming rank 0", d1)
+	}
+	if el := time.Since(start); el > 3*time.Second {
+		t.Fatalf("rank 1 failed after %v", el)
+	}
+	if !eng.group(0).isBroken() {
+		t.Fatal("rank 1's device group was not aborted")
+	}
+}
