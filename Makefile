@@ -3,7 +3,8 @@
 # make            pinned Python env (.venv), code generators (.tools), generated code,
 #                 bin/pgserver, and the Python package in place (importable from .venv)
 # make test       lint + Go tests + Python tests (GPU tests skip, saying why, without a GPU)
-# make test-gpu   the GPU suite, on a machine with GPUs (see README)
+# make test-gpu   the GPU suite, on a machine with GPUs (see README; MPS=1 under MPS)
+# make bench-gpu  gocomm against torch NCCL on the machine's GPUs (table, JSON, PNG)
 # make bench      CPU benchmark: gocomm against gloo, 2 to 4 ranks
 
 SHELL := /bin/bash
@@ -25,7 +26,7 @@ PY_GEN    := python/gocomm/v1/pgserver_pb2.py python/gocomm/v1/pgserver_pb2_grpc
 GO_SRC    := $(shell find cmd pg collectives sparse internal transport rpc -name '*.go' -o -name '*.c' -o -name '*.h' 2>/dev/null)
 SITE      := $(shell $(PYTHON_BOOT) -c 'import sys; print(f"python{sys.version_info[0]}.{sys.version_info[1]}")')
 
-.PHONY: all venv tools gen build python test lint test-go test-py test-gpu bench clean
+.PHONY: all venv tools gen build python test lint test-go test-py test-gpu bench bench-gpu clean
 
 all: build python
 
@@ -86,9 +87,24 @@ test-go: gen
 test-py: all
 	$(PY) -m pytest -q python/tests
 
-# On a GPU machine (no Go there: build here, carry bin/ and the generated Python code).
+# On a GPU machine (Go is not needed there: build here, then copy the checkout with
+# python/gocomm/bin and python/gocomm/v1). GPU_ENV keeps NVLink multicast off, as the shared
+# machines this project is tested on require; MPS=1 runs under the CUDA MPS daemon (started
+# and stopped here, as `python -m gocomm.launch --mps` does for jobs).
+GPU_ENV ?= NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+GPU_PY  ?= python3
+MPS     ?= 0
+test-gpu bench-gpu: export CUDA_MPS_PIPE_DIRECTORY ?= /tmp/gocomm-mps/pipe
+test-gpu bench-gpu: export CUDA_MPS_LOG_DIRECTORY ?= /tmp/gocomm-mps/log
 test-gpu:
-	PYTHONPATH=python python3 -m pytest -q -m gpu python/tests
+	@if [ "$(MPS)" = 1 ]; then PYTHONPATH=python $(GPU_PY) -c 'import os, gocomm.launch as l; print("MPS started:", l.start_mps(dict(os.environ)))'; fi
+	$(GPU_ENV) GOCOMM_CUDA=1 PYTHONPATH=python $(GPU_PY) -m pytest -q -rA -m gpu python/tests; rc=$$?; \
+	  if [ "$(MPS)" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi; exit $$rc
+
+bench-gpu:
+	@if [ "$(MPS)" = 1 ]; then PYTHONPATH=python $(GPU_PY) -c 'import os, gocomm.launch as l; print("MPS started:", l.start_mps(dict(os.environ)))'; fi
+	$(GPU_ENV) GOCOMM_CUDA=1 PYTHONPATH=python $(GPU_PY) -m gocomm.bench_gpu --json bench_gpu.json --png bench_gpu.png; rc=$$?; \
+	  if [ "$(MPS)" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi; exit $$rc
 
 bench: all
 	$(PY) -m gocomm.bench --world 2,3,4
