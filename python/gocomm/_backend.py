@@ -128,6 +128,12 @@ class _Batch(Work):
         for w in works:
             w.get_future().add_done_callback(one_done)
 
+    def wait(self, timeout=None) -> bool:
+        """Wait on each op (CUDA ops: the current stream waits, the host does not)."""
+        for w in self._children:
+            w.wait(timeout)
+        return True
+
 
 @dataclass
 class _Pending:
