@@ -657,6 +657,28 @@ class ProcessGroupGocomm(dist.ProcessGroup):
                 f"gocomm {op}: rank {self._rank} sends itself {ins[self._rank]} rows "
                 f"(input_split_sizes) but expects {outs[self._rank]} (output_split_sizes)"
             )
+        me = self._rank
+        if input.device.type == "cpu" and n > 1 and ins[me]:
+            # This rank's own block never leaves the process: copy it here and stage only
+            # the blocks for the peers (one copy instead of three through shared memory).
+            def blocks(t, splits):
+                offs = [sum(splits[:j]) for j in range(n)]
+                return [t.narrow(0, offs[j], splits[j]) for j in range(n) if j != me]
+
+            out_off, in_off = sum(outs[:me]), sum(ins[:me])
+            output.narrow(0, out_off, outs[me]).copy_(input.narrow(0, in_off, ins[me]))
+            no_self = [0 if j == me else 1 for j in range(n)]
+            return self._submit(
+                op,
+                _wire.ALL_TO_ALL,
+                input.dtype,
+                inputs=[blocks(input, ins), None],
+                outputs=[(1, blocks(output, outs))],
+                splits=[s * row * k for s, k in zip(ins, no_self, strict=True)]
+                + [s * row * k for s, k in zip(outs, no_self, strict=True)],
+                result=[output],
+                timeout=_opt_timeout(opts),
+            )
         return self._submit(
             op,
             _wire.ALL_TO_ALL,
@@ -682,6 +704,21 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             raise ValueError(
                 f"gocomm {op}: input {self._rank} has {ins[self._rank].numel()} elements but "
                 f"output {self._rank} has {outs[self._rank].numel()}"
+            )
+        me = self._rank
+        if ins[0].device.type == "cpu" and n > 1:
+            # as in all_to_all_single: the own block is copied here, not staged
+            outs[me].copy_(ins[me].view(outs[me].shape))
+            return self._submit(
+                op,
+                _wire.ALL_TO_ALL,
+                ins[0].dtype,
+                inputs=[[t for j, t in enumerate(ins) if j != me], None],
+                outputs=[(1, [t for j, t in enumerate(outs) if j != me])],
+                splits=[0 if j == me else t.numel() for j, t in enumerate(ins)]
+                + [0 if j == me else t.numel() for j, t in enumerate(outs)],
+                result=outs,
+                timeout=_opt_timeout(opts),
             )
         return self._submit(
             op,
