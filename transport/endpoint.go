@@ -161,12 +161,6 @@ func (r *request) Wait(ctx context.Context) error {
 // Source is the rank a finished p2p receive got its data from.
 func (r *request) Source() int { return r.src }
 
-// Done is closed when the request finishes.
-func (r *request) Done() <-chan struct{} { return r.done }
-
-// Err is the request's result once Done is closed.
-func (r *request) Err() error { return r.err }
-
 // Rank of this member; Size of the group.
 func (ep *Endpoint) Rank() int { return ep.rank }
 func (ep *Endpoint) Size() int { return ep.size }

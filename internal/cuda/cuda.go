@@ -30,7 +30,6 @@ typedef struct { char bytes[16]; } CUuuid;
 
 static void* gc_lib;
 static CUresult (*p_cuInit)(unsigned int);
-static CUresult (*p_cuDriverGetVersion)(int*);
 static CUresult (*p_cuDeviceGetCount)(int*);
 static CUresult (*p_cuDeviceGet)(CUdevice*, int);
 static CUresult (*p_cuDeviceGetAttribute)(int*, int, CUdevice);
@@ -42,23 +41,17 @@ static CUresult (*p_cuCtxSetCurrent)(CUcontext);
 static CUresult (*p_cuStreamCreate)(CUstream*, unsigned int);
 static CUresult (*p_cuStreamDestroy)(CUstream);
 static CUresult (*p_cuStreamSynchronize)(CUstream);
-static CUresult (*p_cuStreamQuery)(CUstream);
 static CUresult (*p_cuStreamWaitValue32)(CUstream, CUdeviceptr, uint32_t, unsigned int);
 static CUresult (*p_cuStreamWriteValue32)(CUstream, CUdeviceptr, uint32_t, unsigned int);
-static CUresult (*p_cuStreamWaitEvent)(CUstream, CUevent, unsigned int);
 static CUresult (*p_cuEventCreate)(CUevent*, unsigned int);
 static CUresult (*p_cuEventDestroy)(CUevent);
 static CUresult (*p_cuEventRecord)(CUevent, CUstream);
 static CUresult (*p_cuEventQuery)(CUevent);
-static CUresult (*p_cuEventSynchronize)(CUevent);
 static CUresult (*p_cuIpcOpenMemHandle)(CUdeviceptr*, CUipcMemHandle, unsigned int);
 static CUresult (*p_cuIpcCloseMemHandle)(CUdeviceptr);
 static CUresult (*p_cuIpcGetMemHandle)(CUipcMemHandle*, CUdeviceptr);
 static CUresult (*p_cuMemAlloc)(CUdeviceptr*, size_t);
 static CUresult (*p_cuMemFree)(CUdeviceptr);
-static CUresult (*p_cuMemsetD32Async)(CUdeviceptr, unsigned int, size_t, CUstream);
-static CUresult (*p_cuMemcpyDtoH)(void*, CUdeviceptr, size_t);
-static CUresult (*p_cuMemcpyHtoD)(CUdeviceptr, const void*, size_t);
 static CUresult (*p_cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
 static CUresult (*p_cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream);
 
@@ -73,7 +66,6 @@ static int gc_load(const char* path, char* err, int errlen) {
 	}
 #define SYM(var, name) do { *(void**)(&var) = dlsym(h, name); if (!var) { snprintf(err, errlen, "symbol %s missing", name); return -1; } } while (0)
 	SYM(p_cuInit, "cuInit");
-	SYM(p_cuDriverGetVersion, "cuDriverGetVersion");
 	SYM(p_cuDeviceGetCount, "cuDeviceGetCount");
 	SYM(p_cuDeviceGet, "cuDeviceGet");
 	SYM(p_cuDeviceGetAttribute, "cuDeviceGetAttribute");
@@ -85,23 +77,17 @@ static int gc_load(const char* path, char* err, int errlen) {
 	SYM(p_cuStreamCreate, "cuStreamCreate");
 	SYM(p_cuStreamDestroy, "cuStreamDestroy_v2");
 	SYM(p_cuStreamSynchronize, "cuStreamSynchronize");
-	SYM(p_cuStreamQuery, "cuStreamQuery");
 	SYM(p_cuStreamWaitValue32, "cuStreamWaitValue32_v2");
 	SYM(p_cuStreamWriteValue32, "cuStreamWriteValue32_v2");
-	SYM(p_cuStreamWaitEvent, "cuStreamWaitEvent");
 	SYM(p_cuEventCreate, "cuEventCreate");
 	SYM(p_cuEventDestroy, "cuEventDestroy_v2");
 	SYM(p_cuEventRecord, "cuEventRecord");
 	SYM(p_cuEventQuery, "cuEventQuery");
-	SYM(p_cuEventSynchronize, "cuEventSynchronize");
 	SYM(p_cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2");
 	SYM(p_cuIpcCloseMemHandle, "cuIpcCloseMemHandle");
 	SYM(p_cuIpcGetMemHandle, "cuIpcGetMemHandle");
 	SYM(p_cuMemAlloc, "cuMemAlloc_v2");
 	SYM(p_cuMemFree, "cuMemFree_v2");
-	SYM(p_cuMemsetD32Async, "cuMemsetD32Async");
-	SYM(p_cuMemcpyDtoH, "cuMemcpyDtoH_v2");
-	SYM(p_cuMemcpyHtoD, "cuMemcpyHtoD_v2");
 	SYM(p_cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
 	SYM(p_cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
 #undef SYM
@@ -111,7 +97,6 @@ static int gc_load(const char* path, char* err, int errlen) {
 
 static int gc_loaded(void) { return gc_lib != NULL; }
 static CUresult gc_cuInit(unsigned int f) { return p_cuInit(f); }
-static CUresult gc_cuDriverGetVersion(int* v) { return p_cuDriverGetVersion(v); }
 static CUresult gc_cuDeviceGetCount(int* n) { return p_cuDeviceGetCount(n); }
 static CUresult gc_cuDeviceGet(CUdevice* d, int i) { return p_cuDeviceGet(d, i); }
 static CUresult gc_cuDeviceGetAttribute(int* v, int a, CUdevice d) { return p_cuDeviceGetAttribute(v, a, d); }
@@ -123,15 +108,12 @@ static CUresult gc_cuCtxSetCurrent(CUcontext c) { return p_cuCtxSetCurrent(c); }
 static CUresult gc_cuStreamCreate(CUstream* s, unsigned int f) { return p_cuStreamCreate(s, f); }
 static CUresult gc_cuStreamDestroy(CUstream s) { return p_cuStreamDestroy(s); }
 static CUresult gc_cuStreamSynchronize(CUstream s) { return p_cuStreamSynchronize(s); }
-static CUresult gc_cuStreamQuery(CUstream s) { return p_cuStreamQuery(s); }
 static CUresult gc_cuStreamWaitValue32(CUstream s, CUdeviceptr a, uint32_t v, unsigned int f) { return p_cuStreamWaitValue32(s, a, v, f); }
 static CUresult gc_cuStreamWriteValue32(CUstream s, CUdeviceptr a, uint32_t v, unsigned int f) { return p_cuStreamWriteValue32(s, a, v, f); }
-static CUresult gc_cuStreamWaitEvent(CUstream s, CUevent e, unsigned int f) { return p_cuStreamWaitEvent(s, e, f); }
 static CUresult gc_cuEventCreate(CUevent* e, unsigned int f) { return p_cuEventCreate(e, f); }
 static CUresult gc_cuEventDestroy(CUevent e) { return p_cuEventDestroy(e); }
 static CUresult gc_cuEventRecord(CUevent e, CUstream s) { return p_cuEventRecord(e, s); }
 static CUresult gc_cuEventQuery(CUevent e) { return p_cuEventQuery(e); }
-static CUresult gc_cuEventSynchronize(CUevent e) { return p_cuEventSynchronize(e); }
 static CUresult gc_cuIpcOpenMemHandle(CUdeviceptr* p, const void* h, unsigned int f) {
 	CUipcMemHandle hh; memcpy(&hh, h, sizeof hh); return p_cuIpcOpenMemHandle(p, hh, f);
 }
@@ -139,9 +121,6 @@ static CUresult gc_cuIpcCloseMemHandle(CUdeviceptr p) { return p_cuIpcCloseMemHa
 static CUresult gc_cuIpcGetMemHandle(void* h, CUdeviceptr p) { return p_cuIpcGetMemHandle((CUipcMemHandle*)h, p); }
 static CUresult gc_cuMemAlloc(CUdeviceptr* p, size_t n) { return p_cuMemAlloc(p, n); }
 static CUresult gc_cuMemFree(CUdeviceptr p) { return p_cuMemFree(p); }
-static CUresult gc_cuMemsetD32Async(CUdeviceptr p, unsigned int v, size_t n, CUstream s) { return p_cuMemsetD32Async(p, v, n, s); }
-static CUresult gc_cuMemcpyDtoH(void* d, CUdeviceptr s, size_t n) { return p_cuMemcpyDtoH(d, s, n); }
-static CUresult gc_cuMemcpyHtoD(CUdeviceptr d, const void* s, size_t n) { return p_cuMemcpyHtoD(d, s, n); }
 static CUresult gc_cuMemcpyDtoHAsync(void* d, CUdeviceptr s, size_t n, CUstream st) { return p_cuMemcpyDtoHAsync(d, s, n, st); }
 static CUresult gc_cuMemcpyHtoDAsync(CUdeviceptr d, const void* s, size_t n, CUstream st) { return p_cuMemcpyHtoDAsync(d, s, n, st); }
 */
@@ -232,15 +211,6 @@ func check(what string, r C.CUresult) error {
 	return fmt.Errorf("cuda: %s: %w", what, Result(r))
 }
 
-// DriverVersion is the driver's CUDA version, e.g. 13000.
-func DriverVersion() (int, error) {
-	if err := loaded(); err != nil {
-		return 0, err
-	}
-	var v C.int
-	return int(v), check("cuDriverGetVersion", C.gc_cuDriverGetVersion(&v))
-}
-
 // DeviceCount is the number of visible devices.
 func DeviceCount() (int, error) {
 	if err := loaded(); err != nil {
@@ -262,13 +232,10 @@ func DeviceGet(ordinal int) (Device, error) {
 	return Device(d), check("cuDeviceGet", C.gc_cuDeviceGet(&d, C.int(ordinal)))
 }
 
-// Device attributes used here (cuda.h CUdevice_attribute).
+// Device attributes read here (cuda.h CUdevice_attribute).
 const (
-	AttrComputeCapabilityMajor = 75
-	AttrComputeCapabilityMinor = 76
-	AttrCanUseStreamMemOps     = 92
-	AttrIPCEventSupported      = 125
-	AttrMPSEnabled             = 133
+	AttrCanUseStreamMemOps = 92
+	AttrMPSEnabled         = 133
 )
 
 // Attribute reads one device attribute.
@@ -373,23 +340,8 @@ func (s Stream) Synchronize() error {
 	return check("cuStreamSynchronize", C.gc_cuStreamSynchronize(s.p))
 }
 
-// Done reports whether everything queued on the stream has finished.
-func (s Stream) Done() (bool, error) {
-	if err := loaded(); err != nil {
-		return false, err
-	}
-	r := Result(C.gc_cuStreamQuery(s.p))
-	if r == ErrNotReady {
-		return false, nil
-	}
-	return r == Success, check("cuStreamQuery", C.CUresult(r))
-}
-
-// Wait flags for WaitValue32.
-const (
-	WaitGEQ = 0x0
-	WaitEQ  = 0x1
-)
+// WaitGEQ, the WaitValue32 flag used here.
+const WaitGEQ = 0x0
 
 // WaitValue32 makes the stream wait until the 32-bit word at addr reaches value (flags:
 // WaitGEQ compares as (int32)(*addr - value) >= 0, so counters may wrap).
@@ -408,30 +360,11 @@ func (s Stream) WriteValue32(addr Ptr, value uint32) error {
 	return check("cuStreamWriteValue32", C.gc_cuStreamWriteValue32(s.p, C.CUdeviceptr(addr), C.uint32_t(value), 0))
 }
 
-// WaitEvent makes the stream wait for an event.
-func (s Stream) WaitEvent(e Event) error {
-	if err := loaded(); err != nil {
-		return err
-	}
-	return check("cuStreamWaitEvent", C.gc_cuStreamWaitEvent(s.p, e.p, 0))
-}
-
-// Memset32 queues filling n 32-bit words at p with v.
-func (s Stream) Memset32(p Ptr, v uint32, n int) error {
-	if err := loaded(); err != nil {
-		return err
-	}
-	return check("cuMemsetD32Async", C.gc_cuMemsetD32Async(C.CUdeviceptr(p), C.uint(v), C.size_t(n), s.p))
-}
-
 // Event is a CUDA event.
 type Event struct{ p C.CUevent }
 
-// Event flags.
-const (
-	EventDisableTiming = 0x2
-	EventInterprocess  = 0x4
-)
+// EventDisableTiming makes events cheaper; nothing here times with them.
+const EventDisableTiming = 0x2
 
 // NewEvent creates an event in the current context.
 func NewEvent(flags uint) (Event, error) {
@@ -460,14 +393,6 @@ func (e Event) Done() (bool, error) {
 		return false, nil
 	}
 	return r == Success, check("cuEventQuery", C.CUresult(r))
-}
-
-// Synchronize waits for the event.
-func (e Event) Synchronize() error {
-	if err := loaded(); err != nil {
-		return err
-	}
-	return check("cuEventSynchronize", C.gc_cuEventSynchronize(e.p))
 }
 
 // Destroy the event.
@@ -525,28 +450,6 @@ func Free(p Ptr) error {
 		return err
 	}
 	return check("cuMemFree", C.gc_cuMemFree(C.CUdeviceptr(p)))
-}
-
-// CopyToHost copies len(dst) bytes from device address src (synchronous).
-func CopyToHost(dst []byte, src Ptr) error {
-	if err := loaded(); err != nil {
-		return err
-	}
-	if len(dst) == 0 {
-		return nil
-	}
-	return check("cuMemcpyDtoH", C.gc_cuMemcpyDtoH(unsafe.Pointer(&dst[0]), C.CUdeviceptr(src), C.size_t(len(dst))))
-}
-
-// CopyToDevice copies src to device address dst (synchronous).
-func CopyToDevice(dst Ptr, src []byte) error {
-	if err := loaded(); err != nil {
-		return err
-	}
-	if len(src) == 0 {
-		return nil
-	}
-	return check("cuMemcpyHtoD", C.gc_cuMemcpyHtoD(C.CUdeviceptr(dst), unsafe.Pointer(&src[0]), C.size_t(len(src))))
 }
 
 // CopyToHostOn copies len(dst) bytes from src on stream s and waits for it. On a

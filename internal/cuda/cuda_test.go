@@ -77,7 +77,7 @@ func TestDevice(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer Free(p)
-	if err := s.Memset32(p, 0, 16); err != nil {
+	if err := s.CopyToDeviceOn(p, make([]byte, 64)); err != nil {
 		t.Fatal(err)
 	}
 	if err := s.WriteValue32(p, 7); err != nil {
@@ -90,7 +90,7 @@ func TestDevice(t *testing.T) {
 		t.Fatal(err)
 	}
 	b := make([]byte, 4)
-	if err := CopyToHost(b, p); err != nil {
+	if err := s.CopyToHostOn(b, p); err != nil {
 		t.Fatal(err)
 	}
 	if b[0] != 7 {
