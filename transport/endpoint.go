@@ -115,13 +115,19 @@ type early struct {
 	arrival uint64
 }
 
-// take hands an early frame's bytes to a sink and acks a reference.
+// take hands an early frame's bytes to a sink and releases them.
 func (e *early) take(s collectives.Sink) error {
 	err := s.Take(e.data)
+	e.release()
+	return err
+}
+
+// release tells the sender of a frame by reference that its bytes are free (invariant 6);
+// an inline frame has nothing to release.
+func (e *early) release() {
 	if e.ack != nil {
 		e.ack()
 	}
-	return err
 }
 
 // request is a posted receive or a queued send.
@@ -254,9 +260,7 @@ func checkColl(r *request, from int, f *frame) error {
 
 func takeColl(r *request, from int, e *early) error {
 	if err := checkColl(r, from, &e.f); err != nil {
-		if e.ack != nil {
-			e.ack()
-		}
+		e.release()
 		return err
 	}
 	return e.take(r.sink)
@@ -342,9 +346,7 @@ func (ep *Endpoint) RecvP2P(from int, tag int64, s collectives.Sink) *request {
 func takeP2P(r *request, e *early) error {
 	r.src = e.src
 	if e.f.length != uint64(r.sink.Len()) {
-		if e.ack != nil {
-			e.ack()
-		}
+		e.release()
 		return fmt.Errorf("%w: recv: rank %d sent %d bytes with tag %d, the receiving tensor holds %d", ErrMismatch,
 			r.src, e.f.length, int64(e.f.seq), r.sink.Len())
 	}

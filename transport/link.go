@@ -223,9 +223,7 @@ func (ep *Endpoint) deliverColl(from int, f *frame, p payload, scratch []byte) e
 	ep.mu.Lock()
 	if ep.broken != nil {
 		ep.mu.Unlock()
-		if e.ack != nil {
-			e.ack()
-		}
+		e.release()
 		return nil
 	}
 	r = ep.posted[key]
@@ -256,9 +254,7 @@ func (ep *Endpoint) deliverP2P(from int, f *frame, p payload) error {
 	ep.mu.Lock()
 	if ep.broken != nil {
 		ep.mu.Unlock()
-		if e.ack != nil {
-			e.ack()
-		}
+		e.release()
 		return nil
 	}
 	var r *request
