@@ -28,6 +28,7 @@ type registry struct {
 }
 
 type segment struct {
+	id    uint32
 	mem   *shm.Segment
 	refs  int
 	freed bool
@@ -51,7 +52,7 @@ func (r *registry) alloc(size uint64) (id uint32, path string, bytes uint64, err
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.next++
-	r.segs[r.next] = &segment{mem: mem}
+	r.segs[r.next] = &segment{id: r.next, mem: mem}
 	return r.next, mem.Path, size, nil
 }
 
@@ -108,13 +109,7 @@ func (r *registry) resolve(refs []BufRef) (bufs [][]byte, release func(), err er
 				s.refs--
 				if s.refs == 0 && s.freed {
 					unmap = append(unmap, s)
-				}
-			}
-			for id, s := range r.segs {
-				for _, u := range unmap {
-					if s == u {
-						delete(r.segs, id)
-					}
+					delete(r.segs, s.id)
 				}
 			}
 			r.mu.Unlock()

@@ -145,6 +145,7 @@ type session struct {
 }
 
 type ipcSeg struct {
+	id      uint32
 	ptr     cuda.Ptr
 	size    uint64
 	refs    int
@@ -200,7 +201,7 @@ func (s *session) RegisterIPC(seg uint32, handle [64]byte, size uint64) error {
 		return fmt.Errorf("map the client's allocation (segment %d, %d bytes): %w", seg, size, err)
 	}
 	s.mu.Lock()
-	s.segs[seg] = &ipcSeg{ptr: p, size: size}
+	s.segs[seg] = &ipcSeg{id: seg, ptr: p, size: size}
 	s.mu.Unlock()
 	return nil
 }
@@ -259,11 +260,7 @@ func (s *session) Resolve(refs []pg.BufRef) ([]uint64, func(), error) {
 				g.refs--
 				if g.refs == 0 && g.dropped {
 					unmap = append(unmap, g)
-					for id, x := range s.segs {
-						if x == g {
-							delete(s.segs, id)
-						}
-					}
+					delete(s.segs, g.id)
 				}
 			}
 			s.mu.Unlock()
