@@ -42,6 +42,7 @@ import (
 	"fmt"
 	"math/bits"
 	"runtime"
+	"strings"
 	"sync/atomic"
 	"time"
 	"unsafe"
@@ -116,6 +117,7 @@ type Queue struct {
 	notify, waiters *uint32
 	data            []byte
 	mask            uint64
+	hdr             []byte // the file's header page, for the record of a corruption
 }
 
 // Open returns the submission and completion queues of a formatted file.
@@ -139,6 +141,7 @@ func Open(mem []byte) (sub, cmp *Queue, err error) {
 			waiters: u32(mem, offTail+waitersAfterTail),
 			data:    mem[off : off+n : off+n],
 			mask:    n - 1,
+			hdr:     mem[:headerSize:headerSize],
 		}, nil
 	}
 	if sub, err = mk(offSubOff, offSubLen, offSubHead, offSubTail); err != nil {
@@ -148,6 +151,17 @@ func Open(mem []byte) (sub, cmp *Queue, err error) {
 		return nil, nil, err
 	}
 	return sub, cmp, nil
+}
+
+// headerWords lists the non-zero 32-bit words of the header's first 320 bytes as off=value.
+func headerWords(h []byte) string {
+	var b strings.Builder
+	for off := 0; off+4 <= min(len(h), 320); off += 4 {
+		if v := binary.LittleEndian.Uint32(h[off:]); v != 0 {
+			fmt.Fprintf(&b, "%d=%#x ", off, v)
+		}
+	}
+	return b.String()
 }
 
 func u64(mem []byte, off int) *uint64 { return (*uint64)(unsafe.Pointer(&mem[off])) }
@@ -260,7 +274,8 @@ func (c *Consumer) Next() (rec Record, ok bool, err error) {
 			return Record{}, false, nil
 		}
 		if avail > uint64(len(c.q.data)) || avail < recHeader {
-			return c.fail("tail %d head %d size %d", tail, c.head, len(c.q.data))
+			// Keep what the header holds: whoever wrote over it left a pattern.
+			return c.fail("tail %d head %d size %d; header words: %s", tail, c.head, len(c.q.data), headerWords(c.q.hdr))
 		}
 		off := int(c.head & c.q.mask)
 		n := le.Uint32(c.q.data[off:])

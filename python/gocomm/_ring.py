@@ -3,6 +3,11 @@
 The client produces on the submission queue and consumes the completion queue. It relies on
 x86-64's ordered stores (a record's bytes are written before the tail that publishes them)
 and on the futex syscall for waking and sleeping; see invariant 3 in ring.go.
+
+The shared counters are read and written through ctypes scalars over the mapping: one aligned
+8-byte load or store each. struct.pack_into/unpack_from go byte by byte, so the other side
+could see a torn counter: a GPU run saw the sidecar read tail 0 in the middle of a store of
+tail 0x370 and stop reading the ring ("queue corrupt").
 """
 
 from __future__ import annotations
@@ -32,8 +37,12 @@ class _Timespec(ctypes.Structure):
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_syscall = _libc.syscall
+_syscall = _libc.syscall  # drops the GIL: for FUTEX_WAIT, which sleeps
 _syscall.restype = ctypes.c_long
+# FUTEX_WAKE returns at once; keeping the GIL through it spares the submitting thread a
+# hand-over to the completion thread and back (see _cuda._fast).
+_wake_syscall = ctypes.PyDLL(None).syscall
+_wake_syscall.restype = ctypes.c_long
 
 
 class RingError(RuntimeError):
@@ -63,10 +72,17 @@ class Ring:
         for off, n in ((self._sub_off, self._sub_size), (self._cmp_off, self._cmp_size)):
             if n < 4096 or n & (n - 1) or off + n > size:
                 raise RingError(f"{path}: queue at {off} of {n} bytes in a {size}-byte file")
-        self._sub_tail = _U64.unpack_from(mm, _SUB_TAIL)[0]
-        self._cmp_head = _U64.unpack_from(mm, _CMP_HEAD)[0]
-        self._sub_notify_addr = ctypes.addressof(ctypes.c_uint32.from_buffer(mm, _SUB_NOTIFY))
-        self._cmp_notify_addr = ctypes.addressof(ctypes.c_uint32.from_buffer(mm, _CMP_NOTIFY))
+        self._w_sub_head = ctypes.c_uint64.from_buffer(mm, _SUB_HEAD)
+        self._w_sub_tail = ctypes.c_uint64.from_buffer(mm, _SUB_TAIL)
+        self._w_sub_notify = ctypes.c_uint32.from_buffer(mm, _SUB_NOTIFY)
+        self._w_cmp_head = ctypes.c_uint64.from_buffer(mm, _CMP_HEAD)
+        self._w_cmp_tail = ctypes.c_uint64.from_buffer(mm, _CMP_TAIL)
+        self._w_cmp_notify = ctypes.c_uint32.from_buffer(mm, _CMP_NOTIFY)
+        self._w_cmp_waiters = ctypes.c_uint32.from_buffer(mm, _CMP_WAITERS)
+        self._sub_tail = self._w_sub_tail.value
+        self._cmp_head = self._w_cmp_head.value
+        self._sub_notify_addr = ctypes.addressof(self._w_sub_notify)
+        self._cmp_notify_addr = ctypes.addressof(self._w_cmp_notify)
         self._lock = threading.Lock()
         self.max_record = self._sub_size // 4 - 8
 
@@ -79,7 +95,7 @@ class Ring:
         mm = self._mm
         with self._lock:
             tail = self._sub_tail
-            head = _U64.unpack_from(mm, _SUB_HEAD)[0]
+            head = self._w_sub_head.value
             off = tail & (self._sub_size - 1)
             rest = self._sub_size - off
             pad = rest if rest < size else 0
@@ -93,12 +109,11 @@ class Ring:
             mm[base + off + 8 : base + off + 8 + n] = payload
             tail += pad + size
             self._sub_tail = tail
-            _U64.pack_into(mm, _SUB_TAIL, tail)  # publishes the record (stores stay ordered)
-            notify = (_U32.unpack_from(mm, _SUB_NOTIFY)[0] + 1) & 0xFFFFFFFF
-            _U32.pack_into(mm, _SUB_NOTIFY, notify)
+            self._w_sub_tail.value = tail  # publishes the record (stores stay ordered)
+            self._w_sub_notify.value = (self._w_sub_notify.value + 1) & 0xFFFFFFFF
             # Always wake: without a fence we cannot order the notify store before a load of
             # the sidecar's waiters count (ring.go invariant 3). A wake with no waiter is cheap.
-            _syscall(_SYS_FUTEX, ctypes.c_void_p(self._sub_notify_addr), _FUTEX_WAKE, 1, None, None, 0)
+            _wake_syscall(_SYS_FUTEX, ctypes.c_void_p(self._sub_notify_addr), _FUTEX_WAKE, 1, None, None, 0)
             return True
 
     def poll(self) -> list[tuple[int, bytes]]:
@@ -106,7 +121,7 @@ class Ring:
         mm = self._mm
         out = []
         head = self._cmp_head
-        tail = _U64.unpack_from(mm, _CMP_TAIL)[0]
+        tail = self._w_cmp_tail.value
         mask = self._cmp_size - 1
         while head != tail:
             off = head & mask
@@ -120,15 +135,14 @@ class Ring:
             head += size
         if head != self._cmp_head:
             self._cmp_head = head
-            _U64.pack_into(mm, _CMP_HEAD, head)
+            self._w_cmp_head.value = head
         return out
 
     def wait(self, timeout: float) -> None:
         """Sleep until a completion may be waiting, at most timeout seconds."""
-        mm = self._mm
-        notify = _U32.unpack_from(mm, _CMP_NOTIFY)[0]
-        _U32.pack_into(mm, _CMP_WAITERS, 1)
-        if _U64.unpack_from(mm, _CMP_TAIL)[0] == self._cmp_head:
+        notify = self._w_cmp_notify.value
+        self._w_cmp_waiters.value = 1
+        if self._w_cmp_tail.value == self._cmp_head:
             sec = int(timeout)
             ts = _Timespec(sec, int((timeout - sec) * 1e9))
             _syscall(
@@ -140,4 +154,4 @@ class Ring:
                 None,
                 0,
             )
-        _U32.pack_into(mm, _CMP_WAITERS, 0)
+        self._w_cmp_waiters.value = 0
