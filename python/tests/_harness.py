@@ -469,7 +469,9 @@ class Worlds:
     """The session's worlds, one per size, started on first use and reused."""
 
     def __init__(self):
-        self.log_dir = tempfile.mkdtemp(prefix="gocomm-tests-")
+        # GOCOMM_TEST_LOG_DIR keeps the rank logs somewhere known (device runs fetch them)
+        self.log_dir = os.environ.get("GOCOMM_TEST_LOG_DIR") or tempfile.mkdtemp(prefix="gocomm-tests-")
+        os.makedirs(self.log_dir, exist_ok=True)
         self._worlds: dict[int, World] = {}
 
     def get(self, size: int) -> World:
