@@ -1,6 +1,7 @@
 package pg
 
 import (
+	"context"
 	"errors"
 	"time"
 
@@ -15,8 +16,6 @@ type DeviceEngine interface {
 	Info() (available bool, detail string, devices []DeviceInfo)
 	// LoadNCCL loads the NCCL library the client uses (its path; "" for the default).
 	LoadNCCL(path string) error
-	// NewUniqueID makes the bootstrap id of a communicator (rank 0 of a group calls it).
-	NewUniqueID() ([]byte, error)
 	// Check says whether a reduction of dtype by op can run on the device.
 	Check(dt reduce.DType, op reduce.Op) error
 	// Attach binds a session to the device with this UUID.
@@ -47,10 +46,18 @@ type DeviceSession interface {
 	// counters (see CounterSlots): before its k-th collective the client's stream writes
 	// ready = k; the engine's stream waits for that, runs the op and writes done = k, and the
 	// client's stream waits for done >= k when the op's work is waited on. Point-to-point ops
-	// use the second pair, on a stream of their own. ids are the communicators' bootstrap
-	// ids from rank 0 (collectives, point to point).
-	NewGroup(rank, size, slot int, ids [2][]byte) (DeviceGroup, error)
+	// count on the second pair. link carries the engine's own messages to the group's other
+	// ranks (communicator ids), over the group's host links.
+	NewGroup(rank, size, slot int, link PeerLink) (DeviceGroup, error)
 	Close() error
+}
+
+// PeerLink carries a device group's control messages (a few bytes: communicator ids) to
+// and from the group's other ranks. Messages of one (peer, tag) arrive in the order sent.
+type PeerLink interface {
+	Send(ctx context.Context, peer, tag int, b []byte) error
+	// Recv returns the next message of n bytes from peer under tag.
+	Recv(ctx context.Context, peer, tag, n int) ([]byte, error)
 }
 
 // DeviceOp is one op for the device engine: a validated descriptor and its buffers'

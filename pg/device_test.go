@@ -1,6 +1,9 @@
 package pg
 
 import (
+	"bytes"
+	"cmp"
+	"context"
 	"crypto/rand"
 	"encoding/binary"
 	"errors"
@@ -78,13 +81,29 @@ func (s *fakeDevSession) Resolve(refs []BufRef) ([]uint64, func(), error) {
 	}
 	return ptrs, func() {}, nil
 }
-func (s *fakeDevSession) NewGroup(rank, size, slot int, ids [2][]byte) (DeviceGroup, error) {
-	if size > 1 && len(ids[0]) != 128 {
-		return nil, errors.New("no NCCL ids from rank 0")
-	}
+
+// NewGroup exchanges a random id from rank 0 over link, as the real engine does for its
+// communicators; the group's ops complete only once it arrived.
+func (s *fakeDevSession) NewGroup(rank, size, slot int, link PeerLink) (DeviceGroup, error) {
 	s.e.mu.Lock()
 	defer s.e.mu.Unlock()
-	g := &fakeDevGroup{hang: s.e.hang, fail: s.e.fail, slot: slot}
+	g := &fakeDevGroup{hang: s.e.hang, fail: s.e.fail, slot: slot, joined: make(chan struct{})}
+	go func() {
+		defer close(g.joined)
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if rank == 0 {
+			g.id = make([]byte, 128)
+			rand.Read(g.id)
+			for p := 1; p < size; p++ {
+				if err := link.Send(ctx, p, 0, g.id); err != nil {
+					g.idErr = err
+				}
+			}
+			return
+		}
+		g.id, g.idErr = link.Recv(ctx, 0, 0, 128)
+	}()
 	s.e.groups = append(s.e.groups, g)
 	return g, nil
 }
@@ -98,6 +117,9 @@ type fakeDevGroup struct {
 	pending []DeviceOp
 	broken  error
 	ran     []uint32 // stream values, in the order ops ran
+	joined  chan struct{}
+	id      []byte // rank 0's, over the PeerLink
+	idErr   error
 }
 
 func (g *fakeDevGroup) Enqueue(op DeviceOp) {
@@ -117,8 +139,9 @@ func (g *fakeDevGroup) Enqueue(op DeviceOp) {
 	fail := g.fail
 	g.mu.Unlock()
 	go func() {
+		<-g.joined
 		time.Sleep(time.Millisecond)
-		op.Done(fail)
+		op.Done(cmp.Or(fail, g.idErr))
 	}()
 }
 
@@ -230,6 +253,9 @@ func TestDeviceOps(t *testing.T) {
 			t.Fatalf("device ops ran as %v", got)
 		}
 	}
+	if a, b := eng.group(0).id, eng.group(1).id; len(a) != 128 || !bytes.Equal(a, b) {
+		t.Fatalf("the id rank 0 sent over the PeerLink did not arrive: %x vs %x", a[:8], b[:min(8, len(b))])
+	}
 	c, g := clients[0], groups[0]
 	for _, tc := range []struct {
 		desc string
@@ -255,6 +281,10 @@ func TestDeviceOps(t *testing.T) {
 		StreamValue: 1, Bufs: []BufRef{{Segment: CUDASegment | 7, Length: 4}}})
 	if d := c.next(5 * time.Second); d.status != StatusInvalid || !strings.Contains(d.msg, "CUDA_ERROR_INVALID_VALUE") {
 		t.Fatalf("op on an unmapped segment: %+v", d)
+	}
+	// a refused CUDA op breaks the group (the client's counter already counted it)
+	if g.Broken() == nil {
+		t.Fatal("the group survived a refused CUDA op")
 	}
 }
 

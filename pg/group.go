@@ -49,7 +49,6 @@ type Group struct {
 	seq     uint64
 	running sync.WaitGroup // the executor, point-to-point ops, device ops in flight
 	stats   Stats
-	ncclIDs [2][]byte   // rank 0's communicator ids (from the bootstrap)
 	dev     DeviceGroup // created by the first CUDA op
 }
 
@@ -136,10 +135,13 @@ func (g *Group) Abort(reason string) {
 
 // reject fails a descriptor that did not validate. A collective that one rank cannot run
 // leaves its peers waiting, so the group is broken at once: they fail now, not at timeout.
+// A refused collective breaks the group (its peers would wait for it); so does a refused
+// CUDA op of any kind, because the client's stream counter already counts it and the
+// engine's streams must not wait for a value nobody writes.
 func (g *Group) reject(d Desc, err error) {
 	g.sess.complete(d.Seq, StatusInvalid, -1, err.Error())
 	g.count(d.Kind, true)
-	if d.Kind.Collective() {
+	if d.Kind.Collective() || d.Device == DeviceCUDA {
 		g.mu.Lock()
 		ep := g.ep
 		g.mu.Unlock()
@@ -213,6 +215,25 @@ func (g *Group) close(reason string) {
 	g.log.Info("group closed", "reason", reason)
 }
 
+// ctlTagBase puts the device engine's control messages (PeerLink) in a tag space of their
+// own: client tags are 32-bit.
+const ctlTagBase = int64(1) << 40
+
+// peerLink is the device engine's PeerLink over the group's host links.
+type peerLink struct{ ep *transport.Endpoint }
+
+func (l peerLink) Send(ctx context.Context, peer, tag int, b []byte) error {
+	return l.ep.SendP2P(peer, ctlTagBase+int64(tag), b).Wait(ctx)
+}
+
+func (l peerLink) Recv(ctx context.Context, peer, tag, n int) ([]byte, error) {
+	b := make([]byte, n)
+	if err := l.ep.RecvP2P(peer, ctlTagBase+int64(tag), collectives.CopySink{Dst: b}).Wait(ctx); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
 // submitDevice hands a resolved CUDA op to the group's device engine, creating the device
 // group on first use. A device op's failure breaks the whole group (design 3), and a broken
 // group aborts its device work, so peers on either engine fail instead of hanging.
@@ -231,7 +252,7 @@ func (g *Group) submitDevice(ds DeviceSession, o *op, ptrs []uint64) {
 			return
 		}
 		start := time.Now()
-		dev, err := ds.NewGroup(g.Rank, g.Size, g.Slot, g.ncclIDs)
+		dev, err := ds.NewGroup(g.Rank, g.Size, g.Slot, peerLink{g.ep})
 		g.log.Info("device group created", "took", time.Since(start), "err", err)
 		if err != nil {
 			g.mu.Unlock()

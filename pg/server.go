@@ -218,12 +218,11 @@ type bootstrap struct {
 	PID      int    `json:"pid"`
 	Version  string `json:"version"`
 	// NCCL holds rank 0's communicator ids (collectives, point to point).
-	NCCL [][]byte `json:"nccl,omitempty"`
 }
 
-func (s *Server) bootstrapBlob(ncclIDs [][]byte) []byte {
+func (s *Server) bootstrapBlob() []byte {
 	host, _ := os.Hostname()
-	b, _ := json.Marshal(bootstrap{Addr: s.node.Addr(), Hostname: host, PID: os.Getpid(), Version: s.cfg.Version, NCCL: ncclIDs})
+	b, _ := json.Marshal(bootstrap{Addr: s.node.Addr(), Hostname: host, PID: os.Getpid(), Version: s.cfg.Version})
 	return b
 }
 

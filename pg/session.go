@@ -156,16 +156,6 @@ func (sess *Session) CreateGroup(name string, rank, size int, globalRanks []int,
 		timeout = 30 * time.Minute
 	}
 	g := newGroup(sess, name, rank, size, globalRanks, timeout)
-	var ids [][]byte
-	if sess.nccl && rank == 0 {
-		for i := 0; i < 2; i++ {
-			id, err := sess.srv.cfg.Device.NewUniqueID()
-			if err != nil {
-				return nil, nil, fmt.Errorf("NCCL id for group %q: %w", name, err)
-			}
-			ids = append(ids, id)
-		}
-	}
 	sess.mu.Lock()
 	if sess.closed {
 		sess.mu.Unlock()
@@ -183,7 +173,7 @@ func (sess *Session) CreateGroup(name string, rank, size int, globalRanks []int,
 	sess.mu.Unlock()
 	g.log = sess.log.With("group", g.Handle, "name", name, "grank", rank, "gsize", size)
 	g.log.Info("group created", "timeout", timeout, "counter_slot", g.Slot)
-	return g, sess.srv.bootstrapBlob(ids), nil
+	return g, sess.srv.bootstrapBlob(), nil
 }
 
 // ConnectGroup wires a group to its peers: blobs[i] is what rank i's CreateGroup returned.
@@ -202,9 +192,6 @@ func (sess *Session) ConnectGroup(handle uint32, blobs [][]byte, secret []byte) 
 			return "", fmt.Errorf("%w: bootstrap blob of rank %d: %v", ErrInvalid, i, err)
 		}
 		peers[i] = bs.Addr
-		if i == 0 && len(bs.NCCL) == 2 {
-			g.ncclIDs = [2][]byte{bs.NCCL[0], bs.NCCL[1]}
-		}
 	}
 	ep, err := sess.srv.node.Join(secret, g.Rank, peers)
 	if err != nil {

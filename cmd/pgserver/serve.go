@@ -41,7 +41,7 @@ func run(args []string) error {
 	listen := fs.String("listen", ":0", "TCP address peer sidecars connect to")
 	advertise := fs.String("advertise", "", "host name or address peers dial (default: this host's address)")
 	parentPID := fs.Int("parent-pid", 0, "exit when this process exits (the shim passes its own pid)")
-	spin := fs.Duration("spin", 0, "poll the submission ring this long before sleeping")
+	spin := fs.Duration("spin", 0, "poll the submission ring (and device workers their queues) this long before sleeping")
 	showVersion := fs.Bool("version", false, "print the version and exit")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -87,7 +87,9 @@ func run(args []string) error {
 	if err != nil {
 		return err
 	}
-	srv = pg.NewServer(pg.Config{Version: version, Spin: *spin, Device: device.New(log), Extra: []pg.Engine{sparseEngine}}, node, log)
+	dev := device.New(log)
+	dev.Spin = *spin
+	srv = pg.NewServer(pg.Config{Version: version, Spin: *spin, Device: dev, Extra: []pg.Engine{sparseEngine}}, node, log)
 
 	ln, err := listenUnix(*socket)
 	if err != nil {

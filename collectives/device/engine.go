@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"runtime"
 	"sync"
+	"time"
 
 	"github.com/gocomm/gocomm/collectives/reduce"
 	"github.com/gocomm/gocomm/internal/cuda"
@@ -19,6 +20,9 @@ import (
 
 // Engine is the sidecar's GPU engine.
 type Engine struct {
+	// Spin is how long a device worker polls for its next op before sleeping (see
+	// group.spin); zero never spins.
+	Spin    time.Duration
 	log     *slog.Logger
 	err     error // why there is no GPU engine, or nil
 	devices []pg.DeviceInfo
@@ -69,15 +73,6 @@ func (e *Engine) LoadNCCL(path string) error {
 	return nccl.Load(path)
 }
 
-// NewUniqueID implements pg.DeviceEngine.
-func (e *Engine) NewUniqueID() ([]byte, error) {
-	if e.err != nil {
-		return nil, e.err
-	}
-	id, err := nccl.NewUniqueID()
-	return id[:], err
-}
-
 // Check implements pg.DeviceEngine.
 func (e *Engine) Check(dt reduce.DType, op reduce.Op) error { return Check(dt, op) }
 
@@ -94,7 +89,7 @@ func (e *Engine) Attach(uuid [16]byte) (pg.DeviceSession, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &session{log: e.log, dev: dev, ctx: ctx, segs: map[uint32]*ipcSeg{}}
+	s := &session{log: e.log, spin: e.Spin, dev: dev, ctx: ctx, segs: map[uint32]*ipcSeg{}}
 	err = s.do(func() (err error) {
 		if s.ctl, err = cuda.NewStream(cuda.StreamNonBlocking); err != nil {
 			return err
@@ -133,6 +128,7 @@ func (e *Engine) Attach(uuid [16]byte) (pg.DeviceSession, error) {
 //     every stream waiting on a counter is stuck).
 type session struct {
 	log         *slog.Logger
+	spin        time.Duration
 	dev         cuda.Device
 	ctx         cuda.Context
 	ctl         cuda.Stream

@@ -1,10 +1,14 @@
 package device
 
 import (
+	"cmp"
+	"context"
 	"errors"
 	"fmt"
 	"runtime"
+	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/gocomm/gocomm/collectives/reduce"
@@ -13,180 +17,326 @@ import (
 	"github.com/gocomm/gocomm/pg"
 )
 
-// Lanes: collectives and point-to-point ops run on separate streams and communicators (as
-// in torch's NCCL backend), so a blocked recv cannot hold up a collective behind it.
+// Lanes: collectives and point-to-point ops count on separate counters (as torch's NCCL
+// backend keeps them on separate streams), so a blocked recv cannot hold up a collective.
 const (
 	laneColl = 0
 	laneP2P  = 1
 )
 
+// PeerLink tags of the engine's control messages.
+const (
+	tagCollID = 0 // rank 0 -> every rank: the collective communicator's id
+	tagPairID = 1 // sender -> receiver: the id of their one-way communicator
+)
+
 // group is one rank's member of a group on the device.
 //
 // Design:
-//  1. One executor goroutine (locked to an OS thread, context current) enqueues ops in
-//     submission order: wait for the client's ready counter, the NCCL call(s), write the done
-//     counter, record an event. It never waits for the GPU.
-//  2. A poller retires ops in order per lane as their events complete and calls Done; it is
-//     also the watchdog: an op past its deadline aborts the group.
-//  3. Abort cancels the communicators (ncclCommAbort), then releases every stream waiting on
-//     a counter, the client's and ours, by writing far-ahead values into the counters from a
-//     stream that waits for nothing (session invariant 3): nothing stays blocked on a GPU
-//     after a failure.
+//  1. Collectives run on one worker: a goroutine locked to an OS thread (context current)
+//     that enqueues them in submission order on the collective stream: wait for the client's
+//     ready counter, the NCCL call(s), write the done counter, record an event. It never
+//     waits for the GPU.
+//  2. Point-to-point ops run on a worker per (peer, direction), each with its own stream and
+//     a two-rank communicator that carries only that direction's messages. NCCL matches a
+//     communicator's sends and receives in order and holds a send until its receive is
+//     posted, so one communicator for both directions deadlocks when two ranks both send
+//     first, which is what batch_isend_irecv does on a backend that does not coalesce (torch
+//     coalesces only for its own ProcessGroup class). One direction per communicator never
+//     deadlocks, whatever order the ranks post in.
+//  3. The p2p done counter must still rise in submission order: a sequencer stream writes it,
+//     for op k after waiting for op k's event. Worker streams never wait for each other.
+//  4. Communicators are made on first use: rank 0 (for a pair, the sender) makes the unique
+//     id and sends it over the group's host links (PeerLink); init gives up at the op's
+//     deadline.
+//  5. A poller retires ops as their events complete and calls Done; it is also the watchdog:
+//     an op past its deadline, whether in flight on the GPU or stuck in a worker's NCCL call,
+//     aborts the group.
+//  6. Abort cancels the communicators (ncclCommAbort, which also frees a worker stuck in a
+//     call), then releases every stream waiting on a counter, the client's and ours, by
+//     writing far-ahead values into the counters from a stream that waits for nothing
+//     (session invariant 3): nothing stays blocked on a GPU after a failure. Each op's Done is
+//     called exactly once, however the abort and the workers interleave.
 type group struct {
 	s          *session
 	rank, size int
-	ids        [2]nccl.UniqueID
 	slot       int
+	link       pg.PeerLink
 	ready      [2]cuda.Ptr // device addresses of the counters
 	done       [2]cuda.Ptr
+	scratch    cuda.Ptr // barrier's all_reduce operand
 
 	mu       sync.Mutex
 	cond     *sync.Cond
-	queue    []pg.DeviceOp
-	inflight [2][]*flight
+	coll     *worker
+	pairs    map[pairKey]*worker
+	workers  int // worker goroutines running
+	inflight []*flight
+	events   []cuda.Event // pool (see event)
 	broken   error
 	closing  bool
-	comms    [2]nccl.Comm
 	wg       sync.WaitGroup
+
+	seqMu     sync.Mutex // the p2p done sequencer (design 3)
+	seqStream cuda.Stream
+	seqNext   uint32
+	seqWait   map[uint32]*flight // launched, waiting for their turn
 }
 
+type pairKey struct {
+	peer int
+	send bool
+}
+
+// worker enqueues one stream's ops (design 1, 2). queue, busy and comm are guarded by
+// group.mu.
+type worker struct {
+	key    pairKey      // peer -1: the collective worker
+	queued atomic.Int64 // len(queue), read without the lock by a spinning worker
+	queue  []*dop
+	busy   *dop // being enqueued: the watchdog's view of a stuck NCCL call
+	comm   nccl.Comm
+}
+
+func (w *worker) lane() int {
+	if w.key.peer < 0 {
+		return laneColl
+	}
+	return laneP2P
+}
+
+// dop is a DeviceOp whose Done runs once.
+type dop struct {
+	pg.DeviceOp
+	once sync.Once
+}
+
+func (o *dop) finish(err error) { o.once.Do(func() { o.Done(err) }) }
+
 type flight struct {
-	op  pg.DeviceOp
+	op  *dop
 	ev  cuda.Event
 	val uint32
 }
 
-func (s *session) NewGroup(rank, size, slot int, ids [2][]byte) (pg.DeviceGroup, error) {
+func (s *session) NewGroup(rank, size, slot int, link pg.PeerLink) (pg.DeviceGroup, error) {
 	if slot < 0 || slot >= pg.CounterSlots {
 		return nil, fmt.Errorf("counter slot %d out of range", slot)
 	}
-	g := &group{s: s, rank: rank, size: size, slot: slot}
-	for i := range ids {
-		if size > 1 && len(ids[i]) != len(g.ids[i]) {
-			return nil, fmt.Errorf("%w: NCCL id %d of %d bytes", pg.ErrInvalid, i, len(ids[i]))
-		}
-		copy(g.ids[i][:], ids[i])
-	}
+	g := &group{s: s, rank: rank, size: size, slot: slot, link: link, pairs: map[pairKey]*worker{},
+		seqNext: 1, seqWait: map[uint32]*flight{}}
 	for lane := 0; lane < 2; lane++ {
 		off := 16*slot + 8*lane
 		g.ready[lane] = s.counters + cuda.Ptr(off)
 		g.done[lane] = s.counters + cuda.Ptr(off+4)
 	}
 	g.cond = sync.NewCond(&g.mu)
-	started := make(chan error, 1)
-	g.wg.Add(2)
-	go g.execute(started)
-	if err := <-started; err != nil {
-		g.wg.Done()
+	err := s.do(func() (err error) {
+		if g.seqStream, err = cuda.NewStream(cuda.StreamNonBlocking); err != nil {
+			return err
+		}
+		g.scratch, err = cuda.Alloc(256)
+		return err
+	})
+	if err != nil {
+		g.release()
 		return nil, err
 	}
+	g.coll = &worker{key: pairKey{peer: -1}}
+	g.start(g.coll)
+	g.wg.Add(1)
 	go g.poll()
 	return g, nil
 }
 
-func laneOf(k pg.OpKind) int {
-	if k == pg.OpSend || k == pg.OpRecv {
-		return laneP2P
-	}
-	return laneColl
+// release frees what NewGroup made, after every goroutine is gone.
+func (g *group) release() {
+	g.s.do(func() error {
+		if g.seqStream != (cuda.Stream{}) {
+			g.seqStream.Synchronize()
+			g.seqStream.Destroy()
+		}
+		if g.scratch != 0 {
+			cuda.Free(g.scratch)
+		}
+		for _, ev := range g.events {
+			ev.Destroy()
+		}
+		g.events = nil
+		return nil
+	})
+}
+
+// start runs w's goroutine. Called with g.mu held, or before the group is shared.
+func (g *group) start(w *worker) {
+	g.workers++
+	g.wg.Add(1)
+	go g.work(w)
 }
 
 // Enqueue implements pg.DeviceGroup.
 func (g *group) Enqueue(op pg.DeviceOp) {
+	o := &dop{DeviceOp: op}
 	g.mu.Lock()
 	if err := g.broken; err != nil || g.closing {
 		g.mu.Unlock()
 		if err == nil {
 			err = errors.New("device group closed")
 		}
-		op.Done(err)
+		o.finish(err)
 		return
 	}
-	g.queue = append(g.queue, op)
+	w := g.coll
+	if k := op.Desc.Kind; k == pg.OpSend || k == pg.OpRecv {
+		key := pairKey{peer: int(op.Desc.Root), send: k == pg.OpSend}
+		if w = g.pairs[key]; w == nil {
+			w = &worker{key: key}
+			g.pairs[key] = w
+			g.start(w)
+		}
+	}
+	w.queue = append(w.queue, o)
+	w.queued.Add(1)
 	g.cond.Broadcast()
 	g.mu.Unlock()
 }
 
-// execute is the executor (design 1).
-func (g *group) execute(started chan<- error) {
+// work is a worker's goroutine (design 1, 2).
+func (g *group) work(w *worker) {
 	defer g.wg.Done()
+	defer func() {
+		g.mu.Lock()
+		g.workers--
+		g.cond.Broadcast()
+		g.mu.Unlock()
+	}()
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	var streams [2]cuda.Stream
-	scratch, err := func() (cuda.Ptr, error) {
+	st, err := func() (cuda.Stream, error) {
 		if err := g.s.ctx.SetCurrent(); err != nil {
-			return 0, err
+			return cuda.Stream{}, err
 		}
-		for i := range streams {
-			s, err := cuda.NewStream(cuda.StreamNonBlocking)
-			if err != nil {
-				return 0, err
-			}
-			streams[i] = s
-		}
-		return cuda.Alloc(256)
+		return cuda.NewStream(cuda.StreamNonBlocking)
 	}()
-	started <- err
 	if err != nil {
+		g.Abort(fmt.Errorf("device stream: %w", err))
 		return
 	}
 	defer func() {
-		for _, s := range streams {
-			s.Synchronize()
-			s.Destroy()
-		}
-		cuda.Free(scratch)
+		st.Synchronize()
+		st.Destroy()
 	}()
 	for {
+		g.spin(w)
 		g.mu.Lock()
-		for len(g.queue) == 0 && !g.closing {
+		for len(w.queue) == 0 && !g.closing && g.broken == nil {
 			g.cond.Wait()
 		}
-		if len(g.queue) == 0 {
+		if len(w.queue) == 0 {
 			g.mu.Unlock()
 			return
 		}
-		op := g.queue[0]
-		g.queue = g.queue[1:]
+		o := w.queue[0]
+		w.queue = w.queue[1:]
+		w.queued.Add(-1)
 		broken := g.broken
+		if broken == nil {
+			w.busy = o
+			g.cond.Broadcast() // the watchdog watches busy ops
+		}
 		g.mu.Unlock()
 		if broken != nil {
-			op.Done(broken)
+			o.finish(broken)
 			continue
 		}
-		lane := laneOf(op.Desc.Kind)
-		if err := g.launch(op, lane, streams[lane], scratch); err != nil {
-			op.Done(err)
+		err := g.launch(w, o, st)
+		g.mu.Lock()
+		w.busy = nil
+		g.mu.Unlock()
+		if err != nil {
+			err = fmt.Errorf("%s: %w", o.Desc.Kind, err)
+			o.finish(err)
 			g.Abort(err)
 		}
 	}
 }
 
-// comm returns the lane's communicator, creating it on first use (every rank's first op of
-// the lane takes part). Init waits for the peers; a peer that never comes makes the op
-// time out and the group break, with the init left behind.
-func (g *group) comm(lane int, deadline time.Time) (nccl.Comm, error) {
+// spin polls for w's next op for a while before the worker sleeps: waking a goroutine locked
+// to its thread takes the scheduler tens of microseconds, more than a whole small op on the
+// GPU. Only on hosts that asked for spinning (Engine.Spin, the sidecar's --spin).
+func (g *group) spin(w *worker) {
+	if g.s.spin <= 0 {
+		return
+	}
+	end := time.Now().Add(g.s.spin)
+	for i := 0; w.queued.Load() == 0; i++ {
+		if i&63 == 63 {
+			if time.Now().After(end) {
+				return
+			}
+			runtime.Gosched()
+		}
+	}
+}
+
+// commOf returns w's communicator, making it on first use (design 4).
+func (g *group) commOf(w *worker, deadline time.Time) (nccl.Comm, error) {
 	g.mu.Lock()
-	c := g.comms[lane]
+	c := w.comm
 	g.mu.Unlock()
 	if c.Valid() {
 		return c, nil
+	}
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	defer cancel()
+	n, rank, leader, tag := g.size, g.rank, 0, tagCollID
+	if w.key.peer >= 0 {
+		n, rank, leader, tag = 2, 1, w.key.peer, tagPairID
+		if w.key.send {
+			rank, leader = 0, g.rank
+		}
+	}
+	start := time.Now()
+	var id nccl.UniqueID
+	if leader == g.rank {
+		var err error
+		if id, err = nccl.NewUniqueID(); err != nil {
+			return nccl.Comm{}, err
+		}
+		peers := []int{w.key.peer}
+		if w.key.peer < 0 {
+			peers = peers[:0]
+			for p := 0; p < g.size; p++ {
+				if p != g.rank {
+					peers = append(peers, p)
+				}
+			}
+		}
+		for _, p := range peers {
+			if err := g.link.Send(ctx, p, tag, id[:]); err != nil {
+				return nccl.Comm{}, fmt.Errorf("send the NCCL id to rank %d: %w", p, err)
+			}
+		}
+	} else {
+		b, err := g.link.Recv(ctx, leader, tag, len(id))
+		if err != nil {
+			return nccl.Comm{}, fmt.Errorf("NCCL id from rank %d: %w", leader, err)
+		}
+		copy(id[:], b)
 	}
 	type result struct {
 		c   nccl.Comm
 		err error
 	}
 	ch := make(chan result, 1)
-	ctx := g.s.ctx
-	start := time.Now()
 	go func() {
 		runtime.LockOSThread()
 		defer runtime.UnlockOSThread()
-		if err := ctx.SetCurrent(); err != nil {
+		if err := g.s.ctx.SetCurrent(); err != nil {
 			ch <- result{err: err}
 			return
 		}
-		c, err := nccl.InitRank(g.size, g.ids[lane], g.rank)
+		c, err := nccl.InitRank(n, id, rank)
 		ch <- result{c, err}
 	}()
 	select {
@@ -195,47 +345,134 @@ func (g *group) comm(lane int, deadline time.Time) (nccl.Comm, error) {
 			return nccl.Comm{}, fmt.Errorf("NCCL communicator init: %w", r.err)
 		}
 		g.mu.Lock()
-		g.comms[lane] = r.c
+		w.comm = r.c
+		broken := g.broken
 		g.mu.Unlock()
-		g.s.log.Info("NCCL communicator ready", "lane", lane, "rank", g.rank, "size", g.size, "took", time.Since(start))
+		if broken != nil { // Abort ran while this init did and could not cancel it
+			r.c.Abort()
+			return nccl.Comm{}, broken
+		}
+		g.s.log.Info("NCCL communicator ready", "group_rank", g.rank, "peer", w.key.peer, "send", w.key.send,
+			"ranks", n, "took", time.Since(start))
 		return r.c, nil
-	case <-time.After(time.Until(deadline)):
+	case <-ctx.Done():
 		return nccl.Comm{}, fmt.Errorf("%w: NCCL communicator init: a peer did not join before the deadline", pg.ErrTimeout)
 	}
 }
 
-// launch enqueues one op on its lane's stream (design 1).
-func (g *group) launch(op pg.DeviceOp, lane int, s cuda.Stream, scratch cuda.Ptr) error {
-	d := op.Desc
-	comm, err := g.comm(lane, op.Deadline)
+// launch enqueues one op on w's stream st (design 1-3).
+func (g *group) launch(w *worker, o *dop, st cuda.Stream) error {
+	d := o.Desc
+	comm, err := g.commOf(w, o.Deadline)
 	if err != nil {
 		return err
 	}
-	if err := s.WaitValue32(g.ready[lane], d.StreamValue, cuda.WaitGEQ); err != nil {
+	lane := w.lane()
+	if err := st.WaitValue32(g.ready[lane], d.StreamValue, cuda.WaitGEQ); err != nil {
 		return err
 	}
-	if err := enqueueNCCL(comm, op, nccl.Stream(s.Handle()), g.rank, g.size, scratch); err != nil {
-		return fmt.Errorf("%s: %w", d.Kind, err)
+	ns := nccl.Stream(st.Handle())
+	if lane == laneColl {
+		if err := enqueueNCCL(comm, o.DeviceOp, ns, g.rank, g.size, g.scratch); err != nil {
+			return err
+		}
+		if err := st.WriteValue32(g.done[lane], d.StreamValue); err != nil {
+			return err
+		}
+	} else {
+		n := int(d.Count) * d.DType.Size()
+		if w.key.send {
+			err = comm.Send(uintptr(o.Ptrs[0]), n, nccl.Uint8, 1, ns)
+		} else {
+			err = comm.Recv(uintptr(o.Ptrs[0]), n, nccl.Uint8, 0, ns)
+		}
+		if err != nil {
+			return err
+		}
 	}
-	if err := s.WriteValue32(g.done[lane], d.StreamValue); err != nil {
-		return err
-	}
-	ev, err := cuda.NewEvent(cuda.EventDisableTiming)
+	ev, err := g.event()
 	if err != nil {
 		return err
 	}
-	if err := ev.Record(s); err != nil {
-		ev.Destroy()
+	if err := ev.Record(st); err != nil {
+		g.recycle(ev)
 		return err
 	}
-	g.mu.Lock()
-	g.inflight[lane] = append(g.inflight[lane], &flight{op: op, ev: ev, val: d.StreamValue})
-	g.cond.Broadcast()
-	g.mu.Unlock()
+	f := &flight{op: o, ev: ev, val: d.StreamValue}
+	if lane == laneP2P {
+		return g.sequence(f)
+	}
+	g.fly(f)
 	return nil
 }
 
-// poll retires finished ops and enforces deadlines (design 2).
+// event returns an event from the group's pool, or a new one (creating one per op costs
+// microseconds under MPS).
+func (g *group) event() (cuda.Event, error) {
+	g.mu.Lock()
+	if n := len(g.events); n > 0 {
+		ev := g.events[n-1]
+		g.events = g.events[:n-1]
+		g.mu.Unlock()
+		return ev, nil
+	}
+	g.mu.Unlock()
+	return cuda.NewEvent(cuda.EventDisableTiming)
+}
+
+// recycle returns an event whose last record completed (or was never made) to the pool.
+func (g *group) recycle(ev cuda.Event) {
+	g.mu.Lock()
+	if len(g.events) < 256 {
+		g.events = append(g.events, ev)
+		ev = cuda.Event{}
+	}
+	g.mu.Unlock()
+	if ev != (cuda.Event{}) {
+		ev.Destroy()
+	}
+}
+
+// fly hands a launched op to the poller.
+func (g *group) fly(f *flight) {
+	g.mu.Lock()
+	g.inflight = append(g.inflight, f)
+	g.cond.Broadcast()
+	g.mu.Unlock()
+}
+
+// sequence writes the p2p done counter in submission order (design 3): f's op has been
+// enqueued on its worker's stream and f.ev recorded after it. Every op whose turn has come
+// gets a wait for its event and its done write on the sequencer stream, then flies with an
+// event recorded there (so it retires once done is written).
+func (g *group) sequence(f *flight) error {
+	g.seqMu.Lock()
+	defer g.seqMu.Unlock()
+	g.seqWait[f.val] = f
+	for {
+		f, ok := g.seqWait[g.seqNext]
+		if !ok {
+			return nil
+		}
+		delete(g.seqWait, g.seqNext)
+		g.seqNext++
+		err := g.seqStream.WaitEvent(f.ev)
+		if err == nil {
+			err = g.seqStream.WriteValue32(g.done[laneP2P], f.val)
+		}
+		if err == nil {
+			err = f.ev.Record(g.seqStream)
+		}
+		if err != nil {
+			g.recycle(f.ev)
+			f.op.finish(err)
+			return err
+		}
+		g.fly(f)
+	}
+}
+
+// poll retires finished ops and enforces deadlines (design 5).
 func (g *group) poll() {
 	defer g.wg.Done()
 	runtime.LockOSThread()
@@ -245,49 +482,86 @@ func (g *group) poll() {
 	}
 	for {
 		g.mu.Lock()
-		for len(g.inflight[0]) == 0 && len(g.inflight[1]) == 0 && !g.closing {
+		for len(g.inflight) == 0 && !g.anyBusy() && !(g.closing && g.workers == 0) {
 			g.cond.Wait()
 		}
-		if len(g.inflight[0]) == 0 && len(g.inflight[1]) == 0 && len(g.queue) == 0 {
+		if len(g.inflight) == 0 && g.closing && g.workers == 0 {
 			g.mu.Unlock()
 			return
 		}
-		heads := [2]*flight{}
-		for lane := range heads {
-			if len(g.inflight[lane]) > 0 {
-				heads[lane] = g.inflight[lane][0]
+		flights := append([]*flight(nil), g.inflight...)
+		var late *dop
+		now := time.Now()
+		for _, w := range g.allWorkers() {
+			if w.busy != nil && now.After(w.busy.Deadline) {
+				late = w.busy
 			}
 		}
 		g.mu.Unlock()
-		progress := false
-		for lane, f := range heads {
-			if f == nil {
-				continue
-			}
+		if late != nil {
+			g.Abort(fmt.Errorf("%w: %s was still being enqueued (in NCCL) at its deadline; a peer never posted its side",
+				pg.ErrTimeout, late.Desc.Kind))
+		}
+		var retired []*flight
+		for _, f := range flights {
 			done, err := f.ev.Done()
 			switch {
 			case err != nil:
 				g.Abort(fmt.Errorf("%s: %w", f.op.Desc.Kind, err))
 			case done:
-				g.mu.Lock()
-				if len(g.inflight[lane]) > 0 && g.inflight[lane][0] == f {
-					g.inflight[lane] = g.inflight[lane][1:]
-				}
-				g.mu.Unlock()
-				f.ev.Destroy()
-				f.op.Done(nil)
-				progress = true
-			case time.Now().After(f.op.Deadline):
+				retired = append(retired, f)
+			case now.After(f.op.Deadline):
 				g.Abort(fmt.Errorf("%w: %s did not finish on the GPU before its deadline", pg.ErrTimeout, f.op.Desc.Kind))
 			}
 		}
-		if !progress {
-			time.Sleep(20 * time.Microsecond)
+		if len(retired) > 0 {
+			g.mu.Lock()
+			keep := g.inflight[:0]
+			for _, f := range g.inflight {
+				if !contains(retired, f) {
+					keep = append(keep, f)
+				}
+			}
+			g.inflight = keep
+			g.mu.Unlock()
+			for _, f := range retired {
+				g.recycle(f.ev)
+				f.op.finish(nil)
+			}
+			continue
 		}
+		time.Sleep(20 * time.Microsecond)
 	}
 }
 
-// Abort implements pg.DeviceGroup (design 3).
+func contains(fs []*flight, f *flight) bool {
+	for _, x := range fs {
+		if x == f {
+			return true
+		}
+	}
+	return false
+}
+
+// allWorkers lists the collective worker and the pair workers (g.mu held).
+func (g *group) allWorkers() []*worker {
+	ws := []*worker{g.coll}
+	for _, w := range g.pairs {
+		ws = append(ws, w)
+	}
+	return ws
+}
+
+func (g *group) anyBusy() bool {
+	for _, w := range g.allWorkers() {
+		if w.busy != nil {
+			return true
+		}
+	}
+	return false
+}
+
+// Abort implements pg.DeviceGroup (design 6).
 func (g *group) Abort(cause error) {
 	g.mu.Lock()
 	if g.broken != nil {
@@ -295,29 +569,40 @@ func (g *group) Abort(cause error) {
 		return
 	}
 	g.broken = cause
-	comms := g.comms
-	queue := g.queue
-	g.queue = nil
-	var flights []*flight
-	for lane := range g.inflight {
-		flights = append(flights, g.inflight[lane]...)
-		g.inflight[lane] = nil
+	var ops []*dop
+	var comms []nccl.Comm
+	for _, w := range g.allWorkers() {
+		ops = append(ops, w.queue...)
+		w.queue = nil
+		w.queued.Store(0)
+		if w.busy != nil {
+			ops = append(ops, w.busy)
+		}
+		if w.comm.Valid() {
+			comms = append(comms, w.comm)
+		}
 	}
+	flights := g.inflight
+	g.inflight = nil
 	g.cond.Broadcast()
 	g.mu.Unlock()
 	for _, c := range comms {
-		if c.Valid() {
-			c.Abort()
-		}
+		c.Abort()
 	}
 	if err := g.s.release(g.slot); err != nil {
 		g.s.log.Error("could not release the streams waiting on an aborted group", "err", err)
 	}
-	for _, f := range flights {
-		f.op.Done(cause)
+	g.seqMu.Lock()
+	for v, f := range g.seqWait {
+		flights = append(flights, f)
+		delete(g.seqWait, v)
 	}
-	for _, op := range queue {
-		op.Done(cause)
+	g.seqMu.Unlock()
+	for _, f := range flights {
+		f.op.finish(cause)
+	}
+	for _, o := range ops {
+		o.finish(cause)
 	}
 }
 
@@ -329,15 +614,33 @@ func (g *group) Close() error {
 	g.mu.Unlock()
 	g.wg.Wait()
 	g.mu.Lock()
-	comms, broken := g.comms, g.broken
+	ws := g.allWorkers()
+	broken := g.broken
 	g.mu.Unlock()
+	g.release()
 	if broken != nil {
 		return nil // the communicators were aborted
 	}
+	// ncclCommDestroy waits for the communicator's other ranks to destroy it too, so every
+	// rank destroys in one global order: the collective communicator, then the pairs by
+	// (sender, receiver). Any other order can deadlock two ranks on two pair communicators.
+	key := func(w *worker) [2]int {
+		switch {
+		case w.key.peer < 0:
+			return [2]int{-1, -1}
+		case w.key.send:
+			return [2]int{g.rank, w.key.peer}
+		}
+		return [2]int{w.key.peer, g.rank}
+	}
+	slices.SortFunc(ws, func(a, b *worker) int {
+		ka, kb := key(a), key(b)
+		return cmp.Or(cmp.Compare(ka[0], kb[0]), cmp.Compare(ka[1], kb[1]))
+	})
 	var errs []error
-	for _, c := range comms {
-		if c.Valid() {
-			errs = append(errs, c.Destroy())
+	for _, w := range ws {
+		if w.comm.Valid() {
+			errs = append(errs, w.comm.Destroy())
 		}
 	}
 	return errors.Join(errs...)
@@ -475,10 +778,6 @@ func enqueueNCCL(c nccl.Comm, op pg.DeviceOp, st nccl.Stream, rank, size int, sc
 			}
 			return c.Recv(u(p[0]), m, nccl.Uint8, int(d.Root), st)
 		})
-	case pg.OpSend:
-		return c.Send(u(p[0]), int(d.Count)*es, nccl.Uint8, int(d.Root), st)
-	case pg.OpRecv:
-		return c.Recv(u(p[0]), int(d.Count)*es, nccl.Uint8, int(d.Root), st)
 	}
 	return fmt.Errorf("%w: %s on CUDA tensors", pg.ErrInvalid, d.Kind)
 }

@@ -47,6 +47,7 @@ static CUresult (*p_cuEventCreate)(CUevent*, unsigned int);
 static CUresult (*p_cuEventDestroy)(CUevent);
 static CUresult (*p_cuEventRecord)(CUevent, CUstream);
 static CUresult (*p_cuEventQuery)(CUevent);
+static CUresult (*p_cuStreamWaitEvent)(CUstream, CUevent, unsigned int);
 static CUresult (*p_cuIpcOpenMemHandle)(CUdeviceptr*, CUipcMemHandle, unsigned int);
 static CUresult (*p_cuIpcCloseMemHandle)(CUdeviceptr);
 static CUresult (*p_cuIpcGetMemHandle)(CUipcMemHandle*, CUdeviceptr);
@@ -83,6 +84,7 @@ static int gc_load(const char* path, char* err, int errlen) {
 	SYM(p_cuEventDestroy, "cuEventDestroy_v2");
 	SYM(p_cuEventRecord, "cuEventRecord");
 	SYM(p_cuEventQuery, "cuEventQuery");
+	SYM(p_cuStreamWaitEvent, "cuStreamWaitEvent");
 	SYM(p_cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2");
 	SYM(p_cuIpcCloseMemHandle, "cuIpcCloseMemHandle");
 	SYM(p_cuIpcGetMemHandle, "cuIpcGetMemHandle");
@@ -114,6 +116,7 @@ static CUresult gc_cuEventCreate(CUevent* e, unsigned int f) { return p_cuEventC
 static CUresult gc_cuEventDestroy(CUevent e) { return p_cuEventDestroy(e); }
 static CUresult gc_cuEventRecord(CUevent e, CUstream s) { return p_cuEventRecord(e, s); }
 static CUresult gc_cuEventQuery(CUevent e) { return p_cuEventQuery(e); }
+static CUresult gc_cuStreamWaitEvent(CUstream s, CUevent e, unsigned int f) { return p_cuStreamWaitEvent(s, e, f); }
 static CUresult gc_cuIpcOpenMemHandle(CUdeviceptr* p, const void* h, unsigned int f) {
 	CUipcMemHandle hh; memcpy(&hh, h, sizeof hh); return p_cuIpcOpenMemHandle(p, hh, f);
 }
@@ -393,6 +396,15 @@ func (e Event) Done() (bool, error) {
 		return false, nil
 	}
 	return r == Success, check("cuEventQuery", C.CUresult(r))
+}
+
+// WaitEvent makes s wait for the work before e's last record (as of this call); e may be
+// destroyed afterwards.
+func (s Stream) WaitEvent(e Event) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuStreamWaitEvent", C.gc_cuStreamWaitEvent(s.p, e.p, 0))
 }
 
 // Destroy the event.
