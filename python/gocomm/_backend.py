@@ -36,30 +36,46 @@ def _timeout_seconds(timeout) -> float:
     return float(timeout)
 
 
+_work_lock = threading.Lock()  # guards every Work's lazy Event/Future against _finish
+
+
 class Work(dist._Work):
-    """One op in flight. wait() blocks until the outputs are in the caller's tensors."""
+    """One op in flight. wait() blocks until the outputs are in the caller's tensors.
+
+    The Event and the Future are made only when someone asks (a CUDA op is usually waited on
+    through its stream, never through the host): making both costs more than the rest of a
+    small op's submission."""
 
     def __init__(self, op: str, result: list[torch.Tensor], limit: float):
         super().__init__()
         self._op = op
         self._result = result
-        self._done = threading.Event()
+        self._finished = False
+        self._event: threading.Event | None = None
         self._exc: BaseException | None = None
-        self._fut: torch.futures.Future = torch.futures.Future()
+        self._fut: torch.futures.Future | None = None
         self._source = -1
         self._limit = limit  # seconds after which wait() gives up on the sidecar
         self._children: list[Work] = []
         self._cuda_wait = None  # CUDA ops: makes the current stream wait for the op
 
     def _finish(self, exc: BaseException | None) -> None:
-        if self._done.is_set():
-            return
-        self._exc = exc
-        self._done.set()
-        if exc is None:
-            self._fut.set_result(self._result)
+        with _work_lock:
+            if self._finished:
+                return
+            self._exc = exc
+            self._finished = True
+            ev, fut = self._event, self._fut
+        if ev is not None:
+            ev.set()
+        if fut is not None:
+            self._settle(fut)
+
+    def _settle(self, fut: torch.futures.Future) -> None:
+        if self._exc is None:
+            fut.set_result(self._result)
         else:
-            self._fut.set_exception(exc)
+            fut.set_exception(self._exc)
 
     def wait(self, timeout=None) -> bool:
         """Host tensors: block until the outputs are in place. CUDA tensors: make the current
@@ -72,7 +88,13 @@ class Work(dist._Work):
         limit = self._limit
         if timeout is not None and _timeout_seconds(timeout) > 0:
             limit = min(limit, _timeout_seconds(timeout))
-        if not self._done.wait(limit):
+        with _work_lock:
+            if self._event is None:
+                self._event = threading.Event()
+                if self._finished:
+                    self._event.set()
+            ev = self._event
+        if not ev.wait(limit):
             raise dist.DistBackendError(
                 f"gocomm {self._op}: no completion from pgserver within {limit:.0f}s "
                 "(the sidecar enforces op deadlines itself; it may be wedged)"
@@ -82,16 +104,24 @@ class Work(dist._Work):
         return True
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._finished
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._exc is None
+        return self._finished and self._exc is None
 
     def exception(self):
         return self._exc
 
     def get_future(self) -> torch.futures.Future:
-        return self._fut
+        with _work_lock:
+            fut = self._fut
+            if fut is not None:
+                return fut
+            fut = self._fut = torch.futures.Future()
+            settle = self._finished
+        if settle:
+            self._settle(fut)
+        return fut
 
     def result(self) -> list[torch.Tensor]:
         return self._result
@@ -439,7 +469,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             if t.device != dev:
                 raise ValueError(f"gocomm {op}: tensors on {t.device} and {dev}; one op runs on one device")
         counters = sc.attach_device(dev) + 16 * self._slot
-        stream = torch.cuda.current_stream(dev)
+        raw = _cuda.current_stream(dev.index)
         lane = 1 if kind in (_wire.SEND, _wire.RECV) else 0
         bufs, keep, unpack = [], list(tensors), []
         for i, ins in enumerate(inputs):
@@ -458,7 +488,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         self._k[lane] += 1
         k = self._k[lane]
         ready, done = counters + 8 * lane, counters + 8 * lane + 4
-        _cuda.write_value(stream.cuda_stream, ready, k)
+        _cuda.write_value(raw, ready, k)
         dt = _wire.DTYPES[dtype] if dtype is not None else 0
         timeout_ms = int(t_limit * 1000) if timeout is not None else 0
         p.keep = keep
@@ -469,17 +499,18 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             p,
         )
         if unpack:
-            _cuda.wait_value(stream.cuda_stream, done, k)
+            _cuda.wait_value(raw, done, k)
             for buf, outs in unpack:
                 pos = 0
                 for t in outs:
                     t.copy_(buf[pos : pos + t.numel()].view(t.shape))
                     pos += t.numel()
             ev = torch.cuda.Event()
-            ev.record(stream)
+            ev.record(torch.cuda.current_stream(dev))
             work._cuda_wait = lambda: torch.cuda.current_stream(dev).wait_event(ev)
         else:
-            work._cuda_wait = lambda: _cuda.wait_value(torch.cuda.current_stream(dev).cuda_stream, done, k)
+            idx = dev.index
+            work._cuda_wait = lambda: _cuda.wait_value(_cuda.current_stream(idx), done, k)
         return work
 
     # ----- collectives ------------------------------------------------------------------------
@@ -805,6 +836,8 @@ class ProcessGroupGocomm(dist.ProcessGroup):
 
     def recv_anysource(self, tensors, tag=0):
         t = _single("recv", "tensor", tensors)
+        if t.device.type == "cuda":
+            raise ValueError("gocomm recv: a CUDA tensor needs a source rank (NCCL has no receive from any rank)")
         return self._submit(
             "recv",
             _wire.RECV,

@@ -18,7 +18,8 @@ class _IpcHandle(ctypes.Structure):
 _ATTR_BUFFER_ID = 7  # CU_POINTER_ATTRIBUTE_BUFFER_ID: unique per allocation, never reused
 _WAIT_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0
 
-_lib = None
+_lib = None  # calls that may block: they release the GIL (ctypes.CDLL)
+_fast = None  # calls that return at once: they keep the GIL (ctypes.PyDLL)
 
 
 class CudaError(RuntimeError):
@@ -26,8 +27,21 @@ class CudaError(RuntimeError):
 
 
 def _load():
-    global _lib
+    global _lib, _fast
     if _lib is None:
+        # A ctypes call through CDLL drops the GIL and takes it back after: with the
+        # completion thread waiting for the GIL, every such call hands it over and back, two
+        # thread wake-ups of tens of microseconds on an op's path. The calls an op makes
+        # (pointer queries, stream memory ops) return in a microsecond, so they go through a
+        # PyDLL handle, which keeps the GIL.
+        fast = ctypes.PyDLL("libcuda.so.1")
+        for name, args in (
+            ("cuPointerGetAttribute", [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]),
+            ("cuStreamWriteValue32_v2", [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]),
+            ("cuStreamWaitValue32_v2", [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]),
+        ):
+            getattr(fast, name).argtypes = args
+        _fast = fast
         lib = ctypes.CDLL("libcuda.so.1")
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
@@ -60,7 +74,8 @@ _bid = ctypes.c_uint64()
 
 def buffer_id(ptr: int) -> int:
     """The process-unique id of the allocation holding device address ptr."""
-    _check("cuPointerGetAttribute", _load().cuPointerGetAttribute(ctypes.byref(_bid), _ATTR_BUFFER_ID, ptr))
+    _load()
+    _check("cuPointerGetAttribute", _fast.cuPointerGetAttribute(ctypes.byref(_bid), _ATTR_BUFFER_ID, ptr))
     return _bid.value
 
 
@@ -81,12 +96,16 @@ def ipc_handle(base: int) -> bytes:
 
 def write_value(stream: int, addr: int, value: int) -> None:
     """Queue on stream: *addr = value (32 bits)."""
-    _check("cuStreamWriteValue32", _load().cuStreamWriteValue32_v2(stream, addr, value & 0xFFFFFFFF, 0))
+    if _fast is None:
+        _load()
+    _check("cuStreamWriteValue32", _fast.cuStreamWriteValue32_v2(stream, addr, value & 0xFFFFFFFF, 0))
 
 
 def wait_value(stream: int, addr: int, value: int) -> None:
     """Queue on stream: wait until (int32)(*addr - value) >= 0."""
-    _check("cuStreamWaitValue32", _load().cuStreamWaitValue32_v2(stream, addr, value & 0xFFFFFFFF, _WAIT_GEQ))
+    if _fast is None:
+        _load()
+    _check("cuStreamWaitValue32", _fast.cuStreamWaitValue32_v2(stream, addr, value & 0xFFFFFFFF, _WAIT_GEQ))
 
 
 def open_ipc(handle: bytes) -> int:
@@ -112,6 +131,11 @@ def release_counters(addr: int, nbytes: int) -> None:
         buf[i + 1] = (buf[i] + (1 << 30)) & 0xFFFFFFFF
     _check("cuMemcpyHtoDAsync", lib.cuMemcpyHtoDAsync_v2(addr, buf, nbytes, st))
     _check("cuStreamSynchronize", lib.cuStreamSynchronize(st))
+
+
+def current_stream(index: int) -> int:
+    """The raw handle of the caller's current stream on device index (no Stream object)."""
+    return torch._C._cuda_getCurrentRawStream(index)
 
 
 def mps_client(device: torch.device) -> bool:
