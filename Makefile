@@ -98,12 +98,12 @@ test-gpu bench-gpu: export CUDA_MPS_PIPE_DIRECTORY ?= /tmp/gocomm-mps/pipe
 test-gpu bench-gpu: export CUDA_MPS_LOG_DIRECTORY ?= /tmp/gocomm-mps/log
 test-gpu:
 	@if [ "$(MPS)" = 1 ]; then PYTHONPATH=python $(GPU_PY) -c 'import os, gocomm.launch as l; print("MPS started:", l.start_mps(dict(os.environ)))'; fi
-	$(GPU_ENV) GOCOMM_CUDA=1 PYTHONPATH=python $(GPU_PY) -m pytest -q -rA -m gpu python/tests; rc=$$?; \
+	$(GPU_ENV) PYTHONPATH=python $(GPU_PY) -m pytest -q -rA -m gpu python/tests; rc=$$?; \
 	  if [ "$(MPS)" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi; exit $$rc
 
 bench-gpu:
 	@if [ "$(MPS)" = 1 ]; then PYTHONPATH=python $(GPU_PY) -c 'import os, gocomm.launch as l; print("MPS started:", l.start_mps(dict(os.environ)))'; fi
-	$(GPU_ENV) GOCOMM_CUDA=1 PYTHONPATH=python $(GPU_PY) -m gocomm.bench_gpu --json bench_gpu.json --png bench_gpu.png; rc=$$?; \
+	$(GPU_ENV) PYTHONPATH=python $(GPU_PY) -m gocomm.bench_gpu --json bench_gpu.json --png bench_gpu.png; rc=$$?; \
 	  if [ "$(MPS)" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi; exit $$rc
 
 bench: all

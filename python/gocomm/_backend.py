@@ -448,6 +448,55 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             p,
         )
 
+    def _cuda_direct(
+        self,
+        op: str,
+        kind: int,
+        bufs: list[torch.Tensor],
+        *,
+        count: int = 0,
+        redop: int = 0,
+        root: int = 0,
+        splits: list[int] | None = None,
+        timeout=None,
+    ) -> Work:
+        """_submit_cuda for ops whose buffers are the caller's tensors as they are (no packing):
+        the same steps without the general case's bookkeeping, which is most of a small op's
+        host time. The last tensor is the op's result."""
+        if self._closed:
+            raise ValueError(f"gocomm {op}: the process group was destroyed")
+        if self._slot < 0:
+            raise RuntimeError(
+                f"gocomm {op}: this process has more groups using CUDA tensors than the sidecar has counters for"
+            )
+        t0 = bufs[0]
+        idx = t0.get_device()
+        for t in bufs:
+            if t.get_device() != idx:
+                raise ValueError(f"gocomm {op}: tensors on {t.device} and {t0.device}; one op runs on one device")
+        t_limit = _timeout_seconds(timeout) if timeout is not None and _timeout_seconds(timeout) > 0 else self._timeout
+        sc = self._sc
+        counters = sc.attach_device(t0.device) + 16 * self._slot
+        refs = [sc.cuda_segment(t) for t in bufs]
+        work = Work(op, [bufs[-1]], t_limit + _GRACE)
+        p = _Pending(work, op, time.monotonic() + t_limit + _GRACE)
+        p.keep = bufs
+        self._k[0] += 1
+        k = self._k[0]
+        _cuda.write_value(_cuda.current_stream(idx), counters, k)
+        dt = _wire.DTYPES[t0.dtype]
+        timeout_ms = int(t_limit * 1000) if timeout is not None else 0
+        handle = self._handle
+        self._disp.submit(
+            lambda seq: _wire.encode_desc(
+                seq, handle, kind, dt, redop, root, 0, count, timeout_ms, refs, splits, _wire.DEVICE_CUDA, k
+            ),
+            p,
+        )
+        done = counters + 4
+        work._cuda_wait = lambda: _cuda.wait_value(_cuda.current_stream(idx), done, k)
+        return work
+
     def _submit_cuda(self, op, kind, dtype, count, redop, root, tag, inputs, out_for, splits, t_limit, timeout, p):
         """The CUDA form of _submit: no staging; ordered on the caller's current stream.
 
@@ -518,6 +567,10 @@ class ProcessGroupGocomm(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         t = _single("all_reduce", "tensor", tensors)
         redop = _redop("all_reduce", opts, t)
+        if t.is_cuda:
+            return self._cuda_direct(
+                "all_reduce", _wire.ALL_REDUCE, [t], count=t.numel(), redop=redop, timeout=_opt_timeout(opts)
+            )
         return self._submit(
             "all_reduce",
             _wire.ALL_REDUCE,
@@ -551,6 +604,10 @@ class ProcessGroupGocomm(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         t = _single("broadcast", "tensor", tensors)
         root = _root("broadcast", opts, self._size)
+        if t.is_cuda:
+            return self._cuda_direct(
+                "broadcast", _wire.BROADCAST, [t], count=t.numel(), root=root, timeout=_opt_timeout(opts)
+            )
         me = root == self._rank
         return self._submit(
             "broadcast",
@@ -568,6 +625,10 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         t = _single("reduce", "tensor", tensors)
         redop = _redop("reduce", opts, t)
         root = _root("reduce", opts, self._size)
+        if t.is_cuda:
+            return self._cuda_direct(
+                "reduce", _wire.REDUCE, [t], count=t.numel(), redop=redop, root=root, timeout=_opt_timeout(opts)
+            )
         return self._submit(
             "reduce",
             _wire.REDUCE,
@@ -603,6 +664,14 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             raise ValueError(
                 f"gocomm all_gather_into_tensor: output_tensor has {output.numel()} elements, "
                 f"want world_size * input numel = {self._size} * {input.numel()}"
+            )
+        if input.is_cuda and output.is_cuda:
+            return self._cuda_direct(
+                "all_gather_into_tensor",
+                _wire.ALL_GATHER,
+                [input, output],
+                count=input.numel(),
+                timeout=_opt_timeout(opts),
             )
         return self._submit(
             "all_gather_into_tensor",
@@ -651,6 +720,15 @@ class ProcessGroupGocomm(dist.ProcessGroup):
                 f"want world_size * output numel = {self._size} * {output.numel()}"
             )
         redop = _redop("reduce_scatter_tensor", opts, output)
+        if input.is_cuda and output.is_cuda:
+            return self._cuda_direct(
+                "reduce_scatter_tensor",
+                _wire.REDUCE_SCATTER,
+                [input, output],
+                count=output.numel(),
+                redop=redop,
+                timeout=_opt_timeout(opts),
+            )
         return self._submit(
             "reduce_scatter_tensor",
             _wire.REDUCE_SCATTER,
@@ -708,6 +786,14 @@ class ProcessGroupGocomm(dist.ProcessGroup):
                 splits=[s * row * k for s, k in zip(ins, no_self, strict=True)]
                 + [s * row * k for s, k in zip(outs, no_self, strict=True)],
                 result=[output],
+                timeout=_opt_timeout(opts),
+            )
+        if input.is_cuda and output.is_cuda:
+            return self._cuda_direct(
+                op,
+                _wire.ALL_TO_ALL,
+                [input, output],
+                splits=[s * row for s in ins] + [s * row for s in outs],
                 timeout=_opt_timeout(opts),
             )
         return self._submit(
@@ -896,6 +982,10 @@ class ProcessGroupGocomm(dist.ProcessGroup):
 # ----- argument checks (before anything is sent) -------------------------------------------------
 
 
+# GOCOMM_CUDA=0 turns the CUDA engine off: CUDA tensors then raise before anything is sent.
+_CUDA_ENGINE = os.environ.get("GOCOMM_CUDA", "1") != "0"
+
+
 def _check(op: str, name: str, t) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"gocomm {op}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -904,11 +994,9 @@ def _check(op: str, name: str, t) -> torch.Tensor:
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"gocomm {op}: {name} is on {t.device}; gocomm serves cpu and cuda tensors")
     if t.device.type == "cuda":
-        if os.environ.get("GOCOMM_CUDA", "0") != "1":
+        if not _CUDA_ENGINE:
             raise NotImplementedError(
-                f"gocomm {op}: {name} is on {t.device}. gocomm's CUDA engine is experimental and off by default "
-                "in this version (GPU test runs still hang, see NOTES.md); set GOCOMM_CUDA=1 to try it, or use "
-                "the nccl backend for CUDA tensors"
+                f"gocomm {op}: {name} is on {t.device}, and gocomm's CUDA engine is turned off (GOCOMM_CUDA=0)"
             )
         sc = _sidecar.current()
         if sc is not None and not sc.info.cuda_available:

@@ -15,8 +15,8 @@ from ranklib import Checker, gen
 
 pytestmark = pytest.mark.gpu
 
-# The CUDA engine is off by default (experimental); these tests exercise it. Set at import,
-# before any rank process is spawned, so every rank inherits it.
+# The CUDA engine is on unless GOCOMM_CUDA=0; these tests need it. Set at import, before any
+# rank process is spawned, so every rank inherits it.
 os.environ["GOCOMM_CUDA"] = "1"
 
 # (dtype, reduce ops NCCL runs for it)
