@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from . import moe
 from ._backend import ProcessGroupGocomm, Work, create
 from ._sidecar import SidecarError, find_pgserver, shutdown
+from .sparse import all_to_all_v
 
-__all__ = ["ProcessGroupGocomm", "SidecarError", "Work", "find_pgserver", "info", "shutdown"]
+__all__ = ["ProcessGroupGocomm", "SidecarError", "Work", "all_to_all_v", "find_pgserver", "info", "moe", "shutdown"]
 __version__ = "0.1.0"
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ranklib import Checker, gen
+from test_moe import check_all_to_all_v, check_moe
 
 pytestmark = pytest.mark.gpu
 
@@ -348,3 +349,15 @@ def test_killed_sidecar_cuda(worlds, seed):
         print(out)
     finally:
         w.close()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_all_to_all_v_cuda(worlds, seed, size):
+    _need(size)
+    worlds.get(size).run(check_all_to_all_v, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_moe_cuda(worlds, seed, size):
+    _need(size)
+    worlds.get(size).run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)

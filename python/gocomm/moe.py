@@ -1,0 +1,178 @@
+"""Mixture-of-Experts token exchange: `dispatch` sends each token once to every rank that
+holds one of its top-k experts and groups what arrives by local expert; `combine` sends the
+experts' outputs back and sums them, weighted, in the original token order.
+
+    recv, tokens_per_expert, handle = gocomm.moe.dispatch(x, topk_idx, topk_weights, num_experts)
+    y = run_local_experts(recv, tokens_per_expert)          # rows grouped by local expert
+    out = gocomm.moe.combine(y, handle)                     # [tokens, hidden], x's dtype
+
+Experts are spread evenly: rank r holds experts [r * E/n, (r+1) * E/n). A token whose k
+experts live on two ranks is sent twice, once per rank (deduplicated per rank, as DeepEP
+does), and appears on the receiving rank once per local expert it chose. topk_idx entries of
+-1 choose nothing.
+
+The exchange runs on `gocomm.all_to_all_v`, which is the NCCL (or host-engine) path with one
+host sync per exchange; the one-sided NVSHMEM path of issue 4 replaces it where the GPUs
+share NVLink, under the same API.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .sparse import all_to_all_v
+
+__all__ = ["Handle", "combine", "dispatch"]
+
+FP8_BLOCK = 128  # channels per scale in fp8 dispatch
+_FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@dataclass
+class Handle:
+    """What combine needs to send the experts' outputs back (opaque to callers)."""
+
+    group: dist.ProcessGroup | None
+    tokens: int  # tokens on this rank (rows of x)
+    dtype: torch.dtype
+    send_order: torch.Tensor  # [S] token index of each row sent, grouped by destination rank
+    send_splits: list[int]  # rows sent to each rank
+    recv_splits: list[int]  # rows received from each rank
+    rows: torch.Tensor  # [N] received row of each grouped row
+    weights: torch.Tensor  # [N] float32 weight of each grouped row
+
+
+def dispatch(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    fp8: bool = False,
+):
+    """Send tokens to the ranks of their experts; group what arrives by local expert.
+
+    Args:
+        x: [T, H] tokens (bf16 typically), contiguous.
+        topk_idx: [T, K] integer expert ids in [0, num_experts), or -1 for none.
+        topk_weights: [T, K] weights (any float dtype), used by combine.
+        num_experts: total experts; a multiple of the group size.
+        group: the process group (default: the world).
+        fp8: send float8_e4m3fn values with one float32 scale per FP8_BLOCK channels
+            (H must be a multiple of FP8_BLOCK); the received tokens are returned as
+            (values, scales) for an fp8 expert GEMM.
+
+    Returns:
+        (recv, tokens_per_expert, handle): recv holds the received tokens grouped by local
+        expert (expert 0's first), one row per (token, local expert) pair, or a pair
+        (fp8 values [N, H], scales [N, H / FP8_BLOCK]) with fp8; tokens_per_expert is an
+        int64 tensor of E/n counts on x's device; handle is for combine.
+    """
+    g = group if group is not None else dist.group.WORLD
+    n = dist.get_world_size(g)
+    if x.dim() != 2:
+        raise ValueError(f"gocomm moe.dispatch: x must be [tokens, hidden], got shape {tuple(x.shape)}")
+    t, h = x.shape
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != t or topk_weights.shape != topk_idx.shape:
+        raise ValueError(
+            f"gocomm moe.dispatch: topk_idx {tuple(topk_idx.shape)} and topk_weights {tuple(topk_weights.shape)} "
+            f"must both be [{t}, k]"
+        )
+    if topk_idx.dtype.is_floating_point or topk_idx.dtype == torch.bool:
+        raise TypeError(f"gocomm moe.dispatch: topk_idx must hold integers, got {topk_idx.dtype}")
+    if num_experts <= 0 or num_experts % n:
+        raise ValueError(f"gocomm moe.dispatch: {num_experts} experts do not spread evenly over {n} ranks")
+    if fp8 and h % FP8_BLOCK:
+        raise ValueError(f"gocomm moe.dispatch: fp8 needs hidden ({h}) to be a multiple of {FP8_BLOCK}")
+    dev = x.device
+    idx = topk_idx.to(device=dev, dtype=torch.int64)
+    if t and (int(idx.min()) < -1 or int(idx.max()) >= num_experts):
+        raise ValueError(f"gocomm moe.dispatch: topk_idx must be in [-1, {num_experts}), got {idx.min()}..{idx.max()}")
+    k = idx.shape[1]
+    per = num_experts // n
+    dest = torch.where(idx >= 0, idx // per, -1)  # [T, K] rank of each chosen expert
+    hit = torch.zeros(t, n, dtype=torch.bool, device=dev)
+    chosen = dest >= 0
+    hit[torch.arange(t, device=dev).unsqueeze(1).expand(t, k)[chosen], dest[chosen]] = True
+    pairs = hit.t().nonzero()  # (rank, token), by rank then token
+    send_order = pairs[:, 1].contiguous()
+    send_splits = torch.bincount(pairs[:, 0], minlength=n)
+    # per sent row: the local expert (on its destination) of each of the token's k choices
+    dest_rows = pairs[:, 0].unsqueeze(1)
+    mine = dest[send_order] == dest_rows
+    local = torch.where(mine, idx[send_order] - dest_rows * per, -1)
+    wts = torch.where(mine, topk_weights.to(device=dev, dtype=torch.float32)[send_order], 0.0)
+
+    # one exchange learns the counts; the others reuse them (host lists)
+    if fp8:
+        blocks = x[send_order].float().view(-1, h // FP8_BLOCK, FP8_BLOCK)
+        scale = blocks.abs().amax(dim=2).clamp(min=1e-12) / _FP8_MAX  # [S, H/128]
+        q = (blocks / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(-1, h)
+        recv_q, recv_t = all_to_all_v(q.view(torch.uint8), send_splits, group=g)
+        send, recv = send_splits.tolist(), recv_t.tolist()
+        recv_scale = _move(scale.contiguous(), send, recv, g)
+    else:
+        recv_x, recv_t = all_to_all_v(x[send_order], send_splits, group=g)
+        send, recv = send_splits.tolist(), recv_t.tolist()
+    # local expert ids and weights travel together: both are exact in float64
+    meta = _move(torch.stack([local.double(), wts.double()], dim=1), send, recv, g)  # [R, 2, K]
+    recv_local, recv_w = meta[:, 0].long(), meta[:, 1].float()
+
+    # group the (received row, choice) pairs by local expert, rows in arrival order within one
+    r_rows, r_k = (recv_local >= 0).nonzero(as_tuple=True)
+    experts = recv_local[r_rows, r_k]
+    order = torch.argsort(experts * max(1, recv_local.shape[0]) + r_rows, stable=True)
+    rows_sorted = r_rows[order]
+    tokens_per_expert = torch.bincount(experts, minlength=per)
+    handle = Handle(
+        group=group,
+        tokens=t,
+        dtype=x.dtype,
+        send_order=send_order,
+        send_splits=send,
+        recv_splits=recv,
+        rows=rows_sorted,
+        weights=recv_w[r_rows, r_k][order],
+    )
+    if fp8:
+        vals = recv_q.view(torch.float8_e4m3fn)[rows_sorted]
+        return (vals, recv_scale[rows_sorted]), tokens_per_expert, handle
+    return recv_x[rows_sorted], tokens_per_expert, handle
+
+
+def _move(t: torch.Tensor, send: list[int], recv: list[int], g) -> torch.Tensor:
+    """all_to_all_single of t's rows with counts both sides already know."""
+    out = torch.empty((sum(recv), *t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.all_to_all_single(out, t, recv, send, group=g)
+    return out
+
+
+def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
+    """Send the experts' outputs back and sum them, weighted, per original token.
+
+    Args:
+        y: [N, H] the experts' outputs, in the order dispatch returned the tokens.
+        handle: dispatch's handle.
+
+    Returns:
+        [T, H] in the dtype dispatch's x had: for each token, the sum over its top-k choices
+        of weight times that expert's output (float32 accumulation, one rounding per rank
+        that held some of its experts, one at the end).
+    """
+    if y.dim() != 2 or y.shape[0] != handle.rows.shape[0]:
+        raise ValueError(
+            f"gocomm moe.combine: y must be [{handle.rows.shape[0]}, hidden] (dispatch's rows), got {tuple(y.shape)}"
+        )
+    h = y.shape[1]
+    dev = y.device
+    partial = torch.zeros(sum(handle.recv_splits), h, dtype=torch.float32, device=dev)
+    partial.index_add_(0, handle.rows, y.float() * handle.weights.unsqueeze(1))
+    g = handle.group if handle.group is not None else dist.group.WORLD
+    back = _move(partial.to(handle.dtype), handle.recv_splits, handle.send_splits, g)
+    out = torch.zeros(handle.tokens, h, dtype=torch.float32, device=dev)
+    out.index_add_(0, handle.send_order, back.float())
+    return out.to(handle.dtype)

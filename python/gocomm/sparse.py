@@ -1,0 +1,89 @@
+"""All-to-all with splits known only as tensors: `gocomm.all_to_all_v`.
+
+This is the path every machine has: the counts are exchanged with one all_to_all, read on
+the host, and the rows moved with `all_to_all_single` on the group (NCCL grouped send/recv
+in the sidecar for CUDA tensors, the host engine for CPU tensors). It costs one host sync;
+the one-sided NVSHMEM path (issue 4, kernels/) removes it where the GPUs share NVLink.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_to_all_v"]
+
+_SPLIT_DTYPES = (torch.int32, torch.int64)
+
+
+def all_to_all_v(
+    input: torch.Tensor,
+    in_splits: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send input's rows to every rank of group by in_splits; receive theirs.
+
+    Args:
+        input: rows to send, grouped by destination rank (rank 0's rows first); any shape
+            with at least one dimension, contiguous.
+        in_splits: int32/int64 tensor of group-size entries, the rows for each rank, on
+            input's device (or the CPU).
+        out: optional output buffer (same dtype, device and row shape as input); its rows
+            are the capacity. A rank that would receive more rows than out holds raises
+            OverflowError after the exchange and writes nothing into out; the other ranks
+            are not held up.
+        group: the process group (default: the world).
+
+    Returns:
+        (output, out_splits): output holds the received rows grouped by source rank (a view
+        of out's first rows when out is given); out_splits, on in_splits' device with its
+        dtype, says how many came from each rank.
+    """
+    g = group if group is not None else dist.group.WORLD
+    n = dist.get_world_size(g)
+    if not isinstance(input, torch.Tensor) or not isinstance(in_splits, torch.Tensor):
+        raise TypeError("gocomm all_to_all_v: input and in_splits must be tensors")
+    if input.dim() == 0:
+        raise ValueError("gocomm all_to_all_v: input needs at least one dimension (rows)")
+    if not input.is_contiguous():
+        raise ValueError("gocomm all_to_all_v: input must be contiguous")
+    if in_splits.dtype not in _SPLIT_DTYPES or in_splits.shape != (n,):
+        raise ValueError(
+            f"gocomm all_to_all_v: in_splits must be an int32/int64 tensor of {n} entries (one per rank), "
+            f"got {in_splits.dtype} of shape {tuple(in_splits.shape)}"
+        )
+    if in_splits.device.type != "cpu" and in_splits.device != input.device:
+        raise ValueError(f"gocomm all_to_all_v: in_splits is on {in_splits.device}, input on {input.device}")
+    if out is not None:
+        if out.dtype != input.dtype or out.device != input.device or out.shape[1:] != input.shape[1:]:
+            raise ValueError(
+                f"gocomm all_to_all_v: out ({out.dtype}, {out.device}, rows {tuple(out.shape[1:])}) does not "
+                f"match input ({input.dtype}, {input.device}, rows {tuple(input.shape[1:])})"
+            )
+        if not out.is_contiguous():
+            raise ValueError("gocomm all_to_all_v: out must be contiguous")
+    send = in_splits.tolist()
+    if any(s < 0 for s in send) or sum(send) != input.shape[0]:
+        raise ValueError(
+            f"gocomm all_to_all_v: in_splits {send} must be >= 0 and add up to input's {input.shape[0]} rows"
+        )
+    # The counts travel on the data's device (the group serves both), as int64.
+    counts = torch.tensor(send, dtype=torch.int64, device=input.device)
+    got = torch.empty_like(counts)
+    dist.all_to_all_single(got, counts, group=g)
+    recv = got.tolist()
+    rows = sum(recv)
+    overflow = out is not None and rows > out.shape[0]
+    if out is not None and not overflow:
+        output = out.narrow(0, 0, rows)
+    else:
+        output = torch.empty((rows, *input.shape[1:]), dtype=input.dtype, device=input.device)
+    dist.all_to_all_single(output, input, recv, send, group=g)
+    if overflow:
+        raise OverflowError(
+            f"gocomm all_to_all_v: this rank receives {rows} rows ({recv} by source rank) but out holds "
+            f"{out.shape[0]}; nothing was written into out"
+        )
+    return output, got.to(device=in_splits.device, dtype=in_splits.dtype)

@@ -1,0 +1,214 @@
+"""gocomm.all_to_all_v and gocomm.moe.dispatch/combine against references every rank builds
+from the shared seed (and gloo's all_to_all_single): uneven, empty and one-rank routings,
+skewed expert choices, no tokens on a rank, fp8 dispatch, overflow of the caller's buffer.
+The check functions take a device so that test_gpu.py runs them on CUDA tensors too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from ranklib import Checker, gen, seeded_int
+
+import gocomm
+
+ROUTINGS = {
+    "uneven": lambda seed, src, n: [seeded_int(seed, f"sp{src}-{d}", 0, 5) for d in range(n)],
+    "empty": lambda seed, src, n: [0] * n,
+    "all to rank 0": lambda seed, src, n: [7 if d == 0 else 0 for d in range(n)],
+    "skewed to the last rank": lambda seed, src, n: [1 if d < n - 1 else 11 for d in range(n)],
+}
+
+
+def check_all_to_all_v(rk, seed, device="cpu"):
+    dev = torch.device(device, rk.rank % torch.cuda.device_count()) if device == "cuda" else torch.device("cpu")
+    n, me = rk.size, rk.rank
+    ck = Checker(f"all_to_all_v on {device}", seed, me)
+    for label, splits_of in ROUTINGS.items():
+        send = splits_of(seed, me, n)
+        recv = [splits_of(seed, src, n)[me] for src in range(n)]
+        for dtype in (torch.bfloat16, torch.float32, torch.int64, torch.uint8):
+            key = f"a2av{label}{dtype}"
+            case = f"{label} {str(dtype).removeprefix('torch.')}"
+            with ck.case(case):
+                x = gen(seed, key, me, (sum(send), 3), dtype).to(dev)
+                splits_dtype = torch.int32 if dtype == torch.uint8 else torch.int64
+                got, got_splits = gocomm.all_to_all_v(x, torch.tensor(send, dtype=splits_dtype, device=dev))
+                want = torch.cat(
+                    [
+                        gen(seed, key, src, (sum(splits_of(seed, src, n)), 3), dtype).narrow(
+                            0, sum(splits_of(seed, src, n)[:me]), splits_of(seed, src, n)[me]
+                        )
+                        for src in range(n)
+                    ]
+                )
+                ck.same(case, got.cpu(), want)
+                ck.same(case + " splits", got_splits.cpu(), torch.tensor(recv, dtype=splits_dtype))
+                ck.expect(case + " splits device", got_splits.device == dev, str(got_splits.device))
+                if device == "cpu":
+                    ref = torch.empty(sum(recv), 3, dtype=dtype)
+                    dist.all_to_all_single(ref, x, recv, send, group=rk.world.gloo)
+                    ck.same(case + " vs gloo", got, ref)
+        with ck.case(f"{label} into a larger out"):
+            x = gen(seed, f"out{label}", me, (sum(send), 2), torch.float32).to(dev)
+            out = torch.full((sum(recv) + 3, 2), -7.0, device=dev)
+            got, _ = gocomm.all_to_all_v(x, torch.tensor(send, device=dev), out=out)
+            view = got.shape[0] == sum(recv) and (got.numel() == 0 or got.data_ptr() == out.data_ptr())
+            ck.expect(f"{label}: a view of out", view, f"{tuple(got.shape)}")
+            ck.expect(f"{label}: out past the rows untouched", bool(torch.all(out[sum(recv) :] == -7.0)))
+    # overflow: rank 0 receives 7 rows from everyone into room for fewer; the others go on
+    send = ROUTINGS["all to rank 0"](seed, me, n)
+    x = torch.ones(sum(send), 2, device=dev)
+    room = 7 * n - 1
+    out = torch.full((room, 2), -1.0, device=dev)
+    with ck.case("overflow"):
+        try:
+            gocomm.all_to_all_v(x, torch.tensor(send, device=dev), out=out if me == 0 else None)
+            ck.expect("overflow raised on rank 0", me != 0, "no OverflowError")
+        except OverflowError as e:
+            ck.expect("overflow only on rank 0", me == 0, str(e))
+            ck.expect("overflow message", "receives" in str(e) and str(room) in str(e), str(e))
+        ck.expect("nothing written past or into out", bool(torch.all(out == -1.0)))
+    with ck.case("group usable after an overflow"):
+        t = torch.ones(4, device=dev)
+        dist.all_reduce(t)
+        ck.expect("health", bool(torch.all(t == n)), str(t.tolist()))
+    for label, splits, words in (
+        ("wrong length", torch.zeros(n + 1, dtype=torch.int64), ["in_splits", str(n)]),
+        ("float splits", torch.zeros(n), ["int32/int64"]),
+        ("sum differs from rows", torch.ones(n, dtype=torch.int64), ["add up"]),
+    ):
+        with ck.case(f"bad input: {label}"):
+            try:
+                gocomm.all_to_all_v(torch.zeros(n + 5, 2, device=dev), splits.to(dev))
+                ck.fail(label, "no error")
+            except ValueError as e:
+                ck.expect(label, all(w in str(e) for w in words), str(e))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return ck.done()
+
+
+def _routing(seed, src, tokens, experts, k, n, label):
+    """topk_idx [tokens, k] of rank src (distinct experts per token; -1 sprinkled in)."""
+    g = torch.Generator().manual_seed(seed * 7919 + src * 31 + len(label))
+    if label == "all to rank 0":
+        pool = experts // n  # only rank 0's experts
+        idx = torch.stack([torch.randperm(pool, generator=g)[:k] for _ in range(tokens)]) if tokens else None
+    else:
+        idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]) if tokens else None
+    if idx is None:
+        return torch.empty(0, k, dtype=torch.int64)
+    if label == "with -1":
+        drop = torch.rand(tokens, k, generator=g) < 0.3
+        idx = torch.where(drop, -1, idx)
+    return idx
+
+
+def check_moe(rk, seed, device="cpu"):
+    dev = torch.device(device, rk.rank % torch.cuda.device_count()) if device == "cuda" else torch.device("cpu")
+    n, me = rk.size, rk.rank
+    ck = Checker(f"moe dispatch/combine on {device}", seed, me)
+    hidden, per = 256, 4
+    experts = per * n
+    k = min(4, experts)
+    for label in ("uniform", "all to rank 0", "with -1", "no tokens on rank 0"):
+        tokens_of = [0 if (label == "no tokens on rank 0" and src == 0) else 5 + 3 * src for src in range(n)]
+        xs = [gen(seed, f"moe{label}", src, (tokens_of[src], hidden), torch.bfloat16) for src in range(n)]
+        idxs = [_routing(seed, src, tokens_of[src], experts, k, n, label) for src in range(n)]
+        ws = [gen(seed, f"w{label}", src, (tokens_of[src], k), torch.float32).abs() for src in range(n)]
+        with ck.case(f"{label} dispatch"):
+            recv, per_expert, handle = gocomm.moe.dispatch(xs[me].to(dev), idxs[me].to(dev), ws[me].to(dev), experts)
+            # expected: for each local expert, every (source rank, token) that chose it, in order
+            want_rows, counts = [], []
+            for e in range(per):
+                ge = me * per + e
+                c = 0
+                for src in range(n):
+                    for t in range(tokens_of[src]):
+                        if bool((idxs[src][t] == ge).any()):
+                            want_rows.append(xs[src][t])
+                            c += 1
+                counts.append(c)
+            want = torch.stack(want_rows) if want_rows else torch.empty(0, hidden, dtype=torch.bfloat16)
+            ck.same(f"{label} grouped tokens", recv.cpu(), want)
+            ck.same(f"{label} tokens per expert", per_expert.cpu(), torch.tensor(counts, dtype=torch.int64))
+        with ck.case(f"{label} combine"):
+            eid = torch.repeat_interleave(torch.arange(per, device=dev), per_expert) + me * per
+            y = (recv.float() * (eid + 1).unsqueeze(1)).to(torch.bfloat16)  # expert e scales by e + 1
+            got = gocomm.moe.combine(y, handle)
+            x64, idx, w = xs[me].double(), idxs[me], ws[me].double()
+            ref = torch.zeros(tokens_of[me], hidden, dtype=torch.float64)
+            mag = torch.zeros_like(ref)
+            for t in range(tokens_of[me]):
+                for j in range(k):
+                    e = int(idx[t, j])
+                    if e >= 0:
+                        yv = (xs[me][t].float() * (e + 1)).to(torch.bfloat16).double()
+                        ref[t] += w[t, j] * yv
+                        mag[t] += (w[t, j] * yv).abs()
+            del x64
+            tol = 4 * 2.0**-8 * mag + 1e-6  # a bf16 rounding per rank holding experts, one at the end
+            ck.expect(f"{label} combine dtype", got.dtype == torch.bfloat16, str(got.dtype))
+            d = (got.cpu().double() - ref).abs()
+            bad = d > tol
+            ck.expect(
+                f"{label} combine vs float64",
+                not bool(bad.any()),
+                f"{int(bad.sum())} of {d.numel()} off, max {float(d.max()) if d.numel() else 0:.3g}",
+            )
+    with ck.case("fp8 dispatch"):
+        x = gen(seed, "fp8", me, (6, hidden), torch.bfloat16)
+        idx = _routing(seed, me, 6, experts, k, n, "uniform")
+        w = torch.ones(6, k)
+        (vals, scales), per_expert, _ = gocomm.moe.dispatch(x.to(dev), idx.to(dev), w.to(dev), experts, fp8=True)
+        plain, _, _ = gocomm.moe.dispatch(x.to(dev), idx.to(dev), w.to(dev), experts)
+        ck.expect("fp8 values dtype", vals.dtype == torch.float8_e4m3fn, str(vals.dtype))
+        ck.expect("fp8 scales shape", tuple(scales.shape) == (plain.shape[0], hidden // 128), str(tuple(scales.shape)))
+        deq = vals.float().cpu() * scales.cpu().repeat_interleave(128, dim=1)
+        ref = plain.float().cpu()
+        err = (deq - ref).abs()
+        tol = 0.07 * ref.abs() + scales.cpu().repeat_interleave(128, dim=1) * 2.0**-6
+        ck.expect(
+            "fp8 dequantized within e4m3 rounding", bool(torch.all(err <= tol)), f"max err {float(err.max()):.3g}"
+        )
+    with ck.case("bad input"):
+        for call, exc in (
+            (
+                lambda: gocomm.moe.dispatch(
+                    torch.zeros(3, 8), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2), n + 1 if n > 1 else 0
+                ),
+                ValueError,
+            ),
+            (lambda: gocomm.moe.dispatch(torch.zeros(3, 8), torch.zeros(3, 2), torch.ones(3, 2), experts), TypeError),
+            (
+                lambda: gocomm.moe.dispatch(
+                    torch.zeros(3, 8), torch.full((3, 2), experts, dtype=torch.long), torch.ones(3, 2), experts
+                ),
+                ValueError,
+            ),
+            (
+                lambda: gocomm.moe.dispatch(
+                    torch.zeros(3, 100), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2), experts, fp8=True
+                ),
+                ValueError,
+            ),
+        ):
+            try:
+                call()
+                ck.fail("bad input", "no error")
+            except exc:
+                pass
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return ck.done()
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_all_to_all_v(worlds, seed, size):
+    worlds.get(size).run(check_all_to_all_v, seed=seed)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_moe_dispatch_combine(worlds, seed, size):
+    worlds.get(size).run(check_moe, seed=seed)
