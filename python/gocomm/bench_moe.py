@@ -1,0 +1,215 @@
+"""MoE all-to-all benchmark: gocomm's three APIs against torch's NCCL backend and torch's
+NVSHMEM all_to_all_vdev, in one run, on the same GPUs and the same routing.
+
+    python -m gocomm.bench_moe [--tokens 128,4096] [--hidden 7168] [--topk 8] [--experts 256]
+                               [--json F] [--png F]
+
+One rank per visible GPU. Routing as in ../shared/reference/nccl_baseline.py: each token picks
+top-k distinct experts uniformly at random, experts spread evenly over the ranks, each token
+sent once per destination rank. Rows are bf16 of the hidden size. Each variant is timed alone
+between CUDA events (median of 20 after 5 warm-ups), as the reference scripts time:
+
+- nccl a2a (splits known): torch NCCL all_to_all_single with host splits.
+- nccl counts+a2a: the usual pattern: all_to_all of the counts, .tolist(), all_to_all_single.
+- symm_mem all_to_all_vdev: torch's NVSHMEM kernel, device-side splits.
+- gocomm a2a (splits known): dist.all_to_all_single on the gocomm group.
+- gocomm all_to_all_v: gocomm.all_to_all_v with splits on the GPU.
+- gocomm dispatch / combine: gocomm.moe.dispatch and gocomm.moe.combine (top-k routing,
+  dedupe, grouping by expert; combine weights and sums).
+
+Columns: time, bytes this rank sends to other ranks, and those bytes over the time (GB/s),
+plus the ratio to NCCL with the count exchange and to all_to_all_vdev.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .bench import _free_port
+
+
+def _timeit(fn, sync, iters=20, warm=5) -> float:
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        sync()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) * 1000)
+    return statistics.median(ts)
+
+
+def routing(rank: int, world: int, tokens: int, topk: int, experts: int, seed: int = 0) -> torch.Tensor:
+    """topk_idx [tokens, topk] of one rank (the reference scripts' generator)."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])
+
+
+def _worker(rank, world, port, args, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    import gocomm  # noqa: F401  (registers the backend)
+
+    dist.init_process_group("gocomm", rank=rank, world_size=world)
+    nccl = dist.new_group(backend="nccl", device_id=dev)
+    gsync = torch.zeros(1, device=dev)
+
+    def sync():
+        dist.all_reduce(gsync, group=nccl)
+
+    rows = [_measure(rank, world, dev, nccl, sync, args, tokens) for tokens in args.tokens]
+    if rank == 0:
+        q.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
+    """Every variant at one token count (every rank calls it; rank 0's numbers are kept)."""
+    import gocomm
+
+    h = args.hidden
+    idx = routing(rank, world, tokens, args.topk, args.experts)
+    dest = idx // (args.experts // world)
+    hit = torch.zeros(tokens, world, dtype=torch.bool)
+    hit[torch.arange(tokens).unsqueeze(1), dest] = True
+    send = hit.sum(0).tolist()
+    allsend = [None] * world
+    dist.all_gather_object(allsend, send, group=nccl)
+    recv = [allsend[r][rank] for r in range(world)]
+    moved = (sum(send) - send[rank]) * h * 2
+    x = torch.randn(tokens, h, device=dev).to(torch.bfloat16)
+    inp = torch.randn(sum(send), h, device=dev).to(torch.bfloat16)
+    out = torch.empty(sum(recv), h, dtype=torch.bfloat16, device=dev)
+    splits_dev = torch.tensor(send, dtype=torch.int64, device=dev)
+    weights = torch.rand(tokens, args.topk, device=dev)
+    res = {"tokens": tokens, "bytes": moved, "world": world}
+
+    def nccl_known():
+        dist.all_to_all_single(out, inp, recv, send, group=nccl)
+
+    def nccl_counts():
+        rc = torch.empty_like(splits_dev)
+        dist.all_to_all_single(rc, splits_dev, group=nccl)
+        r = rc.tolist()
+        dist.all_to_all_single(out[: sum(r)], inp, r, send, group=nccl)
+
+    res["nccl a2a (splits known)"] = _timeit(nccl_known, sync)
+    res["nccl counts+a2a"] = _timeit(nccl_counts, sync)
+    res["gocomm a2a (splits known)"] = _timeit(lambda: dist.all_to_all_single(out, inp, recv, send), sync)
+    res["gocomm all_to_all_v"] = _timeit(lambda: gocomm.all_to_all_v(inp, splits_dev, out=out), sync)
+    didx = idx.to(dev)
+    res["gocomm dispatch"] = _timeit(lambda: gocomm.moe.dispatch(x, didx, weights, args.experts), sync)
+    recv_x, _, handle = gocomm.moe.dispatch(x, didx, weights, args.experts)
+    res["gocomm combine"] = _timeit(lambda: gocomm.moe.combine(recv_x, handle), sync)
+    res["symm_mem all_to_all_vdev"] = _symm(rank, world, dev, nccl, send, recv, h, tokens, sync)
+    return res
+
+
+def _symm(rank, world, dev, nccl, send, recv, h, tokens, sync) -> float | str:
+    """torch's NVSHMEM all_to_all_vdev on the same splits (its error text if it cannot run)."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.set_backend("NVSHMEM")
+        gname = nccl.group_name
+        cap = tokens * world * h
+        inp = symm_mem.empty(cap, dtype=torch.bfloat16, device=dev).normal_()
+        out = symm_mem.empty(cap, dtype=torch.bfloat16, device=dev)
+        in_splits = symm_mem.empty(world, dtype=torch.int64, device=dev)
+        oso = symm_mem.empty((2, world), dtype=torch.int64, device=dev)
+        for t in (inp, out, in_splits, oso):
+            symm_mem.rendezvous(t, group=gname)
+        in_splits.copy_(torch.tensor(send, dtype=torch.int64) * h)
+        return _timeit(lambda: torch.ops.symm_mem.all_to_all_vdev(inp, out, in_splits, oso, gname), sync)
+    except Exception as e:  # noqa: BLE001
+        return f"error: {e!r}"[:200]
+
+
+VARIANTS = (
+    "nccl a2a (splits known)",
+    "nccl counts+a2a",
+    "symm_mem all_to_all_vdev",
+    "gocomm a2a (splits known)",
+    "gocomm all_to_all_v",
+    "gocomm dispatch",
+    "gocomm combine",
+)
+
+
+def _plot(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4), squeeze=False)
+    for ax, r in zip(axes[0], rows, strict=True):
+        names = [v for v in VARIANTS if isinstance(r.get(v), float)]
+        ax.barh(
+            names, [r[v] for v in names], color=["#999" if v.startswith(("nccl", "symm")) else "#2a7" for v in names]
+        )
+        ax.set_xlabel("us (alone, median)")
+        ax.set_title(f"{r['tokens']} tokens/rank, {r['world']} GPUs, {r['bytes'] / 1e6:.1f} MB sent")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="128,4096")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--json")
+    ap.add_argument("--png")
+    args = ap.parse_args(argv)
+    args.tokens = [int(t) for t in args.tokens.split(",") if t]
+    world = torch.cuda.device_count()
+    if world < 1:
+        print("bench_moe: no GPU", file=sys.stderr)
+        return 2
+    q = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_worker, args=(world, _free_port(), args, q), nprocs=world)
+    rows = q.get()
+    print(
+        f"MoE all-to-all, {world}x {torch.cuda.get_device_name(0)}, hidden {args.hidden} bf16, "
+        f"top-{args.topk} of {args.experts} experts, torch {torch.__version__}"
+    )
+    for r in rows:
+        base, vdev = r["nccl counts+a2a"], r["symm_mem all_to_all_vdev"]
+        print(f"\n{r['tokens']} tokens per rank; {r['bytes'] / 1e6:.2f} MB sent to other ranks by rank 0")
+        print(f"{'variant':28s} {'us':>9s} {'GB/s':>7s} {'/nccl+counts':>12s} {'/a2a_vdev':>10s}")
+        for v in VARIANTS:
+            t = r[v]
+            if not isinstance(t, float):
+                print(f"{v:28s} {t}")
+                continue
+            rv = f"{t / vdev:10.2f}" if isinstance(vdev, float) else f"{'-':>10s}"
+            print(f"{v:28s} {t:9.1f} {r['bytes'] / t / 1e3:7.1f} {t / base:12.2f} {rv}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.png:
+        _plot(rows, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
