@@ -74,7 +74,9 @@ type group struct {
 	inflight []*flight
 	events   []cuda.Event // pool (see event)
 	broken   error
+	aborted  chan struct{} // closed by Abort: wakes a pending communicator init
 	closing  bool
+	closed   bool // Close is destroying the communicators: Abort must not touch them
 	wg       sync.WaitGroup
 
 	seqMu     sync.Mutex // the p2p done sequencer (design 3)
@@ -124,7 +126,7 @@ func (s *session) NewGroup(rank, size, slot int, link pg.PeerLink) (pg.DeviceGro
 		return nil, fmt.Errorf("counter slot %d out of range", slot)
 	}
 	g := &group{s: s, rank: rank, size: size, slot: slot, link: link, pairs: map[pairKey]*worker{},
-		seqNext: 1, seqWait: map[uint32]*flight{}}
+		seqNext: 1, seqWait: map[uint32]*flight{}, aborted: make(chan struct{})}
 	for lane := 0; lane < 2; lane++ {
 		off := 16*slot + 8*lane
 		g.ready[lane] = s.counters + cuda.Ptr(off)
@@ -225,6 +227,17 @@ func (g *group) work(w *worker) {
 	defer func() {
 		st.Synchronize()
 		st.Destroy()
+		g.mu.Lock()
+		broken := g.broken != nil
+		g.mu.Unlock()
+		if broken {
+			// done writes that were queued behind the abort ran when the streams drained
+			// and may have set done below what Abort released: release again.
+			g.seqStream.Synchronize()
+			if err := g.s.release(g.slot); err != nil {
+				g.s.log.Error("could not release the streams of an aborted group", "err", err)
+			}
+		}
 	}()
 	for {
 		g.spin(w)
@@ -282,13 +295,23 @@ func (g *group) spin(w *worker) {
 // commOf returns w's communicator, making it on first use (design 4).
 func (g *group) commOf(w *worker, deadline time.Time) (nccl.Comm, error) {
 	g.mu.Lock()
-	c := w.comm
+	c, broken := w.comm, g.broken
 	g.mu.Unlock()
+	if broken != nil {
+		return nccl.Comm{}, broken // never hand out a communicator Abort has freed
+	}
 	if c.Valid() {
 		return c, nil
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
+	go func() {
+		select {
+		case <-g.aborted:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
 	n, rank, leader, tag := g.size, g.rank, 0, tagCollID
 	if w.key.peer >= 0 {
 		n, rank, leader, tag = 2, 1, w.key.peer, tagPairID
@@ -356,6 +379,16 @@ func (g *group) commOf(w *worker, deadline time.Time) (nccl.Comm, error) {
 			"ranks", n, "took", time.Since(start))
 		return r.c, nil
 	case <-ctx.Done():
+		go func() { // the init goes on without us: free what it makes
+			if r := <-ch; r.err == nil {
+				r.c.Abort()
+			}
+		}()
+		select {
+		case <-g.aborted:
+			return nccl.Comm{}, errors.New("NCCL communicator init: the group was aborted")
+		default:
+		}
 		return nccl.Comm{}, fmt.Errorf("%w: NCCL communicator init: a peer did not join before the deadline", pg.ErrTimeout)
 	}
 }
@@ -436,6 +469,11 @@ func (g *group) recycle(ev cuda.Event) {
 // fly hands a launched op to the poller.
 func (g *group) fly(f *flight) {
 	g.mu.Lock()
+	if err := g.broken; err != nil {
+		g.mu.Unlock()
+		f.op.finish(err) // Abort already ran: nobody would retire it
+		return
+	}
 	g.inflight = append(g.inflight, f)
 	g.cond.Broadcast()
 	g.mu.Unlock()
@@ -446,17 +484,19 @@ func (g *group) fly(f *flight) {
 // gets a wait for its event and its done write on the sequencer stream, then flies with an
 // event recorded there (so it retires once done is written).
 func (g *group) sequence(f *flight) error {
+	var ready []*flight
+	var failed *flight
+	var err error
 	g.seqMu.Lock()
-	defer g.seqMu.Unlock()
 	g.seqWait[f.val] = f
 	for {
 		f, ok := g.seqWait[g.seqNext]
 		if !ok {
-			return nil
+			break
 		}
 		delete(g.seqWait, g.seqNext)
 		g.seqNext++
-		err := g.seqStream.WaitEvent(f.ev)
+		err = g.seqStream.WaitEvent(f.ev)
 		if err == nil {
 			err = g.seqStream.WriteValue32(g.done[laneP2P], f.val)
 		}
@@ -464,12 +504,22 @@ func (g *group) sequence(f *flight) error {
 			err = f.ev.Record(g.seqStream)
 		}
 		if err != nil {
-			g.recycle(f.ev)
-			f.op.finish(err)
-			return err
+			failed = f
+			break
 		}
+		ready = append(ready, f)
+	}
+	g.seqMu.Unlock()
+	// Done and fly run without seqMu: a failing op's Done breaks the group, and Abort takes
+	// seqMu.
+	for _, f := range ready {
 		g.fly(f)
 	}
+	if failed != nil {
+		failed.op.finish(err)
+		return err
+	}
+	return nil
 }
 
 // poll retires finished ops and enforces deadlines (design 5).
@@ -564,11 +614,12 @@ func (g *group) anyBusy() bool {
 // Abort implements pg.DeviceGroup (design 6).
 func (g *group) Abort(cause error) {
 	g.mu.Lock()
-	if g.broken != nil {
+	if g.broken != nil || g.closed {
 		g.mu.Unlock()
 		return
 	}
 	g.broken = cause
+	close(g.aborted)
 	var ops []*dop
 	var comms []nccl.Comm
 	for _, w := range g.allWorkers() {
@@ -581,16 +632,19 @@ func (g *group) Abort(cause error) {
 		if w.comm.Valid() {
 			comms = append(comms, w.comm)
 		}
+		w.comm = nccl.Comm{}
 	}
 	flights := g.inflight
 	g.inflight = nil
 	g.cond.Broadcast()
 	g.mu.Unlock()
-	for _, c := range comms {
-		c.Abort()
-	}
+	// Release the streams first, then abort: kernels held behind a ready counter then run
+	// and see NCCL's abort flag, instead of starting after their communicator was freed.
 	if err := g.s.release(g.slot); err != nil {
 		g.s.log.Error("could not release the streams waiting on an aborted group", "err", err)
+	}
+	for _, c := range comms {
+		c.Abort()
 	}
 	g.seqMu.Lock()
 	for v, f := range g.seqWait {
@@ -616,6 +670,7 @@ func (g *group) Close() error {
 	g.mu.Lock()
 	ws := g.allWorkers()
 	broken := g.broken
+	g.closed = true
 	g.mu.Unlock()
 	g.release()
 	if broken != nil {

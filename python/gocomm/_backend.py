@@ -37,6 +37,7 @@ def _timeout_seconds(timeout) -> float:
 
 
 _work_lock = threading.Lock()  # guards every Work's lazy Event/Future against _finish
+_leaked: list = []  # buffers of ops the sidecar never answered: never handed back to the allocator
 
 
 class Work(dist._Work):
@@ -249,7 +250,9 @@ class _Dispatcher:
             for s, _ in late:
                 del self._pending[s]
         for _, p in late:
-            # The sidecar may still write into these buffers: leak them rather than reuse.
+            # The sidecar may still write into these buffers: leak them rather than reuse
+            # (host staging stays allocated; CUDA tensors stay referenced for good).
+            _leaked.append(p.keep)
             p.work._finish(
                 dist.DistBackendError(f"gocomm {p.op}: pgserver did not answer within its deadline plus {_GRACE:.0f}s")
             )
@@ -330,6 +333,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         self._handle = resp.group
         self._slot = resp.counter_slot
         self._k = [0, 0]  # CUDA ops issued per lane (collectives, point to point)
+        self._cuda_lock = threading.Lock()
         # Bootstrap through the group's Store: rank 0 hands out the secret peer links are
         # authenticated with; every rank publishes where its sidecar listens.
         if rank == 0:
@@ -481,18 +485,19 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         work = Work(op, [bufs[-1]], t_limit + _GRACE)
         p = _Pending(work, op, time.monotonic() + t_limit + _GRACE)
         p.keep = bufs
-        self._k[0] += 1
-        k = self._k[0]
-        _cuda.write_value(_cuda.current_stream(idx), counters, k)
         dt = _wire.DTYPES[t0.dtype]
         timeout_ms = int(t_limit * 1000) if timeout is not None else 0
         handle = self._handle
-        self._disp.submit(
-            lambda seq: _wire.encode_desc(
-                seq, handle, kind, dt, redop, root, 0, count, timeout_ms, refs, splits, _wire.DEVICE_CUDA, k
-            ),
-            p,
-        )
+        with self._cuda_lock:  # the counter value, its stream write and the descriptor stay in step
+            self._k[0] += 1
+            k = self._k[0]
+            _cuda.write_value(_cuda.current_stream(idx), counters, k)
+            self._disp.submit(
+                lambda seq: _wire.encode_desc(
+                    seq, handle, kind, dt, redop, root, 0, count, timeout_ms, refs, splits, _wire.DEVICE_CUDA, k
+                ),
+                p,
+            )
         done = counters + 4
         work._cuda_wait = lambda: _cuda.wait_value(_cuda.current_stream(idx), done, k)
         return work
@@ -534,19 +539,20 @@ class ProcessGroupGocomm(dist.ProcessGroup):
                     unpack.append((buf, outs))
                 keep.append(buf)
             bufs.append(sc.cuda_segment(buf))
-        self._k[lane] += 1
-        k = self._k[lane]
-        ready, done = counters + 8 * lane, counters + 8 * lane + 4
-        _cuda.write_value(raw, ready, k)
         dt = _wire.DTYPES[dtype] if dtype is not None else 0
         timeout_ms = int(t_limit * 1000) if timeout is not None else 0
         p.keep = keep
-        work = self._disp.submit(
-            lambda seq: _wire.encode_desc(
-                seq, self._handle, kind, dt, redop, root, tag, count, timeout_ms, bufs, splits, _wire.DEVICE_CUDA, k
-            ),
-            p,
-        )
+        with self._cuda_lock:
+            self._k[lane] += 1
+            k = self._k[lane]
+            ready, done = counters + 8 * lane, counters + 8 * lane + 4
+            _cuda.write_value(raw, ready, k)
+            work = self._disp.submit(
+                lambda seq: _wire.encode_desc(
+                    seq, self._handle, kind, dt, redop, root, tag, count, timeout_ms, bufs, splits, _wire.DEVICE_CUDA, k
+                ),
+                p,
+            )
         if unpack:
             _cuda.wait_value(raw, done, k)
             for buf, outs in unpack:

@@ -69,14 +69,12 @@ def _check(what: str, r: int) -> None:
         raise CudaError(f"{what}: {s.value.decode() if s.value else r}")
 
 
-_bid = ctypes.c_uint64()
-
-
 def buffer_id(ptr: int) -> int:
     """The process-unique id of the allocation holding device address ptr."""
     _load()
-    _check("cuPointerGetAttribute", _fast.cuPointerGetAttribute(ctypes.byref(_bid), _ATTR_BUFFER_ID, ptr))
-    return _bid.value
+    bid = ctypes.c_uint64()  # per call: another thread may query between the call and the read
+    _check("cuPointerGetAttribute", _fast.cuPointerGetAttribute(ctypes.byref(bid), _ATTR_BUFFER_ID, ptr))
+    return bid.value
 
 
 def allocation(ptr: int) -> tuple[int, int]:

@@ -28,7 +28,9 @@ _VERSION = 1
 _SUB_HEAD, _SUB_TAIL, _SUB_NOTIFY = 64, 128, 136
 _CMP_HEAD, _CMP_TAIL, _CMP_NOTIFY, _CMP_WAITERS = 192, 256, 264, 268
 
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+# x86-64 only: the ring relies on its ordered stores (a record before the tail that publishes
+# it); aarch64 would need fences this pure-Python client cannot issue.
+_SYS_FUTEX = {"x86_64": 202}.get(platform.machine())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 
 
@@ -58,7 +60,7 @@ class Ring:
 
     def __init__(self, path: str, size: int):
         if _SYS_FUTEX is None:
-            raise RingError(f"gocomm's ring needs the futex syscall number for {platform.machine()}")
+            raise RingError(f"gocomm's shared-memory ring runs on x86-64 hosts only, not {platform.machine()}")
         fd = os.open(path, os.O_RDWR)
         try:
             self._mm = mmap.mmap(fd, size)
