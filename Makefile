@@ -23,10 +23,18 @@ PROTOC_GEN_GO_GRPC_VERSION := v1.6.2
 PROTO_SRC := proto/gocomm/v1/pgserver.proto
 GO_GEN    := proto/gocomm/v1/pgserver.pb.go proto/gocomm/v1/pgserver_grpc.pb.go
 PY_GEN    := python/gocomm/v1/pgserver_pb2.py python/gocomm/v1/pgserver_pb2_grpc.py
-GO_SRC    := $(shell find cmd pg collectives sparse internal transport rpc -name '*.go' -o -name '*.c' -o -name '*.h' 2>/dev/null)
+GO_SRC    := $(shell find cmd pg collectives sparse internal transport rpc kernels -name '*.go' -o -name '*.c' -o -name '*.h' 2>/dev/null)
 SITE      := $(shell $(PYTHON_BOOT) -c 'import sys; print(f"python{sys.version_info[0]}.{sys.version_info[1]}")')
 
-.PHONY: all venv tools gen build python test lint test-go test-py test-gpu bench bench-gpu clean
+# kernels/*.cu -> kernels/build/*.cubin (embedded in pgserver): nvcc from the pinned PyPI
+# packages, NVSHMEM's device library from the nvidia-nvshmem wheel torch depends on.
+NVIDIA    := $(VENV)/lib/$(SITE)/site-packages/nvidia
+NVCC      := $(NVIDIA)/cu13/bin/nvcc
+NVSHMEM   := $(NVIDIA)/nvshmem
+CUDA_ARCH ?= sm_90
+KERNELS   := $(patsubst kernels/%.cu,kernels/build/%.cubin,$(wildcard kernels/*.cu))
+
+.PHONY: all venv tools gen kernels build python test lint test-go test-py test-gpu bench bench-gpu clean
 
 all: build python
 
@@ -58,9 +66,17 @@ $(PY_GEN): $(PROTO_SRC) $(VENV)/.stamp
 	$(PY) -m grpc_tools.protoc -I proto --python_out=python --pyi_out=python --grpc_python_out=python $(PROTO_SRC)
 	touch python/gocomm/v1/__init__.py
 
+## CUDA kernels: relocatable device code, then a device link with NVSHMEM into one cubin.
+## Objects go to build/_obj, which go:embed skips.
+kernels: $(KERNELS)
+kernels/build/%.cubin: kernels/%.cu $(VENV)/.stamp
+	mkdir -p kernels/build/_obj
+	$(NVCC) -arch=$(CUDA_ARCH) -rdc=true -O3 -I$(NVSHMEM)/include -c $< -o kernels/build/_obj/$*.o
+	$(NVCC) -arch=$(CUDA_ARCH) -dlink -cubin kernels/build/_obj/$*.o -L$(NVSHMEM)/lib -lnvshmem_device -o $@
+
 ## pgserver; a copy sits next to the Python package, where the shim looks for it
 build: bin/pgserver
-bin/pgserver: $(GO_GEN) $(GO_SRC) go.mod go.sum
+bin/pgserver: $(GO_GEN) $(GO_SRC) $(KERNELS) go.mod go.sum
 	$(GO) build -trimpath -o $@ ./cmd/pgserver
 	mkdir -p python/gocomm/bin && cp $@ python/gocomm/bin/pgserver.tmp && mv -f python/gocomm/bin/pgserver.tmp python/gocomm/bin/pgserver
 
@@ -72,7 +88,7 @@ python: $(PY_GEN) $(VENV)/.stamp
 test: all lint test-go test-py
 
 lint: gen
-	@out=$$(gofmt -l cmd pg collectives sparse internal transport rpc 2>/dev/null); \
+	@out=$$(gofmt -l cmd pg collectives sparse internal transport rpc kernels 2>/dev/null); \
 	  if [ -n "$$out" ]; then echo "gofmt: files need formatting:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 	cp go.mod /tmp/gocomm-go.mod.$$$$ && cp go.sum /tmp/gocomm-go.sum.$$$$ && $(GO) mod tidy && \
@@ -81,7 +97,7 @@ lint: gen
 	$(VENV)/bin/ruff check python
 	$(VENV)/bin/ruff format --check python
 
-test-go: gen
+test-go: gen kernels
 	$(GO) test -count=1 ./...
 
 test-py: all
@@ -110,4 +126,4 @@ bench: all
 	$(PY) -m gocomm.bench --world 2,3,4
 
 clean:
-	rm -rf bin python/gocomm/bin python/gocomm/v1 $(GO_GEN)
+	rm -rf bin python/gocomm/bin python/gocomm/v1 $(GO_GEN) kernels/build/_obj $(KERNELS)

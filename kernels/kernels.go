@@ -1,0 +1,35 @@
+// Package kernels holds the sidecar's CUDA device code: kernels/*.cu, compiled by make with
+// nvcc from the pinned PyPI packages and linked with NVSHMEM's device library into one cubin
+// per file (kernels/build, never committed), embedded here. The driver loads a cubin with
+// cuModuleLoadData; NVSHMEM's state in it is set up with nvshmemx_cumodule_init.
+package kernels
+
+import (
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+)
+
+//go:embed build
+var built embed.FS
+
+// ErrNotBuilt: the binary was built without running make's kernels step.
+var ErrNotBuilt = errors.New("kernel module not built (make compiles kernels/*.cu with the pinned nvcc)")
+
+// Modules names each module (kernels/<name>.cu) and the kernels the sidecar looks up in it.
+var Modules = map[string][]string{
+	"a2av": {"gocomm_a2av", "gocomm_a2av_copy"},
+}
+
+// Arch is the GPU architecture the modules are compiled for (Makefile's CUDA_ARCH).
+const Arch = 90
+
+// Cubin returns the compiled module kernels/<name>.cu.
+func Cubin(name string) ([]byte, error) {
+	b, err := built.ReadFile("build/" + name + ".cubin")
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("%s: %w", name, ErrNotBuilt)
+	}
+	return b, err
+}
