@@ -174,6 +174,9 @@ class _Pending:
     allocs: list[tuple[int, int, int]] = field(default_factory=list)
     copy_out: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     keep: list[torch.Tensor] = field(default_factory=list)  # alive until the op finished
+    # CUDA ops that unpack their outputs on the caller's stream: recorded after the unpack;
+    # the Work's future completes only once it has (the outputs are in place by then)
+    unpacked: object = None
 
 
 class _Dispatcher:
@@ -229,6 +232,8 @@ class _Dispatcher:
             if status == _wire.STATUS_OK:
                 for dst, src in p.copy_out:
                     dst.copy_(src)
+                if p.unpacked is not None:
+                    p.unpacked.synchronize()  # the copies behind the sidecar's op are short
                 p.work._source = source
             else:
                 exc = _error(p.op, status, msg)
@@ -547,6 +552,18 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             k = self._k[lane]
             ready, done = counters + 8 * lane, counters + 8 * lane + 4
             _cuda.write_value(raw, ready, k)
+            if unpack:
+                # Queued before the descriptor goes out, so the unpack event is recorded
+                # before the sidecar can report the op done (the completion waits for it).
+                _cuda.wait_value(raw, done, k)
+                for buf, outs in unpack:
+                    pos = 0
+                    for t in outs:
+                        t.copy_(buf[pos : pos + t.numel()].view(t.shape))
+                        pos += t.numel()
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(dev))
+                p.unpacked = ev
             work = self._disp.submit(
                 lambda seq: _wire.encode_desc(
                     seq, self._handle, kind, dt, redop, root, tag, count, timeout_ms, bufs, splits, _wire.DEVICE_CUDA, k
@@ -554,14 +571,6 @@ class ProcessGroupGocomm(dist.ProcessGroup):
                 p,
             )
         if unpack:
-            _cuda.wait_value(raw, done, k)
-            for buf, outs in unpack:
-                pos = 0
-                for t in outs:
-                    t.copy_(buf[pos : pos + t.numel()].view(t.shape))
-                    pos += t.numel()
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(dev))
             work._cuda_wait = lambda: torch.cuda.current_stream(dev).wait_event(ev)
         else:
             idx = dev.index

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -34,23 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .bench import _free_port
-
-
-def _timeit(fn, sync, iters=20, warm=5) -> float:
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        sync()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1000)
-    return statistics.median(ts)
+from .bench_gpu import _alone as _timeit
 
 
 def routing(rank: int, world: int, tokens: int, topk: int, experts: int, seed: int = 0) -> torch.Tensor:
