@@ -34,16 +34,30 @@ struct A2avSym {
 
 extern "C" __global__ void gocomm_a2av(const char* __restrict__ in, const int64_t* __restrict__ in_splits,
                                        int64_t* __restrict__ out_splits, int32_t* __restrict__ status,
-                                       A2avSym sym, int64_t capacity, int64_t row_bytes, uint64_t epoch) {
+                                       A2avSym sym, int64_t capacity, int64_t row_bytes, int64_t in_rows,
+                                       uint64_t epoch) {
   const int me = nvshmem_my_pe(), n = nvshmem_n_pes();
   const int par = (int)(epoch & 1);
   int64_t* meta = sym.meta + (int64_t)par * n * (n + 1);
   uint64_t* msig = sym.msig + par * n;
   int64_t* mine = meta + (int64_t)me * (n + 1);
 
-  // 1. Block 0 publishes this PE's splits and capacity to every PE (itself included).
+  // 1. Block 0 publishes this PE's splits and capacity to every PE (itself included). Splits
+  //    that are negative or add up to more rows than the input holds are never trusted: the
+  //    PE sends nothing (publishes zeros) and reports status 2.
   if (blockIdx.x == 0) {
-    for (int j = threadIdx.x; j < n; j += blockDim.x) mine[j] = in_splits[j];
+    __shared__ int valid;
+    if (threadIdx.x == 0) {
+      int64_t sum = 0;
+      valid = 1;
+      for (int j = 0; j < n; j++) {
+        if (in_splits[j] < 0) valid = 0;
+        sum += in_splits[j];
+      }
+      if (sum > in_rows) valid = 0;
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < n; j += blockDim.x) mine[j] = valid ? in_splits[j] : 0;
     if (threadIdx.x == 0) mine[n] = capacity;
     __syncthreads();
     for (int p = threadIdx.x; p < n; p += blockDim.x) {
@@ -90,7 +104,8 @@ extern "C" __global__ void gocomm_a2av(const char* __restrict__ in, const int64_
   }
 
   // 4. Block 0 waits for every source and fills the output splits and the status word
-  //    (0 ok, 1 this PE's capacity was too small: recv holds nothing of this epoch).
+  //    (0 ok, 1 this PE's capacity was too small: recv holds nothing of this epoch; 2 this
+  //    PE's splits were invalid and it sent nothing).
   if (blockIdx.x == 0) {
     __shared__ int overflow;
     if (threadIdx.x == 0) overflow = 0;
@@ -101,16 +116,25 @@ extern "C" __global__ void gocomm_a2av(const char* __restrict__ in, const int64_
       if (sym.over[s] == epoch) atomicExch(&overflow, 1);
     }
     __syncthreads();
-    if (threadIdx.x == 0) *status = overflow;
+    if (threadIdx.x == 0) {
+      int64_t sum = 0;
+      bool bad = false;
+      for (int j = 0; j < n; j++) {
+        bad |= in_splits[j] < 0;
+        sum += in_splits[j];
+      }
+      *status = (bad || sum > in_rows) ? 2 : overflow;
+    }
   }
 }
 
 // Copies the received rows (sum of out_splits) from recv into the caller's output, 16 bytes
-// at a time where both are aligned; nothing when status says overflow.
+// at a time where both are aligned; nothing when status says overflow. (Status 2 is about
+// what this PE sent: what it received is still good.)
 extern "C" __global__ void gocomm_a2av_copy(char* __restrict__ out, const char* __restrict__ recv,
                                             const int64_t* __restrict__ out_splits, const int32_t* __restrict__ status,
                                             int n, int64_t row_bytes) {
-  if (*status != 0) return;
+  if (*status == 1) return;
   int64_t rows = 0;
   for (int s = 0; s < n; s++) rows += out_splits[s];
   const int64_t bytes = rows * row_bytes;

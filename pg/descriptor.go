@@ -41,12 +41,15 @@ const (
 	OpSend          OpKind = 9
 	OpRecv          OpKind = 10
 	OpBarrier       OpKind = 11
+	// OpAllToAllV moves rows by splits that live on the GPU (NVSHMEM path, CUDA only).
+	OpAllToAllV OpKind = 12
 )
 
 var opNames = map[OpKind]string{
 	OpAllReduce: "all_reduce", OpBroadcast: "broadcast", OpReduce: "reduce",
 	OpAllGather: "all_gather", OpReduceScatter: "reduce_scatter", OpAllToAll: "all_to_all",
 	OpGather: "gather", OpScatter: "scatter", OpSend: "send", OpRecv: "recv", OpBarrier: "barrier",
+	OpAllToAllV: "all_to_all_v",
 }
 
 func (k OpKind) String() string {
@@ -288,6 +291,29 @@ func (d *Desc) Validate(rank, size int) error {
 		return want(unit)
 	case OpBarrier:
 		return want()
+	case OpAllToAllV:
+		// input, in_splits (int64 per rank), output (its rows are the capacity), out_splits
+		// (int64 per rank), status (int32); Count is the bytes of one row.
+		if d.Device != DeviceCUDA {
+			return bad("splits on the GPU need CUDA buffers")
+		}
+		if d.Count == 0 {
+			return bad("rows of 0 bytes")
+		}
+		if len(d.Bufs) != 5 {
+			return bad("%d buffers, want 5 (input, in_splits, output, out_splits, status)", len(d.Bufs))
+		}
+		for i, l := range map[int]uint64{1: 8 * n, 3: 8 * n, 4: 4} {
+			if d.Bufs[i].Length != l {
+				return bad("buffer %d holds %d bytes, want %d", i, d.Bufs[i].Length, l)
+			}
+		}
+		for _, i := range []int{0, 2} {
+			if d.Bufs[i].Length%d.Count != 0 {
+				return bad("buffer %d holds %d bytes, not whole rows of %d", i, d.Bufs[i].Length, d.Count)
+			}
+		}
+		return nil
 	case OpAllToAll:
 		if len(d.Splits) != 2*size {
 			return bad("%d splits, want %d (input then output counts)", len(d.Splits), 2*size)

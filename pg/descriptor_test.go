@@ -71,6 +71,12 @@ func TestValidate(t *testing.T) {
 		{"unknown dtype", Desc{Kind: OpBroadcast, DType: 99, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "unknown dtype"},
 		{"unknown kind", Desc{Kind: 77, DType: f32}, 0, 2, "unknown op kind"},
 		{"broadcast root out of range", Desc{Kind: OpBroadcast, DType: f32, Root: 2, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "root 2"},
+		{"all_to_all_v", a2av(16, 48, 32, 64, 32, 4), 0, 4, ""},
+		{"all_to_all_v on the host", func() Desc { d := a2av(16, 48, 32, 64, 32, 4); d.Device = DeviceHost; d.Bufs = nil; return d }(), 0, 4, "need CUDA"},
+		{"all_to_all_v splits of the wrong size", a2av(16, 48, 16, 64, 32, 4), 0, 4, "buffer 1 holds 16 bytes, want 32"},
+		{"all_to_all_v output not whole rows", a2av(16, 48, 32, 33, 32, 4), 0, 4, "not whole rows"},
+		{"all_to_all_v rows of 0 bytes", a2av(0, 0, 32, 0, 32, 4), 0, 4, "rows of 0 bytes"},
+		{"all_to_all_v status missing", func() Desc { d := a2av(16, 48, 32, 64, 32, 4); d.Bufs = d.Bufs[:4]; return d }(), 0, 4, "want 5"},
 		{"all_gather", Desc{Kind: OpAllGather, DType: f32, Count: 2, Bufs: []BufRef{buf(8), buf(24)}}, 1, 3, ""},
 		{"all_gather output short", Desc{Kind: OpAllGather, DType: f32, Count: 2, Bufs: []BufRef{buf(8), buf(16)}}, 1, 3, "want 24"},
 		{"reduce_scatter", Desc{Kind: OpReduceScatter, DType: f32, RedOp: reduce.Max, Count: 2, Bufs: []BufRef{buf(24), buf(8)}}, 2, 3, ""},
@@ -130,4 +136,11 @@ func FuzzDesc(f *testing.F) {
 			}
 		}
 	})
+}
+
+// a2av is an OpAllToAllV descriptor with rows of row bytes and buffers of these sizes.
+func a2av(row, in, inSplits, out, outSplits, status uint64) Desc {
+	cb := func(seg uint32, n uint64) BufRef { return BufRef{Segment: CUDASegment | seg, Length: n} }
+	return Desc{Kind: OpAllToAllV, DType: reduce.Uint8, Device: DeviceCUDA, Count: row, StreamValue: 1,
+		Bufs: []BufRef{cb(1, in), cb(2, inSplits), cb(3, out), cb(4, outSplits), cb(5, status)}}
 }

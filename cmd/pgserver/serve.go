@@ -23,6 +23,7 @@ import (
 
 	"github.com/gocomm/gocomm/collectives/device"
 	gonvml "github.com/gocomm/gocomm/internal/nvml"
+	"github.com/gocomm/gocomm/kernels"
 	"github.com/gocomm/gocomm/pg"
 	"github.com/gocomm/gocomm/rpc"
 	"github.com/gocomm/gocomm/sparse"
@@ -131,9 +132,9 @@ func run(args []string) error {
 	return err
 }
 
-// errNoNVSHMEM: the NVSHMEM engine (one-sided kernels for the sparse all-to-all) is not in
-// this build yet, so the choice below can only ever land on NCCL.
-var errNoNVSHMEM = errors.New("the NVSHMEM engine is not in this build of pgserver yet")
+// errNVSHMEMUnproven keeps auto on NCCL: the NVSHMEM path (kernels/a2av.cu, the device
+// engine's OpAllToAllV) is built but has not run on GPUs yet, so it is used only when asked.
+var errNVSHMEMUnproven = errors.New("the NVSHMEM path is built but not yet validated on GPUs; GOCOMM_TRANSPORT=nvshmem turns it on")
 
 // chooseSparse picks the sparse all-to-all transport for this node from its NVML topology
 // and GOCOMM_TRANSPORT, logs it, and returns it as an engine for Info.
@@ -144,7 +145,13 @@ func chooseSparse(log *slog.Logger) (pg.Engine, error) {
 	} else {
 		topo = t
 	}
-	c, err := sparse.Choose(topo, os.Getenv("GOCOMM_TRANSPORT"), errNoNVSHMEM)
+	var nvshmemErr error = errNVSHMEMUnproven
+	if _, err := kernels.Cubin("a2av"); err != nil {
+		nvshmemErr = err
+	} else if strings.EqualFold(strings.TrimSpace(os.Getenv("GOCOMM_TRANSPORT")), sparse.NVSHMEM) {
+		nvshmemErr = nil
+	}
+	c, err := sparse.Choose(topo, os.Getenv("GOCOMM_TRANSPORT"), nvshmemErr)
 	if err != nil {
 		return pg.Engine{}, err
 	}

@@ -20,6 +20,7 @@ import (
 
 // Engine is the sidecar's GPU engine.
 type Engine struct {
+	nvshmemPath string // libnvshmem_host.so.3 (see nvshmemPath), set by LoadNCCL
 	// Spin is how long a device worker polls for its next op before sleeping (see
 	// group.spin); zero never spins.
 	Spin    time.Duration
@@ -70,7 +71,11 @@ func (e *Engine) LoadNCCL(path string) error {
 	if e.err != nil {
 		return e.err
 	}
-	return nccl.Load(path)
+	if err := nccl.Load(path); err != nil {
+		return err
+	}
+	e.nvshmemPath = nvshmemPath(path)
+	return nil
 }
 
 // Check implements pg.DeviceEngine.
@@ -90,6 +95,7 @@ func (e *Engine) Attach(uuid [16]byte) (pg.DeviceSession, error) {
 		return nil, err
 	}
 	s := &session{log: e.log, spin: e.Spin, dev: dev, ctx: ctx, segs: map[uint32]*ipcSeg{}}
+	s.shmem.path = e.nvshmemPath
 	err = s.do(func() (err error) {
 		if s.ctl, err = cuda.NewStream(cuda.StreamNonBlocking); err != nil {
 			return err
@@ -135,6 +141,7 @@ type session struct {
 	counters    cuda.Ptr
 	countersIPC cuda.IPCHandle
 	relMu       sync.Mutex
+	shmem       shmemState // the NVSHMEM PE, made by the first OpAllToAllV
 
 	mu   sync.Mutex
 	segs map[uint32]*ipcSeg

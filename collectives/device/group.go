@@ -396,6 +396,12 @@ func (g *group) commOf(w *worker, deadline time.Time) (nccl.Comm, error) {
 // launch enqueues one op on w's stream st (design 1-3).
 func (g *group) launch(w *worker, o *dop, st cuda.Stream) error {
 	d := o.Desc
+	if d.Kind == pg.OpAllToAllV {
+		if err := g.launchA2AV(o, st); err != nil {
+			return err
+		}
+		return g.record(o, st)
+	}
 	comm, err := g.commOf(w, o.Deadline)
 	if err != nil {
 		return err
@@ -423,6 +429,22 @@ func (g *group) launch(w *worker, o *dop, st cuda.Stream) error {
 			return err
 		}
 	}
+	if lane == laneP2P {
+		ev, err := g.event()
+		if err != nil {
+			return err
+		}
+		if err := ev.Record(st); err != nil {
+			g.recycle(ev)
+			return err
+		}
+		return g.sequence(&flight{op: o, ev: ev, val: d.StreamValue})
+	}
+	return g.record(o, st)
+}
+
+// record hands a launched collective to the poller with an event recorded after it on st.
+func (g *group) record(o *dop, st cuda.Stream) error {
 	ev, err := g.event()
 	if err != nil {
 		return err
@@ -431,11 +453,7 @@ func (g *group) launch(w *worker, o *dop, st cuda.Stream) error {
 		g.recycle(ev)
 		return err
 	}
-	f := &flight{op: o, ev: ev, val: d.StreamValue}
-	if lane == laneP2P {
-		return g.sequence(f)
-	}
-	g.fly(f)
+	g.fly(&flight{op: o, ev: ev, val: o.Desc.StreamValue})
 	return nil
 }
 

@@ -23,6 +23,8 @@ typedef int CUdevice;
 typedef void* CUcontext;
 typedef void* CUstream;
 typedef void* CUevent;
+typedef void* CUmodule;
+typedef void* CUfunction;
 typedef unsigned long long CUdeviceptr;
 typedef struct { char bytes[64]; } CUipcMemHandle;
 typedef struct { char bytes[64]; } CUipcEventHandle;
@@ -48,6 +50,10 @@ static CUresult (*p_cuEventDestroy)(CUevent);
 static CUresult (*p_cuEventRecord)(CUevent, CUstream);
 static CUresult (*p_cuEventQuery)(CUevent);
 static CUresult (*p_cuStreamWaitEvent)(CUstream, CUevent, unsigned int);
+static CUresult (*p_cuModuleLoadData)(CUmodule*, const void*);
+static CUresult (*p_cuModuleUnload)(CUmodule);
+static CUresult (*p_cuModuleGetFunction)(CUfunction*, CUmodule, const char*);
+static CUresult (*p_cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void**, void**);
 static CUresult (*p_cuIpcOpenMemHandle)(CUdeviceptr*, CUipcMemHandle, unsigned int);
 static CUresult (*p_cuIpcCloseMemHandle)(CUdeviceptr);
 static CUresult (*p_cuIpcGetMemHandle)(CUipcMemHandle*, CUdeviceptr);
@@ -85,6 +91,10 @@ static int gc_load(const char* path, char* err, int errlen) {
 	SYM(p_cuEventRecord, "cuEventRecord");
 	SYM(p_cuEventQuery, "cuEventQuery");
 	SYM(p_cuStreamWaitEvent, "cuStreamWaitEvent");
+	SYM(p_cuModuleLoadData, "cuModuleLoadData");
+	SYM(p_cuModuleUnload, "cuModuleUnload");
+	SYM(p_cuModuleGetFunction, "cuModuleGetFunction");
+	SYM(p_cuLaunchKernel, "cuLaunchKernel");
 	SYM(p_cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2");
 	SYM(p_cuIpcCloseMemHandle, "cuIpcCloseMemHandle");
 	SYM(p_cuIpcGetMemHandle, "cuIpcGetMemHandle");
@@ -117,6 +127,27 @@ static CUresult gc_cuEventDestroy(CUevent e) { return p_cuEventDestroy(e); }
 static CUresult gc_cuEventRecord(CUevent e, CUstream s) { return p_cuEventRecord(e, s); }
 static CUresult gc_cuEventQuery(CUevent e) { return p_cuEventQuery(e); }
 static CUresult gc_cuStreamWaitEvent(CUstream s, CUevent e, unsigned int f) { return p_cuStreamWaitEvent(s, e, f); }
+static CUresult gc_cuModuleLoadData(CUmodule* m, const void* image) { return p_cuModuleLoadData(m, image); }
+static CUresult gc_cuModuleUnload(CUmodule m) { return p_cuModuleUnload(m); }
+static CUresult gc_cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) { return p_cuModuleGetFunction(f, m, name); }
+// gc_launch packs the kernel's parameters (n values of sizes[i] bytes, back to back in vals)
+// into C memory the driver reads during the call.
+static CUresult gc_launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                          unsigned shared, CUstream s, const char* vals, const int* sizes, int n) {
+	void* ptrs[64];
+	char buf[1024];
+	if (n > 64) return 1;
+	int off = 0;
+	for (int i = 0; i < n; i++) {
+		off = (off + 7) & ~7;
+		if (off + sizes[i] > (int)sizeof buf) return 1;
+		memcpy(buf + off, vals, sizes[i]);
+		ptrs[i] = buf + off;
+		vals += sizes[i];
+		off += sizes[i];
+	}
+	return p_cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shared, s, ptrs, NULL);
+}
 static CUresult gc_cuIpcOpenMemHandle(CUdeviceptr* p, const void* h, unsigned int f) {
 	CUipcMemHandle hh; memcpy(&hh, h, sizeof hh); return p_cuIpcOpenMemHandle(p, hh, f);
 }
@@ -130,6 +161,7 @@ static CUresult gc_cuMemcpyHtoDAsync(CUdeviceptr d, const void* s, size_t n, CUs
 import "C"
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"sync"
@@ -510,4 +542,89 @@ func DeviceByUUID(uuid [16]byte) (Device, error) {
 		}
 	}
 	return 0, fmt.Errorf("cuda: no visible device has UUID %x (CUDA_VISIBLE_DEVICES differs between the rank and its sidecar?)", uuid)
+}
+
+// Module is a loaded CUDA module (a cubin).
+type Module struct{ p C.CUmodule }
+
+// Function is a kernel of a Module.
+type Function struct{ p C.CUfunction }
+
+// LoadModule loads a cubin into the current context.
+func LoadModule(image []byte) (Module, error) {
+	if err := loaded(); err != nil {
+		return Module{}, err
+	}
+	if len(image) == 0 {
+		return Module{}, fmt.Errorf("cuda: empty module image")
+	}
+	img := C.CBytes(image)
+	defer C.free(img)
+	var m C.CUmodule
+	return Module{m}, check("cuModuleLoadData", C.gc_cuModuleLoadData(&m, img))
+}
+
+// Handle is the CUmodule, for libraries that set up state in it (nvshmemx_cumodule_init).
+func (m Module) Handle() uintptr { return uintptr(unsafe.Pointer(m.p)) }
+
+// Unload the module.
+func (m Module) Unload() error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuModuleUnload", C.gc_cuModuleUnload(m.p))
+}
+
+// Function looks a kernel up by its (extern "C") name.
+func (m Module) Function(name string) (Function, error) {
+	if err := loaded(); err != nil {
+		return Function{}, err
+	}
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	var f C.CUfunction
+	return Function{f}, check("cuModuleGetFunction "+name, C.gc_cuModuleGetFunction(&f, m.p, cname))
+}
+
+// Args builds a kernel's parameter list: each value is appended with its size, in order.
+type Args struct {
+	vals  []byte
+	sizes []C.int
+}
+
+// Ptr appends a device pointer (or any 8-byte unsigned value).
+func (a *Args) Ptr(p uint64) *Args { return a.raw(binary.LittleEndian.AppendUint64(nil, p)) }
+
+// I64 appends a 64-bit integer.
+func (a *Args) I64(v int64) *Args { return a.raw(binary.LittleEndian.AppendUint64(nil, uint64(v))) }
+
+// I32 appends a 32-bit integer.
+func (a *Args) I32(v int32) *Args { return a.raw(binary.LittleEndian.AppendUint32(nil, uint32(v))) }
+
+// Struct appends a struct passed by value, as its bytes (the kernel's layout, little-endian).
+func (a *Args) Struct(b []byte) *Args { return a.raw(b) }
+
+func (a *Args) raw(b []byte) *Args {
+	a.vals = append(a.vals, b...)
+	a.sizes = append(a.sizes, C.int(len(b)))
+	return a
+}
+
+// Launch enqueues f on s with grid x block threads and shared bytes of dynamic shared memory.
+func (f Function) Launch(grid, block [3]int, shared int, s Stream, a *Args) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	var vals *C.char
+	var sizes *C.int
+	if len(a.sizes) > 0 {
+		cv := C.CBytes(a.vals)
+		defer C.free(cv)
+		cs := C.malloc(C.size_t(len(a.sizes)) * C.size_t(unsafe.Sizeof(C.int(0))))
+		defer C.free(cs)
+		copy(unsafe.Slice((*C.int)(cs), len(a.sizes)), a.sizes)
+		vals, sizes = (*C.char)(cv), (*C.int)(cs)
+	}
+	return check("cuLaunchKernel", C.gc_launch(f.p, C.uint(grid[0]), C.uint(grid[1]), C.uint(grid[2]),
+		C.uint(block[0]), C.uint(block[1]), C.uint(block[2]), C.uint(shared), s.p, vals, sizes, C.int(len(a.sizes))))
 }

@@ -34,6 +34,26 @@ func TestNotLoadedIsAnError(t *testing.T) {
 	if err := (Stream{}).WriteValue32(0, 1); !errors.Is(err, ErrNotLoaded) {
 		t.Fatalf("WriteValue32 = %v", err)
 	}
+	if _, err := LoadModule([]byte{1}); !errors.Is(err, ErrNotLoaded) {
+		t.Fatalf("LoadModule = %v", err)
+	}
+	if _, err := (Module{}).Function("k"); !errors.Is(err, ErrNotLoaded) {
+		t.Fatalf("Function = %v", err)
+	}
+	if err := (Function{}).Launch([3]int{1, 1, 1}, [3]int{1, 1, 1}, 0, Stream{}, new(Args).Ptr(1)); !errors.Is(err, ErrNotLoaded) {
+		t.Fatalf("Launch = %v", err)
+	}
+}
+
+// TestArgs: kernel parameters keep their order and sizes.
+func TestArgs(t *testing.T) {
+	a := new(Args).Ptr(0x1122334455667788).I32(-2).I64(7).Struct(make([]byte, 40))
+	if len(a.sizes) != 4 || a.sizes[0] != 8 || a.sizes[1] != 4 || a.sizes[2] != 8 || a.sizes[3] != 40 {
+		t.Fatalf("sizes %v", a.sizes)
+	}
+	if len(a.vals) != 60 || a.vals[0] != 0x88 || a.vals[8] != 0xfe {
+		t.Fatalf("values % x", a.vals[:12])
+	}
 }
 
 func TestResultStrings(t *testing.T) {

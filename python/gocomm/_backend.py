@@ -577,6 +577,21 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             work._cuda_wait = lambda: _cuda.wait_value(_cuda.current_stream(idx), done, k)
         return work
 
+    def _sparse_transport(self) -> str:
+        """The sidecar's sparse all-to-all transport ("nvshmem" or "nccl")."""
+        for e in self._sc.info.engines:
+            if e.name == "sparse":
+                return e.detail.split(":", 1)[0]
+        return "nccl"
+
+    def _all_to_all_v_nvshmem(self, input, in_splits, out, out_splits, status) -> Work:
+        """gocomm.all_to_all_v on the sidecar's NVSHMEM path: splits, counts and the overflow
+        status stay on the GPU; ordered on the current stream like every CUDA op."""
+        row = input[0].nbytes if input.shape[0] else input.element_size() * max(1, input[0].numel())
+        return self._cuda_direct(
+            "all_to_all_v", _wire.ALL_TO_ALL_V, [input, in_splits, out, out_splits, status], count=row
+        )
+
     # ----- collectives ------------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):

@@ -28,6 +28,7 @@ SCATTER = 8
 SEND = 9
 RECV = 10
 BARRIER = 11
+ALL_TO_ALL_V = 12  # splits on the GPU (the sidecar's NVSHMEM path; CUDA only)
 
 OP_NAMES = {
     ALL_REDUCE: "all_reduce",
@@ -41,6 +42,7 @@ OP_NAMES = {
     SEND: "send",
     RECV: "recv",
     BARRIER: "barrier",
+    ALL_TO_ALL_V: "all_to_all_v",
 }
 
 # Devices.

@@ -1,9 +1,11 @@
 """All-to-all with splits known only as tensors: `gocomm.all_to_all_v`.
 
-This is the path every machine has: the counts are exchanged with one all_to_all, read on
-the host, and the rows moved with `all_to_all_single` on the group (NCCL grouped send/recv
-in the sidecar for CUDA tensors, the host engine for CPU tensors). It costs one host sync;
-the one-sided NVSHMEM path (issue 4, kernels/) removes it where the GPUs share NVLink.
+Two paths. Where the sidecar's sparse transport is NVSHMEM (GOCOMM_TRANSPORT=nvshmem for
+now; not yet validated on GPUs) and the group is the default one, one kernel in the sidecar
+moves the rows one-sidedly with the splits on the GPU: no host sync. Everywhere else the
+counts are exchanged with one all_to_all, read on the host, and the rows moved with
+`all_to_all_single` on the group (NCCL grouped send/recv in the sidecar for CUDA tensors,
+the host engine for CPU tensors): one host sync.
 """
 
 from __future__ import annotations
@@ -39,7 +41,10 @@ def all_to_all_v(
     Returns:
         (output, out_splits): output holds the received rows grouped by source rank (a view
         of out's first rows when out is given); out_splits, on in_splits' device with its
-        dtype, says how many came from each rank.
+        dtype, says how many came from each rank. On the NVSHMEM path the host never learns
+        the count: output is the whole out buffer (by default input's rows times the group
+        size), rows past sum(out_splits) are undefined, and an overflow shows as
+        sum(out_splits) > len(out) with nothing written, instead of an OverflowError.
     """
     g = group if group is not None else dist.group.WORLD
     n = dist.get_world_size(g)
@@ -64,6 +69,14 @@ def all_to_all_v(
             )
         if not out.is_contiguous():
             raise ValueError("gocomm all_to_all_v: out must be contiguous")
+    if input.is_cuda and g is dist.group.WORLD and getattr(g, "_sparse_transport", lambda: "")() == "nvshmem":
+        if out is None:
+            out = torch.empty((input.shape[0] * n, *input.shape[1:]), dtype=input.dtype, device=input.device)
+        splits64 = in_splits.to(device=input.device, dtype=torch.int64)
+        out_splits = torch.empty(n, dtype=torch.int64, device=input.device)
+        status = torch.zeros(1, dtype=torch.int32, device=input.device)
+        g._all_to_all_v_nvshmem(input, splits64, out, out_splits, status).wait()
+        return out, out_splits.to(device=in_splits.device, dtype=in_splits.dtype)
     send = in_splits.tolist()
     if any(s < 0 for s in send) or sum(send) != input.shape[0]:
         raise ValueError(

@@ -361,3 +361,60 @@ def test_all_to_all_v_cuda(worlds, seed, size):
 def test_moe_cuda(worlds, seed, size):
     _need(size)
     worlds.get(size).run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
+
+
+def check_all_to_all_v_nvshmem(rk, seed):
+    """gocomm.all_to_all_v on the sidecar's NVSHMEM path (splits on the GPU, no host sync):
+    the rows and counts equal what every rank rebuilds from the seed; an overflow writes
+    nothing and shows in the counts."""
+    from test_moe import ROUTINGS
+
+    import gocomm
+
+    dev, _ = _setup(rk)
+    n, me = rk.size, rk.rank
+    ck = Checker("all_to_all_v on NVSHMEM", seed, me)
+    ck.expect("transport", rk.world.pg._sparse_transport() == "nvshmem", rk.world.pg._sparse_transport())
+    for label, splits_of in ROUTINGS.items():
+        send = splits_of(seed, me, n)
+        recv = [splits_of(seed, src, n)[me] for src in range(n)]
+        with ck.case(label):
+            key = f"nv{label}"
+            x = gen(seed, key, me, (sum(send), 64), torch.bfloat16).to(dev)
+            out = torch.full((sum(recv) + 5, 64), -3.0, dtype=torch.bfloat16, device=dev)
+            got, got_splits = gocomm.all_to_all_v(x, torch.tensor(send, device=dev), out=out)
+            want = torch.cat(
+                [
+                    gen(seed, key, src, (sum(splits_of(seed, src, n)), 64), torch.bfloat16).narrow(
+                        0, sum(splits_of(seed, src, n)[:me]), splits_of(seed, src, n)[me]
+                    )
+                    for src in range(n)
+                ]
+            )
+            ck.same(label, got[: sum(recv)].cpu(), want)
+            ck.same(label + " splits", got_splits.cpu(), torch.tensor(recv))
+            ck.expect(label + " rows past the data untouched", bool(torch.all(out[sum(recv) :] == -3.0)))
+    with ck.case("overflow"):
+        send = ROUTINGS["all to rank 0"](seed, me, n)
+        x = torch.ones(sum(send), 64, dtype=torch.bfloat16, device=dev)
+        out = torch.full((7 * n - 1, 64), -1.0, dtype=torch.bfloat16, device=dev)
+        _, got_splits = gocomm.all_to_all_v(x, torch.tensor(send, device=dev), out=out if me == 0 else None)
+        if me == 0:
+            ck.expect("overflow shows in the counts", int(got_splits.sum()) == 7 * n, str(got_splits.tolist()))
+            ck.expect("nothing written", bool(torch.all(out == -1.0)))
+    torch.cuda.synchronize()
+    return ck.done()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_all_to_all_v_nvshmem(worlds, seed, size):
+    _need(size)
+    os.environ["GOCOMM_TRANSPORT"] = "nvshmem"  # inherited by this world's ranks and sidecars
+    try:
+        w = worlds.fresh(size, label="nvshmem")
+    finally:
+        del os.environ["GOCOMM_TRANSPORT"]
+    try:
+        w.run(check_all_to_all_v_nvshmem, seed=seed, timeout=RUN_LIMIT_S)
+    finally:
+        w.close()

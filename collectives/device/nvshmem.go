@@ -1,0 +1,235 @@
+package device
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/gocomm/gocomm/internal/cuda"
+	"github.com/gocomm/gocomm/internal/nvshmem"
+	"github.com/gocomm/gocomm/kernels"
+	"github.com/gocomm/gocomm/pg"
+)
+
+// Status: built and tested without a GPU only (the binding, the module, the op's checks);
+// the NVSHMEM path has not run on GPUs yet. The sidecar picks it only when asked
+// (GOCOMM_TRANSPORT=nvshmem).
+
+const tagShmemID = 2 // PeerLink tag: rank 0 -> every rank, the NVSHMEM unique id
+
+// shmem is this process's NVSHMEM PE and what the a2av kernels need (kernels/a2av.cu
+// documents the symmetric layout).
+//
+// Invariants:
+//  1. One PE per sidecar, for one group: NVSHMEM's job is fixed at init, so the first group
+//     that runs an OpAllToAllV owns it; other groups get an error (their client uses NCCL).
+//  2. Symmetric allocations are made in the same order and sizes on every PE (init only).
+//  3. The signal words start at 0 on every PE before any PE can signal (zeroed, then a
+//     barrier), and epochs start at 1.
+type shmem struct {
+	group      *group
+	mod        cuda.Module
+	a2av, copy cuda.Function
+	meta, msig uintptr
+	dsig, over uintptr
+	recv       uintptr
+	recvBytes  int64
+	epoch      uint64
+}
+
+// shmemState is the session's NVSHMEM PE, made once.
+type shmemState struct {
+	mu   sync.Mutex
+	sh   *shmem
+	err  error
+	path string // libnvshmem_host.so.3, found next to the client's NCCL
+}
+
+// recvBytes is the receive buffer each PE keeps in the symmetric heap (GOCOMM_NVSHMEM_RECV_MB,
+// default 512 MiB): the most one all_to_all_v can deliver to a rank.
+func recvBytes() int64 {
+	if v, err := strconv.Atoi(os.Getenv("GOCOMM_NVSHMEM_RECV_MB")); err == nil && v > 0 {
+		return int64(v) << 20
+	}
+	return 512 << 20
+}
+
+// nvshmemPath finds libnvshmem_host.so.3: NVSHMEM_HOME, else the nvidia-nvshmem wheel beside
+// the nvidia-nccl wheel the client's NCCL came from, else the loader's search.
+func nvshmemPath(ncclPath string) string {
+	if os.Getenv("NVSHMEM_HOME") == "" && ncclPath != "" {
+		// .../site-packages/nvidia/nccl/lib/libnccl.so.2 -> .../site-packages
+		sp := filepath.Dir(filepath.Dir(filepath.Dir(filepath.Dir(ncclPath))))
+		return nvshmem.Find(sp)
+	}
+	return nvshmem.Find()
+}
+
+// shmemFor returns the session's PE, making it with g's ranks on first use (collective:
+// every rank of g calls it from its first OpAllToAllV, on its collective worker's thread).
+func (s *session) shmemFor(g *group, deadline time.Time) (*shmem, error) {
+	st := &s.shmem
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if st.sh != nil {
+		if st.sh.group != g {
+			return nil, fmt.Errorf("%w: NVSHMEM serves one group per process and another group already uses it", pg.ErrInvalid)
+		}
+		return st.sh, nil
+	}
+	if st.err != nil {
+		return nil, st.err
+	}
+	sh, err := g.initShmem(st.path, deadline)
+	if err != nil {
+		st.err = fmt.Errorf("NVSHMEM: %w", err)
+		return nil, st.err
+	}
+	st.sh = sh
+	return sh, nil
+}
+
+// initShmem makes this process PE g.rank of g.size (invariants 1-3).
+func (g *group) initShmem(path string, deadline time.Time) (*shmem, error) {
+	// What NVSHMEM reads at init: no NCCL of its own (it would build communicators for its
+	// teams), no remote transports (one node), no NVLink SHARP, the loopback interface for
+	// the bootstrap, and a heap that holds the receive buffer.
+	rb := recvBytes()
+	for k, v := range map[string]string{
+		"NVSHMEM_DISABLE_NCCL":              "1",
+		"NVSHMEM_REMOTE_TRANSPORT":          "none",
+		"NVSHMEM_DISABLE_NVLS":              "1",
+		"NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+		"NVSHMEM_SYMMETRIC_SIZE":            strconv.FormatInt(rb+(64<<20), 10),
+	} {
+		if os.Getenv(k) == "" {
+			os.Setenv(k, v)
+		}
+	}
+	if err := nvshmem.Load(path); err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	defer cancel()
+	var id nvshmem.UniqueID
+	if g.rank == 0 {
+		var err error
+		if id, err = nvshmem.NewUniqueID(); err != nil {
+			return nil, err
+		}
+		for p := 1; p < g.size; p++ {
+			if err := g.link.Send(ctx, p, tagShmemID, id[:]); err != nil {
+				return nil, fmt.Errorf("send the unique id to rank %d: %w", p, err)
+			}
+		}
+	} else {
+		b, err := g.link.Recv(ctx, 0, tagShmemID, len(id))
+		if err != nil {
+			return nil, fmt.Errorf("unique id from rank 0: %w", err)
+		}
+		copy(id[:], b)
+	}
+	done := make(chan error, 1)
+	go func() { // init is collective and has no deadline of its own
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		if err := g.s.ctx.SetCurrent(); err != nil {
+			done <- err
+			return
+		}
+		done <- nvshmem.Init(id, g.rank, g.size)
+	}()
+	select {
+	case err := <-done:
+		if err != nil {
+			return nil, err
+		}
+	case <-ctx.Done():
+		return nil, fmt.Errorf("%w: NVSHMEM init: a peer did not join before the deadline", pg.ErrTimeout)
+	}
+	if pe, n := nvshmem.MyPE(), nvshmem.NPEs(); pe != g.rank || n != g.size {
+		return nil, fmt.Errorf("init made PE %d of %d, want %d of %d", pe, n, g.rank, g.size)
+	}
+	sh := &shmem{group: g, recvBytes: rb}
+	cubin, err := kernels.Cubin("a2av")
+	if err != nil {
+		return nil, err
+	}
+	if sh.mod, err = cuda.LoadModule(cubin); err != nil {
+		return nil, err
+	}
+	if err := nvshmem.ModuleInit(sh.mod.Handle()); err != nil {
+		return nil, err
+	}
+	if sh.a2av, err = sh.mod.Function("gocomm_a2av"); err != nil {
+		return nil, err
+	}
+	if sh.copy, err = sh.mod.Function("gocomm_a2av_copy"); err != nil {
+		return nil, err
+	}
+	n := int64(g.size)
+	small := []struct {
+		p     *uintptr
+		bytes int64
+	}{{&sh.meta, 2 * n * (n + 1) * 8}, {&sh.msig, 2 * n * 8}, {&sh.dsig, n * 8}, {&sh.over, n * 8}}
+	for _, a := range small {
+		if *a.p, err = nvshmem.Malloc(int(a.bytes)); err != nil {
+			return nil, err
+		}
+	}
+	if sh.recv, err = nvshmem.Malloc(int(rb)); err != nil {
+		return nil, err
+	}
+	zs, err := cuda.NewStream(cuda.StreamNonBlocking)
+	if err != nil {
+		return nil, err
+	}
+	defer zs.Destroy()
+	for _, a := range small {
+		if err := zs.CopyToDeviceOn(cuda.Ptr(*a.p), make([]byte, a.bytes)); err != nil {
+			return nil, err
+		}
+	}
+	if err := nvshmem.BarrierAll(); err != nil {
+		return nil, err
+	}
+	g.s.log.Info("NVSHMEM ready", "pe", g.rank, "pes", g.size, "recv_bytes", rb)
+	return sh, nil
+}
+
+// launchA2AV enqueues an OpAllToAllV on st (the collective worker's stream), after the
+// client's ready counter: the exchange kernel, then the copy into the client's output.
+func (g *group) launchA2AV(o *dop, st cuda.Stream) error {
+	d := o.Desc
+	sh, err := g.s.shmemFor(g, o.Deadline)
+	if err != nil {
+		return err
+	}
+	row := int64(d.Count)
+	capacity := min(int64(d.Bufs[2].Length), sh.recvBytes) / row
+	if err := st.WaitValue32(g.ready[laneColl], d.StreamValue, cuda.WaitGEQ); err != nil {
+		return err
+	}
+	sh.epoch++
+	var sym [40]byte // struct A2avSym: meta, msig, dsig, over, recv
+	for i, p := range []uintptr{sh.meta, sh.msig, sh.dsig, sh.over, sh.recv} {
+		binary.LittleEndian.PutUint64(sym[8*i:], uint64(p))
+	}
+	p := o.Ptrs
+	inRows := int64(d.Bufs[0].Length) / row
+	args := new(cuda.Args).Ptr(p[0]).Ptr(p[1]).Ptr(p[3]).Ptr(p[4]).Struct(sym[:]).I64(capacity).I64(row).I64(inRows).Ptr(sh.epoch)
+	if err := sh.a2av.Launch([3]int{g.size, 1, 1}, [3]int{256, 1, 1}, 0, st, args); err != nil {
+		return err
+	}
+	cp := new(cuda.Args).Ptr(p[2]).Ptr(uint64(sh.recv)).Ptr(p[3]).Ptr(p[4]).I32(int32(g.size)).I64(row)
+	if err := sh.copy.Launch([3]int{132, 1, 1}, [3]int{512, 1, 1}, 0, st, cp); err != nil {
+		return err
+	}
+	return st.WriteValue32(g.done[laneColl], d.StreamValue)
+}
