@@ -119,6 +119,9 @@ type flight struct {
 	op  *dop
 	ev  cuda.Event
 	val uint32
+	// check, if set, runs on the poller once the op finished on the GPU (on a stream of the
+	// poller's); an error fails the op and aborts the group.
+	check func(cuda.Stream) error
 }
 
 func (s *session) NewGroup(rank, size, slot int, link pg.PeerLink) (pg.DeviceGroup, error) {
@@ -400,7 +403,7 @@ func (g *group) launch(w *worker, o *dop, st cuda.Stream) error {
 		if err := g.launchA2AV(o, st); err != nil {
 			return err
 		}
-		return g.record(o, st)
+		return g.record(o, st, func(ps cuda.Stream) error { return g.checkA2AV(o, ps) })
 	}
 	comm, err := g.commOf(w, o.Deadline)
 	if err != nil {
@@ -440,11 +443,11 @@ func (g *group) launch(w *worker, o *dop, st cuda.Stream) error {
 		}
 		return g.sequence(&flight{op: o, ev: ev, val: d.StreamValue})
 	}
-	return g.record(o, st)
+	return g.record(o, st, nil)
 }
 
 // record hands a launched collective to the poller with an event recorded after it on st.
-func (g *group) record(o *dop, st cuda.Stream) error {
+func (g *group) record(o *dop, st cuda.Stream, check func(cuda.Stream) error) error {
 	ev, err := g.event()
 	if err != nil {
 		return err
@@ -453,7 +456,7 @@ func (g *group) record(o *dop, st cuda.Stream) error {
 		g.recycle(ev)
 		return err
 	}
-	g.fly(&flight{op: o, ev: ev, val: o.Desc.StreamValue})
+	g.fly(&flight{op: o, ev: ev, val: o.Desc.StreamValue, check: check})
 	return nil
 }
 
@@ -548,6 +551,12 @@ func (g *group) poll() {
 	if err := g.s.ctx.SetCurrent(); err != nil {
 		g.Abort(err)
 	}
+	var checks cuda.Stream // for flights' checks, made on first use
+	defer func() {
+		if checks != (cuda.Stream{}) {
+			checks.Destroy()
+		}
+	}()
 	for {
 		g.mu.Lock()
 		for len(g.inflight) == 0 && !g.anyBusy() && !(g.closing && g.workers == 0) {
@@ -594,7 +603,19 @@ func (g *group) poll() {
 			g.mu.Unlock()
 			for _, f := range retired {
 				g.recycle(f.ev)
-				f.op.finish(nil)
+				var err error
+				if f.check != nil {
+					if checks == (cuda.Stream{}) {
+						checks, err = cuda.NewStream(cuda.StreamNonBlocking)
+					}
+					if err == nil {
+						err = f.check(checks)
+					}
+				}
+				f.op.finish(err)
+				if err != nil {
+					g.Abort(err)
+				}
 			}
 			continue
 		}

@@ -3,6 +3,7 @@ package device
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -21,7 +22,11 @@ import (
 // the NVSHMEM path has not run on GPUs yet. The sidecar picks it only when asked
 // (GOCOMM_TRANSPORT=nvshmem).
 
-const tagShmemID = 2 // PeerLink tag: rank 0 -> every rank, the NVSHMEM unique id
+// PeerLink tags of the NVSHMEM set-up.
+const (
+	tagShmemID = 2 // rank 0 -> every rank: the NVSHMEM unique id
+	tagShmemOK = 3 // every rank -> every rank: whether its PE is ready for the heap
+)
 
 // shmem is this process's NVSHMEM PE and what the a2av kernels need (kernels/a2av.cu
 // documents the symmetric layout).
@@ -40,7 +45,8 @@ type shmem struct {
 	dsig, over uintptr
 	recv       uintptr
 	recvBytes  int64
-	epoch      uint64
+	epoch      uint64 // of the last op launched on every PE alike
+	broken     error  // a launch failed or a kernel gave up: epochs may disagree
 }
 
 // shmemState is the session's NVSHMEM PE, made once.
@@ -80,6 +86,9 @@ func (s *session) shmemFor(g *group, deadline time.Time) (*shmem, error) {
 	if st.sh != nil {
 		if st.sh.group != g {
 			return nil, fmt.Errorf("%w: NVSHMEM serves one group per process and another group already uses it", pg.ErrInvalid)
+		}
+		if st.sh.broken != nil {
+			return nil, st.sh.broken
 		}
 		return st.sh, nil
 	}
@@ -135,6 +144,20 @@ func (g *group) initShmem(path string, deadline time.Time) (*shmem, error) {
 		}
 		copy(id[:], b)
 	}
+	sh := &shmem{group: g, recvBytes: rb}
+	cubin, err := kernels.Cubin("a2av")
+	if err != nil {
+		return nil, err
+	}
+	if sh.mod, err = cuda.LoadModule(cubin); err != nil {
+		return nil, err
+	}
+	if sh.a2av, err = sh.mod.Function("gocomm_a2av"); err != nil {
+		return nil, err
+	}
+	if sh.copy, err = sh.mod.Function("gocomm_a2av_copy"); err != nil {
+		return nil, err
+	}
 	done := make(chan error, 1)
 	go func() { // init is collective and has no deadline of its own
 		runtime.LockOSThread()
@@ -153,31 +176,21 @@ func (g *group) initShmem(path string, deadline time.Time) (*shmem, error) {
 	case <-ctx.Done():
 		return nil, fmt.Errorf("%w: NVSHMEM init: a peer did not join before the deadline", pg.ErrTimeout)
 	}
+	var local error
 	if pe, n := nvshmem.MyPE(), nvshmem.NPEs(); pe != g.rank || n != g.size {
-		return nil, fmt.Errorf("init made PE %d of %d, want %d of %d", pe, n, g.rank, g.size)
+		local = fmt.Errorf("init made PE %d of %d, want %d of %d", pe, n, g.rank, g.size)
+	} else {
+		local = nvshmem.ModuleInit(sh.mod.Handle())
 	}
-	sh := &shmem{group: g, recvBytes: rb}
-	cubin, err := kernels.Cubin("a2av")
-	if err != nil {
-		return nil, err
-	}
-	if sh.mod, err = cuda.LoadModule(cubin); err != nil {
-		return nil, err
-	}
-	if err := nvshmem.ModuleInit(sh.mod.Handle()); err != nil {
-		return nil, err
-	}
-	if sh.a2av, err = sh.mod.Function("gocomm_a2av"); err != nil {
-		return nil, err
-	}
-	if sh.copy, err = sh.mod.Function("gocomm_a2av_copy"); err != nil {
+	// The heap calls below are collective with no deadline: go on only if every PE got here.
+	if err := g.agree(ctx, local); err != nil {
 		return nil, err
 	}
 	n := int64(g.size)
 	small := []struct {
 		p     *uintptr
 		bytes int64
-	}{{&sh.meta, 2 * n * (n + 1) * 8}, {&sh.msig, 2 * n * 8}, {&sh.dsig, n * 8}, {&sh.over, n * 8}}
+	}{{&sh.meta, 2 * n * (n + 2) * 8}, {&sh.msig, 2 * n * 8}, {&sh.dsig, n * 8}, {&sh.over, n * 8}}
 	for _, a := range small {
 		if *a.p, err = nvshmem.Malloc(int(a.bytes)); err != nil {
 			return nil, err
@@ -203,6 +216,38 @@ func (g *group) initShmem(path string, deadline time.Time) (*shmem, error) {
 	return sh, nil
 }
 
+// agree tells every rank whether this one is ready (local == nil) and returns an error
+// unless all are.
+func (g *group) agree(ctx context.Context, local error) error {
+	ok := []byte{1}
+	if local != nil {
+		ok[0] = 0
+	}
+	for p := 0; p < g.size; p++ {
+		if p != g.rank {
+			if err := g.link.Send(ctx, p, tagShmemOK, ok); err != nil {
+				return errors.Join(local, err)
+			}
+		}
+	}
+	if local != nil {
+		return local
+	}
+	for p := 0; p < g.size; p++ {
+		if p == g.rank {
+			continue
+		}
+		b, err := g.link.Recv(ctx, p, tagShmemOK, 1)
+		if err != nil {
+			return err
+		}
+		if b[0] != 1 {
+			return fmt.Errorf("rank %d could not set up its NVSHMEM PE (its log says why)", p)
+		}
+	}
+	return nil
+}
+
 // launchA2AV enqueues an OpAllToAllV on st (the collective worker's stream), after the
 // client's ready counter: the exchange kernel, then the copy into the client's output.
 func (g *group) launchA2AV(o *dop, st cuda.Stream) error {
@@ -216,20 +261,57 @@ func (g *group) launchA2AV(o *dop, st cuda.Stream) error {
 	if err := st.WaitValue32(g.ready[laneColl], d.StreamValue, cuda.WaitGEQ); err != nil {
 		return err
 	}
-	sh.epoch++
+	epoch := sh.epoch + 1
 	var sym [40]byte // struct A2avSym: meta, msig, dsig, over, recv
 	for i, p := range []uintptr{sh.meta, sh.msig, sh.dsig, sh.over, sh.recv} {
 		binary.LittleEndian.PutUint64(sym[8*i:], uint64(p))
 	}
 	p := o.Ptrs
 	inRows := int64(d.Bufs[0].Length) / row
-	args := new(cuda.Args).Ptr(p[0]).Ptr(p[1]).Ptr(p[3]).Ptr(p[4]).Struct(sym[:]).I64(capacity).I64(row).I64(inRows).Ptr(sh.epoch)
-	if err := sh.a2av.Launch([3]int{g.size, 1, 1}, [3]int{256, 1, 1}, 0, st, args); err != nil {
+	timeout := max(time.Until(o.Deadline), time.Millisecond)
+	args := new(cuda.Args).Ptr(p[0]).Ptr(p[1]).Ptr(p[3]).Ptr(p[4]).Struct(sym[:]).I64(capacity).I64(row).I64(inRows).
+		Ptr(epoch).Ptr(uint64(timeout.Nanoseconds()))
+	err = sh.a2av.Launch([3]int{g.size, 1, 1}, [3]int{256, 1, 1}, 0, st, args)
+	if err == nil {
+		cp := new(cuda.Args).Ptr(p[2]).Ptr(uint64(sh.recv)).Ptr(p[3]).Ptr(p[4]).I32(int32(g.size)).I64(row)
+		err = sh.copy.Launch([3]int{132, 1, 1}, [3]int{512, 1, 1}, 0, st, cp)
+	}
+	if err != nil {
+		sh.broken = fmt.Errorf("NVSHMEM all_to_all_v launch failed, the PEs' epochs may disagree: %w", err)
 		return err
 	}
-	cp := new(cuda.Args).Ptr(p[2]).Ptr(uint64(sh.recv)).Ptr(p[3]).Ptr(p[4]).I32(int32(g.size)).I64(row)
-	if err := sh.copy.Launch([3]int{132, 1, 1}, [3]int{512, 1, 1}, 0, st, cp); err != nil {
-		return err
-	}
+	sh.epoch = epoch
 	return st.WriteValue32(g.done[laneColl], d.StreamValue)
+}
+
+// Status bits of the a2av kernel (kernels/a2av.cu).
+const (
+	a2avOverflow = 1
+	a2avInvalid  = 2
+	a2avRowSize  = 4
+	a2avLate     = 8
+)
+
+// checkA2AV reads a finished OpAllToAllV's status word. A kernel that gave up waiting breaks
+// the group (and the PE: epochs disagree now); the other reports are the caller's to see in
+// out_splits and are only logged here.
+func (g *group) checkA2AV(o *dop, st cuda.Stream) error {
+	var b [4]byte
+	if err := st.CopyToHostOn(b[:], cuda.Ptr(o.Ptrs[4])); err != nil {
+		return err
+	}
+	s := binary.LittleEndian.Uint32(b[:])
+	if s&a2avLate != 0 {
+		g.s.shmem.mu.Lock()
+		if sh := g.s.shmem.sh; sh != nil {
+			sh.broken = fmt.Errorf("%w: an NVSHMEM all_to_all_v gave up waiting for a peer", pg.ErrTimeout)
+		}
+		g.s.shmem.mu.Unlock()
+		return fmt.Errorf("%w: all_to_all_v: a peer did not take part before the deadline", pg.ErrTimeout)
+	}
+	if s != 0 {
+		g.s.log.Warn("all_to_all_v reported", "overflow", s&a2avOverflow != 0, "invalid_splits", s&a2avInvalid != 0,
+			"row_size_mismatch", s&a2avRowSize != 0)
+	}
+	return nil
 }

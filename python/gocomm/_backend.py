@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -587,7 +588,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
     def _all_to_all_v_nvshmem(self, input, in_splits, out, out_splits, status) -> Work:
         """gocomm.all_to_all_v on the sidecar's NVSHMEM path: splits, counts and the overflow
         status stay on the GPU; ordered on the current stream like every CUDA op."""
-        row = input[0].nbytes if input.shape[0] else input.element_size() * max(1, input[0].numel())
+        row = input.element_size() * math.prod(input.shape[1:])
         return self._cuda_direct(
             "all_to_all_v", _wire.ALL_TO_ALL_V, [input, in_splits, out, out_splits, status], count=row
         )

@@ -10,12 +10,42 @@ the host engine for CPU tensors): one host sync.
 
 from __future__ import annotations
 
+import math
+import os
+
 import torch
 import torch.distributed as dist
 
 __all__ = ["all_to_all_v"]
 
 _SPLIT_DTYPES = (torch.int32, torch.int64)
+
+
+def _recv_bytes() -> int:
+    """The sidecar's NVSHMEM receive buffer per rank (GOCOMM_NVSHMEM_RECV_MB, default 512)."""
+    try:
+        mb = int(os.environ.get("GOCOMM_NVSHMEM_RECV_MB", "512"))
+    except ValueError:
+        mb = 512
+    return (mb if mb > 0 else 512) << 20
+
+
+def _nvshmem(g, n, input, in_splits, out):
+    """all_to_all_v in the sidecar's NVSHMEM kernel: nothing here waits for the GPU."""
+    row = input.element_size() * math.prod(input.shape[1:])
+    limit = _recv_bytes() // max(row, 1)
+    if out is None:
+        out = torch.empty((min(input.shape[0] * n, limit), *input.shape[1:]), dtype=input.dtype, device=input.device)
+    elif out.shape[0] > limit:
+        raise ValueError(
+            f"gocomm all_to_all_v: out holds {out.shape[0]} rows, more than the sidecar's NVSHMEM receive buffer "
+            f"({limit} rows of {row} bytes; raise GOCOMM_NVSHMEM_RECV_MB on every rank)"
+        )
+    splits64 = in_splits.to(device=input.device, dtype=torch.int64)
+    out_splits = torch.empty(n, dtype=torch.int64, device=input.device)
+    status = torch.zeros(1, dtype=torch.int32, device=input.device)
+    g._all_to_all_v_nvshmem(input, splits64, out, out_splits, status).wait()
+    return out, out_splits.to(device=in_splits.device, dtype=in_splits.dtype)
 
 
 def all_to_all_v(
@@ -43,8 +73,10 @@ def all_to_all_v(
         of out's first rows when out is given); out_splits, on in_splits' device with its
         dtype, says how many came from each rank. On the NVSHMEM path the host never learns
         the count: output is the whole out buffer (by default input's rows times the group
-        size), rows past sum(out_splits) are undefined, and an overflow shows as
-        sum(out_splits) > len(out) with nothing written, instead of an OverflowError.
+        size, at most the sidecar's receive buffer, GOCOMM_NVSHMEM_RECV_MB), rows past
+        sum(out_splits) are undefined, an overflow shows as sum(out_splits) > len(out) with
+        nothing written instead of an OverflowError, and splits that are negative or exceed
+        the input make this rank send nothing (the sidecar logs it).
     """
     g = group if group is not None else dist.group.WORLD
     n = dist.get_world_size(g)
@@ -70,13 +102,7 @@ def all_to_all_v(
         if not out.is_contiguous():
             raise ValueError("gocomm all_to_all_v: out must be contiguous")
     if input.is_cuda and g is dist.group.WORLD and getattr(g, "_sparse_transport", lambda: "")() == "nvshmem":
-        if out is None:
-            out = torch.empty((input.shape[0] * n, *input.shape[1:]), dtype=input.dtype, device=input.device)
-        splits64 = in_splits.to(device=input.device, dtype=torch.int64)
-        out_splits = torch.empty(n, dtype=torch.int64, device=input.device)
-        status = torch.zeros(1, dtype=torch.int32, device=input.device)
-        g._all_to_all_v_nvshmem(input, splits64, out, out_splits, status).wait()
-        return out, out_splits.to(device=in_splits.device, dtype=in_splits.dtype)
+        return _nvshmem(g, n, input, in_splits, out)
     send = in_splits.tolist()
     if any(s < 0 for s in send) or sum(send) != input.shape[0]:
         raise ValueError(
