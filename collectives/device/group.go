@@ -433,30 +433,35 @@ func (g *group) launch(w *worker, o *dop, st cuda.Stream) error {
 		}
 	}
 	if lane == laneP2P {
-		ev, err := g.event()
+		f, err := g.recorded(o, st, nil)
 		if err != nil {
 			return err
 		}
-		if err := ev.Record(st); err != nil {
-			g.recycle(ev)
-			return err
-		}
-		return g.sequence(&flight{op: o, ev: ev, val: d.StreamValue})
+		return g.sequence(f)
 	}
 	return g.record(o, st, nil)
 }
 
-// record hands a launched collective to the poller with an event recorded after it on st.
-func (g *group) record(o *dop, st cuda.Stream, check func(cuda.Stream) error) error {
+// recorded is o's flight, with an event recorded after it on st.
+func (g *group) recorded(o *dop, st cuda.Stream, check func(cuda.Stream) error) (*flight, error) {
 	ev, err := g.event()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if err := ev.Record(st); err != nil {
 		g.recycle(ev)
+		return nil, err
+	}
+	return &flight{op: o, ev: ev, val: o.Desc.StreamValue, check: check}, nil
+}
+
+// record hands a launched collective to the poller (see recorded).
+func (g *group) record(o *dop, st cuda.Stream, check func(cuda.Stream) error) error {
+	f, err := g.recorded(o, st, check)
+	if err != nil {
 		return err
 	}
-	g.fly(&flight{op: o, ev: ev, val: o.Desc.StreamValue, check: check})
+	g.fly(f)
 	return nil
 }
 

@@ -97,42 +97,28 @@ import "C"
 import (
 	"errors"
 	"fmt"
-	"sync"
 	"unsafe"
+
+	"github.com/gocomm/gocomm/internal/dl"
 )
 
 // ErrNotLoaded: libnccl is not (or could not be) loaded.
 var ErrNotLoaded = errors.New("nccl: library not loaded")
 
-var (
-	loadMu   sync.Mutex
-	loadErr  = ErrNotLoaded
-	loadPath string
-)
+var lib = dl.New("nccl", "libnccl.so.2", ErrNotLoaded)
 
 // Load opens libnccl from path ("" means "libnccl.so.2" through the loader's search). The
 // first successful load wins; a later call with another path reports which copy is in use.
 func Load(path string) error {
-	loadMu.Lock()
-	defer loadMu.Unlock()
-	if path == "" {
-		path = "libnccl.so.2"
-	}
-	if loadErr == nil {
-		if path != loadPath {
-			return fmt.Errorf("nccl: %s requested but %s is already loaded", path, loadPath)
+	return lib.Load(path, func(path string) string {
+		var buf [512]C.char
+		cpath := C.CString(path)
+		defer C.free(unsafe.Pointer(cpath))
+		if C.gn_load(cpath, &buf[0], C.int(len(buf))) != 0 {
+			return C.GoString(&buf[0])
 		}
-		return nil
-	}
-	var buf [512]C.char
-	cpath := C.CString(path)
-	defer C.free(unsafe.Pointer(cpath))
-	if C.gn_load(cpath, &buf[0], C.int(len(buf))) != 0 {
-		loadErr = fmt.Errorf("%w: %s", ErrNotLoaded, C.GoString(&buf[0]))
-		return loadErr
-	}
-	loadErr, loadPath = nil, path
-	return nil
+		return ""
+	})
 }
 
 func loaded() error {

@@ -101,8 +101,9 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"sync"
 	"unsafe"
+
+	"github.com/gocomm/gocomm/internal/dl"
 )
 
 // ErrNotLoaded: libnvshmem_host.so.3 is not (or could not be) loaded.
@@ -140,12 +141,6 @@ func check(what string, r C.int) error {
 	return fmt.Errorf("nvshmem: %s: %w", what, Status(r))
 }
 
-var (
-	loadMu   sync.Mutex
-	loadErr  = ErrNotLoaded
-	loadPath string
-)
-
 // LibraryName is the host library's file name.
 const LibraryName = "libnvshmem_host.so.3"
 
@@ -168,29 +163,20 @@ func Find(sitePackages ...string) string {
 	return LibraryName
 }
 
+var lib = dl.New("nvshmem", LibraryName, ErrNotLoaded)
+
 // Load opens the host library at path ("" for LibraryName through the loader's search),
 // once; a later call with another path fails.
 func Load(path string) error {
-	loadMu.Lock()
-	defer loadMu.Unlock()
-	if path == "" {
-		path = LibraryName
-	}
-	if loadErr == nil {
-		if path != loadPath {
-			return fmt.Errorf("nvshmem: %s requested but %s is already loaded", path, loadPath)
+	return lib.Load(path, func(path string) string {
+		var buf [512]C.char
+		cpath := C.CString(path)
+		defer C.free(unsafe.Pointer(cpath))
+		if C.gs_load(cpath, &buf[0], C.int(len(buf))) != 0 {
+			return C.GoString(&buf[0])
 		}
-		return nil
-	}
-	var buf [512]C.char
-	cpath := C.CString(path)
-	defer C.free(unsafe.Pointer(cpath))
-	if C.gs_load(cpath, &buf[0], C.int(len(buf))) != 0 {
-		loadErr = fmt.Errorf("%w: %s", ErrNotLoaded, C.GoString(&buf[0]))
-		return loadErr
-	}
-	loadErr, loadPath = nil, path
-	return nil
+		return ""
+	})
 }
 
 func loaded() error {
