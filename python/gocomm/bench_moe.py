@@ -81,7 +81,7 @@ def _measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
     out = torch.empty(sum(recv), h, dtype=torch.bfloat16, device=dev)
     splits_dev = torch.tensor(send, dtype=torch.int64, device=dev)
     weights = torch.rand(tokens, args.topk, device=dev)
-    res = {"tokens": tokens, "bytes": moved, "world": world}
+    res = {"tokens": tokens, "bytes": moved, "world": world, "transport": dist.group.WORLD._sparse_transport()}
 
     def nccl_known():
         dist.all_to_all_single(out, inp, recv, send, group=nccl)
@@ -160,6 +160,12 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument(
+        "--transport",
+        choices=("auto", "nvshmem", "nccl"),
+        default=None,
+        help="GOCOMM_TRANSPORT for the ranks' sidecars (default: the environment's)",
+    )
     ap.add_argument("--json")
     ap.add_argument("--png")
     args = ap.parse_args(argv)
@@ -169,10 +175,13 @@ def main(argv=None) -> int:
         print("bench_moe: no GPU", file=sys.stderr)
         return 2
     q = mp.get_context("spawn").SimpleQueue()
+    if args.transport:
+        os.environ["GOCOMM_TRANSPORT"] = args.transport  # the ranks and their sidecars inherit it
     mp.spawn(_worker, args=(world, _free_port(), args, q), nprocs=world)
     rows = q.get()
     print(
         f"MoE all-to-all, {world}x {torch.cuda.get_device_name(0)}, hidden {args.hidden} bf16, "
+        f"gocomm transport {rows[0].get('transport', '?')}, "
         f"top-{args.topk} of {args.experts} experts, torch {torch.__version__}"
     )
     for r in rows:
