@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
-import math
 import os
 import threading
 import time
@@ -414,6 +413,21 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         """
         if self._closed:
             raise ValueError(f"gocomm {op}: the process group was destroyed")
+        direct = _direct_buffers(inputs, outputs)
+        if direct is not None and all(t.is_cuda for t in direct):
+            return self._cuda_direct(
+                op,
+                kind,
+                direct,
+                dtype=dtype,
+                count=count,
+                redop=redop,
+                root=root,
+                tag=tag,
+                splits=splits,
+                result=result,
+                timeout=timeout,
+            )
         t_limit = self._timeout
         if timeout is not None and _timeout_seconds(timeout) > 0:
             t_limit = _timeout_seconds(timeout)
@@ -464,15 +478,18 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         kind: int,
         bufs: list[torch.Tensor],
         *,
+        dtype: torch.dtype | None = None,
         count: int = 0,
         redop: int = 0,
         root: int = 0,
+        tag: int = 0,
         splits: list[int] | None = None,
+        result: list[torch.Tensor] | None = None,
         timeout=None,
     ) -> Work:
         """_submit_cuda for ops whose buffers are the caller's tensors as they are (no packing):
         the same steps without the general case's bookkeeping, which is most of a small op's
-        host time. The last tensor is the op's result."""
+        host time. dtype defaults to the first buffer's, result to the last buffer."""
         if self._closed:
             raise ValueError(f"gocomm {op}: the process group was destroyed")
         if self._slot < 0:
@@ -488,19 +505,21 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         sc = self._sc
         counters = sc.attach_device(t0.device) + 16 * self._slot
         refs = [sc.cuda_segment(t) for t in bufs]
-        work = Work(op, [bufs[-1]], t_limit + _GRACE)
+        work = Work(op, result if result is not None else [bufs[-1]], t_limit + _GRACE)
         p = _Pending(work, op, time.monotonic() + t_limit + _GRACE)
         p.keep = bufs
-        dt = _wire.DTYPES[t0.dtype]
+        dt = _wire.DTYPES[dtype if dtype is not None else t0.dtype]
         timeout_ms = int(t_limit * 1000) if timeout is not None else 0
         handle = self._handle
+        lane = 1 if kind in (_wire.SEND, _wire.RECV) else 0
+        counters += 8 * lane
         with self._cuda_lock:  # the counter value, its stream write and the descriptor stay in step
-            self._k[0] += 1
-            k = self._k[0]
+            self._k[lane] += 1
+            k = self._k[lane]
             _cuda.write_value(_cuda.current_stream(idx), counters, k)
             self._disp.submit(
                 lambda seq: _wire.encode_desc(
-                    seq, handle, kind, dt, redop, root, 0, count, timeout_ms, refs, splits, _wire.DEVICE_CUDA, k
+                    seq, handle, kind, dt, redop, root, tag, count, timeout_ms, refs, splits, _wire.DEVICE_CUDA, k
                 ),
                 p,
             )
@@ -585,23 +604,11 @@ class ProcessGroupGocomm(dist.ProcessGroup):
                 return e.detail.split(":", 1)[0]
         return "nccl"
 
-    def _all_to_all_v_nvshmem(self, input, in_splits, out, out_splits, status) -> Work:
-        """gocomm.all_to_all_v on the sidecar's NVSHMEM path: splits, counts and the overflow
-        status stay on the GPU; ordered on the current stream like every CUDA op."""
-        row = input.element_size() * math.prod(input.shape[1:])
-        return self._cuda_direct(
-            "all_to_all_v", _wire.ALL_TO_ALL_V, [input, in_splits, out, out_splits, status], count=row
-        )
-
     # ----- collectives ------------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
         t = _single("all_reduce", "tensor", tensors)
         redop = _redop("all_reduce", opts, t)
-        if t.is_cuda:
-            return self._cuda_direct(
-                "all_reduce", _wire.ALL_REDUCE, [t], count=t.numel(), redop=redop, timeout=_opt_timeout(opts)
-            )
         return self._submit(
             "all_reduce",
             _wire.ALL_REDUCE,
@@ -635,10 +642,6 @@ class ProcessGroupGocomm(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         t = _single("broadcast", "tensor", tensors)
         root = _root("broadcast", opts, self._size)
-        if t.is_cuda:
-            return self._cuda_direct(
-                "broadcast", _wire.BROADCAST, [t], count=t.numel(), root=root, timeout=_opt_timeout(opts)
-            )
         me = root == self._rank
         return self._submit(
             "broadcast",
@@ -656,10 +659,6 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         t = _single("reduce", "tensor", tensors)
         redop = _redop("reduce", opts, t)
         root = _root("reduce", opts, self._size)
-        if t.is_cuda:
-            return self._cuda_direct(
-                "reduce", _wire.REDUCE, [t], count=t.numel(), redop=redop, root=root, timeout=_opt_timeout(opts)
-            )
         return self._submit(
             "reduce",
             _wire.REDUCE,
@@ -695,14 +694,6 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             raise ValueError(
                 f"gocomm all_gather_into_tensor: output_tensor has {output.numel()} elements, "
                 f"want world_size * input numel = {self._size} * {input.numel()}"
-            )
-        if input.is_cuda and output.is_cuda:
-            return self._cuda_direct(
-                "all_gather_into_tensor",
-                _wire.ALL_GATHER,
-                [input, output],
-                count=input.numel(),
-                timeout=_opt_timeout(opts),
             )
         return self._submit(
             "all_gather_into_tensor",
@@ -751,15 +742,6 @@ class ProcessGroupGocomm(dist.ProcessGroup):
                 f"want world_size * output numel = {self._size} * {output.numel()}"
             )
         redop = _redop("reduce_scatter_tensor", opts, output)
-        if input.is_cuda and output.is_cuda:
-            return self._cuda_direct(
-                "reduce_scatter_tensor",
-                _wire.REDUCE_SCATTER,
-                [input, output],
-                count=output.numel(),
-                redop=redop,
-                timeout=_opt_timeout(opts),
-            )
         return self._submit(
             "reduce_scatter_tensor",
             _wire.REDUCE_SCATTER,
@@ -817,14 +799,6 @@ class ProcessGroupGocomm(dist.ProcessGroup):
                 splits=[s * row * k for s, k in zip(ins, no_self, strict=True)]
                 + [s * row * k for s, k in zip(outs, no_self, strict=True)],
                 result=[output],
-                timeout=_opt_timeout(opts),
-            )
-        if input.is_cuda and output.is_cuda:
-            return self._cuda_direct(
-                op,
-                _wire.ALL_TO_ALL,
-                [input, output],
-                splits=[s * row for s in ins] + [s * row for s in outs],
                 timeout=_opt_timeout(opts),
             )
         return self._submit(
@@ -1008,6 +982,24 @@ class ProcessGroupGocomm(dist.ProcessGroup):
                     "bytes_received": g.bytes_received,
                 }
         return {}
+
+
+def _direct_buffers(inputs, outputs) -> list[torch.Tensor] | None:
+    """The op's buffers when each is one caller tensor used as it is (an output, if any, being
+    that same tensor); None when some buffer packs several tensors."""
+    out_for = dict(outputs)
+    bufs = []
+    for i, ins in enumerate(inputs):
+        outs = out_for.get(i)
+        if ins is None:
+            if outs is None or len(outs) != 1:
+                return None
+            bufs.append(outs[0])
+        elif len(ins) != 1 or (outs is not None and (len(outs) != 1 or outs[0] is not ins[0])):
+            return None
+        else:
+            bufs.append(ins[0])
+    return bufs or None
 
 
 # ----- argument checks (before anything is sent) -------------------------------------------------

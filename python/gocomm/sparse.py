@@ -16,6 +16,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from . import _wire
+
 __all__ = ["all_to_all_v"]
 
 _SPLIT_DTYPES = (torch.int32, torch.int64)
@@ -44,7 +46,8 @@ def _nvshmem(g, n, input, in_splits, out):
     splits64 = in_splits.to(device=input.device, dtype=torch.int64)
     out_splits = torch.empty(n, dtype=torch.int64, device=input.device)
     status = torch.zeros(1, dtype=torch.int32, device=input.device)
-    g._all_to_all_v_nvshmem(input, splits64, out, out_splits, status).wait()
+    bufs = [input, splits64, out, out_splits, status]
+    g._cuda_direct("all_to_all_v", _wire.ALL_TO_ALL_V, bufs, count=row).wait()
     return out, out_splits.to(device=in_splits.device, dtype=in_splits.dtype)
 
 
