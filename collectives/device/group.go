@@ -572,13 +572,8 @@ func (g *group) poll() {
 			return
 		}
 		flights := append([]*flight(nil), g.inflight...)
-		var late *dop
 		now := time.Now()
-		for _, w := range g.allWorkers() {
-			if w.busy != nil && now.After(w.busy.Deadline) {
-				late = w.busy
-			}
-		}
+		late := g.busyWhere(func(o *dop) bool { return now.After(o.Deadline) })
 		g.mu.Unlock()
 		if late != nil {
 			g.Abort(fmt.Errorf("%w: %s was still being enqueued (in NCCL) at its deadline; a peer never posted its side",
@@ -646,13 +641,20 @@ func (g *group) allWorkers() []*worker {
 	return ws
 }
 
-func (g *group) anyBusy() bool {
-	for _, w := range g.allWorkers() {
-		if w.busy != nil {
-			return true
+func (g *group) anyBusy() bool { return g.busyWhere(func(*dop) bool { return true }) != nil }
+
+// busyWhere returns an op a worker is enqueueing for which match is true, or nil (g.mu held).
+// The poller asks every few microseconds: it walks the workers without building a list.
+func (g *group) busyWhere(match func(*dop) bool) *dop {
+	if o := g.coll.busy; o != nil && match(o) {
+		return o
+	}
+	for _, w := range g.pairs {
+		if o := w.busy; o != nil && match(o) {
+			return o
 		}
 	}
-	return false
+	return nil
 }
 
 // Abort implements pg.DeviceGroup (design 6).
