@@ -118,7 +118,7 @@ type BufRef struct {
 const (
 	descHeader = 56
 	bufRefSize = 24
-	maxBufs    = 4
+	maxBufs    = 8 // all_to_all_v has the most: 5
 	maxSplits  = 1 << 20
 )
 

@@ -105,6 +105,11 @@ func TestValidate(t *testing.T) {
 				if err != nil {
 					t.Fatalf("Validate = %v, want nil", err)
 				}
+				// What validates must also cross the wire: the decoder's structural limits
+				// (buffer count) once refused all_to_all_v's five buffers.
+				if _, err := DecodeDesc(tc.d.Encode()); err != nil {
+					t.Fatalf("DecodeDesc(Encode()) = %v", err)
+				}
 				return
 			}
 			if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), tc.bad) {

@@ -49,6 +49,10 @@ type DeviceSession interface {
 	// count on the second pair. link carries the engine's own messages to the group's other
 	// ranks (communicator ids), over the group's host links.
 	NewGroup(rank, size, slot int, link PeerLink) (DeviceGroup, error)
+	// Release lets every stream waiting on slot's counters go on: the client's stream
+	// waits for each op it submitted, so an op refused before any device group of the slot
+	// exists must still be let through (the group is broken, the op failed).
+	Release(slot int) error
 	Close() error
 }
 

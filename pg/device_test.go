@@ -44,9 +44,23 @@ func (e *fakeEngine) Attach([16]byte) (DeviceSession, error) {
 }
 
 type fakeDevSession struct {
-	e    *fakeEngine
-	mu   sync.Mutex
-	segs map[uint32]uint64
+	e        *fakeEngine
+	mu       sync.Mutex
+	segs     map[uint32]uint64
+	released []int // slots, in the order Release was called
+}
+
+func (s *fakeDevSession) Release(slot int) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.released = append(s.released, slot)
+	return nil
+}
+
+func (s *fakeDevSession) releasedSlots() []int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]int(nil), s.released...)
 }
 
 func (s *fakeDevSession) Counters() [64]byte { return [64]byte{1} }
@@ -285,6 +299,44 @@ func TestDeviceOps(t *testing.T) {
 	// a refused CUDA op breaks the group (the client's counter already counted it)
 	if g.Broken() == nil {
 		t.Fatal("the group survived a refused CUDA op")
+	}
+}
+
+// TestRefusedFirstCUDAOpReleasesStream: the client's stream waits for the done count of
+// every CUDA op it submitted. One refused before the group has a device member (bad
+// segment, or a descriptor the decoder refuses) must still let the stream past, or the
+// caller's GPU waits forever (seen on the device when the decoder refused all_to_all_v's
+// five buffers).
+func TestRefusedFirstCUDAOpReleasesStream(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		send func(c *client, g *Group)
+		want string
+	}{
+		{"unregistered segment", func(c *client, g *Group) { c.submit(cudaAllReduce(g, CUDASegment|9, 10, 1)) }, "not registered"},
+		{"undecodable descriptor", func(c *client, g *Group) {
+			d := cudaAllReduce(g, CUDASegment|1, 1, 1)
+			d.Bufs = make([]BufRef, maxBufs+1)
+			c.seq++
+			d.Seq = c.seq
+			c.raw(RecOp, d.Encode())
+		}, "buffers"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			clients, groups := deviceCluster(t, 2, 5*time.Second, &fakeEngine{})
+			c, g := clients[0], groups[0]
+			tc.send(c, g)
+			if d := c.next(5 * time.Second); d.status != StatusInvalid || !strings.Contains(d.msg, tc.want) {
+				t.Fatalf("completion %+v, want invalid containing %q", d, tc.want)
+			}
+			ds := c.sess.deviceSession().(*fakeDevSession)
+			if got := ds.releasedSlots(); len(got) != 1 || got[0] != g.Slot {
+				t.Fatalf("released slots %v, want [%d]", got, g.Slot)
+			}
+			if g.Broken() == nil {
+				t.Fatal("the group survived a refused CUDA op")
+			}
+		})
 	}
 }
 

@@ -139,14 +139,24 @@ func (g *Group) Abort(reason string) {
 // CUDA op of any kind, because the client's stream counter already counts it and the
 // engine's streams must not wait for a value nobody writes.
 func (g *Group) reject(d Desc, err error) {
-	g.sess.complete(d.Seq, StatusInvalid, -1, err.Error())
+	// Break and release first: when the client sees the failure, both have happened.
+	defer g.sess.complete(d.Seq, StatusInvalid, -1, err.Error())
 	g.count(d.Kind, true)
 	if d.Kind.Collective() || d.Device == DeviceCUDA {
 		g.mu.Lock()
-		ep := g.ep
+		ep, dev := g.ep, g.dev
 		g.mu.Unlock()
 		if ep != nil {
 			ep.Break(fmt.Errorf("%w: rank %d refused its %s: %v", transport.ErrAborted, g.Rank, d.Kind, err))
+		}
+		if d.Device == DeviceCUDA && (dev == nil || ep == nil) && g.Slot >= 0 {
+			// The client's stream waits for this op's done count. A device group releases
+			// its streams when the break aborts it; without one, release them here.
+			if ds := g.sess.deviceSession(); ds != nil {
+				if err := ds.Release(g.Slot); err != nil {
+					g.log.Error("could not release the streams of a refused op", "err", err)
+				}
+			}
 		}
 	}
 }

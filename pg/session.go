@@ -343,16 +343,19 @@ func (sess *Session) serve() {
 // trusted: a bad one is answered with an invalid completion and the loop goes on.
 func (sess *Session) submit(payload []byte) {
 	d, err := DecodeDesc(payload)
-	if err != nil {
+	if err != nil && (d.Device != DeviceCUDA || len(payload) < descHeader) {
 		sess.complete(d.Seq, StatusInvalid, -1, err.Error())
 		return
 	}
-	g, err := sess.Group(d.Group)
-	if err != nil {
-		sess.complete(d.Seq, StatusInvalid, -1, fmt.Sprintf("%v: %v", ErrInvalid, err))
+	g, gerr := sess.Group(d.Group)
+	if gerr != nil {
+		sess.complete(d.Seq, StatusInvalid, -1, fmt.Sprintf("%v: %v", ErrInvalid, gerr))
 		return
 	}
-	if err := d.Validate(g.Rank, g.Size); err != nil {
+	if err == nil {
+		err = d.Validate(g.Rank, g.Size)
+	}
+	if err != nil { // a CUDA op's group must let the client's stream past it (reject)
 		g.reject(d, err)
 		return
 	}

@@ -141,7 +141,8 @@ type session struct {
 	counters    cuda.Ptr
 	countersIPC cuda.IPCHandle
 	relMu       sync.Mutex
-	shmem       shmemState // the NVSHMEM PE, made by the first OpAllToAllV
+	released    map[int][16]byte // per slot, the counter values release wrote (relMu)
+	shmem       shmemState       // the NVSHMEM PE, made by the first OpAllToAllV
 
 	mu   sync.Mutex
 	segs map[uint32]*ipcSeg
@@ -167,24 +168,39 @@ func (s *session) do(f func() error) error {
 
 func (s *session) Counters() [64]byte { return s.countersIPC }
 
-// release sets the done (and ready) counters of a slot far ahead of anything issued, so
-// that every stream waiting on them goes on (invariant 3).
-func (s *session) release(slot int) error {
+// Release sets the done (and ready) counters of a slot far ahead of anything issued, so
+// that every stream waiting on them goes on (invariant 3). Waits compare cyclically (GEQ is
+// a signed difference), so pushing the counters ahead a second time could put them behind
+// again: a slot released before gets the same far values written once more (which also
+// undoes done writes that ran after the first release).
+func (s *session) Release(slot int) error {
+	if slot < 0 || slot >= pg.CounterSlots {
+		return fmt.Errorf("counter slot %d out of range", slot)
+	}
 	s.relMu.Lock()
 	defer s.relMu.Unlock()
 	return s.do(func() error {
 		base := s.counters + cuda.Ptr(16*slot)
-		var w [16]byte
-		if err := s.ctl.CopyToHostOn(w[:], base); err != nil {
+		w, again := s.released[slot]
+		if !again {
+			if err := s.ctl.CopyToHostOn(w[:], base); err != nil {
+				return err
+			}
+			le := binary.LittleEndian
+			for lane := 0; lane < 2; lane++ {
+				far := le.Uint32(w[8*lane:]) + 1<<30
+				le.PutUint32(w[8*lane:], far)
+				le.PutUint32(w[8*lane+4:], far)
+			}
+		}
+		if err := s.ctl.CopyToDeviceOn(base, w[:]); err != nil {
 			return err
 		}
-		le := binary.LittleEndian
-		for lane := 0; lane < 2; lane++ {
-			far := le.Uint32(w[8*lane:]) + 1<<30
-			le.PutUint32(w[8*lane:], far)
-			le.PutUint32(w[8*lane+4:], far)
+		if s.released == nil {
+			s.released = map[int][16]byte{}
 		}
-		return s.ctl.CopyToDeviceOn(base, w[:])
+		s.released[slot] = w
+		return nil
 	})
 }
 

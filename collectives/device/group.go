@@ -237,7 +237,7 @@ func (g *group) work(w *worker) {
 			// done writes that were queued behind the abort ran when the streams drained
 			// and may have set done below what Abort released: release again.
 			g.seqStream.Synchronize()
-			if err := g.s.release(g.slot); err != nil {
+			if err := g.s.Release(g.slot); err != nil {
 				g.s.log.Error("could not release the streams of an aborted group", "err", err)
 			}
 		}
@@ -686,7 +686,7 @@ func (g *group) Abort(cause error) {
 	g.mu.Unlock()
 	// Release the streams first, then abort: kernels held behind a ready counter then run
 	// and see NCCL's abort flag, instead of starting after their communicator was freed.
-	if err := g.s.release(g.slot); err != nil {
+	if err := g.s.Release(g.slot); err != nil {
 		g.s.log.Error("could not release the streams waiting on an aborted group", "err", err)
 	}
 	for _, c := range comms {
