@@ -2,31 +2,42 @@
 NVSHMEM all_to_all_vdev, in one run, on the same GPUs and the same routing.
 
     python -m gocomm.bench_moe [--tokens 128,4096] [--hidden 7168] [--topk 8] [--experts 256]
-                               [--json F] [--png F]
+                               [--transport nccl|nvshmem] [--torch-under-mps] [--json F] [--png F]
 
 One rank per visible GPU. Routing as in ../shared/reference/nccl_baseline.py: each token picks
 top-k distinct experts uniformly at random, experts spread evenly over the ranks, each token
 sent once per destination rank. Rows are bf16 of the hidden size. Each variant is timed alone
 between CUDA events (median of 20 after 5 warm-ups), as the reference scripts time:
 
-- nccl a2a (splits known): torch NCCL all_to_all_single with host splits.
-- nccl counts+a2a: the usual pattern: all_to_all of the counts, .tolist(), all_to_all_single.
-- symm_mem all_to_all_vdev: torch's NVSHMEM kernel, device-side splits.
-- gocomm a2a (splits known): dist.all_to_all_single on the gocomm group.
-- gocomm all_to_all_v: gocomm.all_to_all_v with splits on the GPU.
-- gocomm dispatch / combine: gocomm.moe.dispatch and gocomm.moe.combine (top-k routing,
-  dedupe, grouping by expert; combine weights and sums).
+Two process sets run one after the other in one invocation:
+
+- gocomm's ranks (default group gocomm, plus an NCCL subgroup), as MPS clients when the
+  environment has MPS: "nccl a2a (splits known)" and "nccl counts+a2a" on the NCCL subgroup,
+  then gocomm's variants:
+  - gocomm a2a (splits known): dist.all_to_all_single on the gocomm group.
+  - gocomm all_to_all_v: gocomm.all_to_all_v with splits on the GPU.
+  - gocomm dispatch / combine: gocomm.moe.dispatch and gocomm.moe.combine (top-k routing,
+    dedupe, grouping by expert; combine weights and sums).
+- torch's ranks, as torch users run them (NCCL default group, no MPS unless
+  --torch-under-mps), the anchors of ../shared/design.md:
+  - torch nccl a2a (splits known): all_to_all_single with host splits.
+  - torch nccl counts+a2a: the usual pattern: all_to_all of the counts, .tolist(), all_to_all_single.
+  - torch symm_mem all_to_all_vdev: torch's NVSHMEM kernel, device-side splits. (It runs in
+    its own processes because torch's NVSHMEM bootstrap crashed in symm_mem.empty in a
+    process whose default group is gocomm.)
 
 Columns: time, bytes this rank sends to other ranks, and those bytes over the time (GB/s),
-plus the ratio to NCCL with the count exchange and to all_to_all_vdev.
+plus the ratio to torch's NCCL with the count exchange and to torch's all_to_all_vdev.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -42,7 +53,19 @@ def routing(rank: int, world: int, tokens: int, topk: int, experts: int, seed: i
     return torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])
 
 
+def _splits(rank, world, tokens, args) -> tuple[list[int], list[int]]:
+    """Rows this rank sends to and receives from each rank (every rank rebuilds every routing)."""
+    send_of = []
+    for r in range(world):
+        dest = routing(r, world, tokens, args.topk, args.experts) // (args.experts // world)
+        hit = torch.zeros(tokens, world, dtype=torch.bool)
+        hit[torch.arange(tokens).unsqueeze(1), dest] = True
+        send_of.append(hit.sum(0).tolist())
+    return send_of[rank], [send_of[r][rank] for r in range(world)]
+
+
 def _worker(rank, world, port, args, q):
+    faulthandler.enable()  # a crash in a rank names its Python stack
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
@@ -68,13 +91,7 @@ def _measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
 
     h = args.hidden
     idx = routing(rank, world, tokens, args.topk, args.experts)
-    dest = idx // (args.experts // world)
-    hit = torch.zeros(tokens, world, dtype=torch.bool)
-    hit[torch.arange(tokens).unsqueeze(1), dest] = True
-    send = hit.sum(0).tolist()
-    allsend = [None] * world
-    dist.all_gather_object(allsend, send, group=nccl)
-    recv = [allsend[r][rank] for r in range(world)]
+    send, recv = _splits(rank, world, tokens, args)
     moved = (sum(send) - send[rank]) * h * 2
     x = torch.randn(tokens, h, device=dev).to(torch.bfloat16)
     inp = torch.randn(sum(send), h, device=dev).to(torch.bfloat16)
@@ -87,30 +104,74 @@ def _measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
         dist.all_to_all_single(out, inp, recv, send, group=nccl)
 
     def nccl_counts():
-        rc = torch.empty_like(splits_dev)
-        dist.all_to_all_single(rc, splits_dev, group=nccl)
-        r = rc.tolist()
-        dist.all_to_all_single(out[: sum(r)], inp, r, send, group=nccl)
+        _counts_a2a(out, inp, send, dev, nccl)
 
-    res["nccl a2a (splits known)"] = _timeit(nccl_known, sync)
-    res["nccl counts+a2a"] = _timeit(nccl_counts, sync)
-    res["gocomm a2a (splits known)"] = _timeit(lambda: dist.all_to_all_single(out, inp, recv, send), sync)
-    res["gocomm all_to_all_v"] = _timeit(lambda: gocomm.all_to_all_v(inp, splits_dev, out=out), sync)
+    def run(name, f):
+        if args.verbose:
+            print(f"bench_moe: rank {rank} {tokens} tokens: {name}", file=sys.stderr, flush=True)
+        res[name] = f()
+
+    run("nccl a2a (splits known)", lambda: _timeit(nccl_known, sync))
+    run("nccl counts+a2a", lambda: _timeit(nccl_counts, sync))
+    run("gocomm a2a (splits known)", lambda: _timeit(lambda: dist.all_to_all_single(out, inp, recv, send), sync))
+    run("gocomm all_to_all_v", lambda: _timeit(lambda: gocomm.all_to_all_v(inp, splits_dev, out=out), sync))
     didx = idx.to(dev)
-    res["gocomm dispatch"] = _timeit(lambda: gocomm.moe.dispatch(x, didx, weights, args.experts), sync)
+    run("gocomm dispatch", lambda: _timeit(lambda: gocomm.moe.dispatch(x, didx, weights, args.experts), sync))
     recv_x, _, handle = gocomm.moe.dispatch(x, didx, weights, args.experts)
-    res["gocomm combine"] = _timeit(lambda: gocomm.moe.combine(recv_x, handle), sync)
-    res["symm_mem all_to_all_vdev"] = _symm(rank, world, dev, nccl, send, recv, h, tokens, sync)
+    run("gocomm combine", lambda: _timeit(lambda: gocomm.moe.combine(recv_x, handle), sync))
     return res
 
 
-def _symm(rank, world, dev, nccl, send, recv, h, tokens, sync) -> float | str:
+def _torch_worker(rank, world, port, args, q):
+    """The torch baselines as torch users run them: NCCL as the default group (torch's
+    NVSHMEM bootstrap crashed in symm_mem.empty in a process whose default group is gocomm,
+    seen on H200), symm_mem's all_to_all_vdev on it, and NCCL all_to_all_single again."""
+    faulthandler.enable()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    gsync = torch.zeros(1, device=dev)
+
+    def sync():
+        dist.all_reduce(gsync)
+
+    rows = [_torch_measure(rank, world, dev, sync, args, tokens) for tokens in args.tokens]
+    if rank == 0:
+        q.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _torch_measure(rank, world, dev, sync, args, tokens) -> dict:
+    send, recv = _splits(rank, world, tokens, args)
+    h = args.hidden
+    inp = torch.randn(sum(send), h, device=dev).to(torch.bfloat16)
+    out = torch.empty(sum(recv), h, dtype=torch.bfloat16, device=dev)
+    return {
+        "tokens": tokens,
+        "nccl a2a (splits known)": _timeit(lambda: dist.all_to_all_single(out, inp, recv, send), sync),
+        "nccl counts+a2a": _timeit(lambda: _counts_a2a(out, inp, send, dev, None), sync),
+        "symm_mem all_to_all_vdev": _symm(world, dev, send, h, tokens, sync),
+    }
+
+
+def _counts_a2a(out, inp, send, dev, group):
+    """The usual pattern: all_to_all the counts, .tolist() (a host sync), all_to_all_single."""
+    sd = torch.tensor(send, dtype=torch.int64, device=dev)
+    rc = torch.empty_like(sd)
+    dist.all_to_all_single(rc, sd, group=group)
+    r = rc.tolist()
+    dist.all_to_all_single(out[: sum(r)], inp, r, send, group=group)
+
+
+def _symm(world, dev, send, h, tokens, sync) -> float | str:
     """torch's NVSHMEM all_to_all_vdev on the same splits (its error text if it cannot run)."""
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
         symm_mem.set_backend("NVSHMEM")
-        gname = nccl.group_name
+        gname = dist.group.WORLD.group_name
         cap = tokens * world * h
         inp = symm_mem.empty(cap, dtype=torch.bfloat16, device=dev).normal_()
         out = symm_mem.empty(cap, dtype=torch.bfloat16, device=dev)
@@ -125,9 +186,11 @@ def _symm(rank, world, dev, nccl, send, recv, h, tokens, sync) -> float | str:
 
 
 VARIANTS = (
+    "torch nccl a2a (splits known)",
+    "torch nccl counts+a2a",
+    "torch symm_mem all_to_all_vdev",
     "nccl a2a (splits known)",
     "nccl counts+a2a",
-    "symm_mem all_to_all_vdev",
     "gocomm a2a (splits known)",
     "gocomm all_to_all_v",
     "gocomm dispatch",
@@ -144,9 +207,7 @@ def _plot(rows, path: str) -> None:
     fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4), squeeze=False)
     for ax, r in zip(axes[0], rows, strict=True):
         names = [v for v in VARIANTS if isinstance(r.get(v), float)]
-        ax.barh(
-            names, [r[v] for v in names], color=["#999" if v.startswith(("nccl", "symm")) else "#2a7" for v in names]
-        )
+        ax.barh(names, [r[v] for v in names], color=["#999" if not v.startswith("gocomm") else "#2a7" for v in names])
         ax.set_xlabel("us (alone, median)")
         ax.set_title(f"{r['tokens']} tokens/rank, {r['world']} GPUs, {r['bytes'] / 1e6:.1f} MB sent")
         ax.invert_yaxis()
@@ -166,6 +227,12 @@ def main(argv=None) -> int:
         default=None,
         help="GOCOMM_TRANSPORT for the ranks' sidecars (default: the environment's)",
     )
+    ap.add_argument(
+        "--torch-under-mps",
+        action="store_true",
+        help="run the torch-only baselines as MPS clients too (default: without MPS, as torch users run them)",
+    )
+    ap.add_argument("--verbose", action="store_true", help="each rank says which variant it starts")
     ap.add_argument("--json")
     ap.add_argument("--png")
     args = ap.parse_args(argv)
@@ -179,22 +246,36 @@ def main(argv=None) -> int:
         os.environ["GOCOMM_TRANSPORT"] = args.transport  # the ranks and their sidecars inherit it
     mp.spawn(_worker, args=(world, _free_port(), args, q), nprocs=world)
     rows = q.get()
+    # The torch baselines in their own processes, right after, on the same GPUs and routing.
+    env = dict(os.environ)
+    if not args.torch_under_mps and "CUDA_MPS_PIPE_DIRECTORY" in os.environ:
+        # as torch users run them: a pipe directory with no daemon makes CUDA skip MPS
+        os.environ["CUDA_MPS_PIPE_DIRECTORY"] = tempfile.mkdtemp(prefix="gocomm-no-mps-")
+    try:
+        mp.spawn(_torch_worker, args=(world, _free_port(), args, q), nprocs=world)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    for r, t in zip(rows, q.get(), strict=True):
+        for k, v in t.items():
+            if k != "tokens":
+                r["torch " + k] = v
     print(
         f"MoE all-to-all, {world}x {torch.cuda.get_device_name(0)}, hidden {args.hidden} bf16, "
         f"gocomm transport {rows[0].get('transport', '?')}, "
         f"top-{args.topk} of {args.experts} experts, torch {torch.__version__}"
     )
     for r in rows:
-        base, vdev = r["nccl counts+a2a"], r["symm_mem all_to_all_vdev"]
+        base, vdev = r["torch nccl counts+a2a"], r["torch symm_mem all_to_all_vdev"]
         print(f"\n{r['tokens']} tokens per rank; {r['bytes'] / 1e6:.2f} MB sent to other ranks by rank 0")
-        print(f"{'variant':28s} {'us':>9s} {'GB/s':>7s} {'/nccl+counts':>12s} {'/a2a_vdev':>10s}")
+        print(f"{'variant':32s} {'us':>9s} {'GB/s':>7s} {'/nccl+counts':>12s} {'/a2a_vdev':>10s}")
         for v in VARIANTS:
             t = r[v]
             if not isinstance(t, float):
-                print(f"{v:28s} {t}")
+                print(f"{v:32s} {t}")
                 continue
             rv = f"{t / vdev:10.2f}" if isinstance(vdev, float) else f"{'-':>10s}"
-            print(f"{v:28s} {t:9.1f} {r['bytes'] / t / 1e3:7.1f} {t / base:12.2f} {rv}")
+            print(f"{v:32s} {t:9.1f} {r['bytes'] / t / 1e3:7.1f} {t / base:12.2f} {rv}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
