@@ -26,8 +26,9 @@ Two process sets run one after the other in one invocation:
     its own processes because torch's NVSHMEM bootstrap crashed in symm_mem.empty in a
     process whose default group is gocomm.)
 
-Columns: time, bytes this rank sends to other ranks, and those bytes over the time (GB/s),
-plus the ratio to torch's NCCL with the count exchange and to torch's all_to_all_vdev.
+Columns: time of one op alone, bytes this rank sends to other ranks over that time (GB/s),
+the ratios to torch's NCCL with the count exchange and to torch's all_to_all_vdev; then the
+time per op in a loop of back-to-back ops and the same two ratios.
 """
 
 from __future__ import annotations
@@ -44,13 +45,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .bench import _free_port
-from .bench_gpu import _alone as _timeit
+from .bench_gpu import _alone, _loop
 
 
 def routing(rank: int, world: int, tokens: int, topk: int, experts: int, seed: int = 0) -> torch.Tensor:
     """topk_idx [tokens, topk] of one rank (the reference scripts' generator)."""
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     return torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])
+
+
+def _timeit(fn, sync) -> list[float]:
+    """[alone, loop]: median us of one op timed alone after every rank synced, and us per op
+    in a loop of back-to-back ops (host time hidden behind the GPU's, as between layers)."""
+    return [_alone(fn, sync), _loop(fn, sync)]
 
 
 def _splits(rank, world, tokens, args) -> tuple[list[int], list[int]]:
@@ -206,13 +213,37 @@ def _plot(rows, path: str) -> None:
 
     fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4), squeeze=False)
     for ax, r in zip(axes[0], rows, strict=True):
-        names = [v for v in VARIANTS if isinstance(r.get(v), float)]
-        ax.barh(names, [r[v] for v in names], color=["#999" if not v.startswith("gocomm") else "#2a7" for v in names])
-        ax.set_xlabel("us (alone, median)")
+        names = [v for v in VARIANTS if isinstance(r.get(v), list)]
+        ax.barh(
+            names, [r[v][0] for v in names], color=["#999" if not v.startswith("gocomm") else "#2a7" for v in names]
+        )
+        ax.set_xlabel("us (one op alone, median)")
         ax.set_title(f"{r['tokens']} tokens/rank, {r['world']} GPUs, {r['bytes'] / 1e6:.1f} MB sent")
         ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _table(rows) -> None:
+    for r in rows:
+        base, vdev = r["torch nccl counts+a2a"], r["torch symm_mem all_to_all_vdev"]
+        print(f"\n{r['tokens']} tokens per rank; {r['bytes'] / 1e6:.2f} MB sent to other ranks by rank 0")
+        print(
+            f"{'variant':32s} {'us alone':>9s} {'GB/s':>7s} {'/nccl+counts':>12s} {'/a2a_vdev':>10s}"
+            f" {'us loop':>9s} {'/nccl+counts':>12s} {'/a2a_vdev':>10s}"
+        )
+        for v in VARIANTS:
+            t = r[v]
+            if not isinstance(t, list):
+                print(f"{v:32s} {t}")
+                continue
+            cols = f"{v:32s} {t[0]:9.1f} {r['bytes'] / t[0] / 1e3:7.1f}"
+            for i in range(2):
+                rb = f"{t[i] / base[i]:12.2f}" if isinstance(base, list) else f"{'-':>12s}"
+                rv = f"{t[i] / vdev[i]:10.2f}" if isinstance(vdev, list) else f"{'-':>10s}"
+                cols += f" {t[1]:9.1f}" if i == 1 else ""
+                cols += f" {rb} {rv}"
+            print(cols)
 
 
 def main(argv=None) -> int:
@@ -265,17 +296,7 @@ def main(argv=None) -> int:
         f"gocomm transport {rows[0].get('transport', '?')}, "
         f"top-{args.topk} of {args.experts} experts, torch {torch.__version__}"
     )
-    for r in rows:
-        base, vdev = r["torch nccl counts+a2a"], r["torch symm_mem all_to_all_vdev"]
-        print(f"\n{r['tokens']} tokens per rank; {r['bytes'] / 1e6:.2f} MB sent to other ranks by rank 0")
-        print(f"{'variant':32s} {'us':>9s} {'GB/s':>7s} {'/nccl+counts':>12s} {'/a2a_vdev':>10s}")
-        for v in VARIANTS:
-            t = r[v]
-            if not isinstance(t, float):
-                print(f"{v:32s} {t}")
-                continue
-            rv = f"{t / vdev:10.2f}" if isinstance(vdev, float) else f"{'-':>10s}"
-            print(f"{v:32s} {t:9.1f} {r['bytes'] / t / 1e3:7.1f} {t / base:12.2f} {rv}")
+    _table(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

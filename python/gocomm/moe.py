@@ -11,19 +11,21 @@ experts live on two ranks is sent twice, once per rank (deduplicated per rank, a
 does), and appears on the receiving rank once per local expert it chose. topk_idx entries of
 -1 choose nothing.
 
-The exchange runs on `gocomm.all_to_all_v`, which is the NCCL (or host-engine) path with one
-host sync per exchange; the one-sided NVSHMEM path of issue 4 replaces it where the GPUs
-share NVLink, under the same API.
+Each token travels once per destination rank with its routing (local expert ids and weights)
+in the same row: one `gocomm.all_to_all_v` per dispatch (the NVSHMEM path where the sidecar
+uses it, else NCCL or the host engine), one per combine. Dispatch still reads counts on the
+host (tensor shapes depend on them), so it syncs with the GPU a few times.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .sparse import all_to_all_v
+from .sparse import _capacity_rows, _on_nvshmem, all_to_all_v
 
 __all__ = ["Handle", "combine", "dispatch"]
 
@@ -53,6 +55,7 @@ def dispatch(
     *,
     group: dist.ProcessGroup | None = None,
     fp8: bool = False,
+    max_tokens_per_rank: int | None = None,
 ):
     """Send tokens to the ranks of their experts; group what arrives by local expert.
 
@@ -65,6 +68,11 @@ def dispatch(
         fp8: send float8_e4m3fn values with one float32 scale per FP8_BLOCK channels
             (H must be a multiple of FP8_BLOCK); the received tokens are returned as
             (values, scales) for an fp8 expert GEMM.
+        max_tokens_per_rank: the most tokens any rank of the group dispatches; it bounds
+            what this rank can receive (each token comes at most once per rank). On the
+            NVSHMEM path, where nothing learns the counts before the exchange, it sizes the
+            receive buffer; without it the buffer is the sidecar's whole receive capacity
+            (GOCOMM_NVSHMEM_RECV_MB). A rank that is sent more raises OverflowError.
 
     Returns:
         (recv, tokens_per_expert, handle): recv holds the received tokens grouped by local
@@ -90,8 +98,11 @@ def dispatch(
         raise ValueError(f"gocomm moe.dispatch: fp8 needs hidden ({h}) to be a multiple of {FP8_BLOCK}")
     dev = x.device
     idx = topk_idx.to(device=dev, dtype=torch.int64)
-    if t and (int(idx.min()) < -1 or int(idx.max()) >= num_experts):
-        raise ValueError(f"gocomm moe.dispatch: topk_idx must be in [-1, {num_experts}), got {idx.min()}..{idx.max()}")
+    if t:
+        lo, hi = torch.aminmax(idx)
+        lo, hi = torch.stack([lo, hi]).tolist()  # one host sync for both bounds
+        if lo < -1 or hi >= num_experts:
+            raise ValueError(f"gocomm moe.dispatch: topk_idx must be in [-1, {num_experts}), got {lo}..{hi}")
     k = idx.shape[1]
     per = num_experts // n
     dest = torch.where(idx >= 0, idx // per, -1)  # [T, K] rank of each chosen expert
@@ -101,28 +112,40 @@ def dispatch(
     pairs = hit.t().nonzero()  # (rank, token), by rank then token
     send_order = pairs[:, 1].contiguous()
     send_splits = torch.bincount(pairs[:, 0], minlength=n)
-    # per sent row: the local expert (on its destination) of each of the token's k choices
     dest_rows = pairs[:, 0].unsqueeze(1)
     mine = dest[send_order] == dest_rows
-    local = torch.where(mine, idx[send_order] - dest_rows * per, -1)
+    local = torch.where(mine, idx[send_order] - dest_rows * per, -1).to(torch.int32)
     wts = torch.where(mine, topk_weights.to(device=dev, dtype=torch.float32)[send_order], 0.0)
 
-    # one exchange learns the counts; the others reuse them (host lists)
+    # One exchange moves each token with its routing (local expert ids and weights) in the
+    # same row, so the receiver needs no second exchange and no counts beforehand.
     if fp8:
         blocks = x[send_order].float().view(-1, h // FP8_BLOCK, FP8_BLOCK)
         scale = blocks.abs().amax(dim=2).clamp(min=1e-12) / _FP8_MAX  # [S, H/128]
         q = (blocks / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(-1, h)
-        recv_q, recv_t = all_to_all_v(q.view(torch.uint8), send_splits, group=g)
-        send, recv = send_splits.tolist(), recv_t.tolist()
-        recv_scale = _move(scale.contiguous(), send, recv, g)
+        parts = [q, scale, local, wts]
     else:
-        recv_x, recv_t = all_to_all_v(x[send_order], send_splits, group=g)
-        send, recv = send_splits.tolist(), recv_t.tolist()
-    # local expert ids and weights travel together: both are exact in float64
-    meta = _move(torch.stack([local.double(), wts.double()], dim=1), send, recv, g)  # [R, 2, K]
-    recv_local, recv_w = meta[:, 0].long(), meta[:, 1].float()
+        parts = [x[send_order], local, wts]
+    payload, offs = _pack(parts)
+    out = None
+    if max_tokens_per_rank is not None:
+        if max_tokens_per_rank < t:
+            raise ValueError(f"gocomm moe.dispatch: max_tokens_per_rank {max_tokens_per_rank} < this rank's {t} tokens")
+        out = payload.new_empty((max_tokens_per_rank * n, payload.shape[1]))
+    elif _on_nvshmem(g, payload):
+        out = payload.new_empty((_capacity_rows(payload.shape[1]), payload.shape[1]))
+    recv_p, recv_t = all_to_all_v(payload, send_splits, group=g, out=out)
+    counts = torch.cat([send_splits, recv_t.to(send_splits.dtype)]).tolist()
+    send, recv = counts[:n], counts[n:]
+    if sum(recv) > recv_p.shape[0]:  # the NVSHMEM path reports overflow in the counts
+        raise OverflowError(
+            f"gocomm moe.dispatch: this rank is sent {sum(recv)} tokens ({recv} by source rank), more than "
+            f"max_tokens_per_rank x group size = {recv_p.shape[0]}; nothing was received"
+        )
+    recv_p = recv_p[: sum(recv)]
+    got = [_unpack(recv_p, off, p) for off, p in zip(offs, parts, strict=True)]
+    recv_local, recv_w = got[-2].long(), got[-1]
 
-    # group the (received row, choice) pairs by local expert, rows in arrival order within one
     r_rows, r_k = (recv_local >= 0).nonzero(as_tuple=True)
     experts = recv_local[r_rows, r_k]
     order = torch.argsort(experts * max(1, recv_local.shape[0]) + r_rows, stable=True)
@@ -139,9 +162,34 @@ def dispatch(
         weights=recv_w[r_rows, r_k][order],
     )
     if fp8:
-        vals = recv_q.view(torch.float8_e4m3fn)[rows_sorted]
-        return (vals, recv_scale[rows_sorted]), tokens_per_expert, handle
-    return recv_x[rows_sorted], tokens_per_expert, handle
+        return (got[0][rows_sorted], got[1][rows_sorted]), tokens_per_expert, handle
+    return got[0][rows_sorted], tokens_per_expert, handle
+
+
+_ALIGN = 16  # bytes: every part of a packed row starts aligned for any dtype
+
+
+def _pack(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """[S, ...] tensors side by side as one [S, row] uint8 tensor; returns it and each
+    part's byte offset in a row. The layout depends on the parts' row shapes and dtypes
+    only, so every rank (whatever its S) packs and unpacks the same way."""
+    rows = parts[0].shape[0]
+    offs, at = [], 0
+    for p in parts:
+        offs.append(at)
+        at += -(-(math.prod(p.shape[1:]) * p.element_size()) // _ALIGN) * _ALIGN
+    row = at
+    out = torch.empty(rows, row, dtype=torch.uint8, device=parts[0].device)
+    for off, p in zip(offs, parts, strict=True):
+        flat = p.reshape(rows, math.prod(p.shape[1:]))
+        out[:, off : off + flat.shape[1] * p.element_size()] = flat.view(torch.uint8)
+    return out, offs
+
+
+def _unpack(buf: torch.Tensor, off: int, like: torch.Tensor) -> torch.Tensor:
+    """The part of buf's rows at byte offset off, shaped and typed like like's rows."""
+    width = math.prod(like.shape[1:]) * like.element_size()
+    return buf[:, off : off + width].view(like.dtype).reshape(buf.shape[0], *like.shape[1:])
 
 
 def _move(t: torch.Tensor, send: list[int], recv: list[int], g) -> torch.Tensor:

@@ -416,5 +416,7 @@ def test_all_to_all_v_nvshmem(worlds, seed, size):
         del os.environ["GOCOMM_TRANSPORT"]
     try:
         w.run(check_all_to_all_v_nvshmem, seed=seed, timeout=RUN_LIMIT_S)
+        # dispatch/combine on the NVSHMEM path (one exchange of tokens with their routing)
+        w.run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
     finally:
         w.close()

@@ -117,6 +117,10 @@ def check_moe(rk, seed, device="cpu"):
         xs = [gen(seed, f"moe{label}", src, (tokens_of[src], hidden), torch.bfloat16) for src in range(n)]
         idxs = [_routing(seed, src, tokens_of[src], experts, k, n, label) for src in range(n)]
         ws = [gen(seed, f"w{label}", src, (tokens_of[src], k), torch.float32).abs() for src in range(n)]
+
+        def _to_me(row):
+            return bool(((row >= me * per) & (row < (me + 1) * per)).any())
+
         with ck.case(f"{label} dispatch"):
             recv, per_expert, handle = gocomm.moe.dispatch(xs[me].to(dev), idxs[me].to(dev), ws[me].to(dev), experts)
             # expected: for each local expert, every (source rank, token) that chose it, in order
@@ -133,6 +137,17 @@ def check_moe(rk, seed, device="cpu"):
             want = torch.stack(want_rows) if want_rows else torch.empty(0, hidden, dtype=torch.bfloat16)
             ck.same(f"{label} grouped tokens", recv.cpu(), want)
             ck.same(f"{label} tokens per expert", per_expert.cpu(), torch.tensor(counts, dtype=torch.int64))
+            # a bound every rank respects gives the same result; one too small for what a
+            # rank is sent raises there, and only there
+            args = (xs[me].to(dev), idxs[me].to(dev), ws[me].to(dev), experts)
+            bounded, _, _ = gocomm.moe.dispatch(*args, max_tokens_per_rank=max(tokens_of))
+            ck.same(f"{label} grouped tokens, bounded", bounded.cpu(), want)
+            sent_here = len({(src, t) for src in range(n) for t in range(tokens_of[src]) if _to_me(idxs[src][t])})
+            try:
+                gocomm.moe.dispatch(*args, max_tokens_per_rank=tokens_of[me])
+                ck.expect(f"{label} too small a bound", sent_here <= tokens_of[me] * n, "no OverflowError")
+            except OverflowError:
+                ck.expect(f"{label} too small a bound", sent_here > tokens_of[me] * n, "OverflowError")
         with ck.case(f"{label} combine"):
             eid = torch.repeat_interleave(torch.arange(per, device=dev), per_expert) + me * per
             y = (recv.float() * (eid + 1).unsqueeze(1)).to(torch.bfloat16)  # expert e scales by e + 1
