@@ -40,6 +40,12 @@ _work_lock = threading.Lock()  # guards every Work's lazy Event/Future against _
 _leaked: list = []  # buffers of ops the sidecar never answered: never handed back to the allocator
 
 
+def _stream_wait(idx: int, done: int, k: int) -> None:
+    """Make the current stream of device idx wait until the op's done counter reaches k."""
+    with _cuda.on_device(idx):
+        _cuda.wait_value(_cuda.current_stream(idx), done, k)
+
+
 class Work(dist._Work):
     """One op in flight. wait() blocks until the outputs are in the caller's tensors.
 
@@ -513,7 +519,10 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         handle = self._handle
         lane = 1 if kind in (_wire.SEND, _wire.RECV) else 0
         counters += 8 * lane
-        with self._cuda_lock:  # the counter value, its stream write and the descriptor stay in step
+        with (
+            self._cuda_lock,
+            _cuda.on_device(idx),
+        ):  # the counter value, its stream write and the descriptor stay in step
             self._k[lane] += 1
             k = self._k[lane]
             _cuda.write_value(_cuda.current_stream(idx), counters, k)
@@ -524,7 +533,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
                 p,
             )
         done = counters + 4
-        work._cuda_wait = lambda: _cuda.wait_value(_cuda.current_stream(idx), done, k)
+        work._cuda_wait = lambda: _stream_wait(idx, done, k)
         return work
 
     def _submit_cuda(self, op, kind, dtype, count, redop, root, tag, inputs, out_for, splits, t_limit, timeout, p):
@@ -567,7 +576,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         dt = _wire.DTYPES[dtype] if dtype is not None else 0
         timeout_ms = int(t_limit * 1000) if timeout is not None else 0
         p.keep = keep
-        with self._cuda_lock:
+        with self._cuda_lock, _cuda.on_device(dev.index):
             self._k[lane] += 1
             k = self._k[lane]
             ready, done = counters + 8 * lane, counters + 8 * lane + 4
@@ -594,7 +603,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             work._cuda_wait = lambda: torch.cuda.current_stream(dev).wait_event(ev)
         else:
             idx = dev.index
-            work._cuda_wait = lambda: _cuda.wait_value(_cuda.current_stream(idx), done, k)
+            work._cuda_wait = lambda: _stream_wait(idx, done, k)
         return work
 
     def _sparse_transport(self) -> str:

@@ -5,6 +5,7 @@ operations)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 
@@ -67,6 +68,14 @@ def _check(what: str, r: int) -> None:
         s = ctypes.c_char_p()
         _load().cuGetErrorString(r, ctypes.byref(s))
         raise CudaError(f"{what}: {s.value.decode() if s.value else r}")
+
+
+def on_device(idx: int):
+    """A context in which device idx is current. The driver calls here act in the current
+    context, and a caller may hold tensors of a device other than its current one (torch's
+    NCCL backend allows it): they failed then (cuMemGetAddressRange: not found; stream
+    memory operations: invalid argument, seen on H200)."""
+    return contextlib.nullcontext() if torch.cuda.current_device() == idx else torch.cuda.device(idx)
 
 
 def buffer_id(ptr: int) -> int:

@@ -300,23 +300,30 @@ class Sidecar:
         bid = _cuda.buffer_id(ptr)
         e = self._ipc.get(bid)
         if e is None:
-            base, size = _cuda.allocation(ptr)
-            for obid, (oseg, obase, osize) in list(self._ipc.items()):
-                if obase < base + size and base < obase + osize:
-                    del self._ipc[obid]
-                    self._ring_put(_wire.REC_IPC_DROP, _wire.IPC.pack(oseg, 0, 0)[:4])
-            try:
-                handle = _cuda.ipc_handle(base)
-            except _cuda.CudaError as err:
-                raise RuntimeError(
-                    f"gocomm: this tensor's memory cannot be shared with the sidecar ({err}); allocations "
-                    "from PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True have no CUDA IPC handle: unset it"
-                ) from None
-            seg = _wire.CUDA_SEGMENT | self._next_seg
-            self._next_seg += 1
-            self._ring_put(_wire.REC_IPC, _wire.IPC.pack(seg, 0, size) + handle)
-            e = self._ipc[bid] = (seg, base, size)
+            with _cuda.on_device(t.get_device()):
+                e = self._register(ptr, bid)
         return (e[0], ptr - e[1], n)
+
+    def _register(self, ptr: int, bid: int) -> tuple[int, int, int]:
+        """Register the allocation holding ptr (buffer id bid) with the sidecar, dropping
+        entries it replaced; its (segment, base, size)."""
+        base, size = _cuda.allocation(ptr)
+        for obid, (oseg, obase, osize) in list(self._ipc.items()):
+            if obase < base + size and base < obase + osize:
+                del self._ipc[obid]
+                self._ring_put(_wire.REC_IPC_DROP, _wire.IPC.pack(oseg, 0, 0)[:4])
+        try:
+            handle = _cuda.ipc_handle(base)
+        except _cuda.CudaError as err:
+            raise RuntimeError(
+                f"gocomm: this tensor's memory cannot be shared with the sidecar ({err}); allocations "
+                "from PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True have no CUDA IPC handle: unset it"
+            ) from None
+        seg = _wire.CUDA_SEGMENT | self._next_seg
+        self._next_seg += 1
+        self._ring_put(_wire.REC_IPC, _wire.IPC.pack(seg, 0, size) + handle)
+        e = self._ipc[bid] = (seg, base, size)
+        return e
 
     def _ring_put(self, typ: int, payload: bytes) -> None:
         while not self.ring.submit(typ, payload):

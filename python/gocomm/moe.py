@@ -98,20 +98,21 @@ def dispatch(
         raise ValueError(f"gocomm moe.dispatch: fp8 needs hidden ({h}) to be a multiple of {FP8_BLOCK}")
     dev = x.device
     idx = topk_idx.to(device=dev, dtype=torch.int64)
-    if t:
-        lo, hi = torch.aminmax(idx)
-        lo, hi = torch.stack([lo, hi]).tolist()  # one host sync for both bounds
+    per = num_experts // n
+    # Only ops that need no host sync until the one nonzero: a token's destinations as a
+    # [T, n] mask, filled by scatter (a boolean index would sync twice); entries out of
+    # range choose nothing here and raise below.
+    ok = (idx >= 0) & (idx < num_experts)
+    dest = torch.where(ok, idx // per, n)  # [T, K] rank of each chosen expert; n = none
+    hit = torch.zeros(t, n + 1, dtype=torch.bool, device=dev).scatter_(1, dest, True)[:, :n]
+    send_splits = hit.sum(0)
+    bounds = torch.stack(torch.aminmax(idx)) if idx.numel() else None
+    pairs = hit.t().nonzero()  # (rank, token), by rank then token: the first sync
+    if bounds is not None:
+        lo, hi = bounds.tolist()  # already computed: a copy, not a wait
         if lo < -1 or hi >= num_experts:
             raise ValueError(f"gocomm moe.dispatch: topk_idx must be in [-1, {num_experts}), got {lo}..{hi}")
-    k = idx.shape[1]
-    per = num_experts // n
-    dest = torch.where(idx >= 0, idx // per, -1)  # [T, K] rank of each chosen expert
-    hit = torch.zeros(t, n, dtype=torch.bool, device=dev)
-    chosen = dest >= 0
-    hit[torch.arange(t, device=dev).unsqueeze(1).expand(t, k)[chosen], dest[chosen]] = True
-    pairs = hit.t().nonzero()  # (rank, token), by rank then token
-    send_order = pairs[:, 1].contiguous()
-    send_splits = torch.bincount(pairs[:, 0], minlength=n)
+    send_order = pairs[:, 1]
     dest_rows = pairs[:, 0].unsqueeze(1)
     mine = dest[send_order] == dest_rows
     local = torch.where(mine, idx[send_order] - dest_rows * per, -1).to(torch.int32)
@@ -150,7 +151,9 @@ def dispatch(
     experts = recv_local[r_rows, r_k]
     order = torch.argsort(experts * max(1, recv_local.shape[0]) + r_rows, stable=True)
     rows_sorted = r_rows[order]
-    tokens_per_expert = torch.bincount(experts, minlength=per)
+    tokens_per_expert = torch.zeros(per, dtype=torch.int64, device=dev).index_add_(
+        0, experts, torch.ones_like(experts)
+    )  # bincount would sync for the largest id
     handle = Handle(
         group=group,
         tokens=t,
@@ -218,7 +221,7 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
     h = y.shape[1]
     dev = y.device
     partial = torch.zeros(sum(handle.recv_splits), h, dtype=torch.float32, device=dev)
-    partial.index_add_(0, handle.rows, y.float() * handle.weights.unsqueeze(1))
+    partial.index_add_(0, handle.rows, y.float().mul_(handle.weights.unsqueeze(1)))
     g = handle.group if handle.group is not None else dist.group.WORLD
     back = _move(partial.to(handle.dtype), handle.recv_splits, handle.send_splits, g)
     out = torch.zeros(handle.tokens, h, dtype=torch.float32, device=dev)

@@ -20,8 +20,16 @@ ROUTINGS = {
 }
 
 
+def _elsewhere(rk, device):
+    """On CUDA, make a device other than the rank's current (as torch's NCCL backend allows,
+    ops run on their tensors' device); this once broke the shim's stream operations."""
+    if device == "cuda" and torch.cuda.device_count() > 1:
+        torch.cuda.set_device((rk.rank + 1) % torch.cuda.device_count())
+
+
 def check_all_to_all_v(rk, seed, device="cpu"):
     dev = torch.device(device, rk.rank % torch.cuda.device_count()) if device == "cuda" else torch.device("cpu")
+    _elsewhere(rk, device)
     n, me = rk.size, rk.rank
     ck = Checker(f"all_to_all_v on {device}", seed, me)
     for label, splits_of in ROUTINGS.items():
@@ -107,6 +115,7 @@ def _routing(seed, src, tokens, experts, k, n, label):
 
 def check_moe(rk, seed, device="cpu"):
     dev = torch.device(device, rk.rank % torch.cuda.device_count()) if device == "cuda" else torch.device("cpu")
+    _elsewhere(rk, device)
     n, me = rk.size, rk.rank
     ck = Checker(f"moe dispatch/combine on {device}", seed, me)
     hidden, per = 256, 4
