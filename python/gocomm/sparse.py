@@ -126,6 +126,14 @@ def all_to_all_v(
     got = torch.empty_like(counts)
     dist.all_to_all_single(got, counts, group=g)
     recv = got.tolist()
+    me = dist.get_rank(g)
+    if recv[me] != send[me] or min(recv) < 0:
+        # On CUDA a failed exchange lets the stream go on (its error comes with the next op);
+        # counts that cannot be right must not size the data exchange.
+        raise dist.DistBackendError(
+            f"gocomm all_to_all_v: the count exchange returned {recv} but this rank sent itself {send[me]}: "
+            "the exchange failed (the group's next op, or the sidecar's log, says why)"
+        )
     rows = sum(recv)
     overflow = out is not None and rows > out.shape[0]
     if out is not None and not overflow:

@@ -94,6 +94,20 @@ def check_all_to_all_v(rk, seed, device="cpu"):
                 ck.expect(label, all(w in str(e) for w in words), str(e))
     if device == "cuda":
         torch.cuda.synchronize()
+    with ck.case("a failed count exchange raises"):
+        real = dist.all_to_all_single
+
+        def broken(out, inp, *a, **kw):  # every rank: what a failed exchange leaves behind
+            out.fill_(-7)
+
+        dist.all_to_all_single = broken
+        try:
+            gocomm.all_to_all_v(torch.ones(n, 2, device=dev), torch.ones(n, dtype=torch.int64, device=dev))
+            ck.fail("a failed count exchange raises", "no error")
+        except dist.DistBackendError as e:
+            ck.expect("names the count exchange", "count exchange" in str(e), str(e))
+        finally:
+            dist.all_to_all_single = real
     return ck.done()
 
 
