@@ -2,6 +2,10 @@
 
     python -m gocomm.bench_gpu [--sizes 8K,...,1G] [--ops all_reduce,...] [--json F] [--png F]
 
+(--ops all_to_all_v times gocomm.all_to_all_v, splits on the GPU, against NCCL's
+all_to_all_single with the same splits; set GOCOMM_TRANSPORT=nvshmem for the sidecar's
+NVSHMEM kernel.)
+
 One rank per visible GPU. Each rank joins the gocomm default group and an NCCL group over
 the same ranks and times, on bf16 tensors, each op two ways (nccl-tests' columns):
 - alone: one op between CUDA events after a barrier and a device sync (median of 20 after 5
@@ -27,6 +31,9 @@ import torch.multiprocessing as mp
 from .bench import _fmt, _free_port, _size
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all_single")
+# By --ops only: gocomm.all_to_all_v (splits on the GPU, one row of size/n bytes per rank)
+# against NCCL all_to_all_single with the same splits known on the host.
+EXTRA_OPS = ("all_to_all_v",)
 
 
 def _busbw(op: str, n: int) -> float:
@@ -76,6 +83,12 @@ def _op(op: str, n: int, world: int, dev, g):
         out = torch.empty(n // world, dtype=x.dtype, device=dev)
         return lambda: dist.reduce_scatter_tensor(out, x, group=g)
     out = torch.empty_like(x)
+    if op == "all_to_all_v" and g is None:
+        import gocomm
+
+        rows, o = x.view(world, -1), out.view(world, -1)
+        splits = torch.ones(world, dtype=torch.int64, device=dev)
+        return lambda: gocomm.all_to_all_v(rows, splits, out=o)
     return lambda: dist.all_to_all_single(out, x, group=g)
 
 
@@ -115,7 +128,7 @@ def _plot(rows, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ops = sorted({r["op"] for r in rows}, key=OPS.index)
+    ops = sorted({r["op"] for r in rows}, key=(OPS + EXTRA_OPS).index)
     fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
     for ax, op in zip(axes[0], ops, strict=True):
         rs = [r for r in rows if r["op"] == op]
@@ -147,6 +160,9 @@ def main(argv=None) -> int:
         return 2
     sizes = [_size(s) for s in args.sizes.split(",")]
     ops = [o for o in args.ops.split(",") if o]
+    if unknown := [o for o in ops if o not in OPS + EXTRA_OPS]:
+        print(f"bench_gpu: unknown ops {unknown}; known: {', '.join(OPS + EXTRA_OPS)}", file=sys.stderr)
+        return 2
     q = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_worker, args=(world, _free_port(), sizes, ops, q), nprocs=world)
     rows = q.get()
