@@ -53,9 +53,6 @@ type DeviceSession interface {
 	// waits for each op it submitted, so an op refused before any device group of the slot
 	// exists must still be let through (the group is broken, the op failed).
 	Release(slot int) error
-	// ResetCounters zeroes slot's counters for the next group that takes the slot; only
-	// when no stream uses them (the group that had the slot is closed).
-	ResetCounters(slot int) error
 	Close() error
 }
 

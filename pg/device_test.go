@@ -48,7 +48,6 @@ type fakeDevSession struct {
 	mu       sync.Mutex
 	segs     map[uint32]uint64
 	released []int // slots, in the order Release was called
-	reset    []int // slots, in the order ResetCounters was called
 }
 
 func (s *fakeDevSession) Release(slot int) error {
@@ -56,19 +55,6 @@ func (s *fakeDevSession) Release(slot int) error {
 	defer s.mu.Unlock()
 	s.released = append(s.released, slot)
 	return nil
-}
-
-func (s *fakeDevSession) ResetCounters(slot int) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.reset = append(s.reset, slot)
-	return nil
-}
-
-func (s *fakeDevSession) resetSlots() []int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return append([]int(nil), s.reset...)
 }
 
 func (s *fakeDevSession) releasedSlots() []int {
@@ -351,41 +337,6 @@ func TestRefusedFirstCUDAOpReleasesStream(t *testing.T) {
 				t.Fatal("the group survived a refused CUDA op")
 			}
 		})
-	}
-}
-
-// TestDestroyedGroupResetsItsSlot: a new group's client counts its CUDA ops from 0, so the
-// slot a destroyed group frees must come back with zeroed counters, else the new group's
-// first stream waits (done >= k) pass before its ops ran.
-func TestDestroyedGroupResetsItsSlot(t *testing.T) {
-	clients, groups := deviceCluster(t, 2, 5*time.Second, &fakeEngine{})
-	seg := uint32(CUDASegment | 1)
-	for r := range clients {
-		clients[r].registerIPC(seg, 1<<20)
-		clients[r].submit(cudaAllReduce(groups[r], seg, 10, 1))
-	}
-	for r := range clients {
-		if d := clients[r].next(5 * time.Second); d.status != StatusOK {
-			t.Fatalf("rank %d: %+v", r, d)
-		}
-	}
-	c, g := clients[0], groups[0]
-	ds := c.sess.deviceSession().(*fakeDevSession)
-	if got := ds.resetSlots(); len(got) != 0 {
-		t.Fatalf("slots reset before any destroy: %v", got)
-	}
-	if err := c.sess.DestroyGroup(g.Handle); err != nil {
-		t.Fatal(err)
-	}
-	if got := ds.resetSlots(); len(got) != 1 || got[0] != g.Slot {
-		t.Fatalf("reset slots %v after destroying the group of slot %d", got, g.Slot)
-	}
-	g2, _, err := c.sess.CreateGroup("g2", 0, 2, nil, time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if g2.Slot != g.Slot {
-		t.Fatalf("the next group got slot %d, want the freed %d", g2.Slot, g.Slot)
 	}
 }
 

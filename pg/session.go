@@ -240,18 +240,8 @@ func (sess *Session) DestroyGroup(handle uint32) error {
 	}
 	g.close("group destroyed")
 	sess.srv.dropGroup(g)
-	free := g.Slot >= 0
-	if ds := sess.deviceSession(); free && ds != nil {
-		// The next group on this slot counts from 0 (its client does): counters left at
-		// this group's last values would let its first stream waits pass at once. close
-		// has waited for (or aborted) every device op, so no engine stream uses them now.
-		if err := ds.ResetCounters(g.Slot); err != nil {
-			g.log.Error("could not reset the group's stream counters; their slot stays taken", "err", err)
-			free = false
-		}
-	}
 	sess.mu.Lock()
-	if free {
+	if g.Slot >= 0 {
 		sess.slots[g.Slot] = false
 	}
 	sess.mu.Unlock()

@@ -204,18 +204,6 @@ func (s *session) Release(slot int) error {
 	})
 }
 
-func (s *session) ResetCounters(slot int) error {
-	if slot < 0 || slot >= pg.CounterSlots {
-		return fmt.Errorf("counter slot %d out of range", slot)
-	}
-	s.relMu.Lock()
-	defer s.relMu.Unlock()
-	delete(s.released, slot)
-	return s.do(func() error {
-		return s.ctl.CopyToDeviceOn(s.counters+cuda.Ptr(16*slot), make([]byte, 16))
-	})
-}
-
 func (s *session) RegisterIPC(seg uint32, handle [64]byte, size uint64) error {
 	s.mu.Lock()
 	if _, dup := s.segs[seg]; dup {

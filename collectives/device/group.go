@@ -128,6 +128,9 @@ func (s *session) NewGroup(rank, size, slot int, link pg.PeerLink) (pg.DeviceGro
 	if slot < 0 || slot >= pg.CounterSlots {
 		return nil, fmt.Errorf("counter slot %d out of range", slot)
 	}
+	s.relMu.Lock()
+	delete(s.released, slot) // a new group's counters start from what its client writes
+	s.relMu.Unlock()
 	g := &group{s: s, rank: rank, size: size, slot: slot, link: link, pairs: map[pairKey]*worker{},
 		seqNext: 1, seqWait: map[uint32]*flight{}, aborted: make(chan struct{})}
 	for lane := 0; lane < 2; lane++ {
