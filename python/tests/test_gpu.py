@@ -420,3 +420,35 @@ def test_all_to_all_v_nvshmem(worlds, seed, size):
         w.run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
     finally:
         w.close()
+
+
+def check_transport(rk, want):
+    """The sidecar's sparse transport, as the shim reads it."""
+    got = rk.world.pg._sparse_transport()
+    if got != want:
+        raise AssertionError(f"rank {rk.rank}: sparse transport {got}, want {want}")
+    return got
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_moe_cuda_nccl_forced(worlds, seed, size):
+    """The sparse suite on the NCCL path, forced, with NCCL_P2P_DISABLE=1 standing in for a
+    PCIe-only box (issue 4): all_to_all_v and dispatch/combine on CUDA tensors."""
+    _need(size)
+    forced = {"GOCOMM_TRANSPORT": "nccl", "NCCL_P2P_DISABLE": "1"}
+    saved = {k: os.environ.get(k) for k in forced}
+    os.environ.update(forced)  # inherited by this world's ranks and sidecars
+    try:
+        w = worlds.fresh(size, label="ncclforced")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+    try:
+        w.run(check_transport, want="nccl", timeout=RUN_LIMIT_S)
+        w.run(check_all_to_all_v, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
+        w.run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
+    finally:
+        w.close()
