@@ -25,6 +25,9 @@ Two process sets run one after the other in one invocation:
   - torch symm_mem all_to_all_vdev: torch's NVSHMEM kernel, device-side splits. (It runs in
     its own processes because torch's NVSHMEM bootstrap crashed in symm_mem.empty in a
     process whose default group is gocomm.)
+  - torch symm_mem vdev_2d dispatch / combine: torch's MoE-shaped NVSHMEM ops (one row per
+    token and expert, grouped by expert; then back), the closest torch has to dispatch and
+    combine (see _symm_2d).
 
 Columns: time of one op alone, bytes this rank sends to other ranks over that time (GB/s),
 the ratios to torch's NCCL with the count exchange and to torch's all_to_all_vdev; then the
@@ -160,7 +163,66 @@ def _torch_measure(rank, world, dev, sync, args, tokens) -> dict:
         "nccl a2a (splits known)": _timeit(lambda: dist.all_to_all_single(out, inp, recv, send), sync),
         "nccl counts+a2a": _timeit(lambda: _counts_a2a(out, inp, send, dev, None), sync),
         "symm_mem all_to_all_vdev": _symm(world, dev, send, h, tokens, sync),
+        **_symm_2d(rank, world, dev, h, tokens, sync, args),
     }
+
+
+SYMM_2D_SPLITS = 16  # torch 2.11's all_to_all_vdev_2d takes at most 16 experts per rank
+
+
+def _symm_2d(rank, world, dev, h, tokens, sync, args) -> dict:
+    """torch's MoE-shaped NVSHMEM ops on the same routing: all_to_all_vdev_2d (dispatch,
+    rows grouped by expert) and all_to_all_vdev_2d_offset (combine, rows back in dispatch
+    order). One row per (token, expert) pair, no per-rank dedupe, so they move more bytes than
+    the other variants (the GB/s column is the deduplicated bytes over their time). torch 2.11
+    takes at most 16 experts per rank: consecutive experts share a split (4 per split for 256
+    experts on 4 ranks), which moves the same rows. Errors come back as text."""
+    names = ("symm_mem vdev_2d dispatch", "symm_mem vdev_2d combine")
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.set_backend("NVSHMEM")
+        gname = dist.group.WORLD.group_name
+        per = args.experts // world
+        group = max(1, -(-per // SYMM_2D_SPLITS))  # experts per split
+        if per % group:
+            return dict.fromkeys(names, f"error: {per} experts per rank do not split into groups of {group}")
+        ne = per // group
+        idx = routing(rank, world, tokens, args.topk, args.experts).to(dev)
+        rows = idx.numel()
+
+        def sym(shape, dtype=torch.bfloat16):
+            return symm_mem.empty(shape, dtype=dtype, device=dev)
+
+        # out is not bounds-checked by torch: room for every row of every rank, plus alignment
+        inp, d_out, c_out = sym((rows, h)), sym((world * rows + ne, h)), sym((rows, h))
+        in_splits, d_so, c_so = (
+            sym(world * ne, torch.int64),
+            sym((2, world * ne), torch.int64),
+            sym((2, world * ne), torch.int64),
+        )
+        for t in (inp, d_out, c_out, in_splits, d_so, c_so):
+            symm_mem.rendezvous(t, group=gname)
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)  # by destination rank, then expert
+        x = torch.randn(tokens, h, device=dev).to(torch.bfloat16)
+        inp.copy_(x[order // args.topk])
+        in_splits.copy_(torch.bincount(flat // group, minlength=world * ne))
+
+        def dispatch():
+            torch.ops.symm_mem.all_to_all_vdev_2d(inp, d_out, in_splits, d_so, gname, major_align=1)
+
+        def combine():
+            torch.ops.symm_mem.all_to_all_vdev_2d_offset(d_out, c_out, d_so, c_so, gname)
+
+        dispatch()
+        combine()
+        torch.cuda.synchronize()
+        if not torch.equal(c_out, inp):
+            return dict.fromkeys(names, "error: combine did not bring dispatch's rows back")
+        return {names[0]: _timeit(dispatch, sync), names[1]: _timeit(combine, sync)}
+    except Exception as e:  # noqa: BLE001
+        return dict.fromkeys(names, f"error: {e!r}"[:200])
 
 
 def _counts_a2a(out, inp, send, dev, group):
@@ -196,6 +258,8 @@ VARIANTS = (
     "torch nccl a2a (splits known)",
     "torch nccl counts+a2a",
     "torch symm_mem all_to_all_vdev",
+    "torch symm_mem vdev_2d dispatch",
+    "torch symm_mem vdev_2d combine",
     "nccl a2a (splits known)",
     "nccl counts+a2a",
     "gocomm a2a (splits known)",
@@ -282,6 +346,8 @@ def main(argv=None) -> int:
     if not args.torch_under_mps and "CUDA_MPS_PIPE_DIRECTORY" in os.environ:
         # as torch users run them: a pipe directory with no daemon makes CUDA skip MPS
         os.environ["CUDA_MPS_PIPE_DIRECTORY"] = tempfile.mkdtemp(prefix="gocomm-no-mps-")
+    # torch's 2-D ops need room for every row of every rank in symmetric memory
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(8 << 30))
     try:
         mp.spawn(_torch_worker, args=(world, _free_port(), args, q), nprocs=world)
     finally:
