@@ -48,7 +48,9 @@ type DeviceSession interface {
 	// client's stream waits for done >= k when the op's work is waited on. Point-to-point ops
 	// count on the second pair. link carries the engine's own messages to the group's other
 	// ranks (communicator ids), over the group's host links.
-	NewGroup(rank, size, slot int, link PeerLink) (DeviceGroup, error)
+	// base is where the slot's counters stand, per lane: the client's first op of a lane
+	// has value base+1.
+	NewGroup(rank, size, slot int, base [2]uint32, link PeerLink) (DeviceGroup, error)
 	// Release lets every stream waiting on slot's counters go on: the client's stream
 	// waits for each op it submitted, so an op refused before any device group of the slot
 	// exists must still be let through (the group is broken, the op failed).

@@ -98,10 +98,10 @@ func (s *fakeDevSession) Resolve(refs []BufRef) ([]uint64, func(), error) {
 
 // NewGroup exchanges a random id from rank 0 over link, as the real engine does for its
 // communicators; the group's ops complete only once it arrived.
-func (s *fakeDevSession) NewGroup(rank, size, slot int, link PeerLink) (DeviceGroup, error) {
+func (s *fakeDevSession) NewGroup(rank, size, slot int, base [2]uint32, link PeerLink) (DeviceGroup, error) {
 	s.e.mu.Lock()
 	defer s.e.mu.Unlock()
-	g := &fakeDevGroup{hang: s.e.hang, fail: s.e.fail, slot: slot, joined: make(chan struct{})}
+	g := &fakeDevGroup{hang: s.e.hang, fail: s.e.fail, slot: slot, base: base, joined: make(chan struct{})}
 	go func() {
 		defer close(g.joined)
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -128,6 +128,7 @@ type fakeDevGroup struct {
 	hang    bool
 	fail    error
 	slot    int
+	base    [2]uint32 // where the slot's counters stood (NewGroup)
 	pending []DeviceOp
 	broken  error
 	ran     []uint32 // stream values, in the order ops ran
@@ -337,6 +338,64 @@ func TestRefusedFirstCUDAOpReleasesStream(t *testing.T) {
 				t.Fatal("the group survived a refused CUDA op")
 			}
 		})
+	}
+}
+
+// TestReusedSlotCountsOn: a slot's counters never go back. A group that gets a slot
+// another group used starts 2^30 past that group's last stream value per lane (a lane the
+// old group never used keeps its base), so none of its stream waits reads an old value as
+// done, and the engine's group is told the base.
+func TestReusedSlotCountsOn(t *testing.T) {
+	eng := &fakeEngine{}
+	clients, groups := deviceCluster(t, 2, 5*time.Second, eng)
+	seg := uint32(CUDASegment | 1)
+	for k := uint64(1); k <= 3; k++ {
+		for r := range clients {
+			if k == 1 {
+				clients[r].registerIPC(seg, 1<<20)
+			}
+			clients[r].submit(cudaAllReduce(groups[r], seg, 10, k))
+		}
+		for r := range clients {
+			if d := clients[r].next(5 * time.Second); d.status != StatusOK {
+				t.Fatalf("rank %d op %d: %+v", r, k, d)
+			}
+		}
+	}
+	if b := eng.group(0).base; b != [2]uint32{} {
+		t.Fatalf("a fresh slot's group got base %v, want zeros", b)
+	}
+	blobs := make([][]byte, 2)
+	again := make([]*Group, 2)
+	for r, c := range clients {
+		if err := c.sess.DestroyGroup(groups[r].Handle); err != nil {
+			t.Fatal(err)
+		}
+		g, blob, err := c.sess.CreateGroup("g2", r, 2, nil, 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := [2]uint32{3 + 1<<30, 0}
+		if g.Slot != groups[r].Slot || g.Base != want {
+			t.Fatalf("rank %d: the next group got slot %d base %v, want slot %d base %v", r, g.Slot, g.Base, groups[r].Slot, want)
+		}
+		again[r], blobs[r] = g, blob
+	}
+	for r, c := range clients {
+		if _, err := c.sess.ConnectGroup(again[r].Handle, blobs, []byte("0123456789abcdef0123456789abcdef")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for r, c := range clients {
+		c.submit(cudaAllReduce(again[r], seg, 10, uint64(again[r].Base[0])+1))
+	}
+	for r, c := range clients {
+		if d := c.next(5 * time.Second); d.status != StatusOK {
+			t.Fatalf("rank %d, first op of the second group: %+v", r, d)
+		}
+	}
+	if b := eng.group(2).base; b != again[0].Base && b != again[1].Base {
+		t.Fatalf("the engine's group got base %v, want %v", b, again[0].Base)
 	}
 }
 

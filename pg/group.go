@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/gocomm/gocomm/collectives"
@@ -37,6 +38,14 @@ type Group struct {
 	Timeout     time.Duration
 	// Slot is the group's stream counter slot (CounterBase), or -1 when the session ran out.
 	Slot int
+	// Base is where the slot's counters stood when the group got it, per lane (collectives,
+	// point to point): the client numbers its CUDA ops base+1, base+2, ... (see Session.slotBase).
+	Base [2]uint32
+
+	// last stream value seen per lane, and whether any was (written by the session's serve
+	// goroutine, read when the group is destroyed)
+	last   [2]atomic.Uint32
+	issued [2]atomic.Bool
 
 	sess *Session
 	log  *slog.Logger
@@ -138,6 +147,20 @@ func (g *Group) Abort(reason string) {
 // A refused collective breaks the group (its peers would wait for it); so does a refused
 // CUDA op of any kind, because the client's stream counter already counts it and the
 // engine's streams must not wait for a value nobody writes.
+// noteStream records a CUDA op's stream value (its client already wrote it as ready, or
+// will): the next group on the slot counts on from past it. Only the serve goroutine calls it.
+func (g *Group) noteStream(d *Desc) {
+	lane := 0
+	if d.Kind == OpSend || d.Kind == OpRecv {
+		lane = 1
+	}
+	v := d.StreamValue
+	if !g.issued[lane].Load() || int32(v-g.last[lane].Load()) > 0 {
+		g.last[lane].Store(v)
+		g.issued[lane].Store(true)
+	}
+}
+
 func (g *Group) reject(d Desc, err error) {
 	// Break and release first: when the client sees the failure, both have happened.
 	defer g.sess.complete(d.Seq, StatusInvalid, -1, err.Error())
@@ -262,7 +285,7 @@ func (g *Group) submitDevice(ds DeviceSession, o *op, ptrs []uint64) {
 			return
 		}
 		start := time.Now()
-		dev, err := ds.NewGroup(g.Rank, g.Size, g.Slot, peerLink{g.ep})
+		dev, err := ds.NewGroup(g.Rank, g.Size, g.Slot, g.Base, peerLink{g.ep})
 		g.log.Info("device group created", "took", time.Since(start), "err", err)
 		if err != nil {
 			g.mu.Unlock()

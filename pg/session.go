@@ -37,11 +37,16 @@ type Session struct {
 	done   chan struct{} // closed when the session ends
 	loop   sync.WaitGroup
 
-	nccl    bool          // the client's NCCL is loaded here
-	device  DeviceSession // set by AttachDevice
-	ipcErr  map[uint32]error
-	slots   [CounterSlots]bool
-	devLock sync.Mutex
+	nccl   bool          // the client's NCCL is loaded here
+	device DeviceSession // set by AttachDevice
+	ipcErr map[uint32]error
+	slots  [CounterSlots]bool
+	// slotBase is where each slot's counters stand for its next group, per lane. Counters
+	// never go back: a group counts on from where the slot's last group (or a release, which
+	// pushes them 2^30 ahead) left them, so a stream wait of the new group cannot be satisfied
+	// by an old value, and a late wait of the old group is still satisfied by the new ones.
+	slotBase [CounterSlots][2]uint32
+	devLock  sync.Mutex
 }
 
 // AttachDevice binds the session to the client's GPU (by UUID) and returns the IPC handle of
@@ -164,7 +169,7 @@ func (sess *Session) CreateGroup(name string, rank, size int, globalRanks []int,
 	g.Slot = -1
 	for i := range sess.slots {
 		if !sess.slots[i] {
-			sess.slots[i], g.Slot = true, i
+			sess.slots[i], g.Slot, g.Base = true, i, sess.slotBase[i]
 			break
 		}
 	}
@@ -242,6 +247,13 @@ func (sess *Session) DestroyGroup(handle uint32) error {
 	sess.srv.dropGroup(g)
 	sess.mu.Lock()
 	if g.Slot >= 0 {
+		for lane := range g.Base {
+			if g.issued[lane].Load() {
+				// 2^30 past the last value: beyond anything a release wrote (at most the
+				// last done + 2^30) and any ready a late client stream may still write.
+				sess.slotBase[g.Slot][lane] = g.last[lane].Load() + 1<<30
+			}
+		}
 		sess.slots[g.Slot] = false
 	}
 	sess.mu.Unlock()
@@ -351,6 +363,9 @@ func (sess *Session) submit(payload []byte) {
 	if gerr != nil {
 		sess.complete(d.Seq, StatusInvalid, -1, fmt.Sprintf("%v: %v", ErrInvalid, gerr))
 		return
+	}
+	if d.Device == DeviceCUDA {
+		g.noteStream(&d)
 	}
 	if err == nil {
 		err = d.Validate(g.Rank, g.Size)

@@ -177,7 +177,7 @@ func (s *Service) CreateGroup(_ context.Context, req *v1.CreateGroupRequest) (*v
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	return &v1.CreateGroupResponse{Group: g.Handle, Bootstrap: blob, CounterSlot: int32(g.Slot)}, nil
+	return &v1.CreateGroupResponse{Group: g.Handle, Bootstrap: blob, CounterSlot: int32(g.Slot), CounterBase: g.Base[:]}, nil
 }
 
 func (s *Service) ConnectGroup(_ context.Context, req *v1.ConnectGroupRequest) (*v1.ConnectGroupResponse, error) {

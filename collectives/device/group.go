@@ -124,7 +124,7 @@ type flight struct {
 	check func(cuda.Stream) error
 }
 
-func (s *session) NewGroup(rank, size, slot int, link pg.PeerLink) (pg.DeviceGroup, error) {
+func (s *session) NewGroup(rank, size, slot int, base [2]uint32, link pg.PeerLink) (pg.DeviceGroup, error) {
 	if slot < 0 || slot >= pg.CounterSlots {
 		return nil, fmt.Errorf("counter slot %d out of range", slot)
 	}
@@ -132,7 +132,7 @@ func (s *session) NewGroup(rank, size, slot int, link pg.PeerLink) (pg.DeviceGro
 	delete(s.released, slot) // a new group's counters start from what its client writes
 	s.relMu.Unlock()
 	g := &group{s: s, rank: rank, size: size, slot: slot, link: link, pairs: map[pairKey]*worker{},
-		seqNext: 1, seqWait: map[uint32]*flight{}, aborted: make(chan struct{})}
+		seqNext: base[laneP2P] + 1, seqWait: map[uint32]*flight{}, aborted: make(chan struct{})}
 	for lane := 0; lane < 2; lane++ {
 		off := 16*slot + 8*lane
 		g.ready[lane] = s.counters + cuda.Ptr(off)

@@ -343,7 +343,9 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         )
         self._handle = resp.group
         self._slot = resp.counter_slot
-        self._k = [0, 0]  # CUDA ops issued per lane (collectives, point to point)
+        # the last stream value per lane (collectives, point to point): the slot's counters
+        # never go back, so a group counts on from where the slot's previous group left them
+        self._k = list(resp.counter_base) if len(resp.counter_base) == 2 else [0, 0]
         self._cuda_lock = threading.Lock()
         # Bootstrap through the group's Store: rank 0 hands out the secret peer links are
         # authenticated with; every rank publishes where its sidecar listens.
@@ -523,7 +525,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             self._cuda_lock,
             _cuda.on_device(idx),
         ):  # the counter value, its stream write and the descriptor stay in step
-            self._k[lane] += 1
+            self._k[lane] = (self._k[lane] + 1) & 0xFFFFFFFF  # stream values are u32
             k = self._k[lane]
             _cuda.write_value(_cuda.current_stream(idx), counters, k)
             self._disp.submit(
@@ -577,7 +579,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         timeout_ms = int(t_limit * 1000) if timeout is not None else 0
         p.keep = keep
         with self._cuda_lock, _cuda.on_device(dev.index):
-            self._k[lane] += 1
+            self._k[lane] = (self._k[lane] + 1) & 0xFFFFFFFF  # stream values are u32
             k = self._k[lane]
             ready, done = counters + 8 * lane, counters + 8 * lane + 4
             _cuda.write_value(raw, ready, k)
