@@ -51,10 +51,14 @@ type DeviceSession interface {
 	// base is where the slot's counters stand, per lane: the client's first op of a lane
 	// has value base+1.
 	NewGroup(rank, size, slot int, base [2]uint32, link PeerLink) (DeviceGroup, error)
-	// Release lets every stream waiting on slot's counters go on: the client's stream
-	// waits for each op it submitted, so an op refused before any device group of the slot
-	// exists must still be let through (the group is broken, the op failed).
-	Release(slot int) error
+	// Release lets every stream waiting on slot's counters go on: it writes ready = done =
+	// floor + ReleaseAhead on both lanes, floor being the last stream value the group saw per
+	// lane (or its base). Writing from the floor, not from what the counters hold, makes a
+	// second release write the same values (waits compare cyclically, so pushing twice could
+	// put the counters behind again) and covers ready values the sidecar never saw. The
+	// client's stream waits for each op it submitted, so an op refused before any device
+	// group of the slot exists must still be let through (the group is broken, the op failed).
+	Release(slot int, floor [2]uint32) error
 	Close() error
 }
 
@@ -100,4 +104,12 @@ var (
 const (
 	CounterBytes = 4096
 	CounterSlots = CounterBytes / 16
+	// ReleaseAhead is how far past a group's last seen stream value a release puts its
+	// counters: 2^30, plus 2^24 for ready values a client wrote that the sidecar never read
+	// (descriptors still in the ring when their group went away).
+	ReleaseAhead = 1<<30 + 1<<24
+	// slotAdvance is how far past the last group's floor the next group on a slot starts:
+	// beyond anything a release of the last group wrote, and within 2^31 of the last group's
+	// values, so its late stream waits still read as done.
+	slotAdvance = ReleaseAhead + 1<<24
 )

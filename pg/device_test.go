@@ -24,6 +24,7 @@ type fakeEngine struct {
 	groups []*fakeDevGroup
 	hang   bool  // new groups' ops never finish (until Abort)
 	fail   error // new groups' ops fail with this
+	noNew  error // NewGroup fails with this
 }
 
 func (e *fakeEngine) Info() (bool, string, []DeviceInfo) { return true, "fake", nil }
@@ -47,14 +48,22 @@ type fakeDevSession struct {
 	e        *fakeEngine
 	mu       sync.Mutex
 	segs     map[uint32]uint64
-	released []int // slots, in the order Release was called
+	released []int       // slots, in the order Release was called
+	floors   [][2]uint32 // and the floors they were released from
 }
 
-func (s *fakeDevSession) Release(slot int) error {
+func (s *fakeDevSession) Release(slot int, floor [2]uint32) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.released = append(s.released, slot)
+	s.floors = append(s.floors, floor)
 	return nil
+}
+
+func (s *fakeDevSession) releasedFloors() [][2]uint32 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([][2]uint32(nil), s.floors...)
 }
 
 func (s *fakeDevSession) releasedSlots() []int {
@@ -101,6 +110,9 @@ func (s *fakeDevSession) Resolve(refs []BufRef) ([]uint64, func(), error) {
 func (s *fakeDevSession) NewGroup(rank, size, slot int, base [2]uint32, link PeerLink) (DeviceGroup, error) {
 	s.e.mu.Lock()
 	defer s.e.mu.Unlock()
+	if s.e.noNew != nil {
+		return nil, s.e.noNew
+	}
 	g := &fakeDevGroup{hang: s.e.hang, fail: s.e.fail, slot: slot, base: base, joined: make(chan struct{})}
 	go func() {
 		defer close(g.joined)
@@ -305,17 +317,23 @@ func TestDeviceOps(t *testing.T) {
 
 // TestRefusedFirstCUDAOpReleasesStream: the client's stream waits for the done count of
 // every CUDA op it submitted. One refused before the group has a device member (bad
-// segment, or a descriptor the decoder refuses) must still let the stream past, or the
+// segment, a descriptor the decoder refuses, a device group that cannot be made) must
+// still let the stream past and break the group, or the
 // caller's GPU waits forever (seen on the device when the decoder refused all_to_all_v's
 // five buffers).
 func TestRefusedFirstCUDAOpReleasesStream(t *testing.T) {
 	for _, tc := range []struct {
-		name string
-		send func(c *client, g *Group)
-		want string
+		name  string
+		noNew error // the engine cannot make device groups
+		send  func(c *client, g *Group)
+		want  string
 	}{
-		{"unregistered segment", func(c *client, g *Group) { c.submit(cudaAllReduce(g, CUDASegment|9, 10, 1)) }, "not registered"},
-		{"undecodable descriptor", func(c *client, g *Group) {
+		{"no device group", errors.New("cuStreamCreate: out of memory"), func(c *client, g *Group) {
+			c.registerIPC(CUDASegment|1, 1<<20)
+			c.submit(cudaAllReduce(g, CUDASegment|1, 10, 1))
+		}, "out of memory"},
+		{"unregistered segment", nil, func(c *client, g *Group) { c.submit(cudaAllReduce(g, CUDASegment|9, 10, 1)) }, "not registered"},
+		{"undecodable descriptor", nil, func(c *client, g *Group) {
 			d := cudaAllReduce(g, CUDASegment|1, 1, 1)
 			d.Bufs = make([]BufRef, maxBufs+1)
 			c.seq++
@@ -324,10 +342,10 @@ func TestRefusedFirstCUDAOpReleasesStream(t *testing.T) {
 		}, "buffers"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			clients, groups := deviceCluster(t, 2, 5*time.Second, &fakeEngine{})
+			clients, groups := deviceCluster(t, 2, 5*time.Second, &fakeEngine{noNew: tc.noNew})
 			c, g := clients[0], groups[0]
 			tc.send(c, g)
-			if d := c.next(5 * time.Second); d.status != StatusInvalid || !strings.Contains(d.msg, tc.want) {
+			if d := c.next(5 * time.Second); d.status == StatusOK || !strings.Contains(d.msg, tc.want) {
 				t.Fatalf("completion %+v, want invalid containing %q", d, tc.want)
 			}
 			ds := c.sess.deviceSession().(*fakeDevSession)
@@ -341,10 +359,10 @@ func TestRefusedFirstCUDAOpReleasesStream(t *testing.T) {
 	}
 }
 
-// TestReusedSlotCountsOn: a slot's counters never go back. A group that gets a slot
-// another group used starts 2^30 past that group's last stream value per lane (a lane the
-// old group never used keeps its base), so none of its stream waits reads an old value as
-// done, and the engine's group is told the base.
+// TestReusedSlotCountsOn: a slot's counters never go back. Destroying a group releases
+// its slot from the group's floor (the last stream value per lane, or the base), and the
+// next group on the slot starts past what that release wrote on both lanes, so none of its
+// stream waits reads an old value as done; the engine's group is told the base.
 func TestReusedSlotCountsOn(t *testing.T) {
 	eng := &fakeEngine{}
 	clients, groups := deviceCluster(t, 2, 5*time.Second, eng)
@@ -375,7 +393,13 @@ func TestReusedSlotCountsOn(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		want := [2]uint32{3 + 1<<30, 0}
+		// released from the floor (3 on the collective lane, the base 0 on the unused
+		// p2p lane), then handed on past what that release wrote, on both lanes
+		ds := c.sess.deviceSession().(*fakeDevSession)
+		if f := ds.releasedFloors(); len(f) != 1 || f[0] != [2]uint32{3, 0} {
+			t.Fatalf("rank %d: destroy released from %v, want one release from [3 0]", r, f)
+		}
+		want := [2]uint32{3 + slotAdvance, 0 + slotAdvance}
 		if g.Slot != groups[r].Slot || g.Base != want {
 			t.Fatalf("rank %d: the next group got slot %d base %v, want slot %d base %v", r, g.Slot, g.Base, groups[r].Slot, want)
 		}

@@ -147,6 +147,31 @@ func (g *Group) Abort(reason string) {
 // A refused collective breaks the group (its peers would wait for it); so does a refused
 // CUDA op of any kind, because the client's stream counter already counts it and the
 // engine's streams must not wait for a value nobody writes.
+// floor is, per lane, the last stream value seen (the base where none was).
+func (g *Group) floor() [2]uint32 {
+	f := g.Base
+	for lane := range f {
+		if g.issued[lane].Load() {
+			if v := g.last[lane].Load(); int32(v-f[lane]) > 0 {
+				f[lane] = v
+			}
+		}
+	}
+	return f
+}
+
+// releaseStreams lets the client's streams waiting on the group's counters go on (see
+// DeviceSession.Release).
+func (g *Group) releaseStreams(why string) {
+	ds := g.sess.deviceSession()
+	if ds == nil || g.Slot < 0 {
+		return
+	}
+	if err := ds.Release(g.Slot, g.floor()); err != nil {
+		g.log.Error("could not release the client's streams", "after", why, "err", err)
+	}
+}
+
 // noteStream records a CUDA op's stream value (its client already wrote it as ready, or
 // will): the next group on the slot counts on from past it. Only the serve goroutine calls it.
 func (g *Group) noteStream(d *Desc) {
@@ -172,14 +197,10 @@ func (g *Group) reject(d Desc, err error) {
 		if ep != nil {
 			ep.Break(fmt.Errorf("%w: rank %d refused its %s: %v", transport.ErrAborted, g.Rank, d.Kind, err))
 		}
-		if d.Device == DeviceCUDA && (dev == nil || ep == nil) && g.Slot >= 0 {
+		if d.Device == DeviceCUDA && (dev == nil || ep == nil) {
 			// The client's stream waits for this op's done count. A device group releases
 			// its streams when the break aborts it; without one, release them here.
-			if ds := g.sess.deviceSession(); ds != nil {
-				if err := ds.Release(g.Slot); err != nil {
-					g.log.Error("could not release the streams of a refused op", "err", err)
-				}
-			}
+			g.releaseStreams("a refused op")
 		}
 	}
 }
@@ -274,7 +295,11 @@ func (g *Group) submitDevice(ds DeviceSession, o *op, ptrs []uint64) {
 	g.mu.Lock()
 	if g.ep == nil || g.closing != "" {
 		why := cmp.Or(g.closing, "group is not connected")
+		closing := g.closing != ""
 		g.mu.Unlock()
+		if !closing { // a closing group's streams are released when it is destroyed
+			g.releaseStreams("an op on a group that is not connected")
+		}
 		g.finish(o, StatusAborted, -1, fmt.Sprintf("%s on group %q: %s", o.desc.Kind, g.Name, why))
 		return
 	}
@@ -288,8 +313,12 @@ func (g *Group) submitDevice(ds DeviceSession, o *op, ptrs []uint64) {
 		dev, err := ds.NewGroup(g.Rank, g.Size, g.Slot, g.Base, peerLink{g.ep})
 		g.log.Info("device group created", "took", time.Since(start), "err", err)
 		if err != nil {
+			ep := g.ep
 			g.mu.Unlock()
-			g.finish(o, StatusInternal, -1, fmt.Sprintf("%s on group %q: %v", o.desc.Kind, g.Name, err))
+			msg := fmt.Sprintf("%s on group %q: %v", o.desc.Kind, g.Name, err)
+			ep.Break(fmt.Errorf("%w: %s", transport.ErrAborted, msg)) // the peers' device groups wait for this one
+			g.releaseStreams("a failed device group")
+			g.finish(o, StatusInternal, -1, msg)
 			return
 		}
 		g.dev = dev

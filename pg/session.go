@@ -42,9 +42,9 @@ type Session struct {
 	ipcErr map[uint32]error
 	slots  [CounterSlots]bool
 	// slotBase is where each slot's counters stand for its next group, per lane. Counters
-	// never go back: a group counts on from where the slot's last group (or a release, which
-	// pushes them 2^30 ahead) left them, so a stream wait of the new group cannot be satisfied
-	// by an old value, and a late wait of the old group is still satisfied by the new ones.
+	// never go back: a group counts on from past where the slot's last group and its releases
+	// left them, so a stream wait of the new group cannot be satisfied by an old value, and a
+	// late wait of the old group is still satisfied by the new ones.
 	slotBase [CounterSlots][2]uint32
 	devLock  sync.Mutex
 }
@@ -245,17 +245,18 @@ func (sess *Session) DestroyGroup(handle uint32) error {
 	}
 	g.close("group destroyed")
 	sess.srv.dropGroup(g)
-	sess.mu.Lock()
-	if g.Slot >= 0 {
-		for lane := range g.Base {
-			if g.issued[lane].Load() {
-				// 2^30 past the last value: beyond anything a release wrote (at most the
-				// last done + 2^30) and any ready a late client stream may still write.
-				sess.slotBase[g.Slot][lane] = g.last[lane].Load() + 1<<30
-			}
-		}
-		sess.slots[g.Slot] = false
+	if g.Slot < 0 {
+		return nil
 	}
+	// Let every stream still waiting on the slot go on (ops refused while the group closed
+	// never reached the engine), then hand the slot on past anything that release wrote.
+	g.releaseStreams("destroying the group")
+	f := g.floor()
+	sess.mu.Lock()
+	for lane := range f {
+		sess.slotBase[g.Slot][lane] = f[lane] + slotAdvance
+	}
+	sess.slots[g.Slot] = false
 	sess.mu.Unlock()
 	return nil
 }

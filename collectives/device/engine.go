@@ -141,8 +141,7 @@ type session struct {
 	counters    cuda.Ptr
 	countersIPC cuda.IPCHandle
 	relMu       sync.Mutex
-	released    map[int][16]byte // per slot, the counter values release wrote (relMu)
-	shmem       shmemState       // the NVSHMEM PE, made by the first OpAllToAllV
+	shmem       shmemState // the NVSHMEM PE, made by the first OpAllToAllV
 
 	mu   sync.Mutex
 	segs map[uint32]*ipcSeg
@@ -168,40 +167,23 @@ func (s *session) do(f func() error) error {
 
 func (s *session) Counters() [64]byte { return s.countersIPC }
 
-// Release sets the done (and ready) counters of a slot far ahead of anything issued, so
-// that every stream waiting on them goes on (invariant 3). Waits compare cyclically (GEQ is
-// a signed difference), so pushing the counters ahead a second time could put them behind
-// again: a slot released before gets the same far values written once more (which also
-// undoes done writes that ran after the first release).
-func (s *session) Release(slot int) error {
+// Release implements pg.DeviceSession: ready = done = floor + pg.ReleaseAhead on both lanes
+// of the slot, through ctl (invariant 3). The values depend on floor only, so releasing
+// again writes them again (which also undoes done writes that ran after the first release).
+func (s *session) Release(slot int, floor [2]uint32) error {
 	if slot < 0 || slot >= pg.CounterSlots {
 		return fmt.Errorf("counter slot %d out of range", slot)
 	}
+	var w [16]byte
+	le := binary.LittleEndian
+	for lane, f := range floor {
+		far := f + pg.ReleaseAhead
+		le.PutUint32(w[8*lane:], far)
+		le.PutUint32(w[8*lane+4:], far)
+	}
 	s.relMu.Lock()
 	defer s.relMu.Unlock()
-	return s.do(func() error {
-		base := s.counters + cuda.Ptr(16*slot)
-		w, again := s.released[slot]
-		if !again {
-			if err := s.ctl.CopyToHostOn(w[:], base); err != nil {
-				return err
-			}
-			le := binary.LittleEndian
-			for lane := 0; lane < 2; lane++ {
-				far := le.Uint32(w[8*lane:]) + 1<<30
-				le.PutUint32(w[8*lane:], far)
-				le.PutUint32(w[8*lane+4:], far)
-			}
-		}
-		if err := s.ctl.CopyToDeviceOn(base, w[:]); err != nil {
-			return err
-		}
-		if s.released == nil {
-			s.released = map[int][16]byte{}
-		}
-		s.released[slot] = w
-		return nil
-	})
+	return s.do(func() error { return s.ctl.CopyToDeviceOn(s.counters+cuda.Ptr(16*slot), w[:]) })
 }
 
 func (s *session) RegisterIPC(seg uint32, handle [64]byte, size uint64) error {

@@ -79,6 +79,8 @@ type group struct {
 	closed   bool // Close is destroying the communicators: Abort must not touch them
 	wg       sync.WaitGroup
 
+	floor [2]uint32 // per lane, the last stream value enqueued (the base before any): what a release counts from (mu)
+
 	seqMu     sync.Mutex // the p2p done sequencer (design 3)
 	seqStream cuda.Stream
 	seqNext   uint32
@@ -128,11 +130,8 @@ func (s *session) NewGroup(rank, size, slot int, base [2]uint32, link pg.PeerLin
 	if slot < 0 || slot >= pg.CounterSlots {
 		return nil, fmt.Errorf("counter slot %d out of range", slot)
 	}
-	s.relMu.Lock()
-	delete(s.released, slot) // a new group's counters start from what its client writes
-	s.relMu.Unlock()
 	g := &group{s: s, rank: rank, size: size, slot: slot, link: link, pairs: map[pairKey]*worker{},
-		seqNext: base[laneP2P] + 1, seqWait: map[uint32]*flight{}, aborted: make(chan struct{})}
+		floor: base, seqNext: base[laneP2P] + 1, seqWait: map[uint32]*flight{}, aborted: make(chan struct{})}
 	for lane := 0; lane < 2; lane++ {
 		off := 16*slot + 8*lane
 		g.ready[lane] = s.counters + cuda.Ptr(off)
@@ -155,6 +154,13 @@ func (s *session) NewGroup(rank, size, slot int, base [2]uint32, link pg.PeerLin
 	g.wg.Add(1)
 	go g.poll()
 	return g, nil
+}
+
+// releaseFloor is the floor a release counts from (pg.DeviceSession.Release).
+func (g *group) releaseFloor() [2]uint32 {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.floor
 }
 
 // release frees what NewGroup made, after every goroutine is gone.
@@ -203,6 +209,13 @@ func (g *group) Enqueue(op pg.DeviceOp) {
 			g.start(w)
 		}
 	}
+	lane := laneColl
+	if k := op.Desc.Kind; k == pg.OpSend || k == pg.OpRecv {
+		lane = laneP2P
+	}
+	if v := op.Desc.StreamValue; int32(v-g.floor[lane]) > 0 {
+		g.floor[lane] = v
+	}
 	w.queue = append(w.queue, o)
 	w.queued.Add(1)
 	g.cond.Broadcast()
@@ -240,7 +253,7 @@ func (g *group) work(w *worker) {
 			// done writes that were queued behind the abort ran when the streams drained
 			// and may have set done below what Abort released: release again.
 			g.seqStream.Synchronize()
-			if err := g.s.Release(g.slot); err != nil {
+			if err := g.s.Release(g.slot, g.releaseFloor()); err != nil {
 				g.s.log.Error("could not release the streams of an aborted group", "err", err)
 			}
 		}
@@ -685,11 +698,12 @@ func (g *group) Abort(cause error) {
 	}
 	flights := g.inflight
 	g.inflight = nil
+	floor := g.floor
 	g.cond.Broadcast()
 	g.mu.Unlock()
 	// Release the streams first, then abort: kernels held behind a ready counter then run
 	// and see NCCL's abort flag, instead of starting after their communicator was freed.
-	if err := g.s.Release(g.slot); err != nil {
+	if err := g.s.Release(g.slot, floor); err != nil {
 		g.s.log.Error("could not release the streams waiting on an aborted group", "err", err)
 	}
 	for _, c := range comms {
