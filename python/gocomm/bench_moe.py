@@ -40,6 +40,7 @@ import argparse
 import faulthandler
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -337,15 +338,16 @@ def main(argv=None) -> int:
         print("bench_moe: no GPU", file=sys.stderr)
         return 2
     q = mp.get_context("spawn").SimpleQueue()
+    env = dict(os.environ)  # put back once both process sets are done
     if args.transport:
         os.environ["GOCOMM_TRANSPORT"] = args.transport  # the ranks and their sidecars inherit it
     mp.spawn(_worker, args=(world, _free_port(), args, q), nprocs=world)
     rows = q.get()
     # The torch baselines in their own processes, right after, on the same GPUs and routing.
-    env = dict(os.environ)
+    no_mps = None
     if not args.torch_under_mps and "CUDA_MPS_PIPE_DIRECTORY" in os.environ:
         # as torch users run them: a pipe directory with no daemon makes CUDA skip MPS
-        os.environ["CUDA_MPS_PIPE_DIRECTORY"] = tempfile.mkdtemp(prefix="gocomm-no-mps-")
+        no_mps = os.environ["CUDA_MPS_PIPE_DIRECTORY"] = tempfile.mkdtemp(prefix="gocomm-no-mps-")
     # torch's 2-D ops need room for every row of every rank in symmetric memory
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(8 << 30))
     try:
@@ -353,6 +355,8 @@ def main(argv=None) -> int:
     finally:
         os.environ.clear()
         os.environ.update(env)
+        if no_mps:
+            shutil.rmtree(no_mps, ignore_errors=True)
     for r, t in zip(rows, q.get(), strict=True):
         for k, v in t.items():
             if k != "tokens":

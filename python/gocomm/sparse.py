@@ -123,7 +123,7 @@ def all_to_all_v(
         )
     # The counts travel on the data's device (the group serves both), as int64.
     counts = torch.tensor(send, dtype=torch.int64, device=input.device)
-    got = torch.empty_like(counts)
+    got = torch.full_like(counts, -1)  # an exchange that wrote nothing fails the check below
     dist.all_to_all_single(got, counts, group=g)
     recv = got.tolist()
     me = dist.get_rank(g)
