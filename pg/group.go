@@ -42,10 +42,9 @@ type Group struct {
 	// point to point): the client numbers its CUDA ops base+1, base+2, ... (see Session.slotBase).
 	Base [2]uint32
 
-	// last stream value seen per lane, and whether any was (written by the session's serve
+	// last stream value seen per lane, Base before any (written by the session's serve
 	// goroutine, read when the group is destroyed)
-	last   [2]atomic.Uint32
-	issued [2]atomic.Bool
+	last [2]atomic.Uint32
 
 	sess *Session
 	log  *slog.Logger
@@ -148,17 +147,7 @@ func (g *Group) Abort(reason string) {
 // CUDA op of any kind, because the client's stream counter already counts it and the
 // engine's streams must not wait for a value nobody writes.
 // floor is, per lane, the last stream value seen (the base where none was).
-func (g *Group) floor() [2]uint32 {
-	f := g.Base
-	for lane := range f {
-		if g.issued[lane].Load() {
-			if v := g.last[lane].Load(); int32(v-f[lane]) > 0 {
-				f[lane] = v
-			}
-		}
-	}
-	return f
-}
+func (g *Group) floor() [2]uint32 { return [2]uint32{g.last[0].Load(), g.last[1].Load()} }
 
 // releaseStreams lets the client's streams waiting on the group's counters go on (see
 // DeviceSession.Release).
@@ -175,14 +164,12 @@ func (g *Group) releaseStreams(why string) {
 // noteStream records a CUDA op's stream value (its client already wrote it as ready, or
 // will): the next group on the slot counts on from past it. Only the serve goroutine calls it.
 func (g *Group) noteStream(d *Desc) {
-	lane := 0
-	if d.Kind == OpSend || d.Kind == OpRecv {
+	lane := 0 // collectives count on the first pair of counters, send/recv on the second
+	if !d.Kind.Collective() {
 		lane = 1
 	}
-	v := d.StreamValue
-	if !g.issued[lane].Load() || int32(v-g.last[lane].Load()) > 0 {
+	if v := d.StreamValue; int32(v-g.last[lane].Load()) > 0 {
 		g.last[lane].Store(v)
-		g.issued[lane].Store(true)
 	}
 }
 

@@ -173,6 +173,9 @@ func (sess *Session) CreateGroup(name string, rank, size int, globalRanks []int,
 			break
 		}
 	}
+	for lane, b := range g.Base {
+		g.last[lane].Store(b)
+	}
 	sess.srv.addGroup(g)
 	sess.groups[g.Handle] = g
 	sess.mu.Unlock()

@@ -209,11 +209,7 @@ func (g *group) Enqueue(op pg.DeviceOp) {
 			g.start(w)
 		}
 	}
-	lane := laneColl
-	if k := op.Desc.Kind; k == pg.OpSend || k == pg.OpRecv {
-		lane = laneP2P
-	}
-	if v := op.Desc.StreamValue; int32(v-g.floor[lane]) > 0 {
+	if lane, v := w.lane(), op.Desc.StreamValue; int32(v-g.floor[lane]) > 0 {
 		g.floor[lane] = v
 	}
 	w.queue = append(w.queue, o)
