@@ -40,6 +40,11 @@ _work_lock = threading.Lock()  # guards every Work's lazy Event/Future against _
 _leaked: list = []  # buffers of ops the sidecar never answered: never handed back to the allocator
 
 
+def _lane(kind: int) -> int:
+    """The op's pair of stream counters: 0 for collectives, 1 for send and recv."""
+    return 1 if kind in (_wire.SEND, _wire.RECV) else 0
+
+
 def _stream_wait(idx: int, done: int, k: int) -> None:
     """Make the current stream of device idx wait until the op's done counter reaches k."""
     with _cuda.on_device(idx):
@@ -519,14 +524,11 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         dt = _wire.DTYPES[dtype if dtype is not None else t0.dtype]
         timeout_ms = int(t_limit * 1000) if timeout is not None else 0
         handle = self._handle
-        lane = 1 if kind in (_wire.SEND, _wire.RECV) else 0
+        lane = _lane(kind)
         counters += 8 * lane
-        with (
-            self._cuda_lock,
-            _cuda.on_device(idx),
-        ):  # the counter value, its stream write and the descriptor stay in step
-            self._k[lane] = (self._k[lane] + 1) & 0xFFFFFFFF  # stream values are u32
-            k = self._k[lane]
+        # under the lock, the counter value, its stream write and the descriptor stay in step
+        with self._cuda_lock, _cuda.on_device(idx):
+            k = self._next_value(lane)
             _cuda.write_value(_cuda.current_stream(idx), counters, k)
             self._disp.submit(
                 lambda seq: _wire.encode_desc(
@@ -537,6 +539,11 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         done = counters + 4
         work._cuda_wait = lambda: _stream_wait(idx, done, k)
         return work
+
+    def _next_value(self, lane: int) -> int:
+        """The stream value of the lane's next op (u32, wrapping); call under _cuda_lock."""
+        self._k[lane] = (self._k[lane] + 1) & 0xFFFFFFFF
+        return self._k[lane]
 
     def _submit_cuda(self, op, kind, dtype, count, redop, root, tag, inputs, out_for, splits, t_limit, timeout, p):
         """The CUDA form of _submit: no staging; ordered on the caller's current stream.
@@ -560,7 +567,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
                 raise ValueError(f"gocomm {op}: tensors on {t.device} and {dev}; one op runs on one device")
         counters = sc.attach_device(dev) + 16 * self._slot
         raw = _cuda.current_stream(dev.index)
-        lane = 1 if kind in (_wire.SEND, _wire.RECV) else 0
+        lane = _lane(kind)
         bufs, keep, unpack = [], list(tensors), []
         for i, ins in enumerate(inputs):
             ts = ins if ins is not None else out_for[i]
@@ -579,8 +586,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         timeout_ms = int(t_limit * 1000) if timeout is not None else 0
         p.keep = keep
         with self._cuda_lock, _cuda.on_device(dev.index):
-            self._k[lane] = (self._k[lane] + 1) & 0xFFFFFFFF  # stream values are u32
-            k = self._k[lane]
+            k = self._next_value(lane)
             ready, done = counters + 8 * lane, counters + 8 * lane + 4
             _cuda.write_value(raw, ready, k)
             if unpack:
