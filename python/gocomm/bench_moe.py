@@ -64,15 +64,17 @@ def _timeit(fn, sync) -> list[float]:
     return [_alone(fn, sync), _loop(fn, sync)]
 
 
-def _splits(rank, world, tokens, args) -> tuple[list[int], list[int]]:
-    """Rows this rank sends to and receives from each rank (every rank rebuilds every routing)."""
-    send_of = []
+def _splits(rank, world, tokens, args) -> tuple[list[int], list[int], torch.Tensor]:
+    """Rows this rank sends to and receives from each rank (every rank rebuilds every
+    routing), and this rank's topk_idx."""
+    send_of, idx = [], None
     for r in range(world):
-        dest = routing(r, world, tokens, args.topk, args.experts) // (args.experts // world)
+        ri = routing(r, world, tokens, args.topk, args.experts)
+        idx = ri if r == rank else idx
         hit = torch.zeros(tokens, world, dtype=torch.bool)
-        hit[torch.arange(tokens).unsqueeze(1), dest] = True
+        hit[torch.arange(tokens).unsqueeze(1), ri // (args.experts // world)] = True
         send_of.append(hit.sum(0).tolist())
-    return send_of[rank], [send_of[r][rank] for r in range(world)]
+    return send_of[rank], [send_of[r][rank] for r in range(world)], idx
 
 
 def _worker(rank, world, port, args, q):
@@ -101,8 +103,7 @@ def _measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
     import gocomm
 
     h = args.hidden
-    idx = routing(rank, world, tokens, args.topk, args.experts)
-    send, recv = _splits(rank, world, tokens, args)
+    send, recv, idx = _splits(rank, world, tokens, args)
     moved = (sum(send) - send[rank]) * h * 2
     x = torch.randn(tokens, h, device=dev).to(torch.bfloat16)
     inp = torch.randn(sum(send), h, device=dev).to(torch.bfloat16)
@@ -155,7 +156,7 @@ def _torch_worker(rank, world, port, args, q):
 
 
 def _torch_measure(rank, world, dev, sync, args, tokens) -> dict:
-    send, recv = _splits(rank, world, tokens, args)
+    send, recv, idx = _splits(rank, world, tokens, args)
     h = args.hidden
     inp = torch.randn(sum(send), h, device=dev).to(torch.bfloat16)
     out = torch.empty(sum(recv), h, dtype=torch.bfloat16, device=dev)
@@ -164,14 +165,14 @@ def _torch_measure(rank, world, dev, sync, args, tokens) -> dict:
         "nccl a2a (splits known)": _timeit(lambda: dist.all_to_all_single(out, inp, recv, send), sync),
         "nccl counts+a2a": _timeit(lambda: _counts_a2a(out, inp, send, dev, None), sync),
         "symm_mem all_to_all_vdev": _symm(world, dev, send, h, tokens, sync),
-        **_symm_2d(rank, world, dev, h, tokens, sync, args),
+        **_symm_2d(world, dev, idx, h, tokens, sync, args),
     }
 
 
 SYMM_2D_SPLITS = 16  # torch 2.11's all_to_all_vdev_2d takes at most 16 experts per rank
 
 
-def _symm_2d(rank, world, dev, h, tokens, sync, args) -> dict:
+def _symm_2d(world, dev, idx, h, tokens, sync, args) -> dict:
     """torch's MoE-shaped NVSHMEM ops on the same routing: all_to_all_vdev_2d (dispatch,
     rows grouped by expert) and all_to_all_vdev_2d_offset (combine, rows back in dispatch
     order). One row per (token, expert) pair, no per-rank dedupe, so they move more bytes than
@@ -189,7 +190,7 @@ def _symm_2d(rank, world, dev, h, tokens, sync, args) -> dict:
         if per % group:
             return dict.fromkeys(names, f"error: {per} experts per rank do not split into groups of {group}")
         ne = per // group
-        idx = routing(rank, world, tokens, args.topk, args.experts).to(dev)
+        idx = idx.to(dev)
         rows = idx.numel()
 
         def sym(shape, dtype=torch.bfloat16):
