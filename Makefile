@@ -110,7 +110,7 @@ test-py: all
 GPU_ENV ?= NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 GPU_PY  ?= python3
 MPS     ?= 0
-TRANSPORT ?= nvshmem
+TRANSPORT ?= auto
 test-gpu bench-gpu bench-moe: export CUDA_MPS_PIPE_DIRECTORY ?= /tmp/gocomm-mps/pipe
 test-gpu bench-gpu bench-moe: export CUDA_MPS_LOG_DIRECTORY ?= /tmp/gocomm-mps/log
 test-gpu:
@@ -124,7 +124,7 @@ bench-gpu:
 	  if [ "$(MPS)" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi; exit $$rc
 
 # MoE all-to-all (issue 4's shapes): gocomm's ranks under MPS when MPS=1, torch's baselines
-# in their own processes without it; TRANSPORT=nccl|nvshmem picks gocomm's sparse path.
+# in their own processes without it; TRANSPORT=auto|nccl|nvshmem picks gocomm's sparse path.
 bench-moe:
 	@if [ "$(MPS)" = 1 ]; then PYTHONPATH=python $(GPU_PY) -c 'import os, gocomm.launch as l; print("MPS started:", l.start_mps(dict(os.environ)))'; fi
 	$(GPU_ENV) PYTHONPATH=python $(GPU_PY) -m gocomm.bench_moe --transport $(TRANSPORT) --json bench_moe.json --png bench_moe.png; rc=$$?; \

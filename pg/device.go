@@ -16,6 +16,9 @@ type DeviceEngine interface {
 	Info() (available bool, detail string, devices []DeviceInfo)
 	// LoadNCCL loads the NCCL library the client uses (its path; "" for the default).
 	LoadNCCL(path string) error
+	// LoadNVSHMEM loads the NVSHMEM host library that goes with the client's NCCL (the
+	// nvidia-nvshmem wheel beside it, or NVSHMEM_HOME); nil when the NVSHMEM engine can run.
+	LoadNVSHMEM() error
 	// Check says whether a reduction of dtype by op can run on the device.
 	Check(dt reduce.DType, op reduce.Op) error
 	// Attach binds a session to the device with this UUID.

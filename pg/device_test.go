@@ -20,15 +20,17 @@ import (
 // fakeEngine stands in for the CUDA/NCCL engine: segments are bookkeeping only, and ops
 // complete after a moment, or hang until aborted, or fail, as the test asks.
 type fakeEngine struct {
-	mu     sync.Mutex
-	groups []*fakeDevGroup
-	hang   bool  // new groups' ops never finish (until Abort)
-	fail   error // new groups' ops fail with this
-	noNew  error // NewGroup fails with this
+	mu      sync.Mutex
+	groups  []*fakeDevGroup
+	hang    bool  // new groups' ops never finish (until Abort)
+	fail    error // new groups' ops fail with this
+	noNew   error // NewGroup fails with this
+	nvshmem error // LoadNVSHMEM's answer
 }
 
 func (e *fakeEngine) Info() (bool, string, []DeviceInfo) { return true, "fake", nil }
 func (e *fakeEngine) LoadNCCL(string) error              { return nil }
+func (e *fakeEngine) LoadNVSHMEM() error                 { return e.nvshmem }
 func (e *fakeEngine) NewUniqueID() ([]byte, error) {
 	id := make([]byte, 128)
 	_, err := rand.Read(id)
@@ -455,4 +457,83 @@ func TestDeviceFailureBreaksEveryRank(t *testing.T) {
 	if !eng.group(0).isBroken() {
 		t.Fatal("rank 1's device group was not aborted")
 	}
+}
+
+// The sparse transport is chosen per client at attach: the chooser gets the engine's NVSHMEM
+// loader only for a client with NCCL, its answer reaches the session and Info, and its
+// error refuses the client.
+func TestAttachChoosesSparse(t *testing.T) {
+	noLib := errors.New("libnvshmem_host.so.3: not found")
+	forced := errors.New("GOCOMM_TRANSPORT=nvshmem, but NVSHMEM cannot run here")
+	for _, tc := range []struct {
+		name    string
+		device  bool
+		nccl    string
+		lib     error
+		want    string
+		refused bool
+	}{
+		{"NVSHMEM loads", true, "/fake/libnccl.so.2", nil, "nvshmem", false},
+		{"NVSHMEM missing", true, "/fake/libnccl.so.2", noLib, "nccl", false},
+		{"CPU client", true, "", nil, "nccl", false},
+		{"no GPU engine", false, "/fake/libnccl.so.2", nil, "nccl", false},
+		{"forced where it cannot run", true, "/fake/libnccl.so.2", forced, "", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			node, err := transport.Listen(transport.Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quietLog()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer node.Close()
+			called := false
+			cfg := Config{Version: "test", ShmDir: t.TempDir(), Sparse: func(load func() error) (SparseChoice, error) {
+				called = true
+				err := load()
+				switch {
+				case errors.Is(err, forced):
+					return SparseChoice{}, err
+				case err != nil:
+					return SparseChoice{"nccl", "NVSHMEM cannot run: " + err.Error()}, nil
+				}
+				return SparseChoice{"nvshmem", "all GPUs NVLink-connected"}, nil
+			}}
+			if tc.device {
+				cfg.Device = &fakeEngine{nvshmem: tc.lib}
+			}
+			srv := NewServer(cfg, node, quietLog())
+			defer srv.Shutdown("test over")
+			if e := engine(srv, "sparse"); !strings.Contains(e.Detail, "when a client attaches") {
+				t.Errorf("before any attach: sparse %q", e.Detail)
+			}
+			sess, err := srv.Attach(1, 0, 64<<10, tc.nccl)
+			if tc.refused {
+				if err == nil || !errors.Is(err, forced) {
+					t.Fatalf("Attach = %v, want the chooser's error", err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer sess.Close("test over")
+			if sess.Sparse.Transport != tc.want {
+				t.Errorf("session transport %q (%s), want %q", sess.Sparse.Transport, sess.Sparse.Reason, tc.want)
+			}
+			if wantCalled := tc.device && tc.nccl != ""; called != wantCalled {
+				t.Errorf("chooser called %v, want %v", called, wantCalled)
+			}
+			if e := engine(srv, "sparse"); !strings.HasPrefix(e.Detail, tc.want+": ") {
+				t.Errorf("Info sparse %q, want %s", e.Detail, tc.want)
+			}
+		})
+	}
+}
+
+func engine(srv *Server, name string) Engine {
+	for _, e := range srv.Engines() {
+		if e.Name == name {
+			return e
+		}
+	}
+	return Engine{}
 }

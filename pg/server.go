@@ -31,8 +31,16 @@ type Config struct {
 	Spin time.Duration
 	// Device is the GPU engine, or nil where the sidecar serves CPU tensors only.
 	Device DeviceEngine
-	// Extra engines to report (e.g. the sparse transport chosen for this node).
-	Extra []Engine
+	// Sparse picks a client's sparse all-to-all transport when it attaches; nvshmem says
+	// whether the NVSHMEM engine can run for that client (nil: it loaded). An error refuses
+	// the client (a transport forced where it cannot run). Nil: always NCCL.
+	Sparse func(nvshmem func() error) (SparseChoice, error)
+}
+
+// SparseChoice is the transport all_to_all_v of a client's CUDA tensors takes, and why.
+type SparseChoice struct {
+	Transport string // "nvshmem" or "nccl"
+	Reason    string
 }
 
 // Engine describes one way ops can run (Info).
@@ -55,6 +63,7 @@ type Server struct {
 	nextSess uint64
 	nextGrp  uint32
 	closed   bool
+	sparse   *SparseChoice // the last attached client's, for Info
 }
 
 // ErrShutdown: the server is shutting down.
@@ -84,14 +93,37 @@ func (s *Server) PeerAddress() string { return s.node.Addr() }
 // Uptime since the server was built.
 func (s *Server) Uptime() time.Duration { return time.Since(s.started) }
 
-// Engines available on this sidecar.
+// Engines available on this sidecar; "sparse" is the transport chosen for the last client
+// that attached.
 func (s *Server) Engines() []Engine {
 	out := []Engine{{Name: "host", Available: true, Detail: "CPU tensors over TCP between sidecars"}}
 	if s.cfg.Device == nil {
-		return append(append(out, Engine{Name: "nccl", Detail: "no GPU engine in this sidecar"}), s.cfg.Extra...)
+		out = append(out, Engine{Name: "nccl", Detail: "no GPU engine in this sidecar"})
+	} else {
+		ok, detail, _ := s.cfg.Device.Info()
+		out = append(out, Engine{Name: "nccl", Available: ok, Detail: detail})
 	}
-	ok, detail, _ := s.cfg.Device.Info()
-	return append(append(out, Engine{Name: "nccl", Available: ok, Detail: detail}), s.cfg.Extra...)
+	s.mu.Lock()
+	c := s.sparse
+	s.mu.Unlock()
+	if c == nil {
+		return append(out, Engine{Name: "sparse", Available: true, Detail: "chosen when a client attaches"})
+	}
+	return append(out, Engine{Name: "sparse", Available: true, Detail: c.Transport + ": " + c.Reason})
+}
+
+// chooseSparse picks the sparse transport of a client attaching with (hasNCCL) or without
+// its NCCL loaded. A client without it moves no CUDA tensors: NCCL, whatever was asked.
+func (s *Server) chooseSparse(hasNCCL bool) (SparseChoice, error) {
+	switch {
+	case s.cfg.Device == nil:
+		return SparseChoice{Transport: "nccl", Reason: "no GPU engine in this sidecar"}, nil
+	case !hasNCCL:
+		return SparseChoice{Transport: "nccl", Reason: "the client has no NCCL loaded"}, nil
+	case s.cfg.Sparse == nil:
+		return SparseChoice{Transport: "nccl", Reason: "no sparse transport choice configured"}, nil
+	}
+	return s.cfg.Sparse(s.cfg.Device.LoadNVSHMEM)
 }
 
 // Device is the GPU engine (nil without one).
@@ -120,12 +152,26 @@ func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath strin
 		mem.Close()
 		return nil, err
 	}
+	hasNCCL := false
+	if ncclPath != "" && s.cfg.Device != nil {
+		if err := s.cfg.Device.LoadNCCL(ncclPath); err != nil {
+			s.log.Warn("NCCL not loaded; CUDA tensors will fail", "path", ncclPath, "err", err)
+		} else {
+			hasNCCL = true
+		}
+	}
+	choice, err := s.chooseSparse(hasNCCL)
+	if err != nil {
+		mem.Close()
+		return nil, err
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
 		mem.Close()
 		return nil, ErrShutdown
 	}
+	s.sparse = &choice
 	s.nextSess++
 	sess := &Session{
 		ID: s.nextSess, srv: s, pid: clientPID, rank: rank,
@@ -134,17 +180,13 @@ func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath strin
 		groups: map[uint32]*Group{},
 		done:   make(chan struct{}),
 		log:    s.log.With("session", s.nextSess, "rank", rank),
+		nccl:   hasNCCL,
+		Sparse: choice,
 	}
 	s.sessions[sess.ID] = sess
-	if ncclPath != "" && s.cfg.Device != nil {
-		if err := s.cfg.Device.LoadNCCL(ncclPath); err != nil {
-			sess.log.Warn("NCCL not loaded; CUDA tensors will fail", "path", ncclPath, "err", err)
-		} else {
-			sess.nccl = true
-		}
-	}
 	go sess.serve()
-	sess.log.Info("client attached", "pid", clientPID, "ring", mem.Path, "nccl", sess.nccl)
+	sess.log.Info("client attached", "pid", clientPID, "ring", mem.Path, "nccl", sess.nccl,
+		"sparse", choice.Transport, "why", choice.Reason)
 	return sess, nil
 }
 

@@ -37,7 +37,9 @@ type Session struct {
 	done   chan struct{} // closed when the session ends
 	loop   sync.WaitGroup
 
-	nccl   bool          // the client's NCCL is loaded here
+	nccl bool // the client's NCCL is loaded here
+	// Sparse is the transport all_to_all_v of this client's CUDA tensors takes.
+	Sparse SparseChoice
 	device DeviceSession // set by AttachDevice
 	ipcErr map[uint32]error
 	slots  [CounterSlots]bool

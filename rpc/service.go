@@ -103,7 +103,10 @@ func (s *Service) Attach(_ context.Context, req *v1.AttachRequest) (*v1.AttachRe
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	return &v1.AttachResponse{Session: sess.ID, RingPath: sess.RingPath(), RingBytes: uint64(sess.RingBytes())}, nil
+	return &v1.AttachResponse{
+		Session: sess.ID, RingPath: sess.RingPath(), RingBytes: uint64(sess.RingBytes()),
+		SparseTransport: sess.Sparse.Transport, SparseReason: sess.Sparse.Reason,
+	}, nil
 }
 
 func (s *Service) AttachDevice(_ context.Context, req *v1.AttachDeviceRequest) (*v1.AttachDeviceResponse, error) {

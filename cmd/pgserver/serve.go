@@ -84,13 +84,13 @@ func run(args []string) error {
 		return err
 	}
 	defer node.Close()
-	sparseEngine, err := chooseSparse(log)
+	chooser, err := sparseChooser(log)
 	if err != nil {
 		return err
 	}
 	dev := device.New(log)
 	dev.Spin = *spin
-	srv = pg.NewServer(pg.Config{Version: version, Spin: *spin, Device: dev, Extra: []pg.Engine{sparseEngine}}, node, log)
+	srv = pg.NewServer(pg.Config{Version: version, Spin: *spin, Device: dev, Sparse: chooser}, node, log)
 
 	ln, err := listenUnix(*socket)
 	if err != nil {
@@ -132,33 +132,33 @@ func run(args []string) error {
 	return err
 }
 
-// errNVSHMEMNotAuto keeps auto on NCCL: the NVSHMEM path passes its tests on 2 and 4 H200s
-// (NOTES.md), but the sidecar picks its transport at start, before the client says where its
-// NVSHMEM library is, so it cannot yet promise that NVSHMEM will load; choosing it anyway
-// would fail the first exchange instead of falling back.
-var errNVSHMEMNotAuto = errors.New("auto does not choose NVSHMEM yet (whether it will load is known only once a client attaches); GOCOMM_TRANSPORT=nvshmem turns it on")
-
-// chooseSparse picks the sparse all-to-all transport for this node from its NVML topology
-// and GOCOMM_TRANSPORT, logs it, and returns it as an engine for Info.
-func chooseSparse(log *slog.Logger) (pg.Engine, error) {
+// sparseChooser reads the node's NVML topology once and returns how each attaching client's
+// sparse all-to-all transport is picked: from that topology, GOCOMM_TRANSPORT and whether
+// the NVSHMEM engine can run for the client (its kernels built into this binary and the host
+// library beside the client's NCCL loadable). Each choice is logged.
+func sparseChooser(log *slog.Logger) (func(func() error) (pg.SparseChoice, error), error) {
 	var topo sparse.Topology
 	if t, err := gonvml.Read(nvml.New()); err != nil {
 		log.Info("no GPU topology", "err", err)
 	} else {
 		topo = t
 	}
-	var nvshmemErr error = errNVSHMEMNotAuto
-	if _, err := kernels.Cubin("a2av"); err != nil {
-		nvshmemErr = err
-	} else if strings.EqualFold(strings.TrimSpace(os.Getenv("GOCOMM_TRANSPORT")), sparse.NVSHMEM) {
-		nvshmemErr = nil
+	override := os.Getenv("GOCOMM_TRANSPORT")
+	if _, err := sparse.Choose(topo, override, nil); err != nil {
+		return nil, err // a value other than auto, nvshmem or nccl
 	}
-	c, err := sparse.Choose(topo, os.Getenv("GOCOMM_TRANSPORT"), nvshmemErr)
-	if err != nil {
-		return pg.Engine{}, err
-	}
-	log.Info("sparse all-to-all transport", "transport", c.Transport, "why", c.Reason)
-	return pg.Engine{Name: "sparse", Available: true, Detail: c.Transport + ": " + c.Reason}, nil
+	return func(loadNVSHMEM func() error) (pg.SparseChoice, error) {
+		_, nvshmemErr := kernels.Cubin("a2av")
+		if nvshmemErr == nil && !strings.EqualFold(strings.TrimSpace(override), sparse.NCCL) {
+			nvshmemErr = loadNVSHMEM()
+		}
+		c, err := sparse.Choose(topo, override, nvshmemErr)
+		if err != nil {
+			return pg.SparseChoice{}, err
+		}
+		log.Info("sparse all-to-all transport", "transport", c.Transport, "why", c.Reason)
+		return pg.SparseChoice{Transport: c.Transport, Reason: c.Reason}, nil
+	}, nil
 }
 
 // defaultRuntimeDir is $XDG_RUNTIME_DIR/gocomm, else /tmp/gocomm-<uid>.

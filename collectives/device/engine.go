@@ -15,6 +15,7 @@ import (
 	"github.com/gocomm/gocomm/collectives/reduce"
 	"github.com/gocomm/gocomm/internal/cuda"
 	"github.com/gocomm/gocomm/internal/nccl"
+	"github.com/gocomm/gocomm/internal/nvshmem"
 	"github.com/gocomm/gocomm/pg"
 )
 
@@ -76,6 +77,19 @@ func (e *Engine) LoadNCCL(path string) error {
 	}
 	e.nvshmemPath = nvshmemPath(path)
 	return nil
+}
+
+// LoadNVSHMEM implements pg.DeviceEngine: it opens the host library (no NVSHMEM init; that
+// waits for the first all_to_all_v, collectively).
+func (e *Engine) LoadNVSHMEM() error {
+	if e.err != nil {
+		return e.err
+	}
+	path := e.nvshmemPath
+	if path == "" {
+		path = nvshmem.Find()
+	}
+	return nvshmem.Load(path)
 }
 
 // Check implements pg.DeviceEngine.

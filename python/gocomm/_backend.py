@@ -358,7 +358,14 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             store.set("gocomm/secret", os.urandom(32).hex())
         secret = bytes.fromhex(store.get("gocomm/secret").decode())
         store.set(f"gocomm/boot/{rank}", resp.bootstrap)
+        store.set(f"gocomm/sparse/{rank}", self._sc.sparse_transport)
         blobs = [store.get(f"gocomm/boot/{r}") for r in range(size)]
+        # NVSHMEM only where every member's sidecar chose it: one rank on NCCL would leave the
+        # others waiting in a kernel for rows that never come.
+        sparse = {store.get(f"gocomm/sparse/{r}").decode() for r in range(size)}
+        self._sparse = "nvshmem" if sparse == {"nvshmem"} else "nccl"
+        if len(sparse) > 1:
+            log.warning("gocomm group %r: the ranks' sidecars chose %s; all_to_all_v takes NCCL", group_name, sorted(sparse))
         conn = self._sc.call(
             "ConnectGroup",
             pb.ConnectGroupRequest(session=self._sc.session, group=self._handle, bootstrap=blobs, secret=secret),
@@ -615,11 +622,9 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         return work
 
     def _sparse_transport(self) -> str:
-        """The sidecar's sparse all-to-all transport ("nvshmem" or "nccl")."""
-        for e in self._sc.info.engines:
-            if e.name == "sparse":
-                return e.detail.split(":", 1)[0]
-        return "nccl"
+        """This group's sparse all-to-all transport ("nvshmem" or "nccl"): NVSHMEM where every
+        member's sidecar chose it when its client attached."""
+        return self._sparse
 
     # ----- collectives ------------------------------------------------------------------------
 

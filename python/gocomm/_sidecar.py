@@ -179,6 +179,10 @@ class Sidecar:
         nccl = _cuda.nccl_path() if self.info.cuda_available and torch.cuda.is_available() else ""
         resp = self.call("Attach", pb.AttachRequest(client_pid=os.getpid(), rank=rank, nccl_path=nccl))
         self.session = resp.session
+        # how all_to_all_v of this process's CUDA tensors moves, chosen by the sidecar at attach
+        self.sparse_transport = resp.sparse_transport or "nccl"
+        self.sparse_reason = resp.sparse_reason
+        self.info = self.call("Info", pb.InfoRequest())  # now naming that choice
         self.ring = _ring.Ring(resp.ring_path, resp.ring_bytes)
         self._watch = self.stub.Watch(pb.WatchRequest(session=self.session))
         first = next(self._watch)

@@ -3,8 +3,8 @@
     python -m gocomm.bench_gpu [--sizes 8K,...,1G] [--ops all_reduce,...] [--json F] [--png F]
 
 (--ops all_to_all_v times gocomm.all_to_all_v, splits on the GPU, against NCCL's
-all_to_all_single with the same splits; set GOCOMM_TRANSPORT=nvshmem for the sidecar's
-NVSHMEM kernel.)
+all_to_all_single with the same splits: the sidecar's NVSHMEM kernel where its transport is
+NVSHMEM (auto on NVLink nodes; GOCOMM_TRANSPORT=nccl|nvshmem forces one).)
 
 One rank per visible GPU. Each rank joins the gocomm default group and an NCCL group over
 the same ranks and times, on bf16 tensors, each op two ways (nccl-tests' columns):

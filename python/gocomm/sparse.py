@@ -1,9 +1,10 @@
 """All-to-all with splits known only as tensors: `gocomm.all_to_all_v`.
 
-Two paths. Where the sidecar's sparse transport is NVSHMEM (GOCOMM_TRANSPORT=nvshmem for
-now; its tests pass on 2 and 4 H200s) and the group is the default one, one kernel in the sidecar
-moves the rows one-sidedly with the splits on the GPU: no host sync. Everywhere else the
-counts are exchanged with one all_to_all, read on the host, and the rows moved with
+Two paths. Where every rank's sidecar chose NVSHMEM (auto does on a node whose GPUs all share
+NVLink with peer atomics, when NVSHMEM loads; GOCOMM_TRANSPORT overrides) and the group is the
+default one, one kernel in the sidecar moves the rows one-sidedly with the splits on the GPU:
+no host sync. Everywhere else the counts are exchanged with one all_to_all, read on the host,
+and the rows moved with
 `all_to_all_single` on the group (NCCL grouped send/recv in the sidecar for CUDA tensors,
 the host engine for CPU tensors): one host sync.
 """
