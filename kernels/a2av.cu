@@ -1,16 +1,18 @@
 // One-sided all-to-all with splits on the GPU: the NVSHMEM path of gocomm.all_to_all_v.
 // Status: passes python/tests/test_gpu.py::test_all_to_all_v_nvshmem on 2 and 4 H200s.
 //
-// Every PE (one sidecar per GPU) calls gocomm_a2av with the same epoch (its op counter,
-// from 1), then gocomm_a2av_copy on the same stream. No host sync anywhere: the splits
+// Every PE (one sidecar per GPU) launches gocomm_a2av with the same epoch (its op counter,
+// from 1); the kernel writes the caller's output itself. No host sync anywhere: the splits
 // travel on the device, and so do the overflow and error reports.
 //
 // Symmetric layout (nvshmem_malloc'd once per group; n = PEs; W = n + 2 words per row):
 //   meta   int64  [2][n][W]    meta[p][s] = PE s's splits to every PE, its capacity (rows)
 //                              and its row size (bytes), for epochs of parity p. A PE is at
 //                              most one epoch ahead of any other (it waits for every PE's
-//                              row of an epoch before it sends data), so two copies never
-//                              collide; dsig, over and recv need only one.
+//                              row of an epoch before it sends data, and it publishes that
+//                              row only once its previous kernel, copies included, is
+//                              done), so two copies never collide; dsig, over and recv
+//                              need only one.
 //   msig   uint64 [2][n]       msig[p][s] = epoch once PE s's meta row of that epoch landed
 //   dsig   uint64 [n]          dsig[s] counts the chunks PE s sent here (B per epoch, one per
 //                              block of s that serves this PE): epoch * B once PE s's rows
@@ -18,7 +20,8 @@
 //   over   uint64 [n]          over[s] = epoch when PE s had rows for this PE that would not
 //                              fit its capacity (then none of them are sent)
 //   recv   row_bytes x capacity  received rows, grouped by source PE
-// The caller's input and splits may live anywhere on the GPU: puts read local memory.
+// The caller's input, splits and output may live anywhere on this GPU: only recv and the
+// signals are written from other PEs.
 //
 // Status word (this PE's view of the op), bits:
 //   1 OVERFLOW  what others sent would not fit this PE's capacity: nothing was written
@@ -26,16 +29,21 @@
 //               published zeros and sent nothing (what it received is still good)
 //   4 ROWSIZE   a peer's row size differs from this PE's: nothing was written
 //   8 LATE      a peer did not show up before the op's timeout: the kernel gave up, and the
-//               sidecar breaks the group (epochs no longer agree)
-// The copy kernel writes the output only when none of 1, 4, 8 is set.
+//               sidecar breaks the group (epochs no longer agree); out may hold part of the rows
 //
-// Launch: gocomm_a2av with n * B blocks of 256 threads, B the same on every PE (blocks
-// d*B .. d*B+B-1 each send a B-th of this PE's rows for PE d; block 0 also publishes the row
-// and collects the output splits); all blocks must be resident at once (they wait for each
-// other through the signals), which n * B <= 8 x the SM count guarantees on an idle GPU.
-// One block per destination moved ~25 GB/s over NVLink (measured, H200): B spreads a
-// destination's bytes over enough SMs to fill its link. Then gocomm_a2av_copy with any grid
-// to move recv's rows into the caller's output.
+// Launch: n * B blocks (B the same on every PE), any block size that is a multiple of 32.
+// Blocks d*B .. d*B+B-1 serve the pair (this PE, PE d): each sends a B-th of this PE's rows
+// for d into d's receive buffer, then waits for all of d's rows for this PE and copies a
+// B-th of them from the receive buffer into the caller's output, so the copy of one source
+// overlaps the transfers of the others. This PE's rows for itself go from input to output
+// directly. Block 0 also publishes the meta row and, last, writes the output splits and the
+// status word. All blocks must be resident at once (they wait for each other through the
+// signals), which n * B <= the SM count guarantees on an idle GPU. The receiving side knows
+// from the meta rows alone whether it can take what comes (capacity, row size), so nothing
+// is written into out unless all of it fits.
+//
+// One block per destination moved ~25 GB/s over NVLink (measured, H200): B spreads a pair's
+// bytes over enough SMs to fill its link.
 #include <nvshmem.h>
 #include <nvshmemx.h>
 #include <stdint.h>
@@ -67,10 +75,32 @@ __device__ __forceinline__ void wait_epoch(uint64_t* sig, uint64_t epoch, uint64
   __threadfence();
 }
 
+// block_copy copies bytes from src to dst with the whole block: 16 bytes per load and store,
+// four loads in flight per thread, where both ends are 16-byte aligned; byte by byte for the
+// rest. dst may be a peer's memory (an NVLink mapping).
+__device__ __forceinline__ void block_copy(char* __restrict__ dst, const char* __restrict__ src, int64_t bytes) {
+  int64_t done = 0;
+  if (((((uintptr_t)dst) | ((uintptr_t)src)) & 15) == 0) {
+    const int64_t vec = bytes >> 4;
+    int4* d = reinterpret_cast<int4*>(dst);
+    const int4* s = reinterpret_cast<const int4*>(src);
+    const int64_t step = (int64_t)blockDim.x * 4;
+    int64_t i = threadIdx.x;
+    for (; i + 3 * blockDim.x < vec; i += step) {
+      int4 a = s[i], b = s[i + blockDim.x], c = s[i + 2 * blockDim.x], e = s[i + 3 * blockDim.x];
+      d[i] = a, d[i + blockDim.x] = b, d[i + 2 * blockDim.x] = c, d[i + 3 * blockDim.x] = e;
+    }
+    for (; i < vec; i += blockDim.x) d[i] = s[i];
+    done = vec << 4;
+  }
+  for (int64_t k = done + threadIdx.x; k < bytes; k += blockDim.x) dst[k] = src[k];
+}
+
 extern "C" __global__ void gocomm_a2av(const char* __restrict__ in, const int64_t* __restrict__ in_splits,
-                                       int64_t* __restrict__ out_splits, int32_t* __restrict__ status,
-                                       A2avSym sym, int64_t capacity, int64_t row_bytes, int64_t in_rows,
-                                       uint64_t epoch, uint64_t timeout_ns) {
+                                       char* __restrict__ out, int64_t* __restrict__ out_splits,
+                                       int32_t* __restrict__ status, A2avSym sym, int64_t capacity,
+                                       int64_t row_bytes, int64_t in_rows, uint64_t epoch, uint64_t timeout_ns,
+                                       int direct) {
   const int me = nvshmem_my_pe(), n = nvshmem_n_pes();
   const int W = n + 2;
   const int par = (int)(epoch & 1);
@@ -116,30 +146,46 @@ extern "C" __global__ void gocomm_a2av(const char* __restrict__ in, const int64_
   __syncthreads();
 
   // 3. Blocks d*B .. d*B+B-1 send this PE's rows for PE d, at d's offset for this source,
-  //    one chunk each, and add one to d's count for this source.
+  //    one chunk each, and add one to d's count for this source; then take their chunk of
+  //    d's rows for this PE into the output.
   const int per = gridDim.x / n;  // B
   const int d = blockIdx.x / per, part = blockIdx.x % per;
   if (d < n && !late) {
-    __shared__ int64_t src_off, dst_off;
-    __shared__ int send;
+    __shared__ int64_t src_off, dst_off, in_off, in_rows_from_d;
+    __shared__ int send, take;
     if (threadIdx.x == 0) {
-      int64_t a = 0, b = 0, t = 0;
+      int64_t a = 0, b = 0, t = 0, u = 0, c_in = 0;
+      int ok = 1;
       for (int j = 0; j < d; j++) a += meta[(int64_t)me * W + j];
       for (int s = 0; s < n; s++) {
         int64_t c = meta[(int64_t)s * W + d];
         if (s < me) b += c;
         t += c;
+        int64_t r = meta[(int64_t)s * W + me];  // what s sends this PE
+        if (s < d) u += r;
+        c_in += r;
+        if (meta[(int64_t)s * W + n + 1] != row_bytes) ok = 0;
       }
-      src_off = a, dst_off = b;
+      src_off = a, dst_off = b, in_off = u;
+      in_rows_from_d = meta[(int64_t)d * W + me];
       // PE d cannot take everything it is sent, or reads rows of another size: nobody
       // writes into it, and it reports which.
       send = t <= meta[(int64_t)d * W + n] && meta[(int64_t)d * W + n + 1] == row_bytes;
+      take = ok && c_in <= capacity;  // the same test, as every source makes it for this PE
     }
     __syncthreads();
     const int64_t bytes = meta[(int64_t)me * W + d] * row_bytes;
     const int64_t chunk = ((bytes + per - 1) / per + 15) & ~(int64_t)15;
     const int64_t lo = min(part * chunk, bytes), hi = min(lo + chunk, bytes);
-    if (!send || hi == lo) {
+    if (d == me) {
+      // this PE's rows for itself: input to output, no receive buffer
+      if (take && hi > lo) block_copy(out + dst_off * row_bytes + lo, in + src_off * row_bytes + lo, hi - lo);
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        __threadfence();
+        nvshmemx_signal_op(&sym.dsig[me], 1, NVSHMEM_SIGNAL_ADD, me);
+      }
+    } else if (!send || hi == lo) {
       if (threadIdx.x == 0) {
         if (!send && part == 0) {
           nvshmem_uint64_p(&sym.over[me], epoch, d);
@@ -148,8 +194,41 @@ extern "C" __global__ void gocomm_a2av(const char* __restrict__ in, const int64_
         nvshmemx_signal_op(&sym.dsig[me], 1, NVSHMEM_SIGNAL_ADD, d);
       }
     } else {
-      nvshmemx_putmem_signal_nbi_block(sym.recv + dst_off * row_bytes + lo, in + src_off * row_bytes + lo, hi - lo,
-                                       &sym.dsig[me], 1, NVSHMEM_SIGNAL_ADD, d);
+      char* peer = direct ? (char*)nvshmem_ptr(sym.recv, d) : nullptr;
+      if (peer != nullptr) {
+        // NVLink: store straight into the peer's buffer, then publish with one signal
+        block_copy(peer + dst_off * row_bytes + lo, in + src_off * row_bytes + lo, hi - lo);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence_system();
+          nvshmemx_signal_op(&sym.dsig[me], 1, NVSHMEM_SIGNAL_ADD, d);
+        }
+      } else {
+        nvshmemx_putmem_signal_nbi_block(sym.recv + dst_off * row_bytes + lo, in + src_off * row_bytes + lo,
+                                         hi - lo, &sym.dsig[me], 1, NVSHMEM_SIGNAL_ADD, d);
+      }
+    }
+    // take this block's part of d's rows for this PE, once all of them landed
+    if (d != me && take && in_rows_from_d > 0) {
+      __shared__ int got;
+      if (threadIdx.x == 0) {
+        got = 1;
+        volatile uint64_t* v = &sym.dsig[d];
+        while (*v < epoch * (uint64_t)per) {
+          if (now_ns() > deadline) {
+            got = 0;
+            break;
+          }
+        }
+        __threadfence();
+      }
+      __syncthreads();
+      if (got) {
+        const int64_t rb = in_rows_from_d * row_bytes;
+        const int64_t rc = ((rb + per - 1) / per + 15) & ~(int64_t)15;
+        const int64_t rlo = min(part * rc, rb), rhi = min(rlo + rc, rb);
+        if (rhi > rlo) block_copy(out + in_off * row_bytes + rlo, sym.recv + in_off * row_bytes + rlo, rhi - rlo);
+      }
     }
   }
 
@@ -168,24 +247,4 @@ extern "C" __global__ void gocomm_a2av(const char* __restrict__ in, const int64_
     if (threadIdx.x == 0) *status = (overflow ? 1 : 0) | (valid ? 0 : 2) | (mismatch ? 4 : 0) | (late ? 8 : 0);
   }
   nvshmem_quiet();  // every put of this block complete before the kernel ends
-}
-
-// Copies the received rows (sum of out_splits) from recv into the caller's output, 16 bytes
-// at a time where both are aligned; nothing when the status says nothing was received.
-extern "C" __global__ void gocomm_a2av_copy(char* __restrict__ out, const char* __restrict__ recv,
-                                            const int64_t* __restrict__ out_splits, const int32_t* __restrict__ status,
-                                            int n, int64_t row_bytes) {
-  if (*status & (1 | 4 | 8)) return;
-  int64_t rows = 0;
-  for (int s = 0; s < n; s++) rows += out_splits[s];
-  const int64_t bytes = rows * row_bytes;
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-  int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if ((((uintptr_t)out | (uintptr_t)recv) & 15) == 0) {
-    const int64_t vec = bytes / 16;
-    for (int64_t k = i; k < vec; k += stride) reinterpret_cast<int4*>(out)[k] = reinterpret_cast<const int4*>(recv)[k];
-    for (int64_t k = vec * 16 + i; k < bytes; k += stride) out[k] = recv[k];
-  } else {
-    for (int64_t k = i; k < bytes; k += stride) out[k] = recv[k];
-  }
 }

@@ -19,7 +19,7 @@ var ErrNotBuilt = errors.New("kernel module not built (make compiles kernels/*.c
 
 // Modules names each module (kernels/<name>.cu) and the kernels the sidecar looks up in it.
 var Modules = map[string][]string{
-	"a2av": {"gocomm_a2av", "gocomm_a2av_copy"},
+	"a2av": {"gocomm_a2av"},
 }
 
 // Arch is the GPU architecture the modules are compiled for (Makefile's CUDA_ARCH).

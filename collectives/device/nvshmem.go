@@ -39,7 +39,7 @@ const (
 type shmem struct {
 	group      *group
 	mod        cuda.Module
-	a2av, copy cuda.Function
+	a2av       cuda.Function
 	meta, msig uintptr
 	dsig, over uintptr
 	recv       uintptr
@@ -154,9 +154,6 @@ func (g *group) initShmem(path string, deadline time.Time) (*shmem, error) {
 	if sh.a2av, err = sh.mod.Function("gocomm_a2av"); err != nil {
 		return nil, err
 	}
-	if sh.copy, err = sh.mod.Function("gocomm_a2av_copy"); err != nil {
-		return nil, err
-	}
 	done := make(chan error, 1)
 	go func() { // init is collective and has no deadline of its own
 		runtime.LockOSThread()
@@ -248,7 +245,7 @@ func (g *group) agree(ctx context.Context, local error) error {
 }
 
 // launchA2AV enqueues an OpAllToAllV on st (the collective worker's stream), after the
-// client's ready counter: the exchange kernel, then the copy into the client's output.
+// client's ready counter: one kernel that exchanges the rows and writes the client's output.
 func (g *group) launchA2AV(o *dop, st cuda.Stream) error {
 	d := o.Desc
 	sh, err := g.s.shmemFor(g, o.Deadline)
@@ -268,13 +265,10 @@ func (g *group) launchA2AV(o *dop, st cuda.Stream) error {
 	p := o.Ptrs
 	inRows := int64(d.Bufs[0].Length) / row
 	timeout := max(time.Until(o.Deadline), time.Millisecond)
-	args := new(cuda.Args).Ptr(p[0]).Ptr(p[1]).Ptr(p[3]).Ptr(p[4]).Struct(sym[:]).I64(capacity).I64(row).I64(inRows).
-		Ptr(epoch).Ptr(uint64(timeout.Nanoseconds()))
-	err = sh.a2av.Launch([3]int{g.size * a2avBlocksPer(g.size), 1, 1}, [3]int{256, 1, 1}, 0, st, args)
-	if err == nil {
-		cp := new(cuda.Args).Ptr(p[2]).Ptr(uint64(sh.recv)).Ptr(p[3]).Ptr(p[4]).I32(int32(g.size)).I64(row)
-		err = sh.copy.Launch([3]int{132, 1, 1}, [3]int{512, 1, 1}, 0, st, cp)
-	}
+	shape := a2avShapeOf(g.size)
+	args := new(cuda.Args).Ptr(p[0]).Ptr(p[1]).Ptr(p[2]).Ptr(p[3]).Ptr(p[4]).Struct(sym[:]).I64(capacity).I64(row).
+		I64(inRows).Ptr(epoch).Ptr(uint64(timeout.Nanoseconds())).I32(shape.direct)
+	err = sh.a2av.Launch([3]int{g.size * shape.blocksPer, 1, 1}, [3]int{shape.threads, 1, 1}, 0, st, args)
 	if err != nil {
 		sh.broken = fmt.Errorf("NVSHMEM all_to_all_v launch failed, the PEs' epochs may disagree: %w", err)
 		return err
@@ -283,11 +277,33 @@ func (g *group) launchA2AV(o *dop, st cuda.Stream) error {
 	return st.WriteValue32(g.done[laneColl], d.StreamValue)
 }
 
-// a2avBlocksPer is B of kernels/a2av.cu, the blocks that send to one destination: every PE
-// of a group must launch the same (their counts are compared against epoch x B), so it
-// depends on the group size only. About 128 blocks in all: one block moved ~25 GB/s over
-// NVLink on H200, and 128 blocks of 256 threads stay resident on any GPU of 16+ SMs.
-func a2avBlocksPer(n int) int { return max(1, 128/n) }
+// a2avShape is how gocomm_a2av is launched: B blocks per destination (blocksPer), threads
+// per block, and whether NVLink peers are written with the kernel's own stores (direct) or
+// NVSHMEM's block put.
+type a2avShape struct {
+	blocksPer, threads int
+	direct             int32
+}
+
+// a2avShapeOf is the launch shape for a group of n. Every PE of a group must use the same B
+// (their counts are compared against epoch x B), so it depends on the group size and the
+// environment only, which all ranks share. About 128 blocks in all: one block moved ~25 GB/s
+// over NVLink on H200, and 128 blocks stay resident on any GPU of 16+ SMs.
+// GOCOMM_A2AV_BLOCKS (total), GOCOMM_A2AV_THREADS and GOCOMM_A2AV_DIRECT=0|1 override, for
+// measurements.
+func a2avShapeOf(n int) a2avShape {
+	total, threads, direct := 128, 256, 1
+	if v, err := strconv.Atoi(os.Getenv("GOCOMM_A2AV_BLOCKS")); err == nil && v >= n && v <= 1024 {
+		total = v
+	}
+	if v, err := strconv.Atoi(os.Getenv("GOCOMM_A2AV_THREADS")); err == nil && v >= 32 && v <= 1024 && v%32 == 0 {
+		threads = v
+	}
+	if os.Getenv("GOCOMM_A2AV_DIRECT") == "0" {
+		direct = 0
+	}
+	return a2avShape{blocksPer: max(1, total/n), threads: threads, direct: int32(direct)}
+}
 
 // Status bits of the a2av kernel (kernels/a2av.cu).
 const (
