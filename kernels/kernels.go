@@ -17,10 +17,16 @@ var built embed.FS
 // ErrNotBuilt: the binary was built without running make's kernels step.
 var ErrNotBuilt = errors.New("kernel module not built (make compiles kernels/*.cu with the pinned nvcc)")
 
-// Modules names each module (kernels/<name>.cu) and the kernels the sidecar looks up in it.
+// Modules names each module (kernels/<name>.cu) and the kernels looked up in it: the
+// sidecar's (a2av) and the shim's (moe, which make also copies next to the Python package).
 var Modules = map[string][]string{
 	"a2av": {"gocomm_a2av"},
+	"moe":  {"gocomm_moe_wsum_bf16", "gocomm_moe_wsum_f16", "gocomm_moe_wsum_f32", "gocomm_moe_route", "gocomm_moe_pack", "gocomm_moe_group"},
 }
+
+// NVSHMEM says which modules use NVSHMEM's device library (the driver must set their state
+// up with nvshmemx_cumodule_init).
+var NVSHMEM = map[string]bool{"a2av": true}
 
 // Arch is the GPU architecture the modules are compiled for (Makefile's CUDA_ARCH).
 const Arch = 90

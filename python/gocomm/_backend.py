@@ -365,7 +365,9 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         sparse = {store.get(f"gocomm/sparse/{r}").decode() for r in range(size)}
         self._sparse = "nvshmem" if sparse == {"nvshmem"} else "nccl"
         if len(sparse) > 1:
-            log.warning("gocomm group %r: the ranks' sidecars chose %s; all_to_all_v takes NCCL", group_name, sorted(sparse))
+            log.warning(
+                "gocomm group %r: the ranks' sidecars chose %s; all_to_all_v takes NCCL", group_name, sorted(sparse)
+            )
         conn = self._sc.call(
             "ConnectGroup",
             pb.ConnectGroupRequest(session=self._sc.session, group=self._handle, bootstrap=blobs, secret=secret),

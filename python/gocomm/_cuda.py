@@ -40,6 +40,7 @@ def _load():
             ("cuPointerGetAttribute", [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]),
             ("cuStreamWriteValue32_v2", [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]),
             ("cuStreamWaitValue32_v2", [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]),
+            ("cuLaunchKernel", [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3),
         ):
             getattr(fast, name).argtypes = args
         _fast = fast
@@ -59,6 +60,8 @@ def _load():
         lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
         lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
         lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
+        lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
         _lib = lib
     return _lib
 
@@ -138,6 +141,14 @@ def release_counters(addr: int, nbytes: int) -> None:
         buf[i + 1] = (buf[i] + (1 << 30)) & 0xFFFFFFFF
     _check("cuMemcpyHtoDAsync", lib.cuMemcpyHtoDAsync_v2(addr, buf, nbytes, st))
     _check("cuStreamSynchronize", lib.cuStreamSynchronize(st))
+
+
+def launch(fn: int, grid: int, block: int, stream: int, params, smem: int = 0) -> None:
+    """Queue kernel fn (a CUfunction) on stream: grid x block threads, smem bytes of dynamic
+    shared memory; params is the driver's array of pointers to each argument."""
+    if _fast is None:
+        _load()
+    _check("cuLaunchKernel", _fast.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, smem, stream, params, None))
 
 
 def current_stream(index: int) -> int:

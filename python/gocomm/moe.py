@@ -13,8 +13,11 @@ does), and appears on the receiving rank once per local expert it chose. topk_id
 
 Each token travels once per destination rank with its routing (local expert ids and weights)
 in the same row: one `gocomm.all_to_all_v` per dispatch (the NVSHMEM path where the sidecar
-uses it, else NCCL or the host engine), one per combine. Dispatch still reads counts on the
-host (tensor shapes depend on them), so it syncs with the GPU a few times.
+uses it, else NCCL or the host engine), one per combine. On CUDA, gocomm's own kernels
+(kernels/moe.cu, launched on the caller's stream) route and pack the tokens and do combine's
+weighted sums, and group what arrives by expert; elsewhere, and for fp8, torch ops do.
+Dispatch still reads counts on the host once, after the exchange (tensor shapes depend on
+them; the torch-op path twice more).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import _kernels
 from .sparse import _capacity_rows, _on_nvshmem, all_to_all_v
 
 __all__ = ["Handle", "combine", "dispatch"]
@@ -45,6 +49,7 @@ class Handle:
     recv_splits: list[int]  # rows received from each rank
     rows: torch.Tensor  # [N] received row of each grouped row
     weights: torch.Tensor  # [N] float32 weight of each grouped row
+    sums: tuple | None = None  # combine's sums as (terms, offsets) pairs, made on first use
 
 
 def dispatch(
@@ -97,37 +102,21 @@ def dispatch(
     if fp8 and h % FP8_BLOCK:
         raise ValueError(f"gocomm moe.dispatch: fp8 needs hidden ({h}) to be a multiple of {FP8_BLOCK}")
     dev = x.device
-    idx = topk_idx.to(device=dev, dtype=torch.int64)
+    k = topk_idx.shape[1]
+    idx = topk_idx.to(device=dev, dtype=torch.int64).contiguous()
+    w32 = topk_weights.to(device=dev, dtype=torch.float32).contiguous()
     per = num_experts // n
-    # Only ops that need no host sync until the one nonzero: a token's destinations as a
-    # [T, n] mask, filled by scatter (a boolean index would sync twice); entries out of
-    # range choose nothing here and raise below.
-    ok = (idx >= 0) & (idx < num_experts)
-    dest = torch.where(ok, idx // per, n)  # [T, K] rank of each chosen expert; n = none
-    hit = torch.zeros(t, n + 1, dtype=torch.bool, device=dev).scatter_(1, dest, True)[:, :n]
-    send_splits = hit.sum(0)
-    bounds = torch.stack(torch.aminmax(idx)) if idx.numel() else None
-    pairs = hit.t().nonzero()  # (rank, token), by rank then token: the first sync
-    if bounds is not None:
-        lo, hi = bounds.tolist()  # already computed: a copy, not a wait
-        if lo < -1 or hi >= num_experts:
-            raise ValueError(f"gocomm moe.dispatch: topk_idx must be in [-1, {num_experts}), got {lo}..{hi}")
-    send_order = pairs[:, 1]
-    dest_rows = pairs[:, 0].unsqueeze(1)
-    mine = dest[send_order] == dest_rows
-    local = torch.where(mine, idx[send_order] - dest_rows * per, -1).to(torch.int32)
-    wts = torch.where(mine, topk_weights.to(device=dev, dtype=torch.float32)[send_order], 0.0)
-
-    # One exchange moves each token with its routing (local expert ids and weights) in the
-    # same row, so the receiver needs no second exchange and no counts beforehand.
-    if fp8:
-        blocks = x[send_order].float().view(-1, h // FP8_BLOCK, FP8_BLOCK)
-        scale = blocks.abs().amax(dim=2).clamp(min=1e-12) / _FP8_MAX  # [S, H/128]
-        q = (blocks / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(-1, h)
-        parts = [q, scale, local, wts]
+    routed = None if fp8 else _kernels.route_pack(x, idx, w32, num_experts, n)
+    if routed is not None:
+        # Two kernels route and pack on the GPU; ids out of range choose nothing there and
+        # raise after the exchange (every rank takes part in it, so none is left waiting).
+        payload, meta, send_order, t_idx, t_offs = routed
+        parts = [x[:0], idx[:0].to(torch.int32), w32[:0]]  # the row layout: x, local ids, weights
+        offs = _layout(parts)[0]
+        send_splits = meta[:n]
     else:
-        parts = [x[send_order], local, wts]
-    payload, offs = _pack(parts)
+        payload, send_splits, send_order, parts, offs = _route_torch(x, idx, w32, num_experts, n, fp8)
+        meta = None
     out = None
     if max_tokens_per_rank is not None:
         if max_tokens_per_rank < t:
@@ -135,16 +124,50 @@ def dispatch(
         out = payload.new_empty((max_tokens_per_rank * n, payload.shape[1]))
     elif _on_nvshmem(g, payload):
         out = payload.new_empty((_capacity_rows(payload.shape[1]), payload.shape[1]))
+    if meta is not None and not _on_nvshmem(g, payload):
+        m = meta.tolist()  # NCCL and the host engine read the splits on the host anyway
+        payload, send_splits = payload[: m[n]], torch.tensor(m[:n], dtype=torch.int64)
     recv_p, recv_t = all_to_all_v(payload, send_splits, group=g, out=out)
-    counts = torch.cat([send_splits, recv_t.to(send_splits.dtype)]).tolist()
-    send, recv = counts[:n], counts[n:]
+    recv_t = recv_t.to(dev, torch.int64)
+    # Routed on the GPU: grouped by expert there too, before the one read of the counts.
+    grouped = _kernels.group(recv_p, offs[1], offs[2], k, per, recv_t) if meta is not None else None
+    first = [meta, recv_t] if meta is not None else [send_splits, recv_t]
+    counts = torch.cat([*first, grouped[-1]] if grouped else first).tolist()
+    if meta is not None:
+        send, recv, bad = counts[:n], counts[n + 2 : 2 * n + 2], counts[n + 1]
+        send_order = send_order[: counts[n]]
+        if bad:
+            lo, hi = torch.stack(torch.aminmax(idx)).tolist()
+            raise ValueError(
+                f"gocomm moe.dispatch: topk_idx must be in [-1, {num_experts}), got {lo}..{hi} "
+                "(those entries were sent nowhere)"
+            )
+    else:
+        send, recv = counts[:n], counts[n:]
     if sum(recv) > recv_p.shape[0]:  # the NVSHMEM path reports overflow in the counts
         raise OverflowError(
             f"gocomm moe.dispatch: this rank is sent {sum(recv)} tokens ({recv} by source rank), more than "
             f"max_tokens_per_rank x group size = {recv_p.shape[0]}; nothing was received"
         )
-    recv_p = recv_p[: sum(recv)]
+    rows = sum(recv)
+    recv_p = recv_p[:rows]
     got = [_unpack(recv_p, off, p) for off, p in zip(offs, parts, strict=True)]
+    if grouped:
+        pairs = counts[-2]
+        rows_sorted, w_sorted, tokens_per_expert, e_idx, e_offs, _ = grouped
+        rows_sorted = rows_sorted[:pairs]
+        handle = Handle(
+            group=group,
+            tokens=t,
+            dtype=x.dtype,
+            send_order=send_order,
+            send_splits=send,
+            recv_splits=recv,
+            rows=rows_sorted,
+            weights=w_sorted[:pairs],
+            sums=(e_idx[:pairs], e_offs[: rows + 1], t_idx[: counts[n]], t_offs),
+        )
+        return got[0][rows_sorted], tokens_per_expert, handle
     recv_local, recv_w = got[-2].long(), got[-1]
 
     r_rows, r_k = (recv_local >= 0).nonzero(as_tuple=True)
@@ -169,19 +192,60 @@ def dispatch(
     return got[0][rows_sorted], tokens_per_expert, handle
 
 
+def _route_torch(x, idx, w32, num_experts: int, n: int, fp8: bool):
+    """dispatch's routing and packing in torch ops (CPU tensors, fp8, rows the kernels do not
+    take): (payload, send_splits, send_order, parts, offsets). Syncs once (a nonzero)."""
+    t, h = x.shape
+    dev, per = x.device, num_experts // n
+    # Only ops that need no host sync until the one nonzero: a token's destinations as a
+    # [T, n] mask, filled by scatter (a boolean index would sync twice); entries out of
+    # range choose nothing here and raise below.
+    ok = (idx >= 0) & (idx < num_experts)
+    dest = torch.where(ok, idx // per, n)  # [T, K] rank of each chosen expert; n = none
+    hit = torch.zeros(t, n + 1, dtype=torch.bool, device=dev).scatter_(1, dest, True)[:, :n]
+    send_splits = hit.sum(0)
+    bounds = torch.stack(torch.aminmax(idx)) if idx.numel() else None
+    pairs = hit.t().nonzero()  # (rank, token), by rank then token: the sync
+    if bounds is not None:
+        lo, hi = bounds.tolist()  # already computed: a copy, not a wait
+        if lo < -1 or hi >= num_experts:
+            raise ValueError(f"gocomm moe.dispatch: topk_idx must be in [-1, {num_experts}), got {lo}..{hi}")
+    send_order = pairs[:, 1]
+    dest_rows = pairs[:, 0].unsqueeze(1)
+    mine = dest[send_order] == dest_rows
+    local = torch.where(mine, idx[send_order] - dest_rows * per, -1).to(torch.int32)
+    wts = torch.where(mine, w32[send_order], 0.0)
+    # One exchange moves each token with its routing (local expert ids and weights) in the
+    # same row, so the receiver needs no second exchange and no counts beforehand.
+    if fp8:
+        blocks = x[send_order].float().view(-1, h // FP8_BLOCK, FP8_BLOCK)
+        scale = blocks.abs().amax(dim=2).clamp(min=1e-12) / _FP8_MAX  # [S, H/128]
+        q = (blocks / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(-1, h)
+        parts = [q, scale, local, wts]
+    else:
+        parts = [x[send_order], local, wts]
+    payload, offs = _pack(parts)
+    return payload, send_splits, send_order, parts, offs
+
+
 _ALIGN = 16  # bytes: every part of a packed row starts aligned for any dtype
 
 
-def _pack(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-    """[S, ...] tensors side by side as one [S, row] uint8 tensor; returns it and each
-    part's byte offset in a row. The layout depends on the parts' row shapes and dtypes
-    only, so every rank (whatever its S) packs and unpacks the same way."""
-    rows = parts[0].shape[0]
+def _layout(parts: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Each part's byte offset in a packed row, and the row's size: it depends on the parts'
+    row shapes and dtypes only, so every rank (whatever its rows) packs the same way."""
     offs, at = [], 0
     for p in parts:
         offs.append(at)
         at += -(-(math.prod(p.shape[1:]) * p.element_size()) // _ALIGN) * _ALIGN
-    row = at
+    return offs, at
+
+
+def _pack(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """[S, ...] tensors side by side as one [S, row] uint8 tensor (_layout); returns it and
+    each part's byte offset in a row."""
+    rows = parts[0].shape[0]
+    offs, row = _layout(parts)
     out = torch.empty(rows, row, dtype=torch.uint8, device=parts[0].device)
     for off, p in zip(offs, parts, strict=True):
         flat = p.reshape(rows, math.prod(p.shape[1:]))
@@ -212,7 +276,9 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
     Returns:
         [T, H] in the dtype dispatch's x had: for each token, the sum over its top-k choices
         of weight times that expert's output (float32 accumulation, one rounding per rank
-        that held some of its experts, one at the end).
+        that held some of its experts, one at the end). On CUDA, with y in x's dtype (bf16,
+        fp16 or fp32, rows a multiple of 16 bytes), both sums run in gocomm's kernel, in a
+        fixed order (the same result every time); elsewhere in torch ops.
     """
     if y.dim() != 2 or y.shape[0] != handle.rows.shape[0]:
         raise ValueError(
@@ -220,10 +286,36 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
         )
     h = y.shape[1]
     dev = y.device
-    partial = torch.zeros(sum(handle.recv_splits), h, dtype=torch.float32, device=dev)
-    partial.index_add_(0, handle.rows, y.float().mul_(handle.weights.unsqueeze(1)))
     g = handle.group if handle.group is not None else dist.group.WORLD
+    rows = sum(handle.recv_splits)
+    if y.is_cuda and y.dtype == handle.dtype and _kernels.available():
+        # Two launches of one kernel, each reading its input once: every received token's
+        # expert rows weighted and summed (float32, one rounding), sent back, then every
+        # token's partial sums added up in rank order.
+        e_idx, e_offs, t_idx, t_offs = _sums_of(handle, rows, dev)
+        partial = torch.empty(rows, h, dtype=y.dtype, device=dev)
+        if _kernels.wsum(partial, y.contiguous(), e_idx, handle.weights[e_idx], e_offs):
+            back = _move(partial, handle.recv_splits, handle.send_splits, g)
+            out = torch.empty(handle.tokens, h, dtype=y.dtype, device=dev)
+            if _kernels.wsum(out, back, t_idx, None, t_offs):
+                return out
+    partial = torch.zeros(rows, h, dtype=torch.float32, device=dev)
+    partial.index_add_(0, handle.rows, y.float().mul_(handle.weights.unsqueeze(1)))
     back = _move(partial.to(handle.dtype), handle.recv_splits, handle.send_splits, g)
     out = torch.zeros(handle.tokens, h, dtype=torch.float32, device=dev)
     out.index_add_(0, handle.send_order, back.float())
     return out.to(handle.dtype)
+
+
+def _sums_of(handle: Handle, rows: int, dev: torch.device):
+    """The two sums of combine as (terms, offsets) pairs, made once per handle: the grouped
+    rows of each received row (by expert), and the rows sent back for each token (by rank)."""
+    if handle.sums is None:
+
+        def csr(keys: torch.Tensor, n: int):
+            idx = torch.argsort(keys, stable=True)
+            offs = torch.searchsorted(keys[idx], torch.arange(n + 1, device=dev, dtype=keys.dtype))
+            return idx, offs
+
+        handle.sums = (*csr(handle.rows, rows), *csr(handle.send_order, handle.tokens))
+    return handle.sums

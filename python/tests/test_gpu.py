@@ -361,6 +361,8 @@ def test_all_to_all_v_cuda(worlds, seed, size):
 def test_moe_cuda(worlds, seed, size):
     _need(size)
     worlds.get(size).run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
+    # 64 experts per rank, as 256 on 4 GPUs: the grouping kernel's other launch shape
+    worlds.get(size).run(check_moe, seed=seed, device="cuda", per=64, timeout=RUN_LIMIT_S)
 
 
 def check_all_to_all_v_nvshmem(rk, seed):
@@ -452,3 +454,38 @@ def test_moe_cuda_nccl_forced(worlds, seed, size):
         w.run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
     finally:
         w.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_moe_wsum_kernel(seed, dtype):
+    """combine's kernel (kernels/moe.cu) against a float64 sum of the same terms: random
+    segments, empty ones among them, weighted and not; rows it cannot take fall back."""
+    from gocomm import _kernels
+
+    assert _kernels.available(), "make builds gocomm/bin/moe.cubin"
+    g = torch.Generator().manual_seed(seed)
+    dev = torch.device("cuda", 0)
+    n_src, rows, h = 300, 97, 7168 if dtype != torch.float32 else 1028
+    src = (torch.randn(n_src, h, generator=g) * 3).to(dtype)
+    counts = torch.randint(0, 5, (rows,), generator=g)
+    counts[::7] = 0  # empty segments: zero rows
+    offs = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    idx = torch.randint(0, n_src, (int(offs[-1]),), generator=g)
+    w = torch.rand(int(offs[-1]), generator=g)
+    tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
+    for weights in (w, None):
+        want = torch.zeros(rows, h, dtype=torch.float64)
+        terms = src.double()[idx] * (weights.double().unsqueeze(1) if weights is not None else 1.0)
+        want.index_add_(0, torch.repeat_interleave(torch.arange(rows), counts), terms)
+        out = torch.full((rows, h), float("nan"), dtype=dtype, device=dev)
+        wd = weights.to(dev) if weights is not None else None
+        assert _kernels.wsum(out, src.to(dev), idx.to(dev), wd, offs.to(dev))
+        got = out.cpu().double()
+        err = ((got - want).abs() / (want.abs() + 1)).max().item()
+        assert err <= tol, f"{dtype} weighted={weights is not None}: max relative error {err}"
+        assert torch.all(got[counts == 0] == 0), "rows without terms are zero"
+        again = torch.empty_like(out)
+        _kernels.wsum(again, src.to(dev), idx.to(dev), wd, offs.to(dev))
+        assert torch.equal(out, again), "the same sum every time"
+    odd = torch.zeros(rows, 7, dtype=dtype, device=dev)  # 7 elements: not a multiple of 16 bytes
+    assert not _kernels.wsum(odd, torch.zeros(n_src, 7, dtype=dtype, device=dev), idx.to(dev), None, offs.to(dev))

@@ -139,12 +139,12 @@ def _routing(seed, src, tokens, experts, k, n, label):
     return idx
 
 
-def check_moe(rk, seed, device="cpu"):
+def check_moe(rk, seed, device="cpu", per=4):
     dev = torch.device(device, rk.rank % torch.cuda.device_count()) if device == "cuda" else torch.device("cpu")
     _elsewhere(rk, device)
     n, me = rk.size, rk.rank
     ck = Checker(f"moe dispatch/combine on {device}", seed, me)
-    hidden, per = 256, 4
+    hidden = 256
     experts = per * n
     k = min(4, experts)
     for label in ("uniform", "all to rank 0", "with -1", "no tokens on rank 0"):
@@ -250,6 +250,23 @@ def check_moe(rk, seed, device="cpu"):
             except exc:
                 pass
     if device == "cuda":
+        # routed on the GPU: an id out of range is found there and raised after the exchange,
+        # which every rank finished (rank 0 alone passes one here)
+        with ck.case("id out of range on the GPU"):
+            ids = torch.zeros(3, k, dtype=torch.long, device=dev)
+            if me == 0:
+                ids[1, 0] = experts + 5
+            try:
+                gocomm.moe.dispatch(
+                    torch.ones(3, hidden, dtype=torch.bfloat16, device=dev), ids, torch.ones(3, k, device=dev), experts
+                )
+                ck.expect("raised on rank 0", me != 0, "no ValueError")
+            except ValueError as e:
+                ck.expect("only rank 0 raises", me == 0 and str(experts + 5) in str(e), str(e))
+        with ck.case("group usable after it"):  # every rank gets here, whatever the case above did
+            t = torch.ones(4, device=dev)
+            dist.all_reduce(t)
+            ck.expect("group usable after it", bool(torch.all(t == n)), str(t.tolist()))
         torch.cuda.synchronize()
     return ck.done()
 

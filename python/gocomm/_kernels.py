@@ -1,0 +1,236 @@
+"""The shim's own CUDA kernels (kernels/moe.cu, built by make into gocomm/bin/moe.cubin),
+loaded into this process with the driver API and launched on the caller's current stream.
+Where the module is missing (a build without make's kernels step), or a tensor does not fit
+a kernel's layout, the callers fall back to torch ops."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import torch
+
+from . import _cuda
+
+_CUBIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", "moe.cubin")
+_WSUM = {
+    torch.bfloat16: "gocomm_moe_wsum_bf16",
+    torch.float16: "gocomm_moe_wsum_f16",
+    torch.float32: "gocomm_moe_wsum_f32",
+}
+
+_lock = threading.Lock()
+_funcs: dict[tuple[int, str], int] = {}  # (device index, kernel) -> CUfunction
+_image: bytes | None = None
+
+
+def available() -> bool:
+    """Whether the module was built (make's kernels step)."""
+    return os.path.exists(_CUBIN)
+
+
+def _function(dev: int, name: str) -> int:
+    """The kernel name in this process's copy of the module on device dev (loaded once)."""
+    global _image
+    f = _funcs.get((dev, name))
+    if f is not None:
+        return f
+    with _lock:
+        if (dev, name) not in _funcs:
+            if _image is None:
+                with open(_CUBIN, "rb") as fh:
+                    _image = fh.read()
+            lib = _cuda._load()
+            with _cuda.on_device(dev):
+                torch.cuda.init()
+                mod = ctypes.c_void_p()
+                _cuda._check("cuModuleLoadData", lib.cuModuleLoadData(ctypes.byref(mod), _image))
+                for n in (*_WSUM.values(), "gocomm_moe_route", "gocomm_moe_pack", "gocomm_moe_group"):
+                    fn = ctypes.c_void_p()
+                    _cuda._check("cuModuleGetFunction", lib.cuModuleGetFunction(ctypes.byref(fn), mod, n.encode()))
+                    _funcs[(dev, n)] = fn.value
+        return _funcs[(dev, name)]
+
+
+def _launch(dev: int, name: str, grid: int, block: int, args: list, smem: int = 0) -> None:
+    fn = _function(dev, name)
+    params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+    with _cuda.on_device(dev):
+        _cuda.launch(fn, grid, block, _cuda.current_stream(dev), params, smem)
+
+
+def wsum(out: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor | None, offs: torch.Tensor) -> bool:
+    """out[r] = sum over j in [offs[r], offs[r+1]) of w[j] * src[idx[j]], in float32, rounded
+    once into out's dtype (a row without terms is zero). out [R, H] and src [N, H] share a
+    dtype and device; idx int64 [nnz]; w float32 [nnz] or None (weight 1); offs int64 [R+1].
+    Returns False, touching nothing, where the kernel cannot run it (then use torch ops)."""
+    h = out.shape[1] if out.dim() == 2 else 0
+    if (
+        not available()
+        or not out.is_cuda
+        or out.dtype not in _WSUM
+        or src.dtype != out.dtype
+        or src.device != out.device
+        or out.dim() != 2
+        or src.dim() != 2
+        or src.shape[1] != h
+        or (h * out.element_size()) % 16
+        or not (out.is_contiguous() and src.is_contiguous())
+        or (out.data_ptr() | src.data_ptr()) % 16
+    ):
+        return False
+    rows = out.shape[0]
+    if rows == 0:
+        return True
+    dev = out.device.index
+    idx = idx.to(device=out.device, dtype=torch.int64).contiguous()
+    offs = offs.to(device=out.device, dtype=torch.int64).contiguous()
+    wp = 0
+    if w is not None:
+        w = w.to(device=out.device, dtype=torch.float32).contiguous()
+        wp = w.data_ptr() if w.numel() else 0
+    vec = h * out.element_size() // 16
+    block = min(256, max(32, -(-vec // 32) * 32))
+    grid = min(rows, 65535)
+    args = [
+        ctypes.c_uint64(out.data_ptr()),
+        ctypes.c_uint64(src.data_ptr() if src.numel() else 0),
+        ctypes.c_uint64(idx.data_ptr() if idx.numel() else 0),
+        ctypes.c_uint64(wp),
+        ctypes.c_uint64(offs.data_ptr()),
+        ctypes.c_int64(rows),
+        ctypes.c_int64(h),
+    ]
+    # idx, offs and w were made (or are used) on this stream: freeing them after the launch is
+    # safe, the caching allocator reuses memory in stream order
+    _launch(dev, _WSUM[out.dtype], grid, block, args)
+    return True
+
+
+def route_pack(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: int, n: int):
+    """dispatch's routing and packing on the GPU (kernels/moe.cu, two launches, no sync):
+    (payload [T*n, row] uint8 whose first meta[n] rows are filled, meta int64 [n+2] = rows
+    per rank, their sum, 1 if an id was out of range; send_order int64 [T*n], the token of
+    each row; t_idx, t_offs: token t's rows are t_idx[t_offs[t]:t_offs[t+1]]). None where
+    the kernels cannot take x (then use torch ops). idx int64 and w float32 [T, K] on x's
+    device, contiguous."""
+    t, h = x.shape if x.dim() == 2 else (0, 0)
+    xbytes = h * x.element_size()
+    if (
+        not available()
+        or not x.is_cuda
+        or t == 0
+        or xbytes % 16
+        or not x.is_contiguous()
+        or x.data_ptr() % 16
+        or idx.dim() != 2
+        or idx.shape[1] == 0
+    ):
+        return None
+    k = idx.shape[1]
+    per = experts // n
+    dev = x.device
+    id_off = xbytes
+    w_off = id_off + -(-k * 4 // 16) * 16
+    row = w_off + -(-k * 4 // 16) * 16
+    meta = torch.empty(n + 2, dtype=torch.int64, device=dev)
+    send_order = torch.empty(t * n, dtype=torch.int64, device=dev)
+    send_rank = torch.empty(t * n, dtype=torch.int32, device=dev)
+    payload = torch.empty(t * n, row, dtype=torch.uint8, device=dev)
+    t_idx = torch.empty(t * n, dtype=torch.int64, device=dev)
+    t_offs = torch.empty(t + 1, dtype=torch.int64, device=dev)
+    cursor = torch.empty(t, dtype=torch.int64, device=dev)
+    _launch(
+        dev.index,
+        "gocomm_moe_route",
+        1,
+        1024,
+        [
+            ctypes.c_uint64(idx.data_ptr()),
+            ctypes.c_int64(t),
+            ctypes.c_int(k),
+            ctypes.c_int64(experts),
+            ctypes.c_int(per),
+            ctypes.c_int(n),
+            ctypes.c_uint64(meta.data_ptr()),
+            ctypes.c_uint64(send_order.data_ptr()),
+            ctypes.c_uint64(send_rank.data_ptr()),
+            ctypes.c_uint64(t_idx.data_ptr()),
+            ctypes.c_uint64(t_offs.data_ptr()),
+            ctypes.c_uint64(cursor.data_ptr()),
+        ],
+    )
+    _launch(
+        dev.index,
+        "gocomm_moe_pack",
+        min(t * n, 4096),
+        min(256, max(32, -(-xbytes // 16 // 32) * 32)),
+        [
+            ctypes.c_uint64(payload.data_ptr()),
+            ctypes.c_uint64(x.data_ptr()),
+            ctypes.c_uint64(idx.data_ptr()),
+            ctypes.c_uint64(w.data_ptr()),
+            ctypes.c_uint64(meta.data_ptr()),
+            ctypes.c_uint64(send_order.data_ptr()),
+            ctypes.c_uint64(send_rank.data_ptr()),
+            ctypes.c_int(n),
+            ctypes.c_int(k),
+            ctypes.c_int64(experts),
+            ctypes.c_int(per),
+            ctypes.c_int64(xbytes),
+            ctypes.c_int64(id_off),
+            ctypes.c_int64(w_off),
+            ctypes.c_int64(row),
+        ],
+    )
+    return payload, meta, send_order, t_idx, t_offs
+
+
+# hist bytes: with the kernel's static 8 KiB scan (and two words) under the 48 KiB a kernel
+# gets without opting in
+_GROUP_SMEM = (48 << 10) - 8192 - 256
+
+
+def group(recv: torch.Tensor, id_off: int, w_off: int, k: int, per: int, out_splits: torch.Tensor):
+    """dispatch's receive side on the GPU (gocomm_moe_group, one launch, no sync): recv
+    [cap, row] uint8 as packed by route_pack, its first sum(out_splits) rows received.
+    Returns (rows_sorted, w_sorted, tokens_per_expert, e_idx, e_offs, gmeta) with gmeta =
+    [pairs, rows] on the device; None where the kernel cannot take it (then use torch ops)."""
+    threads = min(1024, _GROUP_SMEM // 4 // max(per, 1) // 32 * 32)
+    if not available() or not recv.is_cuda or threads < 32 or not recv.is_contiguous() or k == 0:
+        return None
+    dev = recv.device
+    cap = recv.shape[0]
+    out_splits = out_splits.to(device=dev, dtype=torch.int64).contiguous()
+    rows_sorted = torch.empty(cap * k, dtype=torch.int64, device=dev)
+    w_sorted = torch.empty(cap * k, dtype=torch.float32, device=dev)
+    tpe = torch.empty(per, dtype=torch.int64, device=dev)
+    e_idx = torch.empty(cap * k, dtype=torch.int64, device=dev)
+    e_offs = torch.empty(cap + 1, dtype=torch.int64, device=dev)
+    gmeta = torch.empty(2, dtype=torch.int64, device=dev)
+    _launch(
+        dev.index,
+        "gocomm_moe_group",
+        1,
+        threads,
+        [
+            ctypes.c_uint64(recv.data_ptr()),
+            ctypes.c_int64(recv.shape[1]),
+            ctypes.c_int64(id_off),
+            ctypes.c_int64(w_off),
+            ctypes.c_int(k),
+            ctypes.c_int(per),
+            ctypes.c_uint64(out_splits.data_ptr()),
+            ctypes.c_int(out_splits.numel()),
+            ctypes.c_int64(cap),
+            ctypes.c_uint64(rows_sorted.data_ptr()),
+            ctypes.c_uint64(w_sorted.data_ptr()),
+            ctypes.c_uint64(tpe.data_ptr()),
+            ctypes.c_uint64(e_idx.data_ptr()),
+            ctypes.c_uint64(e_offs.data_ptr()),
+            ctypes.c_uint64(gmeta.data_ptr()),
+        ],
+        smem=per * threads * 4,
+    )
+    return rows_sorted, w_sorted, tpe, e_idx, e_offs, gmeta
