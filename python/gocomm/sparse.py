@@ -90,7 +90,8 @@ def all_to_all_v(
         size, at most the sidecar's receive buffer, GOCOMM_NVSHMEM_RECV_MB), rows past
         sum(out_splits) are undefined, an overflow shows as sum(out_splits) > len(out) with
         nothing written instead of an OverflowError, and splits that are negative or exceed
-        the input make this rank send nothing (the sidecar logs it).
+        the input make this rank send nothing (the sidecar logs it). Not capturable in a
+        CUDA graph: every call hands the sidecar one op, and a replayed graph would not.
     """
     g = group if group is not None else dist.group.WORLD
     n = dist.get_world_size(g)
