@@ -351,13 +351,13 @@ def test_killed_sidecar_cuda(worlds, seed):
         w.close()
 
 
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("size", [2, 4, 8])
 def test_all_to_all_v_cuda(worlds, seed, size):
     _need(size)
     worlds.get(size).run(check_all_to_all_v, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
 
 
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("size", [2, 4, 8])
 def test_moe_cuda(worlds, seed, size):
     _need(size)
     worlds.get(size).run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
@@ -408,7 +408,7 @@ def check_all_to_all_v_nvshmem(rk, seed):
     return ck.done()
 
 
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("size", [2, 4, 8])
 def test_all_to_all_v_nvshmem(worlds, seed, size):
     _need(size)
     os.environ["GOCOMM_TRANSPORT"] = "nvshmem"  # inherited by this world's ranks and sidecars
@@ -432,7 +432,7 @@ def check_transport(rk, want):
     return got
 
 
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("size", [2, 4, 8])
 def test_moe_cuda_nccl_forced(worlds, seed, size):
     """The sparse suite on the NCCL path, forced, with NCCL_P2P_DISABLE=1 standing in for a
     PCIe-only box (issue 4): all_to_all_v and dispatch/combine on CUDA tensors."""
