@@ -154,29 +154,12 @@ def dispatch(
     got = [_unpack(recv_p, off, p) for off, p in zip(offs, parts, strict=True)]
     if grouped:
         pairs = counts[-2]
-        rows_sorted, w_sorted, tokens_per_expert, e_idx, e_offs, _ = grouped
-        rows_sorted = rows_sorted[:pairs]
-        handle = Handle(
-            group=group,
-            tokens=t,
-            dtype=x.dtype,
-            send_order=send_order,
-            send_splits=send,
-            recv_splits=recv,
-            rows=rows_sorted,
-            weights=w_sorted[:pairs],
-            sums=(e_idx[:pairs], e_offs[: rows + 1], t_idx[: counts[n]], t_offs),
-        )
-        return got[0][rows_sorted], tokens_per_expert, handle
-    recv_local, recv_w = got[-2].long(), got[-1]
-
-    r_rows, r_k = (recv_local >= 0).nonzero(as_tuple=True)
-    experts = recv_local[r_rows, r_k]
-    order = torch.argsort(experts * max(1, recv_local.shape[0]) + r_rows, stable=True)
-    rows_sorted = r_rows[order]
-    tokens_per_expert = torch.zeros(per, dtype=torch.int64, device=dev).index_add_(
-        0, experts, torch.ones_like(experts)
-    )  # bincount would sync for the largest id
+        g_rows, g_w, tokens_per_expert, e_idx, e_offs, _ = grouped
+        rows_sorted, weights = g_rows[:pairs], g_w[:pairs]
+        sums = (e_idx[:pairs], e_offs[: rows + 1], t_idx[: counts[n]], t_offs)
+    else:
+        rows_sorted, weights, tokens_per_expert = _group_torch(got[-2], got[-1], per)
+        sums = None
     handle = Handle(
         group=group,
         tokens=t,
@@ -185,11 +168,25 @@ def dispatch(
         send_splits=send,
         recv_splits=recv,
         rows=rows_sorted,
-        weights=recv_w[r_rows, r_k][order],
+        weights=weights,
+        sums=sums,
     )
     if fp8:
         return (got[0][rows_sorted], got[1][rows_sorted]), tokens_per_expert, handle
     return got[0][rows_sorted], tokens_per_expert, handle
+
+
+def _group_torch(recv_local: torch.Tensor, recv_w: torch.Tensor, per: int):
+    """dispatch's grouping by expert in torch ops (one more sync, a nonzero): (the received
+    row of each grouped row, its weight, tokens per expert)."""
+    recv_local = recv_local.long()
+    r_rows, r_k = (recv_local >= 0).nonzero(as_tuple=True)
+    experts = recv_local[r_rows, r_k]
+    order = torch.argsort(experts * max(1, recv_local.shape[0]) + r_rows, stable=True)
+    tokens_per_expert = torch.zeros(per, dtype=torch.int64, device=recv_local.device).index_add_(
+        0, experts, torch.ones_like(experts)
+    )  # bincount would sync for the largest id
+    return r_rows[order], recv_w[r_rows, r_k][order], tokens_per_expert
 
 
 def _route_torch(x, idx, w32, num_experts: int, n: int, fp8: bool):
