@@ -16,12 +16,15 @@ import (
 	"github.com/gocomm/gocomm/internal/cuda"
 	"github.com/gocomm/gocomm/internal/nccl"
 	"github.com/gocomm/gocomm/internal/nvshmem"
+	"github.com/gocomm/gocomm/kernels"
 	"github.com/gocomm/gocomm/pg"
 )
 
 // Engine is the sidecar's GPU engine.
 type Engine struct {
-	nvshmemPath string // libnvshmem_host.so.3 (see nvshmemPath), set by LoadNCCL
+	mu          sync.Mutex // guards nvshmemPath: clients attach concurrently
+	nvshmemPath string     // libnvshmem_host.so.3 (see nvshmemPath), set by LoadNCCL
+	arch        []int      // each device's compute capability, major*10 + minor
 	// Spin is how long a device worker polls for its next op before sleeping (see
 	// group.spin); zero never spins.
 	Spin    time.Duration
@@ -55,6 +58,9 @@ func New(log *slog.Logger) *Engine {
 		name, _ := d.Name()
 		uuid, _ := d.UUID()
 		e.devices = append(e.devices, pg.DeviceInfo{Index: i, Name: name, UUID: uuid})
+		major, _ := d.Attribute(cuda.AttrComputeCapabilityMajor)
+		minor, _ := d.Attribute(cuda.AttrComputeCapabilityMinor)
+		e.arch = append(e.arch, major*10+minor)
 	}
 	return e
 }
@@ -75,21 +81,40 @@ func (e *Engine) LoadNCCL(path string) error {
 	if err := nccl.Load(path); err != nil {
 		return err
 	}
+	e.mu.Lock()
 	e.nvshmemPath = nvshmemPath(path)
+	e.mu.Unlock()
 	return nil
 }
 
-// LoadNVSHMEM implements pg.DeviceEngine: it opens the host library (no NVSHMEM init; that
-// waits for the first all_to_all_v, collectively).
+// LoadNVSHMEM implements pg.DeviceEngine: it checks that the NVSHMEM kernels were built for
+// these GPUs and opens the host library (no NVSHMEM init; that waits for the first
+// all_to_all_v, collectively).
 func (e *Engine) LoadNVSHMEM() error {
 	if e.err != nil {
 		return e.err
 	}
+	if err := archMatches(e.arch, kernels.Arch); err != nil {
+		return err
+	}
+	e.mu.Lock()
 	path := e.nvshmemPath
+	e.mu.Unlock()
 	if path == "" {
 		path = nvshmem.Find()
 	}
 	return nvshmem.Load(path)
+}
+
+// archMatches says why kernels compiled for sm_<want> cannot run on every device of arch
+// (compute capabilities, major*10 + minor), or nil: a cubin runs on its own architecture only.
+func archMatches(arch []int, want int) error {
+	for i, a := range arch {
+		if a != want {
+			return fmt.Errorf("the kernels are built for sm_%d and GPU %d is sm_%d", want, i, a)
+		}
+	}
+	return nil
 }
 
 // Check implements pg.DeviceEngine.
@@ -109,7 +134,9 @@ func (e *Engine) Attach(uuid [16]byte) (pg.DeviceSession, error) {
 		return nil, err
 	}
 	s := &session{log: e.log, spin: e.Spin, dev: dev, ctx: ctx, segs: map[uint32]*ipcSeg{}}
+	e.mu.Lock()
 	s.shmem.path = e.nvshmemPath
+	e.mu.Unlock()
 	err = s.do(func() (err error) {
 		if s.ctl, err = cuda.NewStream(cuda.StreamNonBlocking); err != nil {
 			return err

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"strings"
 	"testing"
 
 	"github.com/gocomm/gocomm/collectives/reduce"
@@ -60,5 +61,22 @@ func TestNoDriver(t *testing.T) {
 	}
 	if _, err := e.Attach([16]byte{}); err == nil {
 		t.Fatal("Attach without a driver succeeded")
+	}
+}
+
+// The NVSHMEM kernels are one architecture's cubin: auto must not pick NVSHMEM on a node with
+// any GPU of another (the module would fail to load at the first all_to_all_v).
+func TestArchMatches(t *testing.T) {
+	if err := archMatches([]int{90, 90, 90, 90}, 90); err != nil {
+		t.Errorf("four H200s: %v", err)
+	}
+	if err := archMatches(nil, 90); err != nil {
+		t.Errorf("no devices: %v", err)
+	}
+	for _, arch := range [][]int{{80, 80}, {100}, {90, 100}} {
+		err := archMatches(arch, 90)
+		if err == nil || !strings.Contains(err.Error(), "sm_90") {
+			t.Errorf("%v: %v, want an error naming sm_90", arch, err)
+		}
 	}
 }

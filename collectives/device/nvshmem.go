@@ -290,13 +290,16 @@ type a2avShape struct {
 // environment only, which all ranks share. About 128 blocks in all: one block moved ~25 GB/s
 // over NVLink on H200, and 128 blocks stay resident on any GPU of 16+ SMs.
 // GOCOMM_A2AV_BLOCKS (total), GOCOMM_A2AV_THREADS and GOCOMM_A2AV_DIRECT=0|1 override, for
-// measurements.
+// measurements: every rank's sidecar must see the same values (the kernel does not compare
+// B across PEs; a launcher's environment is inherited by all), and all blocks must fit on
+// the GPU at once, or they wait for each other until the timeout. Threads stop at 512: the
+// kernel uses 76 registers per thread (sm_90), too many for a block of 1024.
 func a2avShapeOf(n int) a2avShape {
 	total, threads, direct := 128, 256, 1
 	if v, err := strconv.Atoi(os.Getenv("GOCOMM_A2AV_BLOCKS")); err == nil && v >= n && v <= 1024 {
 		total = v
 	}
-	if v, err := strconv.Atoi(os.Getenv("GOCOMM_A2AV_THREADS")); err == nil && v >= 32 && v <= 1024 && v%32 == 0 {
+	if v, err := strconv.Atoi(os.Getenv("GOCOMM_A2AV_THREADS")); err == nil && v >= 32 && v <= 512 && v%32 == 0 {
 		threads = v
 	}
 	if os.Getenv("GOCOMM_A2AV_DIRECT") == "0" {

@@ -269,8 +269,10 @@ func DeviceGet(ordinal int) (Device, error) {
 
 // Device attributes read here (cuda.h CUdevice_attribute).
 const (
-	AttrCanUseStreamMemOps = 92
-	AttrMPSEnabled         = 133
+	AttrComputeCapabilityMajor = 75
+	AttrComputeCapabilityMinor = 76
+	AttrCanUseStreamMemOps     = 92
+	AttrMPSEnabled             = 133
 )
 
 // Attribute reads one device attribute.

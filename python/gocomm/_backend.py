@@ -12,6 +12,7 @@ import datetime
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -300,6 +301,25 @@ def _dispatcher(sc: _sidecar.Sidecar) -> _Dispatcher:
         return d
 
 
+def _agree_sparse(choices: list[str], group_name: str) -> str:
+    """The group's sparse transport from every member's "<transport> <host>": NVSHMEM only
+    where every member's sidecar chose it (one rank on NCCL would leave the others waiting in
+    a kernel for rows that never come) and all are on one host (the NVSHMEM path is set up
+    for one node)."""
+    transports = {c.split(" ", 1)[0] for c in choices}
+    hosts = {c.split(" ", 1)[1] if " " in c else "" for c in choices}
+    if transports == {"nvshmem"} and len(hosts) == 1:
+        return "nvshmem"
+    if "nvshmem" in transports:
+        log.warning(
+            "gocomm group %r: the sidecars chose %s on %d host(s); all_to_all_v takes NCCL",
+            group_name,
+            sorted(transports),
+            len(hosts),
+        )
+    return "nccl"
+
+
 class _BackendView:
     """What torch.distributed asks of a group's per-device backend (pg._get_backend(dev))."""
 
@@ -358,16 +378,9 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             store.set("gocomm/secret", os.urandom(32).hex())
         secret = bytes.fromhex(store.get("gocomm/secret").decode())
         store.set(f"gocomm/boot/{rank}", resp.bootstrap)
-        store.set(f"gocomm/sparse/{rank}", self._sc.sparse_transport)
+        store.set(f"gocomm/sparse/{rank}", f"{self._sc.sparse_transport} {socket.gethostname()}")
         blobs = [store.get(f"gocomm/boot/{r}") for r in range(size)]
-        # NVSHMEM only where every member's sidecar chose it: one rank on NCCL would leave the
-        # others waiting in a kernel for rows that never come.
-        sparse = {store.get(f"gocomm/sparse/{r}").decode() for r in range(size)}
-        self._sparse = "nvshmem" if sparse == {"nvshmem"} else "nccl"
-        if len(sparse) > 1:
-            log.warning(
-                "gocomm group %r: the ranks' sidecars chose %s; all_to_all_v takes NCCL", group_name, sorted(sparse)
-            )
+        self._sparse = _agree_sparse([store.get(f"gocomm/sparse/{r}").decode() for r in range(size)], group_name)
         conn = self._sc.call(
             "ConnectGroup",
             pb.ConnectGroupRequest(session=self._sc.session, group=self._handle, bootstrap=blobs, secret=secret),

@@ -30,6 +30,26 @@ def available() -> bool:
     return os.path.exists(_CUBIN)
 
 
+_ARCH = (9, 0)  # the module is built for sm_90 only (Makefile's CUDA_ARCH): a cubin runs on its own arch
+_usable: dict[int, bool] = {}
+
+
+def usable(dev: torch.device) -> bool:
+    """Whether the kernels run on CUDA device dev: the module was built, for dev's
+    architecture, and loads there (asked once per device)."""
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    ok = _usable.get(i)
+    if ok is None:
+        ok = available() and torch.cuda.get_device_capability(i) == _ARCH
+        if ok:
+            try:
+                _function(i, "gocomm_moe_route")
+            except (_cuda.CudaError, OSError):
+                ok = False
+        _usable[i] = ok
+    return ok
+
+
 def _function(dev: int, name: str) -> int:
     """The kernel name in this process's copy of the module on device dev (loaded once)."""
     global _image
@@ -67,8 +87,8 @@ def wsum(out: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, w: torch.Tenso
     Returns False, touching nothing, where the kernel cannot run it (then use torch ops)."""
     h = out.shape[1] if out.dim() == 2 else 0
     if (
-        not available()
-        or not out.is_cuda
+        not out.is_cuda
+        or not usable(out.device)
         or out.dtype not in _WSUM
         or src.dtype != out.dtype
         or src.device != out.device
@@ -118,8 +138,8 @@ def route_pack(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: int
     t, h = x.shape if x.dim() == 2 else (0, 0)
     xbytes = h * x.element_size()
     if (
-        not available()
-        or not x.is_cuda
+        not x.is_cuda
+        or not usable(x.device)
         or t == 0
         or xbytes % 16
         or not x.is_contiguous()
@@ -198,7 +218,7 @@ def group(recv: torch.Tensor, id_off: int, w_off: int, k: int, per: int, out_spl
     Returns (rows_sorted, w_sorted, tokens_per_expert, e_idx, e_offs, gmeta) with gmeta =
     [pairs, rows] on the device; None where the kernel cannot take it (then use torch ops)."""
     threads = min(1024, _GROUP_SMEM // 4 // max(per, 1) // 32 * 32)
-    if not available() or not recv.is_cuda or threads < 32 or not recv.is_contiguous() or k == 0:
+    if not recv.is_cuda or not usable(recv.device) or threads < 32 or not recv.is_contiguous() or k == 0:
         return None
     dev = recv.device
     cap = recv.shape[0]

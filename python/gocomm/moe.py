@@ -285,7 +285,7 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
     dev = y.device
     g = handle.group if handle.group is not None else dist.group.WORLD
     rows = sum(handle.recv_splits)
-    if y.is_cuda and y.dtype == handle.dtype and _kernels.available():
+    if y.is_cuda and y.dtype == handle.dtype and _kernels.usable(y.device):
         # Two launches of one kernel, each reading its input once: every received token's
         # expert rows weighted and summed (float32, one rounding), sent back, then every
         # token's partial sums added up in rank order.
