@@ -317,12 +317,67 @@ def check_killed_sidecar_cuda(rk, seed):
 
 
 # How long one GPU check may take before the harness dumps and kills its ranks.
+def check_subgroups_cuda(rk, seed):
+    """new_group subgroups on CUDA tensors (issue 3): each member's ops on a gocomm subgroup
+    against the same ops on an NCCL subgroup of the same ranks, several subgroups alive at
+    once, then destroyed."""
+    dev, _ = _setup(rk)
+    n, me = rk.size, rk.rank
+    ck = Checker("subgroups on CUDA", seed, me)
+    sets = ([0, n - 1], [n - 1, 0] if n > 2 else [0, 1], list(range(1, n)), list(range(n)))
+    pairs = [(dist.new_group(r, backend="gocomm"), dist.new_group(r, backend="nccl"), r) for r in sets]
+    for i, (g, ref, ranks) in enumerate(pairs):
+        if me not in ranks:
+            continue
+        m, key = len(ranks), f"sub{i}"
+        with ck.case(f"subgroup {ranks}"):
+            for dtype in (torch.bfloat16, torch.float32, torch.int64):
+                a = _input(seed, key + str(dtype), me, 4099, dtype, dev)
+                b = a.clone()
+                dist.all_reduce(a, group=g)
+                dist.all_reduce(b, group=ref)
+                _compare(ck, f"{ranks} all_reduce {dtype}", a, b, exact=dtype == torch.int64)
+            x = _input(seed, key + "ag", me, 1000, torch.float32, dev)
+            got, want = torch.empty(m * 1000, device=dev), torch.empty(m * 1000, device=dev)
+            dist.all_gather_into_tensor(got, x, group=g)
+            dist.all_gather_into_tensor(want, x, group=ref)
+            _compare(ck, f"{ranks} all_gather", got, want, exact=True)
+            root = max(ranks)
+            y = _input(seed, key + "bc", me, 777, torch.bfloat16, dev)
+            z = y.clone()
+            dist.broadcast(y, root, group=g)
+            dist.broadcast(z, root, group=ref)
+            _compare(ck, f"{ranks} broadcast", y, z, exact=True)
+            inp = _input(seed, key + "a2a", me, 64 * m, torch.float32, dev)
+            got, want = torch.empty_like(inp), torch.empty_like(inp)
+            dist.all_to_all_single(got, inp, group=g)
+            dist.all_to_all_single(want, inp, group=ref)
+            _compare(ck, f"{ranks} all_to_all_single", got, want, exact=True)
+    torch.cuda.synchronize()
+    dist.barrier(group=rk.world.gloo)
+    for g, ref, ranks in pairs:
+        if me in ranks:
+            dist.destroy_process_group(g)
+            dist.destroy_process_group(ref)
+    with ck.case("the world after the subgroups"):
+        t = torch.ones(8, device=dev)
+        dist.all_reduce(t)
+        ck.expect("world all_reduce", bool(torch.all(t == n)), str(t.tolist()))
+    return ck.done()
+
+
 RUN_LIMIT_S = float(os.environ.get("GOCOMM_GPU_TEST_LIMIT", "300"))
 
 
 def _need(n):
     if torch.cuda.device_count() < n:
         pytest.skip(f"needs {n} GPUs, this machine has {torch.cuda.device_count()}")
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_subgroups_cuda(worlds, seed, size):
+    _need(size)
+    worlds.get(size).run(check_subgroups_cuda, seed=seed, timeout=RUN_LIMIT_S)
 
 
 @pytest.mark.parametrize("size", [2, 4])
