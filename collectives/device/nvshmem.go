@@ -44,8 +44,9 @@ type shmem struct {
 	dsig, over uintptr
 	recv       uintptr
 	recvBytes  int64
-	epoch      uint64 // of the last op launched on every PE alike
-	broken     error  // a launch failed or a kernel gave up: epochs may disagree
+	shape      a2avShape // the launch shape, the same for every op of the group
+	epoch      uint64    // of the last op launched on every PE alike
+	broken     error     // a launch failed or a kernel gave up: epochs may disagree
 }
 
 // shmemState is the session's NVSHMEM PE, made once.
@@ -143,7 +144,7 @@ func (g *group) initShmem(path string, deadline time.Time) (*shmem, error) {
 		}
 		copy(id[:], b)
 	}
-	sh := &shmem{group: g, recvBytes: rb}
+	sh := &shmem{group: g, recvBytes: rb, shape: a2avShapeOf(g.size)}
 	cubin, err := kernels.Cubin("a2av")
 	if err != nil {
 		return nil, err
@@ -265,7 +266,7 @@ func (g *group) launchA2AV(o *dop, st cuda.Stream) error {
 	p := o.Ptrs
 	inRows := int64(d.Bufs[0].Length) / row
 	timeout := max(time.Until(o.Deadline), time.Millisecond)
-	shape := a2avShapeOf(g.size)
+	shape := sh.shape
 	args := new(cuda.Args).Ptr(p[0]).Ptr(p[1]).Ptr(p[2]).Ptr(p[3]).Ptr(p[4]).Struct(sym[:]).I64(capacity).I64(row).
 		I64(inRows).Ptr(epoch).Ptr(uint64(timeout.Nanoseconds())).I32(shape.direct)
 	err = sh.a2av.Launch([3]int{g.size * shape.blocksPer, 1, 1}, [3]int{shape.threads, 1, 1}, 0, st, args)

@@ -118,13 +118,14 @@ def dispatch(
         payload, send_splits, send_order, parts, offs = _route_torch(x, idx, w32, num_experts, n, fp8)
         meta = None
     out = None
+    nv = _on_nvshmem(g, payload)
     if max_tokens_per_rank is not None:
         if max_tokens_per_rank < t:
             raise ValueError(f"gocomm moe.dispatch: max_tokens_per_rank {max_tokens_per_rank} < this rank's {t} tokens")
         out = payload.new_empty((max_tokens_per_rank * n, payload.shape[1]))
-    elif _on_nvshmem(g, payload):
+    elif nv:
         out = payload.new_empty((_capacity_rows(payload.shape[1]), payload.shape[1]))
-    if meta is not None and not _on_nvshmem(g, payload):
+    if meta is not None and not nv:
         m = meta.tolist()  # NCCL and the host engine read the splits on the host anyway
         payload, send_splits = payload[: m[n]], torch.tensor(m[:n], dtype=torch.int64)
     recv_p, recv_t = all_to_all_v(payload, send_splits, group=g, out=out)
