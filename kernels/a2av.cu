@@ -1,5 +1,5 @@
 // One-sided all-to-all with splits on the GPU: the NVSHMEM path of gocomm.all_to_all_v.
-// Status: passes python/tests/test_gpu.py::test_all_to_all_v_nvshmem on 2 and 4 H200s.
+// Status: passes python/tests/test_gpu.py::test_all_to_all_v_nvshmem on 2, 4 and 8 H200s.
 //
 // Every PE (one sidecar per GPU) launches gocomm_a2av with the same epoch (its op counter,
 // from 1); the kernel writes the caller's output itself. No host sync anywhere: the splits
@@ -19,6 +19,9 @@
 //                              (or its overflow note) of that epoch all landed
 //   over   uint64 [n]          over[s] = epoch when PE s had rows for this PE that would not
 //                              fit its capacity (then none of them are sent)
+//   local  uint64 [2]          this PE's own: local[0] counts its blocks other than block 0
+//                              that finished (epoch * (grid - 1) once all of an epoch's
+//                              did), local[1] = the last epoch in which one of them gave up
 //   recv   row_bytes x capacity  received rows, grouped by source PE
 // The caller's input, splits and output may live anywhere on this GPU: only recv and the
 // signals are written from other PEs.
@@ -29,15 +32,18 @@
 //               published zeros and sent nothing (what it received is still good)
 //   4 ROWSIZE   a peer's row size differs from this PE's: nothing was written
 //   8 LATE      a peer did not show up before the op's timeout: the kernel gave up, and the
-//               sidecar breaks the group (epochs no longer agree); out may hold part of the rows
+//               sidecar breaks the group (epochs no longer agree); out may hold part of the rows.
+//               Any block that gives up sets it: block 0 writes the status only after every
+//               other block of this PE finished (local[0]), so a clear LATE bit means every
+//               row was copied.
 //
 // Launch: n * B blocks (B the same on every PE), any block size that is a multiple of 32.
 // Blocks d*B .. d*B+B-1 serve the pair (this PE, PE d): each sends a B-th of this PE's rows
 // for d into d's receive buffer, then waits for all of d's rows for this PE and copies a
 // B-th of them from the receive buffer into the caller's output, so the copy of one source
 // overlaps the transfers of the others. This PE's rows for itself go from input to output
-// directly. Block 0 also publishes the meta row and, last, writes the output splits and the
-// status word. All blocks must be resident at once (they wait for each other through the
+// directly. Block 0 also publishes the meta row and, last, once every other block is done,
+// writes the output splits and the status word. All blocks must be resident at once (they wait for each other through the
 // signals), which n * B <= the SM count guarantees on an idle GPU. The receiving side knows
 // from the meta rows alone whether it can take what comes (capacity, row size), so nothing
 // is written into out unless all of it fits.
@@ -54,6 +60,7 @@ struct A2avSym {
   uint64_t* dsig;
   uint64_t* over;
   char* recv;
+  uint64_t* local;
 };
 
 __device__ __forceinline__ uint64_t now_ns() {
@@ -62,17 +69,23 @@ __device__ __forceinline__ uint64_t now_ns() {
   return t;
 }
 
-// wait_epoch spins until *sig >= epoch (a count), or until the deadline (then it sets *late). An acquire
-// fence follows, so what the signal published is read fresh.
-__device__ __forceinline__ void wait_epoch(uint64_t* sig, uint64_t epoch, uint64_t deadline, int* late) {
+// acquire_sys orders what follows after the load that saw a signal: the signal was released by
+// another GPU (a fence at system scope there), so the acquire is at system scope too (the PTX
+// memory model's fence pattern: relaxed load, then fence).
+__device__ __forceinline__ void acquire_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// wait_epoch spins until *sig >= epoch (a count), or until the deadline (then it sets *late and
+// returns 0). An acquire fence follows, so what the signal published is read fresh.
+__device__ __forceinline__ int wait_epoch(uint64_t* sig, uint64_t epoch, uint64_t deadline, int* late) {
   volatile uint64_t* v = sig;
   while (*v < epoch) {
     if (now_ns() > deadline) {
       atomicExch(late, 1);
-      break;
+      return 0;
     }
   }
-  __threadfence();
+  acquire_sys();
+  return 1;
 }
 
 // block_copy copies bytes from src to dst with the whole block: 16 bytes per load and store,
@@ -208,20 +221,11 @@ extern "C" __global__ void gocomm_a2av(const char* __restrict__ in, const int64_
                                          hi - lo, &sym.dsig[me], 1, NVSHMEM_SIGNAL_ADD, d);
       }
     }
-    // take this block's part of d's rows for this PE, once all of them landed
+    // take this block's part of d's rows for this PE, once all of them landed (a block that
+    // gives up waiting says so through late, which block 0 reports)
     if (d != me && take && in_rows_from_d > 0) {
       __shared__ int got;
-      if (threadIdx.x == 0) {
-        got = 1;
-        volatile uint64_t* v = &sym.dsig[d];
-        while (*v < epoch * (uint64_t)per) {
-          if (now_ns() > deadline) {
-            got = 0;
-            break;
-          }
-        }
-        __threadfence();
-      }
+      if (threadIdx.x == 0) got = wait_epoch(&sym.dsig[d], epoch * (uint64_t)per, deadline, &late);
       __syncthreads();
       if (got) {
         const int64_t rb = in_rows_from_d * row_bytes;
@@ -232,7 +236,15 @@ extern "C" __global__ void gocomm_a2av(const char* __restrict__ in, const int64_
     }
   }
 
-  // 4. Block 0 waits for every source's B chunks and fills the output splits and the status word.
+  // 4. Every other block tells block 0 it is done (and whether it gave up); block 0 waits for
+  //    every source's B chunks and for its own PE's blocks, then fills the output splits and
+  //    the status word.
+  __syncthreads();
+  if (blockIdx.x != 0 && threadIdx.x == 0) {
+    if (late) atomicMax((unsigned long long*)&sym.local[1], (unsigned long long)epoch);
+    __threadfence();  // this block's copies (and its note) before its count
+    atomicAdd((unsigned long long*)&sym.local[0], 1ull);
+  }
   if (blockIdx.x == 0) {
     __shared__ int overflow, mismatch;
     if (threadIdx.x == 0) overflow = 0, mismatch = 0;
@@ -242,6 +254,14 @@ extern "C" __global__ void gocomm_a2av(const char* __restrict__ in, const int64_
       out_splits[s] = meta[(int64_t)s * W + me];
       if (sym.over[s] == epoch) atomicExch(&overflow, 1);
       if (meta[(int64_t)s * W + n + 1] != row_bytes) atomicExch(&mismatch, 1);
+    }
+    if (threadIdx.x == 0) {
+      // the other blocks end by themselves (each has the deadline): no deadline needed here
+      volatile uint64_t* v = &sym.local[0];
+      while (*v < epoch * (uint64_t)(gridDim.x - 1)) {
+      }
+      __threadfence();
+      if (sym.local[1] == epoch) late = 1;
     }
     __syncthreads();
     if (threadIdx.x == 0) *status = (overflow ? 1 : 0) | (valid ? 0 : 2) | (mismatch ? 4 : 0) | (late ? 8 : 0);

@@ -42,6 +42,7 @@ type shmem struct {
 	a2av       cuda.Function
 	meta, msig uintptr
 	dsig, over uintptr
+	local      uintptr // two words only this PE uses: its blocks' done count and late epoch
 	recv       uintptr
 	recvBytes  int64
 	shape      a2avShape // the launch shape, the same for every op of the group
@@ -187,7 +188,7 @@ func (g *group) initShmem(path string, deadline time.Time) (*shmem, error) {
 	small := []struct {
 		p     *uintptr
 		bytes int64
-	}{{&sh.meta, 2 * n * (n + 2) * 8}, {&sh.msig, 2 * n * 8}, {&sh.dsig, n * 8}, {&sh.over, n * 8}}
+	}{{&sh.meta, 2 * n * (n + 2) * 8}, {&sh.msig, 2 * n * 8}, {&sh.dsig, n * 8}, {&sh.over, n * 8}, {&sh.local, 2 * 8}}
 	for _, a := range small {
 		if *a.p, err = nvshmem.Malloc(int(a.bytes)); err != nil {
 			return nil, err
@@ -259,8 +260,8 @@ func (g *group) launchA2AV(o *dop, st cuda.Stream) error {
 		return err
 	}
 	epoch := sh.epoch + 1
-	var sym [40]byte // struct A2avSym: meta, msig, dsig, over, recv
-	for i, p := range []uintptr{sh.meta, sh.msig, sh.dsig, sh.over, sh.recv} {
+	var sym [48]byte // struct A2avSym: meta, msig, dsig, over, recv, local
+	for i, p := range []uintptr{sh.meta, sh.msig, sh.dsig, sh.over, sh.recv, sh.local} {
 		binary.LittleEndian.PutUint64(sym[8*i:], uint64(p))
 	}
 	p := o.Ptrs
