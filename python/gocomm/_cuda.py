@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import threading
 
 import torch
 
@@ -141,6 +142,31 @@ def release_counters(addr: int, nbytes: int) -> None:
         buf[i + 1] = (buf[i] + (1 << 30)) & 0xFFFFFFFF
     _check("cuMemcpyHtoDAsync", lib.cuMemcpyHtoDAsync_v2(addr, buf, nbytes, st))
     _check("cuStreamSynchronize", lib.cuStreamSynchronize(st))
+
+
+_ctx_ready = threading.local()
+
+
+def ensure_context(idx: int) -> None:
+    """Make device idx's primary context current on this thread where none is. torch creates
+    it lazily, at a thread's first runtime call that needs one, so a driver call can come first
+    (a fresh process whose tensors are not yet made, another thread). On 8x H200 the MoE
+    module's first load, in a process that had made no tensor, failed and the kernels were
+    taken as not usable; a load without a current context fails that way."""
+    done = getattr(_ctx_ready, "devs", None)
+    if done is None:
+        done = _ctx_ready.devs = set()
+    if idx in done:
+        return
+    lib = _load()
+    cur = ctypes.c_void_p()
+    _check("cuCtxGetCurrent", lib.cuCtxGetCurrent(ctypes.byref(cur)))
+    if not cur.value:
+        d, ctx = ctypes.c_int(), ctypes.c_void_p()
+        _check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(d), idx))
+        _check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), d))
+        _check("cuCtxSetCurrent", lib.cuCtxSetCurrent(ctx))
+    done.add(idx)
 
 
 def launch(fn: int, grid: int, block: int, stream: int, params, smem: int = 0) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import warnings
 
 import torch
 
@@ -32,22 +33,34 @@ def available() -> bool:
 
 _ARCH = (9, 0)  # the module is built for sm_90 only (Makefile's CUDA_ARCH): a cubin runs on its own arch
 _usable: dict[int, bool] = {}
+_why: dict[int, str] = {}  # device index -> why the kernels do not run there
 
 
 def usable(dev: torch.device) -> bool:
     """Whether the kernels run on CUDA device dev: the module was built, for dev's
-    architecture, and loads there (asked once per device)."""
+    architecture, and loads there (asked once per device; why_not says why not)."""
     i = dev.index if dev.index is not None else torch.cuda.current_device()
     ok = _usable.get(i)
     if ok is None:
-        ok = available() and torch.cuda.get_device_capability(i) == _ARCH
-        if ok:
+        cap = torch.cuda.get_device_capability(i)
+        if not available():
+            _why[i] = f"{_CUBIN} was not built (make builds it)"
+        elif cap != _ARCH:
+            _why[i] = f"the module is built for sm_{_ARCH[0]}{_ARCH[1]}; device {i} is sm_{cap[0]}{cap[1]}"
+        else:
             try:
                 _function(i, "gocomm_moe_route")
-            except (_cuda.CudaError, OSError):
-                ok = False
-        _usable[i] = ok
+            except (_cuda.CudaError, OSError) as e:
+                _why[i] = f"the module does not load on device {i}: {e}"
+                warnings.warn(f"gocomm: MoE kernels fall back to torch ops: {_why[i]}", RuntimeWarning, stacklevel=3)
+        ok = _usable[i] = i not in _why
     return ok
+
+
+def why_not(dev: torch.device) -> str:
+    """Why usable(dev) is False ("" where it is True)."""
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    return "" if usable(dev) else _why[i]
 
 
 def _function(dev: int, name: str) -> int:
@@ -63,7 +76,7 @@ def _function(dev: int, name: str) -> int:
                     _image = fh.read()
             lib = _cuda._load()
             with _cuda.on_device(dev):
-                torch.cuda.init()
+                _cuda.ensure_context(dev)
                 mod = ctypes.c_void_p()
                 _cuda._check("cuModuleLoadData", lib.cuModuleLoadData(ctypes.byref(mod), _image))
                 for n in (*_WSUM.values(), "gocomm_moe_route", "gocomm_moe_pack", "gocomm_moe_group"):
@@ -77,6 +90,7 @@ def _launch(dev: int, name: str, grid: int, block: int, args: list, smem: int = 
     fn = _function(dev, name)
     params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
     with _cuda.on_device(dev):
+        _cuda.ensure_context(dev)
         _cuda.launch(fn, grid, block, _cuda.current_stream(dev), params, smem)
 
 

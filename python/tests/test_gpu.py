@@ -520,8 +520,9 @@ def test_moe_wsum_kernel(seed, dtype):
     assert _kernels.available(), "make builds gocomm/bin/moe.cubin"
     g = torch.Generator().manual_seed(seed)
     dev = torch.device("cuda", 0)
-    if not _kernels.usable(dev):
-        pytest.skip(f"the kernels are built for sm_90; this GPU is {torch.cuda.get_device_capability(dev)}")
+    if torch.cuda.get_device_capability(dev) != _kernels._ARCH:
+        pytest.skip(_kernels.why_not(dev))
+    assert _kernels.usable(dev), _kernels.why_not(dev)  # built for this GPU: it must load
     n_src, rows, h = 300, 97, 7168 if dtype != torch.float32 else 1028
     src = (torch.randn(n_src, h, generator=g) * 3).to(dtype)
     counts = torch.randint(0, 5, (rows,), generator=g)
