@@ -180,7 +180,7 @@ class _Batch(Work):
 
 @dataclass
 class _Pending:
-    work: Work
+    work: Work | None  # None for ops no caller waits on through a Work (_cuda_now): failures are logged
     op: str
     deadline: float
     allocs: list[tuple[int, int, int]] = field(default_factory=list)
@@ -246,13 +246,14 @@ class _Dispatcher:
                     dst.copy_(src)
                 if p.unpacked is not None:
                     p.unpacked.synchronize()  # the copies behind the sidecar's op are short
-                p.work._source = source
+                if p.work is not None:
+                    p.work._source = source
             else:
                 exc = _error(p.op, status, msg)
         except BaseException as e:  # never let a copy error kill the completion thread
             exc = e
         self._release(p)
-        p.work._finish(exc)
+        _finish(p, exc)
 
     def _release(self, p: _Pending) -> None:
         for seg, off, n in p.allocs:
@@ -270,8 +271,9 @@ class _Dispatcher:
             # The sidecar may still write into these buffers: leak them rather than reuse
             # (host staging stays allocated; CUDA tensors stay referenced for good).
             _leaked.append(p.keep)
-            p.work._finish(
-                dist.DistBackendError(f"gocomm {p.op}: pgserver did not answer within its deadline plus {_GRACE:.0f}s")
+            _finish(
+                p,
+                dist.DistBackendError(f"gocomm {p.op}: pgserver did not answer within its deadline plus {_GRACE:.0f}s"),
             )
 
     def _fail_all(self, why: str) -> None:
@@ -279,7 +281,15 @@ class _Dispatcher:
             pending = list(self._pending.values())
             self._pending.clear()
         for p in pending:
-            p.work._finish(dist.DistBackendError(f"gocomm {p.op}: {why}"))
+            _finish(p, dist.DistBackendError(f"gocomm {p.op}: {why}"))
+
+
+def _finish(p: _Pending, exc: BaseException | None) -> None:
+    """Finish p's Work; without one, log a failure (nobody else would see it)."""
+    if p.work is not None:
+        p.work._finish(exc)
+    elif exc is not None:
+        log.error("%s", exc)
 
 
 def _error(op: str, status: int, msg: str) -> BaseException:
@@ -561,6 +571,36 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         done = counters + 4
         work._cuda_wait = lambda: _stream_wait(idx, done, k)
         return work
+
+    def _cuda_now(self, op: str, kind: int, refs: list[tuple[int, int, int]], keep: list, idx: int, count: int) -> None:
+        """_cuda_direct for an op whose caller waits at once and never sees a Work (the
+        sparse all-to-all): refs are the buffers already named (cuda_ref), keep what must
+        stay alive until the op finished, idx their device. The caller's current stream
+        waits for the op before this returns; the op's failure, if any, is logged (the
+        sidecar breaks the group then, so the group's next op raises). A Work, its closure
+        and the views of a small op cost tens of microseconds of host time each."""
+        if self._closed:
+            raise ValueError(f"gocomm {op}: the process group was destroyed")
+        if self._slot < 0:
+            raise RuntimeError(
+                f"gocomm {op}: this process has more groups using CUDA tensors than the sidecar has counters for"
+            )
+        sc = self._sc
+        counters = sc.attach_device(keep[0].device) + 16 * self._slot + 8 * _lane(kind)
+        p = _Pending(None, op, time.monotonic() + self._timeout + _GRACE)
+        p.keep = keep
+        handle = self._handle
+        with self._cuda_lock, _cuda.on_device(idx):
+            stream = _cuda.current_stream(idx)
+            k = self._next_value(_lane(kind))
+            _cuda.write_value(stream, counters, k)
+            self._disp.submit(
+                lambda seq: _wire.encode_desc(
+                    seq, handle, kind, _wire.DTYPES[keep[0].dtype], 0, 0, 0, count, 0, refs, None, _wire.DEVICE_CUDA, k
+                ),
+                p,
+            )
+            _cuda.wait_value(stream, counters + 4, k)
 
     def _next_value(self, lane: int) -> int:
         """The stream value of the lane's next op (u32, wrapping); call under _cuda_lock."""

@@ -297,14 +297,18 @@ class Sidecar:
         allocation is registered once by CUDA IPC handle. An allocation torch freed and the
         driver reused shows up with a new buffer id over the same addresses; the stale entry
         is dropped then."""
-        n = t.numel() * t.element_size()
+        return self.cuda_ref(t.data_ptr(), t.numel() * t.element_size(), t.get_device())
+
+    def cuda_ref(self, ptr: int, n: int, device: int) -> tuple[int, int, int]:
+        """cuda_segment for n bytes at device address ptr on CUDA device index device: a
+        part of a tensor named without making a view of it (a view costs more host time
+        than the rest of the lookup)."""
         if n == 0:
             return (_wire.CUDA_SEGMENT, 0, 0)
-        ptr = t.data_ptr()
         bid = _cuda.buffer_id(ptr)
         e = self._ipc.get(bid)
         if e is None:
-            with _cuda.on_device(t.get_device()):
+            with _cuda.on_device(device):
                 e = self._register(ptr, bid)
         return (e[0], ptr - e[1], n)
 

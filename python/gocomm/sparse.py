@@ -24,13 +24,20 @@ __all__ = ["all_to_all_v"]
 _SPLIT_DTYPES = (torch.int32, torch.int64)
 
 
+_recv_mb: int | None = None
+
+
 def _recv_bytes() -> int:
-    """The sidecar's NVSHMEM receive buffer per rank (GOCOMM_NVSHMEM_RECV_MB, default 512)."""
-    try:
-        mb = int(os.environ.get("GOCOMM_NVSHMEM_RECV_MB", "512"))
-    except ValueError:
-        mb = 512
-    return (mb if mb > 0 else 512) << 20
+    """The sidecar's NVSHMEM receive buffer per rank (GOCOMM_NVSHMEM_RECV_MB, default 512; read
+    once, as the sidecar reads it once at its start)."""
+    global _recv_mb
+    if _recv_mb is None:
+        try:
+            mb = int(os.environ.get("GOCOMM_NVSHMEM_RECV_MB", "512"))
+        except ValueError:
+            mb = 512
+        _recv_mb = mb if mb > 0 else 512
+    return _recv_mb << 20
 
 
 def _on_nvshmem(g, input: torch.Tensor) -> bool:
@@ -44,7 +51,9 @@ def _capacity_rows(row_bytes: int) -> int:
 
 
 def _nvshmem(g, n, input, in_splits, out):
-    """all_to_all_v in the sidecar's NVSHMEM kernel: nothing here waits for the GPU."""
+    """all_to_all_v in the sidecar's NVSHMEM kernel: nothing here waits for the GPU. Every
+    torch op and view costs tens of microseconds of host time on a loaded host, and decode
+    calls this once per layer: the path makes as few as it can."""
     row = input.element_size() * math.prod(input.shape[1:])
     limit = _capacity_rows(row)
     if out is None:
@@ -54,13 +63,27 @@ def _nvshmem(g, n, input, in_splits, out):
             f"gocomm all_to_all_v: out holds {out.shape[0]} rows, more than the sidecar's NVSHMEM receive buffer "
             f"({limit} rows of {row} bytes; raise GOCOMM_NVSHMEM_RECV_MB on every rank)"
         )
-    splits64 = in_splits.to(device=input.device, dtype=torch.int64)
-    # the output splits and the kernel's status word in one allocation, and no fill: the
-    # kernel always writes both (every torch op here costs 10-30 us of host time)
+    splits64 = (
+        in_splits if in_splits.dtype == torch.int64 and in_splits.is_cuda else in_splits.to(input.device, torch.int64)
+    )
+    # the output splits and the kernel's status word (after them) in one allocation, and no
+    # fill: the kernel always writes both; the status is named by address, not by a view
     words = torch.empty(n + 1, dtype=torch.int64, device=input.device)
-    out_splits, status = words[:n], words[n:].view(torch.int32)[:1]
-    bufs = [input, splits64, out, out_splits, status]
-    g._cuda_direct("all_to_all_v", _wire.ALL_TO_ALL_V, bufs, count=row).wait()
+    idx = input.get_device()
+    sc = g._sc
+    sc.attach_device(input.device)  # before any of the op's memory is registered with the sidecar
+    wp = words.data_ptr()
+    refs = [
+        sc.cuda_ref(input.data_ptr(), input.numel() * input.element_size(), idx),
+        sc.cuda_ref(splits64.data_ptr(), n * 8, idx),
+        sc.cuda_ref(out.data_ptr(), out.numel() * out.element_size(), idx),
+        sc.cuda_ref(wp, n * 8, idx),
+        sc.cuda_ref(wp + n * 8, 4, idx),
+    ]
+    g._cuda_now("all_to_all_v", _wire.ALL_TO_ALL_V, refs, [input, splits64, out, words], idx, row)
+    out_splits = words[:n]
+    if in_splits.dtype == torch.int64 and in_splits.is_cuda:
+        return out, out_splits
     return out, out_splits.to(device=in_splits.device, dtype=in_splits.dtype)
 
 
