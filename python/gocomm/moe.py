@@ -151,14 +151,18 @@ def dispatch(
             f"max_tokens_per_rank x group size = {recv_p.shape[0]}; nothing was received"
         )
     rows = sum(recv)
-    recv_p = recv_p[:rows]
-    got = [_unpack(recv_p, off, p) for off, p in zip(offs, parts, strict=True)]
     if grouped:
+        # After the sync every torch op and view is host time nobody overlaps (tens of us each
+        # on a loaded host): only the x part of the received rows is cut out, and the
+        # kernels read the other buffers through their offsets.
         pairs = counts[-2]
         g_rows, g_w, tokens_per_expert, e_idx, e_offs, _ = grouped
         rows_sorted, weights = g_rows[:pairs], g_w[:pairs]
-        sums = (e_idx[:pairs], e_offs[: rows + 1], t_idx[: counts[n]], t_offs)
+        sums = (e_idx[:pairs], e_offs[: rows + 1], t_idx, t_offs)  # t_idx: read within t_offs only
+        got = [_unpack(recv_p, offs[0], parts[0], rows=False)]
     else:
+        recv_p = recv_p[:rows]
+        got = [_unpack(recv_p, off, p) for off, p in zip(offs, parts, strict=True)]
         rows_sorted, weights, tokens_per_expert = _group_torch(got[-2], got[-1], per)
         sums = None
     handle = Handle(
@@ -251,10 +255,12 @@ def _pack(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     return out, offs
 
 
-def _unpack(buf: torch.Tensor, off: int, like: torch.Tensor) -> torch.Tensor:
-    """The part of buf's rows at byte offset off, shaped and typed like like's rows."""
+def _unpack(buf: torch.Tensor, off: int, like: torch.Tensor, rows: bool = True) -> torch.Tensor:
+    """The part of buf's rows at byte offset off, shaped and typed like like's rows (rows=False:
+    a 2-D like, whose rows need no reshape)."""
     width = math.prod(like.shape[1:]) * like.element_size()
-    return buf[:, off : off + width].view(like.dtype).reshape(buf.shape[0], *like.shape[1:])
+    part = buf[:, off : off + width].view(like.dtype)
+    return part.reshape(buf.shape[0], *like.shape[1:]) if rows or like.dim() != 2 else part
 
 
 def _move(t: torch.Tensor, send: list[int], recv: list[int], g) -> torch.Tensor:
