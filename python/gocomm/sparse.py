@@ -114,7 +114,9 @@ def all_to_all_v(
         the count: output is the whole out buffer (by default input's rows times the group
         size, at most the sidecar's receive buffer, GOCOMM_NVSHMEM_RECV_MB), rows past
         sum(out_splits) are undefined, an overflow shows as sum(out_splits) > len(out) with
-        nothing written instead of an OverflowError, and splits that are negative or exceed
+        nothing written instead of an OverflowError (to get the rows, every rank of the
+        group repeats the call, with an out that fits where it overflowed: a call made on
+        some ranks only shifts every later op), and splits that are negative or exceed
         the input make this rank send nothing (the sidecar logs it). Not capturable in a
         CUDA graph: every call hands the sidecar one op, and a replayed graph would not.
     """
