@@ -534,13 +534,9 @@ class ProcessGroupGocomm(dist.ProcessGroup):
     ) -> Work:
         """_submit_cuda for ops whose buffers are the caller's tensors as they are (no packing):
         the same steps without the general case's bookkeeping, which is most of a small op's
-        host time. dtype defaults to the first buffer's, result to the last buffer."""
-        if self._closed:
-            raise ValueError(f"gocomm {op}: the process group was destroyed")
-        if self._slot < 0:
-            raise RuntimeError(
-                f"gocomm {op}: this process has more groups using CUDA tensors than the sidecar has counters for"
-            )
+        host time. dtype defaults to the first buffer's, result to the last buffer. Called by
+        _submit, which has checked that the group is open."""
+        self._need_slot(op)
         t0 = bufs[0]
         idx = t0.get_device()
         for t in bufs:
@@ -548,7 +544,6 @@ class ProcessGroupGocomm(dist.ProcessGroup):
                 raise ValueError(f"gocomm {op}: tensors on {t.device} and {t0.device}; one op runs on one device")
         t_limit = _timeout_seconds(timeout) if timeout is not None and _timeout_seconds(timeout) > 0 else self._timeout
         sc = self._sc
-        counters = sc.attach_device(t0.device) + 16 * self._slot
         refs = [sc.cuda_segment(t) for t in bufs]
         work = Work(op, result if result is not None else [bufs[-1]], t_limit + _GRACE)
         p = _Pending(work, op, time.monotonic() + t_limit + _GRACE)
@@ -556,19 +551,14 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         dt = _wire.DTYPES[dtype if dtype is not None else t0.dtype]
         timeout_ms = int(t_limit * 1000) if timeout is not None else 0
         handle = self._handle
-        lane = _lane(kind)
-        counters += 8 * lane
-        # under the lock, the counter value, its stream write and the descriptor stay in step
-        with self._cuda_lock, _cuda.on_device(idx):
-            k = self._next_value(lane)
-            _cuda.write_value(_cuda.current_stream(idx), counters, k)
-            self._disp.submit(
-                lambda seq: _wire.encode_desc(
-                    seq, handle, kind, dt, redop, root, tag, count, timeout_ms, refs, splits, _wire.DEVICE_CUDA, k
-                ),
-                p,
-            )
-        done = counters + 4
+        done, k = self._enqueue_cuda(
+            kind,
+            t0.device,
+            p,
+            lambda seq, k: _wire.encode_desc(
+                seq, handle, kind, dt, redop, root, tag, count, timeout_ms, refs, splits, _wire.DEVICE_CUDA, k
+            ),
+        )
         work._cuda_wait = lambda: _stream_wait(idx, done, k)
         return work
 
@@ -581,26 +571,39 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         and the views of a small op cost tens of microseconds of host time each."""
         if self._closed:
             raise ValueError(f"gocomm {op}: the process group was destroyed")
+        self._need_slot(op)
+        p = _Pending(None, op, time.monotonic() + self._timeout + _GRACE)
+        p.keep = keep
+        handle, dt = self._handle, _wire.DTYPES[keep[0].dtype]
+        done, k = self._enqueue_cuda(
+            kind,
+            keep[0].device,
+            p,
+            lambda seq, k: _wire.encode_desc(
+                seq, handle, kind, dt, 0, 0, 0, count, 0, refs, None, _wire.DEVICE_CUDA, k
+            ),
+        )
+        _stream_wait(idx, done, k)
+
+    def _need_slot(self, op: str) -> None:
+        """Raise unless this group has stream counters in the sidecar (CUDA ops need them)."""
         if self._slot < 0:
             raise RuntimeError(
                 f"gocomm {op}: this process has more groups using CUDA tensors than the sidecar has counters for"
             )
-        sc = self._sc
-        counters = sc.attach_device(keep[0].device) + 16 * self._slot + 8 * _lane(kind)
-        p = _Pending(None, op, time.monotonic() + self._timeout + _GRACE)
-        p.keep = keep
-        handle = self._handle
+
+    def _enqueue_cuda(self, kind: int, device: torch.device, p: _Pending, desc) -> tuple[int, int]:
+        """Hand the sidecar an op whose buffers need no packing, ordered on device's current
+        stream: under the lock, the lane's next value k, its stream write (ready = k) and the
+        descriptor desc(seq, k) stay in step. Returns (the address of the op's done counter, k)."""
+        lane = _lane(kind)
+        ready = self._sc.attach_device(device) + 16 * self._slot + 8 * lane
+        idx = device.index
         with self._cuda_lock, _cuda.on_device(idx):
-            stream = _cuda.current_stream(idx)
-            k = self._next_value(_lane(kind))
-            _cuda.write_value(stream, counters, k)
-            self._disp.submit(
-                lambda seq: _wire.encode_desc(
-                    seq, handle, kind, _wire.DTYPES[keep[0].dtype], 0, 0, 0, count, 0, refs, None, _wire.DEVICE_CUDA, k
-                ),
-                p,
-            )
-            _cuda.wait_value(stream, counters + 4, k)
+            k = self._next_value(lane)
+            _cuda.write_value(_cuda.current_stream(idx), ready, k)
+            self._disp.submit(lambda seq: desc(seq, k), p)
+        return ready + 4, k
 
     def _next_value(self, lane: int) -> int:
         """The stream value of the lane's next op (u32, wrapping); call under _cuda_lock."""
@@ -618,10 +621,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         the caching allocator cannot hand its memory out while the sidecar uses it.
         """
         sc = self._sc
-        if self._slot < 0:
-            raise RuntimeError(
-                f"gocomm {op}: this process has more groups using CUDA tensors than the sidecar has counters for"
-            )
+        self._need_slot(op)
         tensors = [t for ts in list(inputs) + list(out_for.values()) if ts for t in ts]
         dev = tensors[0].device
         for t in tensors:

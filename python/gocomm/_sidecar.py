@@ -308,6 +308,8 @@ class Sidecar:
         bid = _cuda.buffer_id(ptr)
         e = self._ipc.get(bid)
         if e is None:
+            # the sidecar takes IPC handles only once the client attached its device
+            self.attach_device(torch.device("cuda", device))
             with _cuda.on_device(device):
                 e = self._register(ptr, bid)
         return (e[0], ptr - e[1], n)

@@ -63,15 +63,13 @@ def _nvshmem(g, n, input, in_splits, out):
             f"gocomm all_to_all_v: out holds {out.shape[0]} rows, more than the sidecar's NVSHMEM receive buffer "
             f"({limit} rows of {row} bytes; raise GOCOMM_NVSHMEM_RECV_MB on every rank)"
         )
-    splits64 = (
-        in_splits if in_splits.dtype == torch.int64 and in_splits.is_cuda else in_splits.to(input.device, torch.int64)
-    )
+    native = in_splits.dtype == torch.int64 and in_splits.is_cuda  # on input's device (checked)
+    splits64 = in_splits if native else in_splits.to(input.device, torch.int64)
     # the output splits and the kernel's status word (after them) in one allocation, and no
     # fill: the kernel always writes both; the status is named by address, not by a view
     words = torch.empty(n + 1, dtype=torch.int64, device=input.device)
     idx = input.get_device()
     sc = g._sc
-    sc.attach_device(input.device)  # before any of the op's memory is registered with the sidecar
     wp = words.data_ptr()
     refs = [
         sc.cuda_ref(input.data_ptr(), input.numel() * input.element_size(), idx),
@@ -82,9 +80,7 @@ def _nvshmem(g, n, input, in_splits, out):
     ]
     g._cuda_now("all_to_all_v", _wire.ALL_TO_ALL_V, refs, [input, splits64, out, words], idx, row)
     out_splits = words[:n]
-    if in_splits.dtype == torch.int64 and in_splits.is_cuda:
-        return out, out_splits
-    return out, out_splits.to(device=in_splits.device, dtype=in_splits.dtype)
+    return out, out_splits if native else out_splits.to(device=in_splits.device, dtype=in_splits.dtype)
 
 
 def all_to_all_v(
