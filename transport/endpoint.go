@@ -496,14 +496,30 @@ func (ep *Endpoint) closeInbound() {
 	}
 }
 
+// abortGrace bounds how long Close waits for a broken endpoint's abort frames to be written.
+const abortGrace = 2 * time.Second
+
 // Close leaves the group: peers get a bye, links close, and every request still pending
-// fails with ErrClosed. It does not wait for the peers to leave too.
+// fails with ErrClosed. A broken endpoint first lets its abort frames reach the peers (at
+// most abortGrace). It does not wait for the peers to leave too.
 func (ep *Endpoint) Close() {
 	ep.node.leave(ep)
+	ep.mu.Lock()
+	aborting := ep.broken != nil && !errors.Is(ep.broken, ErrClosed)
+	ep.mu.Unlock()
 	ep.Break(fmt.Errorf("%w", ErrClosed)) // sends byes, fails what is pending
-	ep.cancel()                           // links still dialing give up
 	done := make(chan struct{})
 	go func() { ep.writers.Wait(); close(done) }()
+	if aborting {
+		// The abort frames are still on their way (a peer that joined late may not have
+		// accepted the link yet); cancelling now would leave that peer waiting for data
+		// until its timeout. Give them the quick dial's time.
+		select {
+		case <-done:
+		case <-time.After(abortGrace):
+		}
+	}
+	ep.cancel() // links still dialing give up
 	select {
 	case <-done:
 	case <-time.After(2 * time.Second):

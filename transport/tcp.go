@@ -32,6 +32,7 @@ type Node struct {
 	mu     sync.Mutex
 	cond   *sync.Cond
 	groups map[[16]byte]*Endpoint
+	gone   map[[16]byte]bool // groups this node left: a link for one is refused at once
 	closed bool
 }
 
@@ -75,6 +76,7 @@ func Listen(cfg Config) (*Node, error) {
 		joinWait:  cmp.Or(cfg.JoinWait, 60*time.Second),
 		dialLimit: cmp.Or(cfg.DialTimeout, 10*time.Second),
 		groups:    map[[16]byte]*Endpoint{},
+		gone:      map[[16]byte]bool{},
 	}
 	if n.log == nil {
 		n.log = slog.Default()
@@ -177,6 +179,7 @@ func (n *Node) Join(secret []byte, rank int, peers []string) (*Endpoint, error) 
 		return nil, errors.New("transport: this node already joined a group with that secret")
 	}
 	n.groups[ep.id] = ep
+	delete(n.gone, ep.id)
 	n.cond.Broadcast()
 	return ep, nil
 }
@@ -185,11 +188,13 @@ func (n *Node) leave(ep *Endpoint) {
 	n.mu.Lock()
 	if n.groups[ep.id] == ep {
 		delete(n.groups, ep.id)
+		n.gone[ep.id] = true
 	}
 	n.mu.Unlock()
 }
 
-// lookup waits up to JoinWait for the group with id to be joined.
+// lookup waits up to JoinWait for the group with id to be joined; a group this node has
+// left fails at once (a peer's abort link must not wait out JoinWait for it).
 func (n *Node) lookup(id [16]byte) (*Endpoint, error) {
 	deadline := time.Now().Add(n.joinWait)
 	timer := time.AfterFunc(n.joinWait, func() {
@@ -203,6 +208,9 @@ func (n *Node) lookup(id [16]byte) (*Endpoint, error) {
 	for {
 		if ep := n.groups[id]; ep != nil {
 			return ep, nil
+		}
+		if n.gone[id] {
+			return nil, fmt.Errorf("%w: this rank has left the group", ErrAuth)
 		}
 		if n.closed || time.Now().After(deadline) {
 			return nil, fmt.Errorf("%w: no such group here", ErrAuth)
@@ -269,7 +277,7 @@ func (n *Node) accept(conn net.Conn) {
 func (n *Node) dial(ep *Endpoint, to int, quick bool) (net.Conn, bool, error) {
 	limit := n.dialLimit
 	if quick {
-		limit = 2 * time.Second
+		limit = abortGrace
 	}
 	ctx, cancel := context.WithTimeout(ep.ctx, limit)
 	defer cancel()

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -216,4 +217,50 @@ func TestCloseSaysBye(t *testing.T) {
 	if b := eps[0].Broken(); b != nil {
 		t.Fatalf("a bye broke the group: %v", b)
 	}
+}
+
+// TestAbortReachesLateJoiner: a rank that breaks the group and leaves at once (the client
+// destroys the group on the error) still tells a peer that joined after the break; that
+// peer's receive fails with the abort, not at its timeout.
+func TestAbortReachesLateJoiner(t *testing.T) {
+	const n = 3
+	nodes := make([]*Node, n)
+	addrs := make([]string, n)
+	for r := range nodes {
+		node, err := Listen(Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quiet(), JoinWait: 2 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { node.Close() })
+		nodes[r], addrs[r] = node, node.Addr()
+	}
+	secret := []byte("a secret of at least sixteen bytes")
+	eps := make([]*Endpoint, n)
+	for r := range 2 {
+		ep, err := nodes[r].Join(secret, r, addrs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		eps[r] = ep
+	}
+	t.Cleanup(eps[1].Close)
+	closed := make(chan struct{})
+	go func() {
+		eps[0].Break(fmt.Errorf("%w: rank 0 saw a mismatch", ErrAborted))
+		eps[0].Close()
+		close(closed)
+	}()
+	time.Sleep(200 * time.Millisecond) // rank 2 joins while rank 0's abort link still dials it
+	ep, err := nodes[2].Join(secret, 2, addrs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(ep.Close)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	err = ep.Op(0, sigF32).Recv(0, collectives.Tag{}, collectives.CopySink{Dst: make([]byte, 16)}).Wait(ctx)
+	if !errors.Is(err, ErrAborted) || !strings.Contains(err.Error(), "rank 0 saw a mismatch") {
+		t.Fatalf("late joiner's receive = %v, want rank 0's abort", err)
+	}
+	<-closed
 }
