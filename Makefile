@@ -80,6 +80,7 @@ bin/pgserver: $(GO_GEN) $(GO_SRC) $(KERNELS) go.mod go.sum
 	$(GO) build -trimpath -o $@ ./cmd/pgserver
 	mkdir -p python/gocomm/bin && cp $@ python/gocomm/bin/pgserver.tmp && mv -f python/gocomm/bin/pgserver.tmp python/gocomm/bin/pgserver
 	cp kernels/build/moe.cubin python/gocomm/bin/moe.cubin
+	cp kernels/build/allreduce.cubin python/gocomm/bin/allreduce.cubin
 
 ## the Python package, importable from the venv without a copy (like an editable install)
 python: $(PY_GEN) $(VENV)/.stamp

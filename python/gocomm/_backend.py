@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import _cuda, _sidecar, _wire
+from . import _allreduce, _cuda, _sidecar, _wire
 from ._sidecar import SidecarError
 from .v1 import pgserver_pb2 as pb
 
@@ -397,6 +397,12 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         )
         self.transport = conn.transport
         self._closed = False
+        # all_reduce of CUDA tensors in this process (gocomm/_allreduce.py), per device index:
+        # where the group's GPUs share NVLink; set up at the first such op (collectively)
+        self._ar_on = (
+            self._sparse == "nvshmem" and 2 <= size <= _allreduce.MAX_RANKS and _allreduce.configured_max() > 0
+        )
+        self._ar: dict[int, _allreduce.Path | None] = {}
         log.info("gocomm group %r rank %d/%d on handle %d via %s", group_name, rank, size, self._handle, conn.transport)
 
     # ----- identity -------------------------------------------------------------------------
@@ -686,6 +692,10 @@ class ProcessGroupGocomm(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         t = _single("all_reduce", "tensor", tensors)
         redop = _redop("all_reduce", opts, t)
+        if self._ar_on and t.is_cuda:
+            w = self._allreduce_here(t, redop)
+            if w is not None:
+                return w
         return self._submit(
             "all_reduce",
             _wire.ALL_REDUCE,
@@ -697,6 +707,33 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             result=[t],
             timeout=_opt_timeout(opts),
         )
+
+    def _allreduce_here(self, t: torch.Tensor, redop: int):
+        """all_reduce of t by a kernel in this process (gocomm/_allreduce.py), or None where
+        that path does not take it. The choice depends only on what every rank of the
+        group shares (size, dtype, op, device setup), so the ranks agree."""
+        if self._closed:
+            raise ValueError("gocomm all_reduce: the process group was destroyed")
+        idx = t.get_device()
+        path = self._ar.get(idx, False)
+        if path is False:
+            path = self._ar[idx] = _allreduce.setup(self, t.device)
+        if path is None or not path.fits(t, redop) or torch.cuda.is_current_stream_capturing():
+            return None
+        if path.failed():
+            self._ar_on = False
+            why = (
+                f"gocomm all_reduce on group {self._group_name!r}: an earlier all_reduce timed out "
+                f"after {self._timeout:.0f}s waiting for a peer; its result was not valid and the group is aborted"
+            )
+            try:
+                self.abort()
+            except Exception as e:  # noqa: BLE001
+                log.warning("gocomm: aborting group %r: %s", self._group_name, e)
+            raise dist.DistBackendError(why)
+        with self._cuda_lock, _cuda.on_device(idx):
+            ev, stream = path.run(t, redop)
+        return _allreduce.KernelWork([t], ev, stream, idx)
 
     def allreduce_coalesced(self, tensors, opts=None):
         ts = _tensor_list("all_reduce_coalesced", "tensors", tensors)

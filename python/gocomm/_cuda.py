@@ -42,6 +42,9 @@ def _load():
             ("cuStreamWriteValue32_v2", [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]),
             ("cuStreamWaitValue32_v2", [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]),
             ("cuLaunchKernel", [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3),
+            ("cuEventRecord", [ctypes.c_void_p, ctypes.c_void_p]),
+            ("cuStreamWaitEvent", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]),
+            ("cuEventQuery", [ctypes.c_void_p]),
         ):
             getattr(fast, name).argtypes = args
         _fast = fast
@@ -63,6 +66,12 @@ def _load():
         lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
         lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
+        lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+        lib.cuMemsetD8_v2.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t]
+        lib.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
+        lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        lib.cuEventCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        lib.cuEventSynchronize.argtypes = [ctypes.c_void_p]
         _lib = lib
     return _lib
 
@@ -175,6 +184,62 @@ def launch(fn: int, grid: int, block: int, stream: int, params, smem: int = 0) -
     if _fast is None:
         _load()
     _check("cuLaunchKernel", _fast.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, smem, stream, params, None))
+
+
+def mem_alloc(nbytes: int) -> int:
+    """A zeroed device allocation of its own (outside torch's caching allocator, so that its
+    IPC handle names it alone); never freed: it lives as long as the process."""
+    lib = _load()
+    ptr = ctypes.c_uint64()
+    _check("cuMemAlloc", lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(nbytes)))
+    _check("cuMemsetD8", lib.cuMemsetD8_v2(ptr, ctypes.c_ubyte(0), ctypes.c_size_t(nbytes)))
+    return ptr.value
+
+
+def host_word() -> tuple[int, int]:
+    """A zeroed u32 in pinned host memory the GPU writes to: (host address, device address)."""
+    lib = _load()
+    h, d = ctypes.c_void_p(), ctypes.c_uint64()
+    _check("cuMemHostAlloc", lib.cuMemHostAlloc(ctypes.byref(h), ctypes.c_size_t(64), 3))  # PORTABLE | DEVICEMAP
+    ctypes.memset(h.value, 0, 64)
+    _check("cuMemHostGetDevicePointer", lib.cuMemHostGetDevicePointer_v2(ctypes.byref(d), h, 0))
+    return h.value, d.value
+
+
+def event_create() -> int:
+    """A CUDA event without timing (in the current context)."""
+    ev = ctypes.c_void_p()
+    _check("cuEventCreate", _load().cuEventCreate(ctypes.byref(ev), 2))  # CU_EVENT_DISABLE_TIMING
+    return ev.value
+
+
+def event_record(ev: int, stream: int) -> None:
+    if _fast is None:
+        _load()
+    _check("cuEventRecord", _fast.cuEventRecord(ev, stream))
+
+
+def stream_wait_event(stream: int, ev: int) -> None:
+    """Queue on stream: wait for ev's last record."""
+    if _fast is None:
+        _load()
+    _check("cuStreamWaitEvent", _fast.cuStreamWaitEvent(stream, ev, 0))
+
+
+def event_done(ev: int) -> bool:
+    """Whether the work before ev's last record has finished (no wait)."""
+    if _fast is None:
+        _load()
+    r = _fast.cuEventQuery(ev)
+    if r == 600:  # CUDA_ERROR_NOT_READY
+        return False
+    _check("cuEventQuery", r)
+    return True
+
+
+def event_sync(ev: int) -> None:
+    """Block (without the GIL) until the work before ev's last record has finished."""
+    _check("cuEventSynchronize", _load().cuEventSynchronize(ev))
 
 
 def current_stream(index: int) -> int:

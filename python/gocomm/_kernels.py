@@ -14,21 +14,65 @@ import torch
 
 from . import _cuda
 
-_CUBIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", "moe.cubin")
 _WSUM = {
     torch.bfloat16: "gocomm_moe_wsum_bf16",
     torch.float16: "gocomm_moe_wsum_f16",
     torch.float32: "gocomm_moe_wsum_f32",
 }
 
-_lock = threading.Lock()
-_funcs: dict[tuple[int, str], int] = {}  # (device index, kernel) -> CUfunction
-_image: bytes | None = None
+
+class Module:
+    """A cubin next to the package (make copies it from kernels/build), loaded once per
+    device into this process with the driver API, and its kernels."""
+
+    def __init__(self, file: str, names: tuple[str, ...]):
+        self.path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", file)
+        self.names = names
+        self._lock = threading.Lock()
+        self._funcs: dict[tuple[int, str], int] = {}  # (device index, kernel) -> CUfunction
+        self._image: bytes | None = None
+
+    def available(self) -> bool:
+        """Whether make built the module."""
+        return os.path.exists(self.path)
+
+    def function(self, dev: int, name: str) -> int:
+        """The kernel name in this process's copy of the module on device dev (loaded once)."""
+        f = self._funcs.get((dev, name))
+        if f is not None:
+            return f
+        with self._lock:
+            if (dev, name) not in self._funcs:
+                if self._image is None:
+                    with open(self.path, "rb") as fh:
+                        self._image = fh.read()
+                lib = _cuda._load()
+                with _cuda.on_device(dev):
+                    _cuda.ensure_context(dev)
+                    mod = ctypes.c_void_p()
+                    _cuda._check("cuModuleLoadData", lib.cuModuleLoadData(ctypes.byref(mod), self._image))
+                    for n in self.names:
+                        fn = ctypes.c_void_p()
+                        _cuda._check("cuModuleGetFunction", lib.cuModuleGetFunction(ctypes.byref(fn), mod, n.encode()))
+                        self._funcs[(dev, n)] = fn.value
+            return self._funcs[(dev, name)]
+
+    def launch(self, dev: int, name: str, grid: int, block: int, args: list, smem: int = 0) -> None:
+        """Queue kernel name on dev's current stream; args are ctypes values, in order."""
+        fn = self.function(dev, name)
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+        with _cuda.on_device(dev):
+            _cuda.ensure_context(dev)
+            _cuda.launch(fn, grid, block, _cuda.current_stream(dev), params, smem)
+
+
+MOE = Module("moe.cubin", (*_WSUM.values(), "gocomm_moe_route", "gocomm_moe_pack", "gocomm_moe_group"))
+_CUBIN = MOE.path
 
 
 def available() -> bool:
     """Whether the module was built (make's kernels step)."""
-    return os.path.exists(_CUBIN)
+    return MOE.available()
 
 
 _ARCH = (9, 0)  # the module is built for sm_90 only (Makefile's CUDA_ARCH): a cubin runs on its own arch
@@ -64,34 +108,11 @@ def why_not(dev: torch.device) -> str:
 
 
 def _function(dev: int, name: str) -> int:
-    """The kernel name in this process's copy of the module on device dev (loaded once)."""
-    global _image
-    f = _funcs.get((dev, name))
-    if f is not None:
-        return f
-    with _lock:
-        if (dev, name) not in _funcs:
-            if _image is None:
-                with open(_CUBIN, "rb") as fh:
-                    _image = fh.read()
-            lib = _cuda._load()
-            with _cuda.on_device(dev):
-                _cuda.ensure_context(dev)
-                mod = ctypes.c_void_p()
-                _cuda._check("cuModuleLoadData", lib.cuModuleLoadData(ctypes.byref(mod), _image))
-                for n in (*_WSUM.values(), "gocomm_moe_route", "gocomm_moe_pack", "gocomm_moe_group"):
-                    fn = ctypes.c_void_p()
-                    _cuda._check("cuModuleGetFunction", lib.cuModuleGetFunction(ctypes.byref(fn), mod, n.encode()))
-                    _funcs[(dev, n)] = fn.value
-        return _funcs[(dev, name)]
+    return MOE.function(dev, name)
 
 
 def _launch(dev: int, name: str, grid: int, block: int, args: list, smem: int = 0) -> None:
-    fn = _function(dev, name)
-    params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
-    with _cuda.on_device(dev):
-        _cuda.ensure_context(dev)
-        _cuda.launch(fn, grid, block, _cuda.current_stream(dev), params, smem)
+    MOE.launch(dev, name, grid, block, args, smem)
 
 
 def wsum(out: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor | None, offs: torch.Tensor) -> bool:

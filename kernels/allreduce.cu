@@ -1,0 +1,204 @@
+// Client-side all_reduce (sum, avg) of bf16, fp16 and fp32 for messages up to a few tens of
+// MiB between GPUs that map each other's memory (NVLink): the shim
+// (python/gocomm/_allreduce.py) loads this module into the training process and launches it
+// on the caller's stream, so a small all_reduce costs one kernel launch instead of a hand-off
+// to the sidecar and an NCCL launch there. No NVSHMEM.
+//
+// Every rank owns a staging buffer of two halves (op epoch parity picks one), each of n
+// slots, and a flag array, both mapped into every peer by CUDA IPC. Ranks push (remote
+// stores over NVLink, which post, where loads wait a round trip) their data into slot r of
+// the peers' halves and read their own half locally. Block b of every rank works on the
+// same set of 16-byte vectors (the same grid-stride set, within each shard for two-shot), so
+// the barrier between phases is per block and pairwise: block b tells block b of each peer
+// "phase done for epoch e" (a release store into the peer's flag array) and waits until each
+// peer's block b has told it the same (acquire loads). No block waits for another block of
+// its own rank, and a block only overwrites output vectors it has read itself (in == out is
+// fine).
+//
+// Why two halves are enough: ops of one group run one after another on each rank (the shim
+// orders a stream change after the previous op's event), so when a peer writes into a half
+// for epoch e + 2, it has passed the barrier of epoch e + 1, which this rank's block entered
+// only after finishing epoch e with that half.
+//
+// Sums are taken in float32 in rank order 0..n-1 and rounded once, so every rank gets the
+// same bits. A wait that passes the deadline sets *err (host-mapped memory the shim checks
+// before its next op) and the block gives up; the output is then not valid.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define AR_MAX_RANKS 8
+#define AR_MAX_BLOCKS 128
+
+struct ArArgs {
+  uint64_t stage[AR_MAX_RANKS];  // every rank's staging buffer, mapped in this process
+  uint64_t flags[AR_MAX_RANKS];  // every rank's flags: u64 [2 phases][AR_MAX_BLOCKS][AR_MAX_RANKS]
+  uint64_t in, out;              // the caller's tensors (element-aligned; 16-byte if aligned)
+  uint64_t err;                  // u32 the host reads: 1 once a wait gave up
+  uint64_t nvec;                 // 16-byte vectors in the message
+  uint64_t half;                 // bytes per staging half
+  uint64_t timeout_ns;           // how long a wait may take
+  uint64_t epoch;                // this op's number in the group, from 1; never wraps
+  float scale;                   // 1 for sum, 1/n for avg
+  uint32_t rank, n, aligned;
+};
+
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(float v) { return v; }
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half(v); }
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// The caller's tensors may start at any element boundary (a view); staging is 16-byte aligned.
+template <typename T> __device__ __forceinline__ int4 load_vec(const ArArgs& a, uint64_t i) {
+  if (a.aligned) return reinterpret_cast<const int4*>(a.in)[i];
+  constexpr int V = 16 / sizeof(T);
+  int4 v;
+  T* e = reinterpret_cast<T*>(&v);
+  const T* p = reinterpret_cast<const T*>(a.in) + i * V;
+#pragma unroll
+  for (int k = 0; k < V; k++) e[k] = p[k];
+  return v;
+}
+
+template <typename T> __device__ __forceinline__ void store_vec(const ArArgs& a, uint64_t i, int4 v) {
+  if (a.aligned) {
+    reinterpret_cast<int4*>(a.out)[i] = v;
+    return;
+  }
+  constexpr int V = 16 / sizeof(T);
+  const T* e = reinterpret_cast<const T*>(&v);
+  T* p = reinterpret_cast<T*>(a.out) + i * V;
+#pragma unroll
+  for (int k = 0; k < V; k++) p[k] = e[k];
+}
+
+__device__ __forceinline__ uint64_t* flag(uint64_t base, int phase, int block, int from) {
+  return reinterpret_cast<uint64_t*>(base) + (phase * AR_MAX_BLOCKS + block) * AR_MAX_RANKS + from;
+}
+
+// Block-level barrier with the same block of every peer (see the top). False when a wait
+// gave up (then *err is set and the block stops).
+__device__ bool barrier(const ArArgs& a, int phase, uint64_t deadline) {
+  __syncthreads();
+  bool ok = true;
+  const uint32_t t = threadIdx.x;
+  if (t < a.n && t != a.rank) {
+    uint64_t* theirs = flag(a.flags[t], phase, blockIdx.x, a.rank);
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(theirs), "l"(a.epoch) : "memory");
+    uint64_t* mine = flag(a.flags[a.rank], phase, blockIdx.x, t);
+    for (uint32_t spins = 0;; spins++) {
+      uint64_t v;
+      asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(mine) : "memory");
+      // >=, not ==: a peer may already have moved on and written epoch + 1 here. The epoch
+      // is 64 bits and starts at 1, so a block left unused for a while (smaller grids) has
+      // an old value that never compares as new.
+      if (v >= a.epoch) break;
+      if ((spins & 1023) == 1023 && now_ns() > deadline) {
+        *reinterpret_cast<volatile uint32_t*>(a.err) = 1;
+        __threadfence_system();
+        ok = false;
+        break;
+      }
+    }
+  }
+  return __syncthreads_and(ok);
+}
+
+// Sum, in rank order, of vector j of every rank's contribution: this rank's own is in its
+// input at i; rank q's (q != this rank) was pushed into slot q of this rank's staging half.
+// Scaled and rounded once.
+template <typename T>
+__device__ __forceinline__ int4 reduce_vec(const ArArgs& a, const int4* half, uint64_t slot, uint64_t j, uint64_t i) {
+  constexpr int V = 16 / sizeof(T);
+  int4 v[AR_MAX_RANKS];
+#pragma unroll
+  for (int q = 0; q < AR_MAX_RANKS; q++)
+    if (q < a.n) v[q] = q == a.rank ? load_vec<T>(a, i) : half[q * slot + j];
+  float acc[V];
+#pragma unroll
+  for (int k = 0; k < V; k++) acc[k] = 0.f;
+#pragma unroll
+  for (int q = 0; q < AR_MAX_RANKS; q++) {
+    if (q < a.n) {
+      const T* e = reinterpret_cast<const T*>(&v[q]);
+#pragma unroll
+      for (int k = 0; k < V; k++) acc[k] += to_f(e[k]);
+    }
+  }
+  int4 o;
+  T* oe = reinterpret_cast<T*>(&o);
+#pragma unroll
+  for (int k = 0; k < V; k++) oe[k] = from_f<T>(acc[k] * a.scale);
+  return o;
+}
+
+__device__ __forceinline__ int4* half_of(const ArArgs& a, uint32_t rank) {
+  return reinterpret_cast<int4*>(a.stage[rank] + (a.epoch & 1) * a.half);
+}
+
+// one-shot: push the whole input into slot r of every peer's half; barrier; sum the slots.
+template <typename T> __device__ void one_shot(const ArArgs& a) {
+  const uint64_t deadline = now_ns() + a.timeout_ns;
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  const uint64_t i0 = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (uint32_t d = 1; d < a.n; d++) {
+    int4* theirs = half_of(a, (a.rank + d) % a.n) + a.rank * a.nvec;
+    for (uint64_t i = i0; i < a.nvec; i += stride) theirs[i] = load_vec<T>(a, i);
+  }
+  if (!barrier(a, 0, deadline)) return;
+  const int4* mine = half_of(a, a.rank);
+  for (uint64_t i = i0; i < a.nvec; i += stride) store_vec<T>(a, i, reduce_vec<T>(a, mine, a.nvec, i, i));
+}
+
+// two-shot: push shard s of the input into slot r of rank s's half; barrier; rank r sums
+// its shard's slots into its output and its own slot r; barrier; copy the other shards'
+// sums from slot s of their owners' halves.
+template <typename T> __device__ void two_shot(const ArArgs& a) {
+  const uint64_t deadline = now_ns() + a.timeout_ns;
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  const uint64_t i0 = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const uint64_t chunk = (a.nvec + a.n - 1) / a.n;  // a half holds n slots of chunk vectors
+  for (uint32_t d = 1; d < a.n; d++) {
+    const uint32_t s = (a.rank + d) % a.n;
+    const uint64_t lo = s * chunk, len = min(a.nvec, lo + chunk) - min(a.nvec, lo);
+    int4* theirs = half_of(a, s) + a.rank * chunk;
+    for (uint64_t j = i0; j < len; j += stride) theirs[j] = load_vec<T>(a, lo + j);
+  }
+  if (!barrier(a, 0, deadline)) return;
+  int4* mine = half_of(a, a.rank);
+  {
+    const uint64_t lo = a.rank * chunk, len = min(a.nvec, lo + chunk) - min(a.nvec, lo);
+    for (uint64_t j = i0; j < len; j += stride) {
+      const int4 v = reduce_vec<T>(a, mine, chunk, j, lo + j);
+      mine[a.rank * chunk + j] = v;  // the peers copy it after the next barrier
+      store_vec<T>(a, lo + j, v);
+    }
+  }
+  if (!barrier(a, 1, deadline)) return;
+  for (uint32_t d = 1; d < a.n; d++) {
+    const uint32_t s = (a.rank + d) % a.n;
+    const uint64_t lo = s * chunk, len = min(a.nvec, lo + chunk) - min(a.nvec, lo);
+    const int4* theirs = half_of(a, s) + s * chunk;
+    for (uint64_t j = i0; j < len; j += stride) store_vec<T>(a, lo + j, theirs[j]);
+  }
+}
+
+#define AR(T, suffix)                                                                            \
+  extern "C" __global__ void __launch_bounds__(512) gocomm_ar_one_##suffix(const ArArgs a) {  \
+    one_shot<T>(a);                                                                              \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(512) gocomm_ar_two_##suffix(const ArArgs a) {  \
+    two_shot<T>(a);                                                                              \
+  }
+AR(__nv_bfloat16, bf16)
+AR(__half, f16)
+AR(float, f32)

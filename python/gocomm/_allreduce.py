@@ -1,0 +1,265 @@
+"""all_reduce in the training process for small and medium messages (kernels/allreduce.cu).
+
+Through the sidecar, a small all_reduce costs the shim's submit, the hand-off to pgserver and
+an NCCL launch there, about twice torch's NCCL time at 8 KiB. Where the group's GPUs map each
+other's memory over NVLink (the group's sparse transport is NVSHMEM: every pair NVLink, sm_90),
+the shim instead launches one kernel on the caller's stream that reads the peers' staging
+buffers through CUDA IPC: one-shot (every rank sums every rank's copy) up to
+GOCOMM_AR_ONESHOT bytes, two-shot (reduce-scatter then all-gather) up to GOCOMM_AR_MAX. Sum
+and avg of bf16, fp16 and fp32, message sizes a multiple of 16 bytes; everything else goes
+through the sidecar as before. GOCOMM_AR_MAX=0 turns the path off; the variables must be the
+same on every rank.
+
+Setup is collective, at a group's first all_reduce of a CUDA tensor on a device: each rank
+allocates a zeroed staging buffer (two halves of GOCOMM_AR_MAX bytes plus flags), and the
+ranks swap IPC handles with an all_gather through the group itself (CPU tensors, the host
+engine). Any rank that cannot take part (the module missing, IPC refused, e.g. under
+expandable_segments) turns the path off for the whole group, so all ranks always agree.
+
+Failure: a kernel wait gives up after the group's timeout and sets a word in pinned host
+memory; the group's next all_reduce raises and aborts the group. The op itself, like any
+CUDA op, returned before it ran. Not capturable in a CUDA graph (each op's epoch is a kernel
+argument): under capture the op goes through the sidecar path."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import _cuda, _kernels, _wire
+
+log = logging.getLogger("gocomm")
+
+MAX_RANKS, MAX_BLOCKS = 8, 128
+_FLAG_BYTES = 2 * MAX_BLOCKS * MAX_RANKS * 8  # u64 [2 phases][blocks][ranks]
+_HEAD = 64 << 10  # flags at the start of the staging allocation, halves after
+_SLACK = 256  # two-shot's n slots of ceil(vectors / n) may pass the message by (n - 1) vectors
+_EVENTS = 64
+_THREADS = 512
+_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+MODULE = _kernels.Module(
+    "allreduce.cubin", tuple(f"gocomm_ar_{k}_{s}" for k in ("one", "two") for s in _SUFFIX.values())
+)
+
+
+def _bytes(env: str, default: int) -> int:
+    v = os.environ.get(env, "").strip().upper()
+    if not v:
+        return default
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(v[-1], 1)
+    return int(float(v.rstrip("KMG")) * mult)
+
+
+def configured_max() -> int:
+    """GOCOMM_AR_MAX: the largest message (bytes) the path takes; 0 turns it off."""
+    return _bytes("GOCOMM_AR_MAX", 32 << 20) // 16 * 16
+
+
+class _Args(ctypes.Structure):
+    # kernels/allreduce.cu's ArArgs, field for field
+    _fields_ = [
+        ("stage", ctypes.c_uint64 * MAX_RANKS),
+        ("flags", ctypes.c_uint64 * MAX_RANKS),
+        ("inp", ctypes.c_uint64),
+        ("out", ctypes.c_uint64),
+        ("err", ctypes.c_uint64),
+        ("nvec", ctypes.c_uint64),
+        ("half", ctypes.c_uint64),
+        ("timeout_ns", ctypes.c_uint64),
+        ("epoch", ctypes.c_uint64),
+        ("scale", ctypes.c_float),
+        ("rank", ctypes.c_uint32),
+        ("n", ctypes.c_uint32),
+        ("aligned", ctypes.c_uint32),
+    ]
+
+
+class Path:
+    """One group's client-side all_reduce on one device (see the module's docstring)."""
+
+    def __init__(self, idx: int, rank: int, n: int, cap: int, err: tuple[int, int], maps: list[int], timeout_s: float):
+        self.idx, self.cap = idx, cap
+        # one-shot puts every rank's whole message in a half: n slots of it
+        self.oneshot = min(_bytes("GOCOMM_AR_ONESHOT", 256 << 10), cap // n)
+        self.blocks = max(1, min(MAX_BLOCKS, int(os.environ.get("GOCOMM_AR_BLOCKS", str(MAX_BLOCKS)))))
+        self._errword = ctypes.c_uint32.from_address(err[0])
+        a = self._args = _Args()
+        for p, base in enumerate(maps):
+            a.flags[p] = base
+            a.stage[p] = base + _HEAD
+        a.err = err[1]
+        a.half = cap + _SLACK
+        a.timeout_ns = int(timeout_s * 1e9)
+        a.rank, a.n = rank, n
+        self._params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(a), ctypes.c_void_p))
+        self._fn = {
+            (k, dt): MODULE.function(idx, f"gocomm_ar_{k}_{sfx}") for k in ("one", "two") for dt, sfx in _SUFFIX.items()
+        }
+        self._events = [_cuda.event_create() for _ in range(_EVENTS)]
+        self._stream = None  # the stream of the last op
+        self._n = n
+
+    def fits(self, t: torch.Tensor, redop: int) -> bool:
+        nb = t.numel() * t.element_size()
+        return (
+            t.dtype in _SUFFIX
+            and redop in (_wire.SUM, _wire.AVG)
+            and 0 < nb <= self.cap
+            and nb % 16 == 0
+            and t.get_device() == self.idx
+        )
+
+    def failed(self) -> bool:
+        """Whether a kernel of this path gave up waiting for a peer."""
+        return self._errword.value != 0
+
+    def run(self, t: torch.Tensor, redop: int) -> tuple[int, int]:
+        """Queue the all_reduce of t (in place) on the current stream; call under the group's
+        CUDA lock. Returns (the event recorded after it, the stream)."""
+        a, idx = self._args, self.idx
+        stream = _cuda.current_stream(idx)
+        if stream != self._stream:
+            # the previous op may still run on another stream: the halves and flags assume
+            # the group's ops run one after another
+            if self._stream is not None:
+                _cuda.stream_wait_event(stream, self._events[a.epoch % _EVENTS])
+            self._stream = stream
+        a.epoch += 1
+        nb = t.numel() * t.element_size()
+        ptr = t.data_ptr()
+        a.inp = a.out = ptr
+        a.nvec = nb // 16
+        a.aligned = 1 if ptr % 16 == 0 else 0
+        a.scale = 1.0 / self._n if redop == _wire.AVG else 1.0
+        kind = "one" if nb <= self.oneshot else "two"
+        per_block = _THREADS * (1 if kind == "one" else self._n)
+        grid = max(1, min(self.blocks, -(-a.nvec // per_block)))
+        _cuda.launch(self._fn[(kind, t.dtype)], grid, _THREADS, stream, self._params)
+        ev = self._events[a.epoch % _EVENTS]
+        _cuda.event_record(ev, stream)
+        return ev, stream
+
+
+def setup(pg, dev: torch.device) -> Path | None:
+    """Collective over pg (every rank calls it at the same all_reduce): the path on dev, or
+    None where any rank cannot take part."""
+    idx = dev.index
+    rank, n = pg.rank(), pg.size()
+    cap = configured_max()
+    why = ""
+    stage = err = None
+    rec = torch.zeros(88, dtype=torch.uint8)
+    # The staging buffer and the error word are the driver's, not torch's: the buffer must
+    # be an allocation of its own for its IPC handle, and both live as long as the process
+    # (a peer may still map the buffer after this group is gone).
+    try:
+        if not MODULE.available():
+            why = f"{MODULE.path} was not built"
+        elif torch.cuda.get_device_capability(idx) != (9, 0):
+            why = "the module is built for sm_90"
+        else:
+            MODULE.function(idx, "gocomm_ar_one_bf16")
+            with _cuda.on_device(idx):
+                _cuda.ensure_context(idx)
+                stage = _cuda.mem_alloc(_HEAD + 2 * (cap + _SLACK))
+                err = _cuda.host_word()
+                handle = _cuda.ipc_handle(stage)
+            rec[:64] = torch.frombuffer(bytearray(handle), dtype=torch.uint8)
+            rec[64:80] = torch.tensor([0, cap], dtype=torch.int64).view(torch.uint8)
+            rec[80] = 1
+    except Exception as e:  # noqa: BLE001 - any failure turns the path off for the group
+        why = f"{type(e).__name__}: {e}"
+    recs = _gather(pg, rec)
+    if why or not all(recs[p][80] for p in range(n)):
+        _agree(pg, False)
+        _say(pg, rank, why or "a peer cannot take part")
+        return None
+    maps, ok = [], True
+    try:
+        with _cuda.on_device(idx):
+            for p in range(n):
+                off = int(recs[p][64:72].view(torch.int64))
+                if p == rank:
+                    maps.append(stage)
+                else:
+                    maps.append(_cuda.open_ipc(bytes(recs[p][:64].tolist())) + off)
+    except Exception as e:  # noqa: BLE001
+        why, ok = f"mapping a peer's buffer: {type(e).__name__}: {e}", False
+    if not _agree(pg, ok):
+        _say(pg, rank, why or "a peer could not map the buffers")
+        return None
+    cap = min(int(recs[p][72:80].view(torch.int64)) for p in range(n))
+    torch.cuda.synchronize(dev)  # the zeroed flags are in place before any peer's kernel
+    _agree(pg, True)
+    with _cuda.on_device(idx):
+        path = Path(idx, rank, n, cap, err, maps, pg._timeout)
+    log.info(
+        "gocomm group %r: all_reduce up to %d bytes in this process (IPC peers, device %d)", pg.group_name, cap, idx
+    )
+    return path
+
+
+def _gather(pg, rec: torch.Tensor) -> list[torch.Tensor]:
+    out = torch.empty(pg.size() * rec.numel(), dtype=torch.uint8)
+    pg._allgather_base(out, rec).wait()
+    return list(out.view(pg.size(), rec.numel()))
+
+
+def _agree(pg, ok: bool) -> bool:
+    """Whether every rank says ok (a collective through the group)."""
+    recs = _gather(pg, torch.tensor([1 if ok else 0], dtype=torch.uint8))
+    return all(int(r[0]) for r in recs)
+
+
+def _say(pg, rank: int, why: str) -> None:
+    if rank == 0 or why != "a peer cannot take part":
+        log.info("gocomm group %r: all_reduce goes through the sidecar: %s", pg.group_name, why)
+
+
+class KernelWork(dist._Work):
+    """A client-side all_reduce: queued on stream before its event ev. wait() makes the
+    current stream wait (as torch's NCCL work does); is_completed() asks the event, which a
+    later op of the group may have recorded again (then it answers for that op: later, never
+    early)."""
+
+    def __init__(self, result: list[torch.Tensor], ev: int, stream: int, idx: int):
+        super().__init__()
+        self._result, self._ev, self._stream, self._idx = result, ev, stream, idx
+        self._done = False
+
+    def wait(self, timeout=None) -> bool:
+        cur = _cuda.current_stream(self._idx)
+        if cur != self._stream:
+            with _cuda.on_device(self._idx):
+                _cuda.stream_wait_event(cur, self._ev)
+        return True
+
+    def is_completed(self) -> bool:
+        if not self._done:
+            with _cuda.on_device(self._idx):
+                self._done = _cuda.event_done(self._ev)
+        return self._done
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def exception(self):
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        with _cuda.on_device(self._idx):
+            _cuda.event_sync(self._ev)
+        self._done = True
+        fut = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def synchronize(self) -> None:
+        self.wait()
