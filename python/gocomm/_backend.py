@@ -189,6 +189,7 @@ class _Pending:
     # CUDA ops that unpack their outputs on the caller's stream: recorded after the unpack;
     # the Work's future completes only once it has (the outputs are in place by then)
     unpacked: object = None
+    group: object = None  # the ProcessGroupGocomm it ran on: a failure marks it broken
 
 
 class _Dispatcher:
@@ -285,7 +286,11 @@ class _Dispatcher:
 
 
 def _finish(p: _Pending, exc: BaseException | None) -> None:
-    """Finish p's Work; without one, log a failure (nobody else would see it)."""
+    """Finish p's Work; without one, log a failure (nobody else would see it). A failure
+    marks the group broken (the sidecar breaks it too): ops that do not pass through the
+    sidecar (the shim's all_reduce kernel) raise then instead of waiting for peers."""
+    if exc is not None and p.group is not None and p.group._broken is None:
+        p.group._broken = exc
     if p.work is not None:
         p.work._finish(exc)
     elif exc is not None:
@@ -403,6 +408,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             self._sparse == "nvshmem" and 2 <= size <= _allreduce.MAX_RANKS and _allreduce.configured_max() > 0
         )
         self._ar: dict[int, _allreduce.Path | None] = {}
+        self._broken: BaseException | None = None  # the first failure of an op of this group
         log.info("gocomm group %r rank %d/%d on handle %d via %s", group_name, rank, size, self._handle, conn.transport)
 
     # ----- identity -------------------------------------------------------------------------
@@ -483,7 +489,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         if timeout is not None and _timeout_seconds(timeout) > 0:
             t_limit = _timeout_seconds(timeout)
         work = Work(op, result if result is not None else [], t_limit + _GRACE)
-        p = _Pending(work, op, time.monotonic() + t_limit + _GRACE)
+        p = _Pending(work, op, time.monotonic() + t_limit + _GRACE, group=self)
         out_for = {i: ts for i, ts in outputs}
         first = next((ts[0] for ts in list(inputs) + list(out_for.values()) if ts), None)
         if first is not None and first.device.type == "cuda":
@@ -552,7 +558,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         sc = self._sc
         refs = [sc.cuda_segment(t) for t in bufs]
         work = Work(op, result if result is not None else [bufs[-1]], t_limit + _GRACE)
-        p = _Pending(work, op, time.monotonic() + t_limit + _GRACE)
+        p = _Pending(work, op, time.monotonic() + t_limit + _GRACE, group=self)
         p.keep = bufs
         dt = _wire.DTYPES[dtype if dtype is not None else t0.dtype]
         timeout_ms = int(t_limit * 1000) if timeout is not None else 0
@@ -578,7 +584,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         if self._closed:
             raise ValueError(f"gocomm {op}: the process group was destroyed")
         self._need_slot(op)
-        p = _Pending(None, op, time.monotonic() + self._timeout + _GRACE)
+        p = _Pending(None, op, time.monotonic() + self._timeout + _GRACE, group=self)
         p.keep = keep
         handle, dt = self._handle, _wire.DTYPES[keep[0].dtype]
         done, k = self._enqueue_cuda(
@@ -714,6 +720,8 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         group shares (size, dtype, op, device setup), so the ranks agree."""
         if self._closed:
             raise ValueError("gocomm all_reduce: the process group was destroyed")
+        if self._broken is not None or self._sc.lost:
+            return None  # the sidecar path raises the group's error
         idx = t.get_device()
         path = self._ar.get(idx, False)
         if path is False:

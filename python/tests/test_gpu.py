@@ -296,7 +296,8 @@ def check_killed_sidecar_cuda(rk, seed):
     dev = torch.device("cuda", rk.rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
     x = torch.ones(1 << 20, device=dev)
-    dist.all_reduce(x)  # warm: links and communicators exist
+    dist.all_reduce(x)  # warm: links and communicators exist (the shim's kernel where NVLink)
+    dist.all_reduce(torch.ones(1001, device=dev))  # and the sidecar's (4004 bytes: not the kernel's)
     torch.cuda.synchronize()
     t0 = time.monotonic()
     big = torch.ones(64 << 20, device=dev)
