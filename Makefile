@@ -69,7 +69,7 @@ $(PY_GEN): $(PROTO_SRC) $(VENV)/.stamp
 ## CUDA kernels: relocatable device code, then a device link with NVSHMEM into one cubin.
 ## Objects go to build/_obj, which go:embed skips.
 kernels: $(KERNELS)
-kernels/build/%.cubin: kernels/%.cu $(VENV)/.stamp
+kernels/build/%.cubin: kernels/%.cu $(wildcard kernels/*.cuh) $(VENV)/.stamp
 	mkdir -p kernels/build/_obj
 	$(NVCC) -arch=$(CUDA_ARCH) -rdc=true -O3 -I$(NVSHMEM)/include -c $< -o kernels/build/_obj/$*.o
 	$(NVCC) -arch=$(CUDA_ARCH) -dlink -cubin kernels/build/_obj/$*.o -L$(NVSHMEM)/lib -lnvshmem_device -o $@

@@ -23,9 +23,9 @@
 // Sums are taken in float32 in rank order 0..n-1 and rounded once, so every rank gets the
 // same bits. A wait that passes the deadline sets *err (host-mapped memory the shim checks
 // before its next op) and the block gives up; the output is then not valid.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <stdint.h>
+
+#include "float.cuh"
 
 #define AR_MAX_RANKS 8
 #define AR_MAX_BLOCKS 128
@@ -43,13 +43,6 @@ struct ArArgs {
   uint32_t rank, n, aligned;
 };
 
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(float v) { return v; }
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half(v); }
-template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
 
 __device__ __forceinline__ uint64_t now_ns() {
   uint64_t t;

@@ -7,17 +7,10 @@
 // 16-byte aligned (the shim checks). combine uses it twice: on the expert side (each
 // received token's experts, weighted) and on the token side (each token's partial sums from
 // the ranks that held its experts).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <stdint.h>
 
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(float v) { return v; }
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half(v); }
-template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+#include "float.cuh"
+
 
 template <typename T>
 __device__ __forceinline__ void wsum(T* __restrict__ out, const T* __restrict__ src, const int64_t* __restrict__ idx,

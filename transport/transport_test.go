@@ -18,8 +18,8 @@ import (
 
 func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
 
-// group joins n nodes (one per rank, as n sidecars would) to one group.
-func group(t *testing.T, n int, secret string) ([]*Node, []*Endpoint) {
+// listen starts n nodes (one per rank, as n sidecars would) and returns them with their addresses.
+func listen(t *testing.T, n int) ([]*Node, []string) {
 	t.Helper()
 	nodes := make([]*Node, n)
 	addrs := make([]string, n)
@@ -31,6 +31,13 @@ func group(t *testing.T, n int, secret string) ([]*Node, []*Endpoint) {
 		t.Cleanup(func() { node.Close() })
 		nodes[r], addrs[r] = node, node.Addr()
 	}
+	return nodes, addrs
+}
+
+// group joins n nodes to one group.
+func group(t *testing.T, n int, secret string) ([]*Node, []*Endpoint) {
+	t.Helper()
+	nodes, addrs := listen(t, n)
 	eps := make([]*Endpoint, n)
 	for r := range nodes {
 		ep, err := nodes[r].Join([]byte(secret), r, addrs)
@@ -224,16 +231,7 @@ func TestCloseSaysBye(t *testing.T) {
 // peer's receive fails with the abort, not at its timeout.
 func TestAbortReachesLateJoiner(t *testing.T) {
 	const n = 3
-	nodes := make([]*Node, n)
-	addrs := make([]string, n)
-	for r := range nodes {
-		node, err := Listen(Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quiet(), JoinWait: 2 * time.Second})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { node.Close() })
-		nodes[r], addrs[r] = node, node.Addr()
-	}
+	nodes, addrs := listen(t, n)
 	secret := []byte("a secret of at least sixteen bytes")
 	eps := make([]*Endpoint, n)
 	for r := range 2 {
