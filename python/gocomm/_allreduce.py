@@ -37,6 +37,7 @@ log = logging.getLogger("gocomm")
 MAX_RANKS, MAX_BLOCKS = 8, 128
 _FLAG_BYTES = 2 * MAX_BLOCKS * MAX_RANKS * 8  # u64 [2 phases][blocks][ranks]
 _HEAD = 64 << 10  # flags at the start of the staging allocation, halves after
+assert _FLAG_BYTES <= _HEAD
 _SLACK = 256  # two-shot's n slots of ceil(vectors / n) may pass the message by (n - 1) vectors
 _EVENTS = 64
 _THREADS = 512
@@ -152,7 +153,7 @@ def setup(pg, dev: torch.device) -> Path | None:
     cap = configured_max()
     why = ""
     stage = err = None
-    rec = torch.zeros(88, dtype=torch.uint8)
+    rec = torch.zeros(80, dtype=torch.uint8)  # IPC handle, cap (int64), ok
     # The staging buffer and the error word are the driver's, not torch's: the buffer must
     # be an allocation of its own for its IPC handle, and both live as long as the process
     # (a peer may still map the buffer after this group is gone).
@@ -169,12 +170,12 @@ def setup(pg, dev: torch.device) -> Path | None:
                 err = _cuda.host_word()
                 handle = _cuda.ipc_handle(stage)
             rec[:64] = torch.frombuffer(bytearray(handle), dtype=torch.uint8)
-            rec[64:80] = torch.tensor([0, cap], dtype=torch.int64).view(torch.uint8)
-            rec[80] = 1
+            rec[64:72] = torch.tensor([cap], dtype=torch.int64).view(torch.uint8)
+            rec[72] = 1
     except Exception as e:  # noqa: BLE001 - any failure turns the path off for the group
         why = f"{type(e).__name__}: {e}"
     recs = _gather(pg, rec)
-    if why or not all(recs[p][80] for p in range(n)):
+    if why or not all(recs[p][72] for p in range(n)):
         _agree(pg, False)
         _say(pg, rank, why or "a peer cannot take part")
         return None
@@ -182,17 +183,13 @@ def setup(pg, dev: torch.device) -> Path | None:
     try:
         with _cuda.on_device(idx):
             for p in range(n):
-                off = int(recs[p][64:72].view(torch.int64))
-                if p == rank:
-                    maps.append(stage)
-                else:
-                    maps.append(_cuda.open_ipc(bytes(recs[p][:64].tolist())) + off)
+                maps.append(stage if p == rank else _cuda.open_ipc(bytes(recs[p][:64].tolist())))
     except Exception as e:  # noqa: BLE001
         why, ok = f"mapping a peer's buffer: {type(e).__name__}: {e}", False
     if not _agree(pg, ok):
         _say(pg, rank, why or "a peer could not map the buffers")
         return None
-    cap = min(int(recs[p][72:80].view(torch.int64)) for p in range(n))
+    cap = min(int(recs[p][64:72].view(torch.int64)) for p in range(n))
     torch.cuda.synchronize(dev)  # the zeroed flags are in place before any peer's kernel
     _agree(pg, True)
     with _cuda.on_device(idx):

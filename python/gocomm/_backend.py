@@ -718,10 +718,8 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         """all_reduce of t by a kernel in this process (gocomm/_allreduce.py), or None where
         that path does not take it. The choice depends only on what every rank of the
         group shares (size, dtype, op, device setup), so the ranks agree."""
-        if self._closed:
-            raise ValueError("gocomm all_reduce: the process group was destroyed")
-        if self._broken is not None or self._sc.lost:
-            return None  # the sidecar path raises the group's error
+        if self._closed or self._broken is not None or self._sc.lost:
+            return None  # the sidecar path raises (destroyed group, the group's error, sidecar lost)
         idx = t.get_device()
         path = self._ar.get(idx, False)
         if path is False:

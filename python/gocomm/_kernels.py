@@ -1,5 +1,6 @@
 """The shim's own CUDA kernels (kernels/moe.cu, built by make into gocomm/bin/moe.cubin),
-loaded into this process with the driver API and launched on the caller's current stream.
+loaded into this process with the driver API and launched on the caller's current stream
+(Module loads the shim's other cubins the same way: gocomm/_allreduce.py's).
 Where the module is missing (a build without make's kernels step), or a tensor does not fit
 a kernel's layout, the callers fall back to torch ops."""
 
@@ -67,7 +68,6 @@ class Module:
 
 
 MOE = Module("moe.cubin", (*_WSUM.values(), "gocomm_moe_route", "gocomm_moe_pack", "gocomm_moe_group"))
-_CUBIN = MOE.path
 
 
 def available() -> bool:
@@ -88,12 +88,12 @@ def usable(dev: torch.device) -> bool:
     if ok is None:
         cap = torch.cuda.get_device_capability(i)
         if not available():
-            _why[i] = f"{_CUBIN} was not built (make builds it)"
+            _why[i] = f"{MOE.path} was not built (make builds it)"
         elif cap != _ARCH:
             _why[i] = f"the module is built for sm_{_ARCH[0]}{_ARCH[1]}; device {i} is sm_{cap[0]}{cap[1]}"
         else:
             try:
-                _function(i, "gocomm_moe_route")
+                MOE.function(i, "gocomm_moe_route")
             except (_cuda.CudaError, OSError) as e:
                 _why[i] = f"the module does not load on device {i}: {e}"
                 warnings.warn(f"gocomm: MoE kernels fall back to torch ops: {_why[i]}", RuntimeWarning, stacklevel=3)
@@ -105,14 +105,6 @@ def why_not(dev: torch.device) -> str:
     """Why usable(dev) is False ("" where it is True)."""
     i = dev.index if dev.index is not None else torch.cuda.current_device()
     return "" if usable(dev) else _why[i]
-
-
-def _function(dev: int, name: str) -> int:
-    return MOE.function(dev, name)
-
-
-def _launch(dev: int, name: str, grid: int, block: int, args: list, smem: int = 0) -> None:
-    MOE.launch(dev, name, grid, block, args, smem)
 
 
 def wsum(out: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor | None, offs: torch.Tensor) -> bool:
@@ -159,7 +151,7 @@ def wsum(out: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, w: torch.Tenso
     ]
     # idx, offs and w were made (or are used) on this stream: freeing them after the launch is
     # safe, the caching allocator reuses memory in stream order
-    _launch(dev, _WSUM[out.dtype], grid, block, args)
+    MOE.launch(dev, _WSUM[out.dtype], grid, block, args)
     return True
 
 
@@ -196,7 +188,7 @@ def route_pack(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: int
     t_idx = torch.empty(t * n, dtype=torch.int64, device=dev)
     t_offs = torch.empty(t + 1, dtype=torch.int64, device=dev)
     cursor = torch.empty(t, dtype=torch.int64, device=dev)
-    _launch(
+    MOE.launch(
         dev.index,
         "gocomm_moe_route",
         1,
@@ -216,7 +208,7 @@ def route_pack(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: int
             ctypes.c_uint64(cursor.data_ptr()),
         ],
     )
-    _launch(
+    MOE.launch(
         dev.index,
         "gocomm_moe_pack",
         min(t * n, 4096),
@@ -264,7 +256,7 @@ def group(recv: torch.Tensor, id_off: int, w_off: int, k: int, per: int, out_spl
     e_idx = torch.empty(cap * k, dtype=torch.int64, device=dev)
     e_offs = torch.empty(cap + 1, dtype=torch.int64, device=dev)
     gmeta = torch.empty(2, dtype=torch.int64, device=dev)
-    _launch(
+    MOE.launch(
         dev.index,
         "gocomm_moe_group",
         1,
