@@ -81,6 +81,7 @@ bin/pgserver: $(GO_GEN) $(GO_SRC) $(KERNELS) go.mod go.sum
 	mkdir -p python/gocomm/bin && cp $@ python/gocomm/bin/pgserver.tmp && mv -f python/gocomm/bin/pgserver.tmp python/gocomm/bin/pgserver
 	cp kernels/build/moe.cubin python/gocomm/bin/moe.cubin
 	cp kernels/build/allreduce.cubin python/gocomm/bin/allreduce.cubin
+	cp kernels/build/a2av_ipc.cubin python/gocomm/bin/a2av_ipc.cubin
 
 ## the Python package, importable from the venv without a copy (like an editable install)
 python: $(PY_GEN) $(VENV)/.stamp

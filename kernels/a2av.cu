@@ -54,6 +54,8 @@
 #include <nvshmemx.h>
 #include <stdint.h>
 
+#include "sync.cuh"
+
 struct A2avSym {
   int64_t* meta;
   uint64_t* msig;
@@ -62,12 +64,6 @@ struct A2avSym {
   char* recv;
   uint64_t* local;
 };
-
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
 
 // acquire_sys orders what follows after the load that saw a signal: the signal was released by
 // another GPU (a fence at system scope there), so the acquire is at system scope too (the PTX
@@ -86,27 +82,6 @@ __device__ __forceinline__ int wait_epoch(uint64_t* sig, uint64_t epoch, uint64_
   }
   acquire_sys();
   return 1;
-}
-
-// block_copy copies bytes from src to dst with the whole block: 16 bytes per load and store,
-// four loads in flight per thread, where both ends are 16-byte aligned; byte by byte for the
-// rest. dst may be a peer's memory (an NVLink mapping).
-__device__ __forceinline__ void block_copy(char* __restrict__ dst, const char* __restrict__ src, int64_t bytes) {
-  int64_t done = 0;
-  if (((((uintptr_t)dst) | ((uintptr_t)src)) & 15) == 0) {
-    const int64_t vec = bytes >> 4;
-    int4* d = reinterpret_cast<int4*>(dst);
-    const int4* s = reinterpret_cast<const int4*>(src);
-    const int64_t step = (int64_t)blockDim.x * 4;
-    int64_t i = threadIdx.x;
-    for (; i + 3 * blockDim.x < vec; i += step) {
-      int4 a = s[i], b = s[i + blockDim.x], c = s[i + 2 * blockDim.x], e = s[i + 3 * blockDim.x];
-      d[i] = a, d[i + blockDim.x] = b, d[i + 2 * blockDim.x] = c, d[i + 3 * blockDim.x] = e;
-    }
-    for (; i < vec; i += blockDim.x) d[i] = s[i];
-    done = vec << 4;
-  }
-  for (int64_t k = done + threadIdx.x; k < bytes; k += blockDim.x) dst[k] = src[k];
 }
 
 extern "C" __global__ void gocomm_a2av(const char* __restrict__ in, const int64_t* __restrict__ in_splits,

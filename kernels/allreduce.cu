@@ -26,6 +26,7 @@
 #include <stdint.h>
 
 #include "float.cuh"
+#include "sync.cuh"
 
 #define AR_MAX_RANKS 8
 #define AR_MAX_BLOCKS 128
@@ -43,12 +44,6 @@ struct ArArgs {
   uint32_t rank, n, aligned;
 };
 
-
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 // The caller's tensors may start at any element boundary (a view); staging is 16-byte aligned.
 template <typename T> __device__ __forceinline__ int4 load_vec(const ArArgs& a, uint64_t i) {
@@ -86,11 +81,10 @@ __device__ bool barrier(const ArArgs& a, int phase, uint64_t deadline) {
   const uint32_t t = threadIdx.x;
   if (t < a.n && t != a.rank) {
     uint64_t* theirs = flag(a.flags[t], phase, blockIdx.x, a.rank);
-    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(theirs), "l"(a.epoch) : "memory");
+    st_release_sys(theirs, a.epoch);
     uint64_t* mine = flag(a.flags[a.rank], phase, blockIdx.x, t);
     for (uint32_t spins = 0;; spins++) {
-      uint64_t v;
-      asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(mine) : "memory");
+      const uint64_t v = ld_acquire_sys(mine);
       // >=, not ==: a peer may already have moved on and written epoch + 1 here. The epoch
       // is 64 bits and starts at 1, so a block left unused for a while (smaller grids) has
       // an old value that never compares as new.

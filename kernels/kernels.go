@@ -18,10 +18,11 @@ var built embed.FS
 var ErrNotBuilt = errors.New("kernel module not built (make compiles kernels/*.cu with the pinned nvcc)")
 
 // Modules names each module (kernels/<name>.cu) and the kernels looked up in it: the
-// sidecar's (a2av) and the shim's (moe and allreduce, which make also copies next to the
-// Python package).
+// sidecar's (a2av) and the shim's (a2av_ipc, allreduce and moe, which make also copies next
+// to the Python package).
 var Modules = map[string][]string{
-	"a2av": {"gocomm_a2av"},
+	"a2av":     {"gocomm_a2av"},
+	"a2av_ipc": {"gocomm_a2av_ipc"},
 	"allreduce": {
 		"gocomm_ar_one_bf16", "gocomm_ar_one_f16", "gocomm_ar_one_f32",
 		"gocomm_ar_two_bf16", "gocomm_ar_two_f16", "gocomm_ar_two_f32",

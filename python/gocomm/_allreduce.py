@@ -12,9 +12,9 @@ same on every rank.
 
 Setup is collective, at a group's first all_reduce of a CUDA tensor on a device: each rank
 allocates a zeroed staging buffer (two halves of GOCOMM_AR_MAX bytes plus flags), and the
-ranks swap IPC handles with an all_gather through the group itself (CPU tensors, the host
-engine). Any rank that cannot take part (the module missing, IPC refused, e.g. under
-expandable_segments) turns the path off for the whole group, so all ranks always agree.
+ranks swap IPC handles through the group itself (gocomm/_peers.py). Any rank that cannot
+take part (the module missing, IPC refused, e.g. under expandable_segments) turns the path
+off for the whole group, so all ranks always agree.
 
 Failure: a kernel wait gives up after the group's timeout and sets a word in pinned host
 memory; the group's next all_reduce raises and aborts the group. The op itself, like any
@@ -30,7 +30,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import _cuda, _kernels, _wire
+from . import _cuda, _kernels, _peers, _wire
 
 log = logging.getLogger("gocomm")
 
@@ -149,14 +149,8 @@ def setup(pg, dev: torch.device) -> Path | None:
     """Collective over pg (every rank calls it at the same all_reduce): the path on dev, or
     None where any rank cannot take part."""
     idx = dev.index
-    rank, n = pg.rank(), pg.size()
     cap = configured_max()
     why = ""
-    stage = err = None
-    rec = torch.zeros(80, dtype=torch.uint8)  # IPC handle, cap (int64), ok
-    # The staging buffer and the error word are the driver's, not torch's: the buffer must
-    # be an allocation of its own for its IPC handle, and both live as long as the process
-    # (a peer may still map the buffer after this group is gone).
     try:
         if not MODULE.available():
             why = f"{MODULE.path} was not built"
@@ -164,57 +158,17 @@ def setup(pg, dev: torch.device) -> Path | None:
             why = "the module is built for sm_90"
         else:
             MODULE.function(idx, "gocomm_ar_one_bf16")
-            with _cuda.on_device(idx):
-                _cuda.ensure_context(idx)
-                stage = _cuda.mem_alloc(_HEAD + 2 * (cap + _SLACK))
-                err = _cuda.host_word()
-                handle = _cuda.ipc_handle(stage)
-            rec[:64] = torch.frombuffer(bytearray(handle), dtype=torch.uint8)
-            rec[64:72] = torch.tensor([cap], dtype=torch.int64).view(torch.uint8)
-            rec[72] = 1
     except Exception as e:  # noqa: BLE001 - any failure turns the path off for the group
         why = f"{type(e).__name__}: {e}"
-    recs = _gather(pg, rec)
-    if why or not all(recs[p][72] for p in range(n)):
-        _agree(pg, False)
-        _say(pg, rank, why or "a peer cannot take part")
+    sh = _peers.share(pg, idx, "all_reduce", why, cap, _HEAD + 2 * (cap + _SLACK))
+    if sh is None:
         return None
-    maps, ok = [], True
-    try:
-        with _cuda.on_device(idx):
-            for p in range(n):
-                maps.append(stage if p == rank else _cuda.open_ipc(bytes(recs[p][:64].tolist())))
-    except Exception as e:  # noqa: BLE001
-        why, ok = f"mapping a peer's buffer: {type(e).__name__}: {e}", False
-    if not _agree(pg, ok):
-        _say(pg, rank, why or "a peer could not map the buffers")
-        return None
-    cap = min(int(recs[p][64:72].view(torch.int64)) for p in range(n))
-    torch.cuda.synchronize(dev)  # the zeroed flags are in place before any peer's kernel
-    _agree(pg, True)
     with _cuda.on_device(idx):
-        path = Path(idx, rank, n, cap, err, maps, pg._timeout)
+        path = Path(idx, pg.rank(), pg.size(), sh.cap, sh.err, sh.maps, pg._timeout)
     log.info(
-        "gocomm group %r: all_reduce up to %d bytes in this process (IPC peers, device %d)", pg.group_name, cap, idx
+        "gocomm group %r: all_reduce up to %d bytes in this process (IPC peers, device %d)", pg.group_name, sh.cap, idx
     )
     return path
-
-
-def _gather(pg, rec: torch.Tensor) -> list[torch.Tensor]:
-    out = torch.empty(pg.size() * rec.numel(), dtype=torch.uint8)
-    pg._allgather_base(out, rec).wait()
-    return list(out.view(pg.size(), rec.numel()))
-
-
-def _agree(pg, ok: bool) -> bool:
-    """Whether every rank says ok (a collective through the group)."""
-    recs = _gather(pg, torch.tensor([1 if ok else 0], dtype=torch.uint8))
-    return all(int(r[0]) for r in recs)
-
-
-def _say(pg, rank: int, why: str) -> None:
-    if rank == 0 or why != "a peer cannot take part":
-        log.info("gocomm group %r: all_reduce goes through the sidecar: %s", pg.group_name, why)
 
 
 class KernelWork(dist._Work):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import _allreduce, _cuda, _sidecar, _wire
+from . import _a2av, _allreduce, _cuda, _sidecar, _wire
 from ._sidecar import SidecarError
 from .v1 import pgserver_pb2 as pb
 
@@ -408,6 +408,9 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             self._sparse == "nvshmem" and 2 <= size <= _allreduce.MAX_RANKS and _allreduce.configured_max() > 0
         )
         self._ar: dict[int, _allreduce.Path | None] = {}
+        # all_to_all_v of CUDA tensors in this process (gocomm/_a2av.py), likewise
+        self._a2av_on = self._sparse == "nvshmem" and size <= _a2av.MAX_RANKS and _a2av.enabled()
+        self._a2av: dict[int, _a2av.Path | None] = {}
         self._broken: BaseException | None = None  # the first failure of an op of this group
         log.info("gocomm group %r rank %d/%d on handle %d via %s", group_name, rank, size, self._handle, conn.transport)
 
@@ -728,18 +731,36 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             return None
         if path.failed():
             self._ar_on = False
-            why = (
-                f"gocomm all_reduce on group {self._group_name!r}: an earlier all_reduce timed out "
-                f"after {self._timeout:.0f}s waiting for a peer; its result was not valid and the group is aborted"
-            )
-            try:
-                self.abort()
-            except Exception as e:  # noqa: BLE001
-                log.warning("gocomm: aborting group %r: %s", self._group_name, e)
-            raise dist.DistBackendError(why)
+            self._fail_kernel("all_reduce")
         with self._cuda_lock, _cuda.on_device(idx):
             ev, stream = path.run(t, redop)
         return _allreduce.KernelWork([t], ev, stream, idx)
+
+    def _a2av_path(self, idx: int):
+        """The shim's all_to_all_v kernel on device idx (gocomm/_a2av.py; set up, collectively,
+        at the group's first call there), or None where the group does not take it. Raises
+        (and aborts the group) once one of its kernels gave up waiting for a peer."""
+        if not self._a2av_on or self._closed or self._broken is not None or self._sc.lost:
+            return None  # the other paths raise (destroyed group, the group's error, sidecar lost)
+        path = self._a2av.get(idx, False)
+        if path is False:
+            path = self._a2av[idx] = _a2av.setup(self, idx, _a2av.recv_bytes())
+        if path is not None and path.failed():
+            self._a2av_on = False
+            self._fail_kernel("all_to_all_v")
+        return path
+
+    def _fail_kernel(self, op: str) -> None:
+        """Abort the group and raise: a kernel of op in this process timed out waiting for a peer."""
+        why = (
+            f"gocomm {op} on group {self._group_name!r}: an earlier {op} timed out "
+            f"after {self._timeout:.0f}s waiting for a peer; its result was not valid and the group is aborted"
+        )
+        try:
+            self.abort()
+        except Exception as e:  # noqa: BLE001
+            log.warning("gocomm: aborting group %r: %s", self._group_name, e)
+        raise dist.DistBackendError(why)
 
     def allreduce_coalesced(self, tensors, opts=None):
         ts = _tensor_list("all_reduce_coalesced", "tensors", tensors)

@@ -16,6 +16,8 @@ Two process sets run one after the other in one invocation:
   then gocomm's variants:
   - gocomm a2a (splits known): dist.all_to_all_single on the gocomm group.
   - gocomm all_to_all_v: gocomm.all_to_all_v with splits on the GPU.
+  - gocomm all_to_all_v graph: the same call captured in a CUDA graph and replayed (where the
+    shim's kernel serves it), as decode steps run; no host time per call.
   - gocomm dispatch / combine: gocomm.moe.dispatch and gocomm.moe.combine (top-k routing,
     dedupe, grouping by expert; combine weights and sums).
 - torch's ranks, as torch users run them (NCCL default group, no MPS unless
@@ -62,6 +64,21 @@ def _timeit(fn, sync) -> list[float]:
     """[alone, loop]: median us of one op timed alone after every rank synced, and us per op
     in a loop of back-to-back ops (host time hidden behind the GPU's, as between layers)."""
     return [_alone(fn, sync), _loop(fn, sync)]
+
+
+def _graphed(fn, dev, sync) -> list[float] | str:
+    """_timeit of fn captured in a CUDA graph (one call per replay), as decode loops run; only
+    where all_to_all_v takes the shim's kernel (the sidecar's cannot be captured)."""
+    if dist.group.WORLD._a2av_path(dev.index) is None:
+        return "not capturable: all_to_all_v goes through the sidecar here"
+    fn()
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        fn()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    return _timeit(graph.replay, sync)
 
 
 def _splits(rank, world, tokens, args) -> tuple[list[int], list[int], torch.Tensor]:
@@ -127,6 +144,7 @@ def _measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
     run("nccl counts+a2a", lambda: _timeit(nccl_counts, sync))
     run("gocomm a2a (splits known)", lambda: _timeit(lambda: dist.all_to_all_single(out, inp, recv, send), sync))
     run("gocomm all_to_all_v", lambda: _timeit(lambda: gocomm.all_to_all_v(inp, splits_dev, out=out), sync))
+    run("gocomm all_to_all_v graph", lambda: _graphed(lambda: gocomm.all_to_all_v(inp, splits_dev, out=out), dev, sync))
     didx = idx.to(dev)
     run("gocomm dispatch", lambda: _timeit(lambda: gocomm.moe.dispatch(x, didx, weights, args.experts), sync))
     recv_x, _, handle = gocomm.moe.dispatch(x, didx, weights, args.experts)
@@ -266,6 +284,7 @@ VARIANTS = (
     "nccl counts+a2a",
     "gocomm a2a (splits known)",
     "gocomm all_to_all_v",
+    "gocomm all_to_all_v graph",
     "gocomm dispatch",
     "gocomm combine",
 )

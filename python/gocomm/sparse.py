@@ -1,10 +1,11 @@
 """All-to-all with splits known only as tensors: `gocomm.all_to_all_v`.
 
-Two paths. Where every rank's sidecar chose NVSHMEM (auto does on a node whose GPUs all share
-NVLink with peer atomics, when NVSHMEM loads; GOCOMM_TRANSPORT overrides) and the group is the
-default one, one kernel in the sidecar moves the rows one-sidedly with the splits on the GPU:
-no host sync. Everywhere else the counts are exchanged with one all_to_all, read on the host,
-and the rows moved with
+Three paths. Where every rank's sidecar chose NVSHMEM (auto does on a node whose GPUs all
+share NVLink with peer atomics, when NVSHMEM loads; GOCOMM_TRANSPORT overrides), the rows move
+one-sidedly with the splits on the GPU, no host sync: by the shim's own kernel on the
+caller's stream (gocomm/_a2av.py, any such group), or, where that path cannot be set up or
+GOCOMM_A2AV_HERE=0, by the sidecar's NVSHMEM kernel (the default group only). Everywhere else
+the counts are exchanged with one all_to_all, read on the host, and the rows moved with
 `all_to_all_single` on the group (NCCL grouped send/recv in the sidecar for CUDA tensors,
 the host engine for CPU tensors): one host sync.
 """
@@ -12,42 +13,65 @@ the host engine for CPU tensors): one host sync.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.distributed as dist
 
-from . import _wire
+from . import _a2av, _cuda, _wire
 
 __all__ = ["all_to_all_v"]
 
 _SPLIT_DTYPES = (torch.int32, torch.int64)
 
 
-_recv_mb: int | None = None
-
-
-def _recv_bytes() -> int:
-    """The sidecar's NVSHMEM receive buffer per rank (GOCOMM_NVSHMEM_RECV_MB, default 512; read
-    once, as the sidecar reads it once at its start)."""
-    global _recv_mb
-    if _recv_mb is None:
-        try:
-            mb = int(os.environ.get("GOCOMM_NVSHMEM_RECV_MB", "512"))
-        except ValueError:
-            mb = 512
-        _recv_mb = mb if mb > 0 else 512
-    return _recv_mb << 20
+def _device_path(g, input: torch.Tensor):
+    """How all_to_all_v of input on g moves rows with splits on the GPU: the shim's kernel
+    (a gocomm._a2av.Path), the sidecar's NVSHMEM kernel (True), or not at all (None: the
+    counts go through the host). Collective at a group's first call on a device (the shim's
+    kernel is set up then), so every caller calls it where all ranks do."""
+    if not input.is_cuda or getattr(g, "_sparse_transport", lambda: "")() != "nvshmem":
+        return None
+    path = g._a2av_path(input.get_device())
+    if path is not None:
+        return path
+    return True if g is dist.group.WORLD else None
 
 
 def _on_nvshmem(g, input: torch.Tensor) -> bool:
-    """Whether all_to_all_v of input on g takes the NVSHMEM path."""
-    return input.is_cuda and g is dist.group.WORLD and getattr(g, "_sparse_transport", lambda: "")() == "nvshmem"
+    """Whether all_to_all_v of input on g keeps the splits on the GPU (see _device_path)."""
+    return _device_path(g, input) is not None
 
 
 def _capacity_rows(row_bytes: int) -> int:
     """The most rows of row_bytes the NVSHMEM path can receive."""
-    return _recv_bytes() // max(row_bytes, 1)
+    return _a2av.recv_bytes() // max(row_bytes, 1)
+
+
+def _output(n, input, out, row, limit):
+    """The device paths' output: out, or input's rows times the group size (at most limit
+    rows, what the receive buffer holds)."""
+    if out is None:
+        return torch.empty((min(input.shape[0] * n, limit), *input.shape[1:]), dtype=input.dtype, device=input.device)
+    if out.shape[0] > limit:
+        raise ValueError(
+            f"gocomm all_to_all_v: out holds {out.shape[0]} rows, more than the receive buffer "
+            f"({limit} rows of {row} bytes; raise GOCOMM_NVSHMEM_RECV_MB on every rank)"
+        )
+    return out
+
+
+def _here(g, path, n, input, in_splits, out):
+    """all_to_all_v by the shim's kernel on the caller's stream: nothing here waits for the
+    GPU, and decode calls this once per layer, so it makes as few torch ops as it can (each
+    costs microseconds of host time)."""
+    row = input.element_size() * math.prod(input.shape[1:])
+    out = _output(n, input, out, row, path.cap // max(row, 1))
+    splits = in_splits if in_splits.is_cuda and in_splits.is_contiguous() else in_splits.to(input.device).contiguous()
+    out_splits = torch.empty(n, dtype=splits.dtype, device=input.device)
+    path.report(g._group_name)
+    with g._cuda_lock, _cuda.on_device(path.idx):
+        path.run(input, splits, out, out_splits, row)
+    return out, out_splits if in_splits.is_cuda else out_splits.cpu()
 
 
 def _nvshmem(g, n, input, in_splits, out):
@@ -55,15 +79,8 @@ def _nvshmem(g, n, input, in_splits, out):
     torch op and view costs tens of microseconds of host time on a loaded host, and decode
     calls this once per layer: the path makes as few as it can."""
     row = input.element_size() * math.prod(input.shape[1:])
-    limit = _capacity_rows(row)
-    if out is None:
-        out = torch.empty((min(input.shape[0] * n, limit), *input.shape[1:]), dtype=input.dtype, device=input.device)
-    elif out.shape[0] > limit:
-        raise ValueError(
-            f"gocomm all_to_all_v: out holds {out.shape[0]} rows, more than the sidecar's NVSHMEM receive buffer "
-            f"({limit} rows of {row} bytes; raise GOCOMM_NVSHMEM_RECV_MB on every rank)"
-        )
-    native = in_splits.dtype == torch.int64 and in_splits.is_cuda  # on input's device (checked)
+    out = _output(n, input, out, row, _capacity_rows(row))
+    native = in_splits.dtype == torch.int64 and in_splits.is_cuda and in_splits.is_contiguous()
     splits64 = in_splits if native else in_splits.to(input.device, torch.int64)
     # the output splits and the kernel's status word (after them) in one allocation, and no
     # fill: the kernel always writes both; the status is named by address, not by a view
@@ -108,13 +125,15 @@ def all_to_all_v(
         of out's first rows when out is given); out_splits, on in_splits' device with its
         dtype, says how many came from each rank. On the NVSHMEM path the host never learns
         the count: output is the whole out buffer (by default input's rows times the group
-        size, at most the sidecar's receive buffer, GOCOMM_NVSHMEM_RECV_MB), rows past
+        size, at most the receive buffer, GOCOMM_NVSHMEM_RECV_MB), rows past
         sum(out_splits) are undefined, an overflow shows as sum(out_splits) > len(out) with
         nothing written instead of an OverflowError (to get the rows, every rank of the
         group repeats the call, with an out that fits where it overflowed: a call made on
         some ranks only shifts every later op), and splits that are negative or exceed
-        the input make this rank send nothing (the sidecar logs it). Not capturable in a
-        CUDA graph: every call hands the sidecar one op, and a replayed graph would not.
+        the input make this rank send nothing (logged). Where the shim's kernel runs (the
+        group's GPUs share NVLink; see the module's docstring) a call can be captured in a
+        CUDA graph with its input, splits and out; the sidecar's kernel cannot be captured
+        (every call hands the sidecar one op, and a replayed graph would not).
     """
     g = group if group is not None else dist.group.WORLD
     n = dist.get_world_size(g)
@@ -139,8 +158,11 @@ def all_to_all_v(
             )
         if not out.is_contiguous():
             raise ValueError("gocomm all_to_all_v: out must be contiguous")
-    if _on_nvshmem(g, input):
+    path = _device_path(g, input)
+    if path is True:
         return _nvshmem(g, n, input, in_splits, out)
+    if path is not None:
+        return _here(g, path, n, input, in_splits, out)
     send = in_splits.tolist()
     if any(s < 0 for s in send) or sum(send) != input.shape[0]:
         raise ValueError(

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from ranklib import Checker, gen
+from ranklib import Checker, gen, seeded_int
 from test_moe import check_all_to_all_v, check_moe
 
 pytestmark = pytest.mark.gpu
@@ -513,18 +513,20 @@ def test_moe_cuda(worlds, seed, size):
     worlds.get(size).run(check_moe, seed=seed, device="cuda", per=64, timeout=RUN_LIMIT_S)
 
 
-def check_all_to_all_v_nvshmem(rk, seed):
-    """gocomm.all_to_all_v on the sidecar's NVSHMEM path (splits on the GPU, no host sync):
-    the rows and counts equal what every rank rebuilds from the seed; an overflow writes
-    nothing and shows in the counts."""
+def check_all_to_all_v_nvshmem(rk, seed, here):
+    """gocomm.all_to_all_v with splits on the GPU (no host sync), by the shim's kernel
+    (here) or the sidecar's NVSHMEM kernel: the rows and counts equal what every rank
+    rebuilds from the seed; an overflow writes nothing and shows in the counts."""
     from test_moe import ROUTINGS
 
     import gocomm
 
     dev, _ = _setup(rk)
     n, me = rk.size, rk.rank
-    ck = Checker("all_to_all_v on NVSHMEM", seed, me)
+    ck = Checker("all_to_all_v " + ("in this process" if here else "on NVSHMEM"), seed, me)
     ck.expect("transport", rk.world.pg._sparse_transport() == "nvshmem", rk.world.pg._sparse_transport())
+    path = rk.world.pg._a2av_path(dev.index)
+    ck.expect("path", (path is not None) == here, f"shim's kernel {path}, wanted {here}")
     for label, splits_of in ROUTINGS.items():
         send = splits_of(seed, me, n)
         recv = [splits_of(seed, src, n)[me] for src in range(n)]
@@ -556,20 +558,107 @@ def check_all_to_all_v_nvshmem(rk, seed):
     return ck.done()
 
 
+@pytest.mark.parametrize("here", [True, False], ids=["shim", "sidecar"])
 @pytest.mark.parametrize("size", [2, 4, 8])
-def test_all_to_all_v_nvshmem(worlds, seed, size):
+def test_all_to_all_v_nvshmem(worlds, seed, size, here):
     _need(size)
-    os.environ["GOCOMM_TRANSPORT"] = "nvshmem"  # inherited by this world's ranks and sidecars
+    env = {"GOCOMM_TRANSPORT": "nvshmem", "GOCOMM_A2AV_HERE": "1" if here else "0"}
+    os.environ.update(env)  # inherited by this world's ranks and sidecars
     try:
-        w = worlds.fresh(size, label="nvshmem")
+        w = worlds.fresh(size, label="nvshmem" + ("" if here else "-sidecar"))
     finally:
-        del os.environ["GOCOMM_TRANSPORT"]
+        for k in env:
+            del os.environ[k]
     try:
-        w.run(check_all_to_all_v_nvshmem, seed=seed, timeout=RUN_LIMIT_S)
-        # dispatch/combine on the NVSHMEM path (one exchange of tokens with their routing)
+        w.run(check_all_to_all_v_nvshmem, seed=seed, here=here, timeout=RUN_LIMIT_S)
+        # dispatch/combine on that path (one exchange of tokens with their routing)
         w.run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
+        if here:
+            w.run(check_all_to_all_v_graph, seed=seed, timeout=RUN_LIMIT_S)
     finally:
         w.close()
+
+
+def check_all_to_all_v_graph(rk, seed):
+    """The shim's all_to_all_v kernel (gocomm/_a2av.py) captured in a CUDA graph and replayed
+    with new rows and splits, between eager calls, with no host sync in between; then on
+    subgroups (of one rank at 2 GPUs), which only this path serves without a host sync."""
+    from test_moe import ROUTINGS
+
+    import gocomm
+
+    dev, _ = _setup(rk)
+    n, me = rk.size, rk.rank
+    ck = Checker("all_to_all_v captured", seed, me)
+    h, most = 96, 12  # rows of 192 bytes; at most 12 rows to each rank
+    x = torch.zeros(most * n, h, dtype=torch.bfloat16, device=dev)
+    splits = torch.zeros(n, dtype=torch.int64, device=dev)
+    out = torch.full((most * n, h), -5.0, dtype=torch.bfloat16, device=dev)
+    gocomm.all_to_all_v(x, splits, out=out)  # sets the path up: not while capturing
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        _, graph_splits = gocomm.all_to_all_v(x, splits, out=out)
+    torch.cuda.current_stream(dev).wait_stream(side)
+
+    def send_of(step, src):
+        return [seeded_int(seed, f"g{step}-{src}-{d}", 0, most) for d in range(n)]
+
+    steps, kept = ["replay", "eager", "replay", "replay", "eager", "replay"], []
+    for i, how in enumerate(steps):
+        send = send_of(i, me)
+        x[: sum(send)].copy_(gen(seed, f"g{i}", me, (sum(send), h), torch.bfloat16))
+        splits.copy_(torch.tensor(send))
+        if how == "replay":
+            graph.replay()
+            got_splits = graph_splits
+        else:
+            _, got_splits = gocomm.all_to_all_v(x, splits, out=out)
+        kept.append((out.clone(), got_splits.clone()))
+    torch.cuda.synchronize(dev)
+    for i, (how, (got, got_splits)) in enumerate(zip(steps, kept, strict=True)):
+        recv = [send_of(i, src)[me] for src in range(n)]
+        want = torch.cat(
+            [
+                gen(seed, f"g{i}", src, (sum(send_of(i, src)), h), torch.bfloat16).narrow(
+                    0, sum(send_of(i, src)[:me]), send_of(i, src)[me]
+                )
+                for src in range(n)
+            ]
+        )
+        with ck.case(f"step {i} ({how})"):
+            ck.same(f"step {i} rows", got[: sum(recv)].cpu(), want)
+            ck.same(f"step {i} splits", got_splits.cpu(), torch.tensor(recv))
+    # subgroups: the lower and the upper half of the ranks
+    halves = [list(range(n // 2)), list(range(n // 2, n))]
+    subs = [dist.new_group(r, backend="gocomm") for r in halves]
+    ranks = halves[0] if me in halves[0] else halves[1]
+    sub, m, i = subs[0 if me in halves[0] else 1], len(ranks), ranks.index(me)
+    ck.expect("subgroup path", sub._a2av_path(dev.index) is not None, "the shim's kernel is not set up")
+    for label, splits_of in ROUTINGS.items():
+        send = splits_of(seed, i, m)
+        recv = [splits_of(seed, src, m)[i] for src in range(m)]
+        with ck.case(f"subgroup {ranks} {label}"):
+            key = f"sub{label}{ranks}"
+            xs = gen(seed, key, i, (sum(send), 5), torch.float32).to(dev)
+            out = torch.empty(sum(recv), 5, device=dev)
+            got, got_splits = gocomm.all_to_all_v(xs, torch.tensor(send, dtype=torch.int32), out=out, group=sub)
+            want = torch.cat(
+                [
+                    gen(seed, key, src, (sum(splits_of(seed, src, m)), 5), torch.float32).narrow(
+                        0, sum(splits_of(seed, src, m)[:i]), splits_of(seed, src, m)[i]
+                    )
+                    for src in range(m)
+                ]
+            )
+            ck.same(label, got[: sum(recv)].cpu(), want)
+            ck.same(label + " splits", got_splits, torch.tensor(recv, dtype=torch.int32))
+    torch.cuda.synchronize(dev)
+    dist.barrier(group=rk.world.gloo)
+    for g in subs:
+        dist.destroy_process_group(g)
+    return ck.done()
 
 
 def check_transport(rk, want):

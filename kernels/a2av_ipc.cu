@@ -1,0 +1,232 @@
+// All-to-all with splits on the GPU in the training process: gocomm.all_to_all_v where the
+// group's GPUs map each other's memory over NVLink. The shim (python/gocomm/_a2av.py) loads
+// this module and launches gocomm_a2av_ipc on the caller's stream: one kernel launch and no
+// hand-off to the sidecar, no host sync, and no host-side state that changes per op (the op
+// counter lives on the GPU), so a call can be captured in a CUDA graph and replayed.
+// The protocol is the sidecar's NVSHMEM kernel's (kernels/a2av.cu) with CUDA IPC mappings in
+// place of the symmetric heap.
+//
+// Every rank owns one buffer (cuMemAlloc'd by the shim, zeroed, mapped into every peer by
+// CUDA IPC). Layout, in bytes from its base (R = 8 ranks at most, W = R + 2, P = 128 parts):
+//   0       ctl    u64 [8]         this rank's own words: epoch (the last op it finished),
+//                                  done (blocks other than 0 that finished this op), late
+//                                  (the last epoch in which one of them gave up)
+//   64      meta   i64 [2][R][W]   meta[p][s] = rank s's rows for each rank, its capacity
+//                                  (rows) and its row size (bytes), for epochs of parity p;
+//                                  written by s
+//   1344    msig   u64 [2][R]      msig[p][s] = epoch once s's meta row of that epoch landed
+//   1472    dsig   u64 [R][P]      dsig[s][k] = epoch once part k of s's rows for this rank
+//                                  landed (a part with no bytes is never signalled)
+//   9664    (free up to 64 KiB)
+//   65536   recv   capacity bytes  rows from the peers, grouped by source rank
+//
+// Invariants:
+//   1. A rank is at most one epoch ahead of any other: it sends data only after it saw every
+//      rank's meta row of the epoch, and a rank publishes that row at the start of its
+//      kernel, after its previous kernel (copies out of recv included) ended. So two meta
+//      copies never collide, and recv needs one copy.
+//   2. Blocks d*P' .. d*P'+P'-1 (P' = parts, the same on every rank) serve the pair (this
+//      rank, rank d): part k sends the k-th 16-byte-rounded P'-th of this rank's bytes for d,
+//      and takes the k-th part of d's bytes for this rank. Both ends cut the same byte count
+//      (from the meta rows) the same way, so a part waits for exactly one signal, from the
+//      same part on d, and only when its cut is not empty.
+//   3. Nothing is written into out unless all of what this rank receives fits (capacity)
+//      and every rank's row size is this rank's; a sender makes the same test for its
+//      receiver from the same meta rows and sends nothing then.
+//   4. Block 0 waits for every other block of its rank (ctl.done), then advances ctl.epoch:
+//      every block read the epoch before it counted itself done.
+//
+// Reports: the output splits are always written (an overflow shows as their sum passing
+// the capacity). The host-mapped words at err (u32) are: [0] = 1 once a wait gave up (the
+// shim aborts the group at its next call), [1] = ops whose splits this rank found invalid
+// (negative, or more rows than its input: it published zeros and sent nothing), [2] = ops
+// with a row size that differs between ranks (nothing written).
+//
+// All blocks must be resident at once (they wait for each other across GPUs), which
+// n * parts <= the SM count gives on an idle GPU.
+#include <stdint.h>
+
+#include "sync.cuh"
+
+#define A2_MAX_RANKS 8
+#define A2_MAX_PARTS 128
+#define A2_W (A2_MAX_RANKS + 2)
+#define A2_META 64
+#define A2_MSIG (A2_META + 2 * A2_MAX_RANKS * A2_W * 8)
+#define A2_DSIG (A2_MSIG + 2 * A2_MAX_RANKS * 8)
+#define A2_HEAD 65536
+static_assert(A2_DSIG + A2_MAX_RANKS * A2_MAX_PARTS * 8 <= A2_HEAD, "signals overlap recv");
+
+struct A2Args {
+  uint64_t base[A2_MAX_RANKS];  // every rank's buffer, mapped in this process
+  uint64_t in, splits, out, out_splits, err;
+  int64_t capacity;   // rows this rank takes (out's rows, at most what recv holds)
+  int64_t row_bytes;  // bytes per row (every rank's must be the same)
+  int64_t in_rows;    // rows in the input
+  uint64_t timeout_ns;
+  uint32_t rank, n, parts, splits32;  // splits32: in and out splits are int32, else int64
+};
+
+struct Ctl {
+  uint64_t epoch, done, late;
+};
+
+__device__ __forceinline__ int64_t* meta_row(uint64_t base, int par, int s) {
+  return reinterpret_cast<int64_t*>(base + A2_META) + ((int64_t)par * A2_MAX_RANKS + s) * A2_W;
+}
+__device__ __forceinline__ uint64_t* msig_of(uint64_t base, int par, int s) {
+  return reinterpret_cast<uint64_t*>(base + A2_MSIG) + par * A2_MAX_RANKS + s;
+}
+__device__ __forceinline__ uint64_t* dsig_of(uint64_t base, int s, int part) {
+  return reinterpret_cast<uint64_t*>(base + A2_DSIG) + s * A2_MAX_PARTS + part;
+}
+
+// Spins until *sig >= epoch; false (and *late set) once the deadline passed.
+__device__ __forceinline__ bool wait_ge(const uint64_t* sig, uint64_t epoch, uint64_t deadline, int* late) {
+  for (uint32_t spins = 0; ld_acquire_sys(sig) < epoch; spins++) {
+    if ((spins & 255) == 255 && now_ns() > deadline) {
+      atomicExch(late, 1);
+      return false;
+    }
+  }
+  return true;
+}
+
+extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a) {
+  const int me = a.rank, n = a.n;
+  const uint64_t mine = a.base[me];
+  Ctl* ctl = reinterpret_cast<Ctl*>(mine);
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&ctl->epoch) + 1;
+  const int par = (int)(epoch & 1);
+  const uint64_t deadline = now_ns() + a.timeout_ns;
+  __shared__ int late, valid;
+  if (threadIdx.x == 0) late = 0;
+
+  // 1. Block 0 publishes this rank's row to every rank (itself too): thread p writes rank
+  //    p's copy and releases its signal. Invalid splits are never trusted: zeros are sent.
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) {
+      int64_t sum = 0;
+      valid = 1;
+      for (int j = 0; j < n; j++) {
+        const int64_t s = a.splits32 ? (int64_t) reinterpret_cast<const int32_t*>(a.splits)[j]
+                                     : reinterpret_cast<const int64_t*>(a.splits)[j];
+        if (s < 0 || s > a.in_rows) valid = 0;  // capped before summing: no overflow
+        else sum += s;
+      }
+      if (sum > a.in_rows) valid = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x < n) {
+      const int p = threadIdx.x;
+      int64_t* row = meta_row(a.base[p], par, me);
+      for (int j = 0; j < n; j++) {
+        const int64_t s = a.splits32 ? (int64_t) reinterpret_cast<const int32_t*>(a.splits)[j]
+                                     : reinterpret_cast<const int64_t*>(a.splits)[j];
+        row[j] = valid ? s : 0;
+      }
+      row[n] = a.capacity;
+      row[n + 1] = a.row_bytes;
+      st_release_sys(msig_of(a.base[p], par, me), epoch);
+    }
+  }
+
+  // 2. Every block waits for every rank's row of this epoch (in its own buffer).
+  __syncthreads();
+  if (threadIdx.x < n) wait_ge(msig_of(mine, par, threadIdx.x), epoch, deadline, &late);
+  __syncthreads();
+
+  // 3. The pair (this rank, d), part k: send, then take (invariant 2).
+  const int d = blockIdx.x / a.parts, part = blockIdx.x % a.parts;
+  if (d < n && !late) {
+    __shared__ int64_t src_off, dst_off, in_off, from_d, to_d;
+    __shared__ int send, take;
+    if (threadIdx.x == 0) {
+      int64_t src = 0, dst = 0, in = 0, total_d = 0, c_in = 0;
+      int same = 1;
+      for (int s = 0; s < n; s++) {
+        const int64_t* m = meta_row(mine, par, s);
+        if (s == me)
+          for (int j = 0; j < d; j++) src += m[j];
+        if (s < me) dst += m[d];
+        total_d += m[d];
+        if (s < d) in += m[me];
+        c_in += m[me];
+        if (m[n + 1] != a.row_bytes) same = 0;
+      }
+      const int64_t* md = meta_row(mine, par, d);
+      src_off = src, dst_off = dst, in_off = in;
+      from_d = md[me];
+      to_d = meta_row(mine, par, me)[d];
+      send = total_d <= md[n] && md[n + 1] == a.row_bytes;  // d's own test, invariant 3
+      take = same && c_in <= a.capacity;
+    }
+    __syncthreads();
+    const int64_t rb = a.row_bytes;
+    const int64_t bytes = to_d * rb;
+    const int64_t chunk = ((bytes + a.parts - 1) / a.parts + 15) & ~(int64_t)15;
+    const int64_t lo = min(part * chunk, bytes), hi = min(lo + chunk, bytes);
+    const char* in = reinterpret_cast<const char*>(a.in) + src_off * rb;
+    char* out = reinterpret_cast<char*>(a.out);
+    if (d == me) {
+      // this rank's rows for itself: input to output, no staging
+      if (take && hi > lo) block_copy(out + in_off * rb + lo, in + lo, hi - lo);
+    } else {
+      if (send && hi > lo) {
+        char* peer = reinterpret_cast<char*>(a.base[d] + A2_HEAD) + dst_off * rb;
+        block_copy(peer + lo, in + lo, hi - lo);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence_system();
+          st_release_sys(dsig_of(a.base[d], me, part), epoch);
+        }
+      }
+      const int64_t rbytes = from_d * rb;
+      const int64_t rc = ((rbytes + a.parts - 1) / a.parts + 15) & ~(int64_t)15;
+      const int64_t rlo = min(part * rc, rbytes), rhi = min(rlo + rc, rbytes);
+      if (take && rhi > rlo) {
+        __shared__ int got;
+        if (threadIdx.x == 0) got = wait_ge(dsig_of(mine, d, part), epoch, deadline, &late);
+        __syncthreads();
+        const char* recv = reinterpret_cast<const char*>(mine + A2_HEAD) + in_off * rb;
+        if (got) block_copy(out + in_off * rb + rlo, recv + rlo, rhi - rlo);
+      }
+    }
+  }
+
+  // 4. Every other block counts itself done (saying whether it gave up); block 0 writes the
+  //    output splits, waits for them, reports, and advances the epoch (invariant 4).
+  __syncthreads();
+  if (blockIdx.x != 0) {
+    if (threadIdx.x == 0) {
+      if (late) atomicMax(reinterpret_cast<unsigned long long*>(&ctl->late), (unsigned long long)epoch);
+      __threadfence();
+      atomicAdd(reinterpret_cast<unsigned long long*>(&ctl->done), 1ull);
+    }
+    return;
+  }
+  __shared__ int mismatch;
+  if (threadIdx.x == 0) mismatch = 0;
+  __syncthreads();
+  for (int s = threadIdx.x; s < n; s += blockDim.x) {
+    const int64_t* m = meta_row(mine, par, s);
+    if (a.splits32) reinterpret_cast<int32_t*>(a.out_splits)[s] = (int32_t)m[me];
+    else reinterpret_cast<int64_t*>(a.out_splits)[s] = m[me];
+    if (m[n + 1] != a.row_bytes) mismatch = 1;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    volatile uint64_t* done = &ctl->done;
+    while (*done < gridDim.x - 1) {
+    }
+    __threadfence();
+    if (*reinterpret_cast<volatile uint64_t*>(&ctl->late) == epoch) late = 1;
+    *done = 0;
+    volatile uint32_t* err = reinterpret_cast<volatile uint32_t*>(a.err);
+    if (late) err[0] = 1;
+    if (!valid) err[1] = err[1] + 1;
+    if (mismatch) err[2] = err[2] + 1;
+    __threadfence_system();
+    *reinterpret_cast<volatile uint64_t*>(&ctl->epoch) = epoch;
+  }
+}

@@ -1,0 +1,182 @@
+"""all_to_all_v in the training process (kernels/a2av_ipc.cu).
+
+Through the sidecar, all_to_all_v costs the shim's submit (a descriptor, a stream write, a
+stream wait) and the hand-off to pgserver before its NVSHMEM kernel starts: about 70 us of
+host time per call at decode sizes on the x4 (NOTES, fifth session), where torch's
+all_to_all_vdev takes 34 us in a loop. Where the group's GPUs map each other's memory over
+NVLink (the group's sparse transport is NVSHMEM: every pair NVLink with peer atomics, sm_90),
+the shim instead launches one kernel on the caller's stream. It pushes this rank's rows into
+the peers' receive buffers (CUDA IPC mappings) with the same protocol as the sidecar's
+kernel, and the op counter lives on the GPU: nothing on the host changes from one call to
+the next, so a call can be captured in a CUDA graph.
+
+Setup is collective, at a group's first all_to_all_v of a CUDA tensor on a device: each rank
+allocates its receive buffer (GOCOMM_NVSHMEM_RECV_MB, as the sidecar's, plus 64 KiB of
+signals) and the ranks map each other's (gocomm/_peers.py). Any rank that cannot take part
+turns the path off for the whole group (the default group then uses the sidecar's NVSHMEM
+kernel, the others NCCL). GOCOMM_A2AV_HERE=0 turns it off (the same on every rank).
+
+Failure: a wait gives up after the group's timeout and sets a word in pinned host memory;
+the group's next all_to_all_v raises and aborts the group."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+from . import _cuda, _kernels, _peers
+
+log = logging.getLogger("gocomm")
+
+MAX_RANKS, MAX_PARTS = 8, 128
+_HEAD = 64 << 10  # kernels/a2av_ipc.cu's A2_HEAD: signals before it, the receive buffer after
+_EVENTS = 64
+MODULE = _kernels.Module("a2av_ipc.cubin", ("gocomm_a2av_ipc",))
+
+
+_recv_mb: int | None = None
+
+
+def recv_bytes() -> int:
+    """The receive buffer of the sparse all-to-all per rank, this path's and the sidecar's
+    NVSHMEM kernel's (GOCOMM_NVSHMEM_RECV_MB, default 512; read once, as the sidecar reads it
+    once at its start)."""
+    global _recv_mb
+    if _recv_mb is None:
+        try:
+            mb = int(os.environ.get("GOCOMM_NVSHMEM_RECV_MB", "512"))
+        except ValueError:
+            mb = 512
+        _recv_mb = mb if mb > 0 else 512
+    return _recv_mb << 20
+
+
+def enabled() -> bool:
+    """GOCOMM_A2AV_HERE (default 1): 0 leaves all_to_all_v to the sidecar."""
+    return os.environ.get("GOCOMM_A2AV_HERE", "1").strip() != "0"
+
+
+def _env_int(name: str, default: int, lo: int, hi: int) -> int:
+    try:
+        v = int(os.environ.get(name, ""))
+    except ValueError:
+        return default
+    return v if lo <= v <= hi else default
+
+
+class _Args(ctypes.Structure):
+    # kernels/a2av_ipc.cu's A2Args, field for field
+    _fields_ = [
+        ("base", ctypes.c_uint64 * MAX_RANKS),
+        ("inp", ctypes.c_uint64),
+        ("splits", ctypes.c_uint64),
+        ("out", ctypes.c_uint64),
+        ("out_splits", ctypes.c_uint64),
+        ("err", ctypes.c_uint64),
+        ("capacity", ctypes.c_int64),
+        ("row_bytes", ctypes.c_int64),
+        ("in_rows", ctypes.c_int64),
+        ("timeout_ns", ctypes.c_uint64),
+        ("rank", ctypes.c_uint32),
+        ("n", ctypes.c_uint32),
+        ("parts", ctypes.c_uint32),
+        ("splits32", ctypes.c_uint32),
+    ]
+
+
+class Path:
+    """One group's client-side all_to_all_v on one device (see the module's docstring).
+
+    Launch shape: parts blocks per destination (GOCOMM_A2AV_BLOCKS in all, default 128, as
+    the sidecar's kernel), GOCOMM_A2AV_THREADS threads (default 256); every rank must use
+    the same parts, and all blocks must be resident at once."""
+
+    def __init__(self, idx: int, rank: int, n: int, cap: int, err: tuple[int, int], maps: list[int], timeout_s: float):
+        self.idx, self.cap = idx, cap
+        a = self._args = _Args()
+        for p, base in enumerate(maps):
+            a.base[p] = base
+        a.err = err[1]
+        a.timeout_ns = int(timeout_s * 1e9)
+        a.rank, a.n = rank, n
+        a.parts = min(MAX_PARTS, max(1, _env_int("GOCOMM_A2AV_BLOCKS", 128, n, 1024) // n))
+        threads = _env_int("GOCOMM_A2AV_THREADS", 256, 32, 512)
+        self._threads = threads // 32 * 32
+        self._grid = n * a.parts
+        self._words = (ctypes.c_uint32 * 3).from_address(err[0])  # late, invalid ops, row-size ops
+        self._seen = [0, 0]
+        self._fn = MODULE.function(idx, "gocomm_a2av_ipc")
+        self._params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(a), ctypes.c_void_p))
+        self._events = [_cuda.event_create() for _ in range(_EVENTS)]
+        self._ops = 0
+        self._stream = None  # the stream of the last op queued outside a graph capture
+
+    def failed(self) -> bool:
+        """Whether a kernel of this path gave up waiting for a peer."""
+        return self._words[0] != 0
+
+    def report(self, group: str) -> None:
+        """Log what the kernels found since the last call (they cannot raise)."""
+        for i, what in enumerate(
+            (
+                "splits that were negative or more rows than the input (nothing sent)",
+                "row sizes that differ between ranks (nothing received)",
+            )
+        ):
+            got = self._words[1 + i]
+            if got != self._seen[i]:
+                log.warning("gocomm all_to_all_v on group %r: %d op(s) with %s", group, got - self._seen[i], what)
+                self._seen[i] = got
+
+    def run(self, inp: torch.Tensor, splits: torch.Tensor, out: torch.Tensor, out_splits: torch.Tensor, row: int):
+        """Queue the exchange of rows of row bytes on the current stream; call under the
+        group's CUDA lock. splits (int32 or int64, on the device) and out_splits have the same
+        dtype; out's rows are the capacity (at most cap bytes)."""
+        a, idx = self._args, self.idx
+        stream = _cuda.current_stream(idx)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing and stream != self._stream:
+            # the previous op may still run on another stream: the kernel's epoch and the
+            # receive buffer assume the group's ops run one after another
+            if self._stream is not None:
+                _cuda.stream_wait_event(stream, self._events[(self._ops - 1) % _EVENTS])
+            self._stream = stream
+        a.inp, a.splits, a.out, a.out_splits = inp.data_ptr(), splits.data_ptr(), out.data_ptr(), out_splits.data_ptr()
+        a.capacity, a.row_bytes, a.in_rows = out.shape[0], row, inp.shape[0]
+        a.splits32 = 1 if splits.dtype == torch.int32 else 0
+        _cuda.launch(self._fn, self._grid, self._threads, stream, self._params)
+        if not capturing:
+            _cuda.event_record(self._events[self._ops % _EVENTS], stream)
+            self._ops += 1
+
+
+def setup(pg, idx: int, recv_bytes: int) -> Path | None:
+    """Collective over pg (every rank calls it at the same all_to_all_v): the path on device
+    idx, or None where any rank cannot take part."""
+    why = ""
+    try:
+        if not MODULE.available():
+            why = f"{MODULE.path} was not built"
+        elif torch.cuda.get_device_capability(idx) != (9, 0):
+            why = "the module is built for sm_90"
+        elif pg.size() > MAX_RANKS:
+            why = f"more than {MAX_RANKS} ranks"
+        else:
+            MODULE.function(idx, "gocomm_a2av_ipc")
+    except Exception as e:  # noqa: BLE001 - any failure turns the path off for the group
+        why = f"{type(e).__name__}: {e}"
+    sh = _peers.share(pg, idx, "all_to_all_v", why, recv_bytes, _HEAD + recv_bytes)
+    if sh is None:
+        return None
+    with _cuda.on_device(idx):
+        path = Path(idx, pg.rank(), pg.size(), sh.cap, sh.err, sh.maps, pg._timeout)
+    log.info(
+        "gocomm group %r: all_to_all_v in this process (IPC peers, device %d, %d MiB receive buffer)",
+        pg.group_name,
+        idx,
+        sh.cap >> 20,
+    )
+    return path

@@ -1,0 +1,89 @@
+"""Buffers the ranks of a group map into each other's processes (CUDA IPC), for the shim's
+kernels that write into their peers' memory over NVLink (gocomm/_allreduce.py, gocomm/_a2av.py).
+
+share() is collective: every rank of the group calls it at the same op, also a rank that
+cannot take part (it says why), so that all ranks agree on the outcome. The handles travel
+through the group itself (an all_gather of CPU tensors, the host engine)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from . import _cuda
+
+log = logging.getLogger("gocomm")
+
+_PEER = "a peer cannot take part"
+
+
+@dataclass
+class Shared:
+    """What share() gives a rank: every rank's buffer mapped here (maps[rank] is its own),
+    the smallest capacity any rank offered, and a zeroed 64-byte word block in pinned host
+    memory its kernels report into (host address, device address)."""
+
+    maps: list[int]
+    cap: int
+    err: tuple[int, int]
+
+
+def share(pg, idx: int, what: str, why: str, cap: int, nbytes: int) -> Shared | None:
+    """Collective over pg: each rank allocates nbytes of zeroed device memory on device idx
+    (outside torch's allocator, so that its IPC handle names it alone; kept for the life of
+    the process, as a peer may map it after this group is gone), offers cap, and maps every
+    peer's. why, if not empty, says why this rank cannot take part. None (logged, naming what
+    for) where any rank cannot."""
+    rank, n = pg.rank(), pg.size()
+    rec = torch.zeros(80, dtype=torch.uint8)  # IPC handle, cap (int64), ok
+    buf = err = None
+    if not why:
+        try:
+            with _cuda.on_device(idx):
+                _cuda.ensure_context(idx)
+                buf = _cuda.mem_alloc(nbytes)
+                err = _cuda.host_word()
+                handle = _cuda.ipc_handle(buf)
+            rec[:64] = torch.frombuffer(bytearray(handle), dtype=torch.uint8)
+            rec[64:72] = torch.tensor([cap], dtype=torch.int64).view(torch.uint8)
+            rec[72] = 1
+        except Exception as e:  # noqa: BLE001 - any failure turns the path off for the group
+            why = f"{type(e).__name__}: {e}"
+    recs = _gather(pg, rec)
+    if why or not all(recs[p][72] for p in range(n)):
+        _agree(pg, False)
+        _say(pg, rank, what, why or _PEER)
+        return None
+    maps, ok = [], True
+    try:
+        with _cuda.on_device(idx):
+            for p in range(n):
+                maps.append(buf if p == rank else _cuda.open_ipc(bytes(recs[p][:64].tolist())))
+    except Exception as e:  # noqa: BLE001
+        why, ok = f"mapping a peer's buffer: {type(e).__name__}: {e}", False
+    if not _agree(pg, ok):
+        _say(pg, rank, what, why or "a peer could not map the buffers")
+        return None
+    cap = min(int(recs[p][64:72].view(torch.int64)) for p in range(n))
+    torch.cuda.synchronize(idx)  # the zeroed buffer is in place before any peer's kernel
+    _agree(pg, True)
+    return Shared(maps, cap, err)
+
+
+def _gather(pg, rec: torch.Tensor) -> list[torch.Tensor]:
+    out = torch.empty(pg.size() * rec.numel(), dtype=torch.uint8)
+    pg._allgather_base(out, rec).wait()
+    return list(out.view(pg.size(), rec.numel()))
+
+
+def _agree(pg, ok: bool) -> bool:
+    """Whether every rank says ok (a collective through the group)."""
+    recs = _gather(pg, torch.tensor([1 if ok else 0], dtype=torch.uint8))
+    return all(int(r[0]) for r in recs)
+
+
+def _say(pg, rank: int, what: str, why: str) -> None:
+    if rank == 0 or why != _PEER:
+        log.info("gocomm group %r: %s goes through the sidecar: %s", pg.group_name, what, why)
