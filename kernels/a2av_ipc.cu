@@ -7,18 +7,28 @@
 // place of the symmetric heap.
 //
 // Every rank owns one buffer (cuMemAlloc'd by the shim, zeroed, mapped into every peer by
-// CUDA IPC). Layout, in bytes from its base (R = 8 ranks at most, W = R + 2, P = 128 parts):
+// CUDA IPC). Layout, in bytes from its base (R = 8 ranks at most, W = R + 4, P = 128 parts,
+// O = 16 receive buffers):
 //   0       ctl    u64 [8]         this rank's own words: epoch (the last op it finished),
 //                                  done (blocks other than 0 that finished this op), late
 //                                  (the last epoch in which one of them gave up)
-//   64      meta   i64 [2][R][W]   meta[p][s] = rank s's rows for each rank, its capacity
-//                                  (rows) and its row size (bytes), for epochs of parity p;
+//   64      meta   i64 [2][R][W]   meta[p][s] = rank s's rows for each rank, then its
+//                                  capacity (rows), row size (bytes), output (the receive
+//                                  buffer it takes the rows in, or -1: recv below) and the
+//                                  output's offset in it (bytes), for epochs of parity p;
 //                                  written by s
-//   1344    msig   u64 [2][R]      msig[p][s] = epoch once s's meta row of that epoch landed
-//   1472    dsig   u64 [R][P]      dsig[s][k] = epoch once part k of s's rows for this rank
+//   1600    msig   u64 [2][R]      msig[p][s] = epoch once s's meta row of that epoch landed
+//   1728    dsig   u64 [R][P]      dsig[s][k] = epoch once part k of s's rows for this rank
 //                                  landed (a part with no bytes is never signalled)
-//   9664    (free up to 64 KiB)
-//   65536   recv   capacity bytes  rows from the peers, grouped by source rank
+//   9920    table  u64 [O][R]      table[o][s] = rank s's receive buffer o, mapped here
+//                                  (written by the host when the group made it)
+//   10944   (free up to 64 KiB)
+//   65536   recv   capacity bytes  rows from the peers, grouped by source rank, for a rank
+//                                  whose output is not a receive buffer; it copies them out
+//
+// A receive buffer (gocomm.receive_buffer) is a buffer of its own on every rank, mapped into
+// every peer like this one: a rank whose output lies in one names it in its meta row, and
+// the peers write their rows straight into it, with no copy out of recv.
 //
 // Invariants:
 //   1. A rank is at most one epoch ahead of any other: it sends data only after it saw every
@@ -50,12 +60,15 @@
 
 #define A2_MAX_RANKS 8
 #define A2_MAX_PARTS 128
-#define A2_W (A2_MAX_RANKS + 2)
+#define A2_MAX_OUTS 16
+#define A2_W (A2_MAX_RANKS + 4)
 #define A2_META 64
 #define A2_MSIG (A2_META + 2 * A2_MAX_RANKS * A2_W * 8)
 #define A2_DSIG (A2_MSIG + 2 * A2_MAX_RANKS * 8)
+#define A2_TABLE (A2_DSIG + A2_MAX_RANKS * A2_MAX_PARTS * 8)
 #define A2_HEAD 65536
-static_assert(A2_DSIG + A2_MAX_RANKS * A2_MAX_PARTS * 8 <= A2_HEAD, "signals overlap recv");
+static_assert(A2_TABLE == 9920, "the layout above (and gocomm/_a2av.py's _TABLE)");
+static_assert(A2_TABLE + A2_MAX_OUTS * A2_MAX_RANKS * 8 <= A2_HEAD, "the table overlaps recv");
 
 struct A2Args {
   uint64_t base[A2_MAX_RANKS];  // every rank's buffer, mapped in this process
@@ -63,6 +76,8 @@ struct A2Args {
   int64_t capacity;   // rows this rank takes (out's rows, at most what recv holds)
   int64_t row_bytes;  // bytes per row (every rank's must be the same)
   int64_t in_rows;    // rows in the input
+  int64_t out_id;     // the receive buffer out lies in, or -1
+  int64_t out_off;    // out's offset in it (bytes)
   uint64_t timeout_ns;
   uint32_t rank, n, parts, splits32;  // splits32: in and out splits are int32, else int64
 };
@@ -127,6 +142,8 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
       }
       row[n] = a.capacity;
       row[n + 1] = a.row_bytes;
+      row[n + 2] = a.out_id;
+      row[n + 3] = a.out_off;
       st_release_sys(msig_of(a.base[p], par, me), epoch);
     }
   }
@@ -140,6 +157,7 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
   const int d = blockIdx.x / a.parts, part = blockIdx.x % a.parts;
   if (d < n && !late) {
     __shared__ int64_t src_off, dst_off, in_off, from_d, to_d;
+    __shared__ uint64_t dst_base;  // where d takes this rank's rows: its recv or its output
     __shared__ int send, take;
     if (threadIdx.x == 0) {
       int64_t src = 0, dst = 0, in = 0, total_d = 0, c_in = 0;
@@ -158,6 +176,10 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
       src_off = src, dst_off = dst, in_off = in;
       from_d = md[me];
       to_d = meta_row(mine, par, me)[d];
+      const int64_t o = md[n + 2];
+      dst_base = o >= 0 && o < A2_MAX_OUTS
+                     ? reinterpret_cast<const uint64_t*>(mine + A2_TABLE)[o * A2_MAX_RANKS + d] + md[n + 3]
+                     : a.base[d] + A2_HEAD;
       send = total_d <= md[n] && md[n + 1] == a.row_bytes;  // d's own test, invariant 3
       take = same && c_in <= a.capacity;
     }
@@ -173,7 +195,7 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
       if (take && hi > lo) block_copy(out + in_off * rb + lo, in + lo, hi - lo);
     } else {
       if (send && hi > lo) {
-        char* peer = reinterpret_cast<char*>(a.base[d] + A2_HEAD) + dst_off * rb;
+        char* peer = reinterpret_cast<char*>(dst_base) + dst_off * rb;
         block_copy(peer + lo, in + lo, hi - lo);
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -189,7 +211,7 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
         if (threadIdx.x == 0) got = wait_ge(dsig_of(mine, d, part), epoch, deadline, &late);
         __syncthreads();
         const char* recv = reinterpret_cast<const char*>(mine + A2_HEAD) + in_off * rb;
-        if (got) block_copy(out + in_off * rb + rlo, recv + rlo, rhi - rlo);
+        if (got && a.out_id < 0) block_copy(out + in_off * rb + rlo, recv + rlo, rhi - rlo);
       }
     }
   }

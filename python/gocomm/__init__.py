@@ -16,9 +16,19 @@ import torch.distributed as dist
 from . import moe
 from ._backend import ProcessGroupGocomm, Work, create
 from ._sidecar import SidecarError, find_pgserver, shutdown
-from .sparse import all_to_all_v
+from .sparse import all_to_all_v, receive_buffer
 
-__all__ = ["ProcessGroupGocomm", "SidecarError", "Work", "all_to_all_v", "find_pgserver", "info", "moe", "shutdown"]
+__all__ = [
+    "ProcessGroupGocomm",
+    "SidecarError",
+    "Work",
+    "all_to_all_v",
+    "find_pgserver",
+    "info",
+    "moe",
+    "receive_buffer",
+    "shutdown",
+]
 __version__ = "0.1.0"
 
 

@@ -31,8 +31,9 @@ from . import _cuda, _kernels, _peers
 
 log = logging.getLogger("gocomm")
 
-MAX_RANKS, MAX_PARTS = 8, 128
+MAX_RANKS, MAX_PARTS, MAX_OUTS = 8, 128, 16
 _HEAD = 64 << 10  # kernels/a2av_ipc.cu's A2_HEAD: signals before it, the receive buffer after
+_TABLE = 9920  # kernels/a2av_ipc.cu's A2_TABLE: u64 [MAX_OUTS][MAX_RANKS], the receive buffers
 _EVENTS = 64
 MODULE = _kernels.Module("a2av_ipc.cubin", ("gocomm_a2av_ipc",))
 
@@ -79,6 +80,8 @@ class _Args(ctypes.Structure):
         ("capacity", ctypes.c_int64),
         ("row_bytes", ctypes.c_int64),
         ("in_rows", ctypes.c_int64),
+        ("out_id", ctypes.c_int64),
+        ("out_off", ctypes.c_int64),
         ("timeout_ns", ctypes.c_uint64),
         ("rank", ctypes.c_uint32),
         ("n", ctypes.c_uint32),
@@ -113,6 +116,29 @@ class Path:
         self._events = [_cuda.event_create() for _ in range(_EVENTS)]
         self._ops = 0
         self._stream = None  # the stream of the last op queued outside a graph capture
+        self._outs: list[tuple[int, int]] = []  # receive buffers: (address here, bytes)
+
+    def add_output(self, maps: list[int], nbytes: int) -> int:
+        """Record a receive buffer (every rank's copy, mapped here; maps[rank] is this rank's)
+        in the table the kernel reads; its number. Call under the group's CUDA lock, and let
+        no rank use it before every rank has (the caller's collective)."""
+        if len(self._outs) >= MAX_OUTS:
+            raise RuntimeError(f"gocomm receive_buffer: at most {MAX_OUTS} per group and device")
+        o = len(self._outs)
+        row = torch.tensor(maps + [0] * (MAX_RANKS - len(maps)), dtype=torch.int64)
+        dst = _cuda.tensor_at(self._args.base[self._args.rank] + _TABLE + o * MAX_RANKS * 8, MAX_RANKS * 8, self.idx)
+        dst.copy_(row.view(torch.uint8))
+        torch.cuda.synchronize(self.idx)
+        self._outs.append((maps[self._args.rank], nbytes))
+        return o
+
+    def _output_of(self, out: torch.Tensor, nbytes: int) -> tuple[int, int]:
+        """(the receive buffer out lies in, out's offset there), or (-1, 0)."""
+        p = out.data_ptr()
+        for o, (base, size) in enumerate(self._outs):
+            if base <= p and p + nbytes <= base + size:
+                return o, p - base
+        return -1, 0
 
     def failed(self) -> bool:
         """Whether a kernel of this path gave up waiting for a peer."""
@@ -146,6 +172,7 @@ class Path:
             self._stream = stream
         a.inp, a.splits, a.out, a.out_splits = inp.data_ptr(), splits.data_ptr(), out.data_ptr(), out_splits.data_ptr()
         a.capacity, a.row_bytes, a.in_rows = out.shape[0], row, inp.shape[0]
+        a.out_id, a.out_off = self._output_of(out, out.shape[0] * row) if self._outs else (-1, 0)
         a.splits32 = 1 if splits.dtype == torch.int32 else 0
         _cuda.launch(self._fn, self._grid, self._threads, stream, self._params)
         if not capturing:

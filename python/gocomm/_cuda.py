@@ -196,6 +196,19 @@ def mem_alloc(nbytes: int) -> int:
     return ptr.value
 
 
+class _Range:
+    """A device address range as __cuda_array_interface__ (bytes), for torch.as_tensor."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+def tensor_at(ptr: int, nbytes: int, idx: int) -> torch.Tensor:
+    """A uint8 tensor over nbytes of device idx's memory at ptr, which torch does not own (the
+    caller keeps the memory alive as long as the tensor)."""
+    return torch.as_tensor(_Range(ptr, nbytes), device=torch.device("cuda", idx))
+
+
 def host_word() -> tuple[int, int]:
     """A zeroed u32 in pinned host memory the GPU writes to: (host address, device address)."""
     lib = _load()

@@ -53,7 +53,7 @@ def share(pg, idx: int, what: str, why: str, cap: int, nbytes: int) -> Shared | 
             why = f"{type(e).__name__}: {e}"
     recs = _gather(pg, rec)
     if why or not all(recs[p][72] for p in range(n)):
-        _agree(pg, False)
+        agree(pg, False)
         _say(pg, rank, what, why or _PEER)
         return None
     maps, ok = [], True
@@ -63,12 +63,12 @@ def share(pg, idx: int, what: str, why: str, cap: int, nbytes: int) -> Shared | 
                 maps.append(buf if p == rank else _cuda.open_ipc(bytes(recs[p][:64].tolist())))
     except Exception as e:  # noqa: BLE001
         why, ok = f"mapping a peer's buffer: {type(e).__name__}: {e}", False
-    if not _agree(pg, ok):
+    if not agree(pg, ok):
         _say(pg, rank, what, why or "a peer could not map the buffers")
         return None
     cap = min(int(recs[p][64:72].view(torch.int64)) for p in range(n))
     torch.cuda.synchronize(idx)  # the zeroed buffer is in place before any peer's kernel
-    _agree(pg, True)
+    agree(pg, True)
     return Shared(maps, cap, err)
 
 
@@ -78,7 +78,7 @@ def _gather(pg, rec: torch.Tensor) -> list[torch.Tensor]:
     return list(out.view(pg.size(), rec.numel()))
 
 
-def _agree(pg, ok: bool) -> bool:
+def agree(pg, ok: bool) -> bool:
     """Whether every rank says ok (a collective through the group)."""
     recs = _gather(pg, torch.tensor([1 if ok else 0], dtype=torch.uint8))
     return all(int(r[0]) for r in recs)

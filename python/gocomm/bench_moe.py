@@ -18,6 +18,8 @@ Two process sets run one after the other in one invocation:
   - gocomm all_to_all_v: gocomm.all_to_all_v with splits on the GPU.
   - gocomm all_to_all_v graph: the same call captured in a CUDA graph and replayed (where the
     shim's kernel serves it), as decode steps run; no host time per call.
+  - gocomm all_to_all_v rbuf (graph): into a gocomm.receive_buffer, which the peers write
+    into directly (no copy out of the kernel's receive buffer); eager, then captured.
   - gocomm dispatch / combine: gocomm.moe.dispatch and gocomm.moe.combine (top-k routing,
     dedupe, grouping by expert; combine weights and sums).
 - torch's ranks, as torch users run them (NCCL default group, no MPS unless
@@ -33,7 +35,7 @@ Two process sets run one after the other in one invocation:
 
 Columns: time of one op alone, bytes this rank sends to other ranks over that time (GB/s),
 the ratios to torch's NCCL with the count exchange and to torch's all_to_all_vdev; then the
-time per op in a loop of back-to-back ops and the same two ratios.
+time per op in a loop of back-to-back ops, its GB/s and the same two ratios.
 """
 
 from __future__ import annotations
@@ -145,6 +147,12 @@ def _measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
     run("gocomm a2a (splits known)", lambda: _timeit(lambda: dist.all_to_all_single(out, inp, recv, send), sync))
     run("gocomm all_to_all_v", lambda: _timeit(lambda: gocomm.all_to_all_v(inp, splits_dev, out=out), sync))
     run("gocomm all_to_all_v graph", lambda: _graphed(lambda: gocomm.all_to_all_v(inp, splits_dev, out=out), dev, sync))
+    rbuf = gocomm.receive_buffer(sum(recv), (h,), torch.bfloat16)
+    run("gocomm all_to_all_v rbuf", lambda: _timeit(lambda: gocomm.all_to_all_v(inp, splits_dev, out=rbuf), sync))
+    run(
+        "gocomm all_to_all_v rbuf graph",
+        lambda: _graphed(lambda: gocomm.all_to_all_v(inp, splits_dev, out=rbuf), dev, sync),
+    )
     didx = idx.to(dev)
     run("gocomm dispatch", lambda: _timeit(lambda: gocomm.moe.dispatch(x, didx, weights, args.experts), sync))
     recv_x, _, handle = gocomm.moe.dispatch(x, didx, weights, args.experts)
@@ -285,6 +293,8 @@ VARIANTS = (
     "gocomm a2a (splits known)",
     "gocomm all_to_all_v",
     "gocomm all_to_all_v graph",
+    "gocomm all_to_all_v rbuf",
+    "gocomm all_to_all_v rbuf graph",
     "gocomm dispatch",
     "gocomm combine",
 )
@@ -315,7 +325,7 @@ def _table(rows) -> None:
         print(f"\n{r['tokens']} tokens per rank; {r['bytes'] / 1e6:.2f} MB sent to other ranks by rank 0")
         print(
             f"{'variant':32s} {'us alone':>9s} {'GB/s':>7s} {'/nccl+counts':>12s} {'/a2a_vdev':>10s}"
-            f" {'us loop':>9s} {'/nccl+counts':>12s} {'/a2a_vdev':>10s}"
+            f" {'us loop':>9s} {'GB/s':>7s} {'/nccl+counts':>12s} {'/a2a_vdev':>10s}"
         )
         for v in VARIANTS:
             t = r[v]
@@ -326,7 +336,7 @@ def _table(rows) -> None:
             for i in range(2):
                 rb = f"{t[i] / base[i]:12.2f}" if isinstance(base, list) else f"{'-':>12s}"
                 rv = f"{t[i] / vdev[i]:10.2f}" if isinstance(vdev, list) else f"{'-':>10s}"
-                cols += f" {t[1]:9.1f}" if i == 1 else ""
+                cols += f" {t[1]:9.1f} {r['bytes'] / t[1] / 1e3:7.1f}" if i == 1 else ""
                 cols += f" {rb} {rv}"
             print(cols)
 

@@ -17,9 +17,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import _a2av, _cuda, _wire
+from . import _a2av, _cuda, _peers, _wire
 
-__all__ = ["all_to_all_v"]
+__all__ = ["all_to_all_v", "receive_buffer"]
 
 _SPLIT_DTYPES = (torch.int32, torch.int64)
 
@@ -194,3 +194,50 @@ def all_to_all_v(
             f"{out.shape[0]}; nothing was written into out"
         )
     return output, got.to(device=in_splits.device, dtype=in_splits.dtype)
+
+
+def receive_buffer(
+    rows: int,
+    row_shape: tuple[int, ...] = (),
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """A tensor that all_to_all_v on group receives into with no copy: where the shim's kernel
+    serves the group, the peers write their rows straight into it, where into any other out
+    they write into a receive buffer that this rank then copies out of (about 15% of the
+    time of a prefill-sized exchange on H200s). Pass it, or a view of it, as out, call after
+    call (as torch's all_to_all_vdev wants symmetric memory). Elsewhere it is a plain
+    torch.empty, so code that uses it runs on every transport.
+
+    Collective: every rank of group calls it at the same point (the ranks map each other's
+    buffers). Each rank may ask for a different number of rows. The memory is outside torch's
+    allocator and stays for the life of the process; at most 16 per group and device.
+
+    Args:
+        rows: rows it holds (the receive capacity when passed as out).
+        row_shape: each row's shape.
+        dtype: the rows' dtype.
+        group: the process group (default: the world).
+        device: the CUDA device (default: the current one).
+
+    Returns:
+        An uninitialized tensor of shape (rows, *row_shape).
+    """
+    g = group if group is not None else dist.group.WORLD
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    if dev.type != "cuda" or rows < 0:
+        raise ValueError(f"gocomm receive_buffer: needs a CUDA device and rows >= 0, got {dev} and {rows}")
+    shape = (rows, *row_shape)
+    path = _device_path(g, torch.empty(0, dtype=dtype, device=dev))
+    if not isinstance(path, _a2av.Path):
+        return torch.empty(shape, dtype=dtype, device=dev)
+    nbytes = rows * math.prod(row_shape) * torch.empty(0, dtype=dtype).element_size()
+    sh = _peers.share(g, path.idx, "receive_buffer", "", nbytes, max(nbytes, 256))
+    if sh is None:
+        return torch.empty(shape, dtype=dtype, device=dev)
+    with g._cuda_lock, _cuda.on_device(path.idx):
+        path.add_output(sh.maps, nbytes)
+    _peers.agree(g, True)  # every rank's table names the buffers before any kernel uses them
+    return _cuda.tensor_at(sh.maps[g.rank()], max(nbytes, 256), path.idx)[:nbytes].view(dtype).view(shape)

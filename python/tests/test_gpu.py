@@ -581,8 +581,9 @@ def test_all_to_all_v_nvshmem(worlds, seed, size, here):
 
 def check_all_to_all_v_graph(rk, seed):
     """The shim's all_to_all_v kernel (gocomm/_a2av.py) captured in a CUDA graph and replayed
-    with new rows and splits, between eager calls, with no host sync in between; then on
-    subgroups (of one rank at 2 GPUs), which only this path serves without a host sync."""
+    with new rows and splits, between eager calls, with no host sync in between, into a plain
+    out and into a view of a receive buffer (the peers write into it); then on subgroups (of
+    one rank at 2 GPUs), which only this path serves without a host sync."""
     from test_moe import ROUTINGS
 
     import gocomm
@@ -593,43 +594,59 @@ def check_all_to_all_v_graph(rk, seed):
     h, most = 96, 12  # rows of 192 bytes; at most 12 rows to each rank
     x = torch.zeros(most * n, h, dtype=torch.bfloat16, device=dev)
     splits = torch.zeros(n, dtype=torch.int64, device=dev)
-    out = torch.full((most * n, h), -5.0, dtype=torch.bfloat16, device=dev)
-    gocomm.all_to_all_v(x, splits, out=out)  # sets the path up: not while capturing
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side), torch.cuda.graph(graph):
-        _, graph_splits = gocomm.all_to_all_v(x, splits, out=out)
-    torch.cuda.current_stream(dev).wait_stream(side)
+    plain = torch.full((most * n, h), -5.0, dtype=torch.bfloat16, device=dev)
+    # a receive buffer (the peers write into it, no copy out), used through a view 3 rows in
+    rbuf = gocomm.receive_buffer(most * n + 3, (h,), torch.bfloat16)
+    ck.expect("receive buffer", rk.world.pg._a2av_path(dev.index)._outs != [], "not registered")
+    rbuf[:3].fill_(-7.0)
 
     def send_of(step, src):
         return [seeded_int(seed, f"g{step}-{src}-{d}", 0, most) for d in range(n)]
 
-    steps, kept = ["replay", "eager", "replay", "replay", "eager", "replay"], []
-    for i, how in enumerate(steps):
-        send = send_of(i, me)
-        x[: sum(send)].copy_(gen(seed, f"g{i}", me, (sum(send), h), torch.bfloat16))
-        splits.copy_(torch.tensor(send))
-        if how == "replay":
-            graph.replay()
-            got_splits = graph_splits
-        else:
-            _, got_splits = gocomm.all_to_all_v(x, splits, out=out)
-        kept.append((out.clone(), got_splits.clone()))
-    torch.cuda.synchronize(dev)
-    for i, (how, (got, got_splits)) in enumerate(zip(steps, kept, strict=True)):
-        recv = [send_of(i, src)[me] for src in range(n)]
-        want = torch.cat(
-            [
-                gen(seed, f"g{i}", src, (sum(send_of(i, src)), h), torch.bfloat16).narrow(
-                    0, sum(send_of(i, src)[:me]), send_of(i, src)[me]
-                )
-                for src in range(n)
-            ]
-        )
-        with ck.case(f"step {i} ({how})"):
-            ck.same(f"step {i} rows", got[: sum(recv)].cpu(), want)
-            ck.same(f"step {i} splits", got_splits.cpu(), torch.tensor(recv))
+    for kind, out in (("out", plain), ("receive buffer", rbuf[3:])):
+        gocomm.all_to_all_v(x, splits, out=out)  # sets the path up: not while capturing
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side), torch.cuda.graph(graph):
+            _, graph_splits = gocomm.all_to_all_v(x, splits, out=out)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        steps, kept = ["replay", "eager", "replay", "replay", "eager", "replay"], []
+        for i, how in enumerate(steps):
+            send = send_of(i, me)
+            x[: sum(send)].copy_(gen(seed, f"g{i}", me, (sum(send), h), torch.bfloat16))
+            splits.copy_(torch.tensor(send))
+            if how == "replay":
+                graph.replay()
+                got_splits = graph_splits
+            else:
+                _, got_splits = gocomm.all_to_all_v(x, splits, out=out)
+            kept.append((out.clone(), got_splits.clone()))
+        torch.cuda.synchronize(dev)
+        for i, (how, (got, got_splits)) in enumerate(zip(steps, kept, strict=True)):
+            recv = [send_of(i, src)[me] for src in range(n)]
+            want = torch.cat(
+                [
+                    gen(seed, f"g{i}", src, (sum(send_of(i, src)), h), torch.bfloat16).narrow(
+                        0, sum(send_of(i, src)[:me]), send_of(i, src)[me]
+                    )
+                    for src in range(n)
+                ]
+            )
+            with ck.case(f"{kind} step {i} ({how})"):
+                ck.same(f"{kind} step {i} rows", got[: sum(recv)].cpu(), want)
+                ck.same(f"{kind} step {i} splits", got_splits.cpu(), torch.tensor(recv))
+    ck.expect("receive buffer before the view untouched", bool(torch.all(rbuf[:3] == -7.0)))
+    with ck.case("receive buffer overflow"):
+        # rank 0 takes 7 rows from every rank into room for 7n - 1: nothing written, counts say so
+        send = [7 if d == 0 else 0 for d in range(n)]
+        xs = torch.ones(7, h, dtype=torch.bfloat16, device=dev)
+        rbuf.fill_(-1.0)
+        room = rbuf[: 7 * n - 1] if me == 0 else rbuf
+        _, got_splits = gocomm.all_to_all_v(xs, torch.tensor(send, device=dev), out=room)
+        if me == 0:
+            ck.expect("overflow shows in the counts", int(got_splits.sum()) == 7 * n, str(got_splits.tolist()))
+            ck.expect("nothing written", bool(torch.all(rbuf == -1.0)))
     # subgroups: the lower and the upper half of the ranks
     halves = [list(range(n // 2)), list(range(n // 2, n))]
     subs = [dist.new_group(r, backend="gocomm") for r in halves]
