@@ -11,7 +11,8 @@
 // O = 16 receive buffers):
 //   0       ctl    u64 [8]         this rank's own words: epoch (the last op it finished),
 //                                  done (blocks other than 0 that finished this op), late
-//                                  (the last epoch in which one of them gave up)
+//                                  (the last epoch in which one of them gave up), failed
+//                                  (1 once an op gave up: every later op returns at once)
 //   64      meta   i64 [2][R][W]   meta[p][s] = rank s's rows for each rank, then its
 //                                  capacity (rows), row size (bytes), output (the receive
 //                                  buffer it takes the rows in, or -1: recv below) and the
@@ -34,15 +35,20 @@
 //   1. A rank is at most one epoch ahead of any other: it sends data only after it saw every
 //      rank's meta row of the epoch, and a rank publishes that row at the start of its
 //      kernel, after its previous kernel (copies out of recv included) ended. So two meta
-//      copies never collide, and recv needs one copy.
+//      copies never collide, and recv needs one copy. This needs a rank's kernels to run one
+//      after another: the shim orders a stream change after the previous op; graph replays
+//      are ordered by the caller (as torch's NCCL ops in graphs are). Once an op gave up
+//      waiting, the ranks' epochs no longer agree: every later op of the rank returns at
+//      once (ctl.failed), touching no peer, and the shim aborts the group at its next call.
 //   2. Blocks d*P' .. d*P'+P'-1 (P' = parts, the same on every rank) serve the pair (this
 //      rank, rank d): part k sends the k-th 16-byte-rounded P'-th of this rank's bytes for d,
 //      and takes the k-th part of d's bytes for this rank. Both ends cut the same byte count
 //      (from the meta rows) the same way, so a part waits for exactly one signal, from the
 //      same part on d, and only when its cut is not empty.
 //   3. Nothing is written into out unless all of what this rank receives fits (capacity)
-//      and every rank's row size is this rank's; a sender makes the same test for its
-//      receiver from the same meta rows and sends nothing then.
+//      and every rank's row size is the same; a sender makes the same test for its receiver
+//      from the same meta rows and sends nothing then (this matters where the receiver's
+//      out is a receive buffer: the sender writes into it directly).
 //   4. Block 0 waits for every other block of its rank (ctl.done), then advances ctl.epoch:
 //      every block read the epoch before it counted itself done.
 //
@@ -52,8 +58,8 @@
 // (negative, or more rows than its input: it published zeros and sent nothing), [2] = ops
 // with a row size that differs between ranks (nothing written).
 //
-// All blocks must be resident at once (they wait for each other across GPUs), which
-// n * parts <= the SM count gives on an idle GPU.
+// All blocks must be resident at once (they wait for each other across GPUs): the shim
+// caps the grid at what the GPU holds at once (the occupancy API), on an idle GPU.
 #include <stdint.h>
 
 #include "sync.cuh"
@@ -83,7 +89,7 @@ struct A2Args {
 };
 
 struct Ctl {
-  uint64_t epoch, done, late;
+  uint64_t epoch, done, late, failed;
 };
 
 __device__ __forceinline__ int64_t* meta_row(uint64_t base, int par, int s) {
@@ -111,6 +117,7 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
   const int me = a.rank, n = a.n;
   const uint64_t mine = a.base[me];
   Ctl* ctl = reinterpret_cast<Ctl*>(mine);
+  if (*reinterpret_cast<volatile uint64_t*>(&ctl->failed)) return;  // invariant 1
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&ctl->epoch) + 1;
   const int par = (int)(epoch & 1);
   const uint64_t deadline = now_ns() + a.timeout_ns;
@@ -180,7 +187,7 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
       dst_base = o >= 0 && o < A2_MAX_OUTS
                      ? reinterpret_cast<const uint64_t*>(mine + A2_TABLE)[o * A2_MAX_RANKS + d] + md[n + 3]
                      : a.base[d] + A2_HEAD;
-      send = total_d <= md[n] && md[n + 1] == a.row_bytes;  // d's own test, invariant 3
+      send = same && total_d <= md[n];  // d's own test, invariant 3
       take = same && c_in <= a.capacity;
     }
     __syncthreads();
@@ -245,7 +252,10 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
     if (*reinterpret_cast<volatile uint64_t*>(&ctl->late) == epoch) late = 1;
     *done = 0;
     volatile uint32_t* err = reinterpret_cast<volatile uint32_t*>(a.err);
-    if (late) err[0] = 1;
+    if (late) {
+      err[0] = 1;
+      *reinterpret_cast<volatile uint64_t*>(&ctl->failed) = 1;
+    }
     if (!valid) err[1] = err[1] + 1;
     if (mismatch) err[2] = err[2] + 1;
     __threadfence_system();

@@ -35,7 +35,8 @@ MAX_RANKS, MAX_PARTS, MAX_OUTS = 8, 128, 16
 _HEAD = 64 << 10  # kernels/a2av_ipc.cu's A2_HEAD: signals before it, the receive buffer after
 _TABLE = 9920  # kernels/a2av_ipc.cu's A2_TABLE: u64 [MAX_OUTS][MAX_RANKS], the receive buffers
 _EVENTS = 64
-MODULE = _kernels.Module("a2av_ipc.cubin", ("gocomm_a2av_ipc",))
+_KERNEL = "gocomm_a2av_ipc"
+MODULE = _kernels.Module("a2av_ipc.cubin", (_KERNEL,))
 
 
 _recv_mb: int | None = None
@@ -93,11 +94,12 @@ class _Args(ctypes.Structure):
 class Path:
     """One group's client-side all_to_all_v on one device (see the module's docstring).
 
-    Launch shape: parts blocks per destination (GOCOMM_A2AV_BLOCKS in all, default 128, as
-    the sidecar's kernel), GOCOMM_A2AV_THREADS threads (default 256); every rank must use
-    the same parts, and all blocks must be resident at once."""
+    Launch shape: parts blocks per destination, GOCOMM_A2AV_THREADS threads (default 256);
+    see setup()."""
 
-    def __init__(self, idx: int, rank: int, n: int, cap: int, err: tuple[int, int], maps: list[int], timeout_s: float):
+    def __init__(
+        self, idx: int, rank: int, n: int, parts: int, cap: int, err: tuple[int, int], maps: list[int], timeout_s: float
+    ):
         self.idx, self.cap = idx, cap
         a = self._args = _Args()
         for p, base in enumerate(maps):
@@ -105,37 +107,36 @@ class Path:
         a.err = err[1]
         a.timeout_ns = int(timeout_s * 1e9)
         a.rank, a.n = rank, n
-        a.parts = min(MAX_PARTS, max(1, _env_int("GOCOMM_A2AV_BLOCKS", 128, n, 1024) // n))
-        threads = _env_int("GOCOMM_A2AV_THREADS", 256, 32, 512)
-        self._threads = threads // 32 * 32
-        self._grid = n * a.parts
+        a.parts = parts
+        self._threads = _threads()
+        self._grid = n * parts
         self._words = (ctypes.c_uint32 * 3).from_address(err[0])  # late, invalid ops, row-size ops
         self._seen = [0, 0]
-        self._fn = MODULE.function(idx, "gocomm_a2av_ipc")
+        self._fn = MODULE.function(idx, _KERNEL)
         self._params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(a), ctypes.c_void_p))
         self._events = [_cuda.event_create() for _ in range(_EVENTS)]
         self._ops = 0
         self._stream = None  # the stream of the last op queued outside a graph capture
-        self._outs: list[tuple[int, int]] = []  # receive buffers: (address here, bytes)
+        self.outputs: list[tuple[int, int]] = []  # receive buffers: (address here, bytes)
 
     def add_output(self, maps: list[int], nbytes: int) -> int:
         """Record a receive buffer (every rank's copy, mapped here; maps[rank] is this rank's)
         in the table the kernel reads; its number. Call under the group's CUDA lock, and let
         no rank use it before every rank has (the caller's collective)."""
-        if len(self._outs) >= MAX_OUTS:
+        if len(self.outputs) >= MAX_OUTS:
             raise RuntimeError(f"gocomm receive_buffer: at most {MAX_OUTS} per group and device")
-        o = len(self._outs)
+        o = len(self.outputs)
         row = torch.tensor(maps + [0] * (MAX_RANKS - len(maps)), dtype=torch.int64)
         dst = _cuda.tensor_at(self._args.base[self._args.rank] + _TABLE + o * MAX_RANKS * 8, MAX_RANKS * 8, self.idx)
         dst.copy_(row.view(torch.uint8))
         torch.cuda.synchronize(self.idx)
-        self._outs.append((maps[self._args.rank], nbytes))
+        self.outputs.append((maps[self._args.rank], nbytes))
         return o
 
-    def _output_of(self, out: torch.Tensor, nbytes: int) -> tuple[int, int]:
+    def output_of(self, out: torch.Tensor, nbytes: int) -> tuple[int, int]:
         """(the receive buffer out lies in, out's offset there), or (-1, 0)."""
         p = out.data_ptr()
-        for o, (base, size) in enumerate(self._outs):
+        for o, (base, size) in enumerate(self.outputs):
             if base <= p and p + nbytes <= base + size:
                 return o, p - base
         return -1, 0
@@ -160,7 +161,8 @@ class Path:
     def run(self, inp: torch.Tensor, splits: torch.Tensor, out: torch.Tensor, out_splits: torch.Tensor, row: int):
         """Queue the exchange of rows of row bytes on the current stream; call under the
         group's CUDA lock. splits (int32 or int64, on the device) and out_splits have the same
-        dtype; out's rows are the capacity (at most cap bytes)."""
+        dtype; out's rows are the capacity (out fits in the receive buffer it lies in, or in
+        cap bytes)."""
         a, idx = self._args, self.idx
         stream = _cuda.current_stream(idx)
         capturing = torch.cuda.is_current_stream_capturing()
@@ -172,7 +174,7 @@ class Path:
             self._stream = stream
         a.inp, a.splits, a.out, a.out_splits = inp.data_ptr(), splits.data_ptr(), out.data_ptr(), out_splits.data_ptr()
         a.capacity, a.row_bytes, a.in_rows = out.shape[0], row, inp.shape[0]
-        a.out_id, a.out_off = self._output_of(out, out.shape[0] * row) if self._outs else (-1, 0)
+        a.out_id, a.out_off = self.output_of(out, out.shape[0] * row) if self.outputs else (-1, 0)
         a.splits32 = 1 if splits.dtype == torch.int32 else 0
         _cuda.launch(self._fn, self._grid, self._threads, stream, self._params)
         if not capturing:
@@ -180,26 +182,38 @@ class Path:
             self._ops += 1
 
 
+def _threads() -> int:
+    return _env_int("GOCOMM_A2AV_THREADS", 256, 32, 512) // 32 * 32
+
+
 def setup(pg, idx: int, recv_bytes: int) -> Path | None:
     """Collective over pg (every rank calls it at the same all_to_all_v): the path on device
-    idx, or None where any rank cannot take part."""
-    why = ""
+    idx, or None where any rank cannot take part (GOCOMM_A2AV_HERE=0 on any rank, too).
+
+    The launch shape is the same on every rank (share() refuses otherwise): parts blocks per
+    destination, GOCOMM_A2AV_BLOCKS in all (default 128, as the sidecar's kernel), capped at
+    what the GPU holds at once, since the blocks wait for each other."""
+    why, n, parts = "", pg.size(), 0
     try:
-        if not MODULE.available():
+        if not enabled():
+            why = "GOCOMM_A2AV_HERE=0"
+        elif not MODULE.available():
             why = f"{MODULE.path} was not built"
         elif torch.cuda.get_device_capability(idx) != (9, 0):
             why = "the module is built for sm_90"
         elif pg.size() > MAX_RANKS:
             why = f"more than {MAX_RANKS} ranks"
         else:
-            MODULE.function(idx, "gocomm_a2av_ipc")
+            with _cuda.on_device(idx):
+                room = _cuda.max_resident(MODULE.function(idx, _KERNEL), _threads(), idx)
+            parts = min(MAX_PARTS, max(1, min(_env_int("GOCOMM_A2AV_BLOCKS", 128, n, 1024), room) // n))
     except Exception as e:  # noqa: BLE001 - any failure turns the path off for the group
         why = f"{type(e).__name__}: {e}"
-    sh = _peers.share(pg, idx, "all_to_all_v", why, recv_bytes, _HEAD + recv_bytes)
+    sh = _peers.share(pg, idx, "all_to_all_v", why, recv_bytes, _HEAD + recv_bytes, (parts << 16) | _threads())
     if sh is None:
         return None
     with _cuda.on_device(idx):
-        path = Path(idx, pg.rank(), pg.size(), sh.cap, sh.err, sh.maps, pg._timeout)
+        path = Path(idx, pg.rank(), n, parts, sh.cap, sh.err, sh.maps, pg._timeout)
     log.info(
         "gocomm group %r: all_to_all_v in this process (IPC peers, device %d, %d MiB receive buffer)",
         pg.group_name,

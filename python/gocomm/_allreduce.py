@@ -55,6 +55,14 @@ def _bytes(env: str, default: int) -> int:
     return int(float(v.rstrip("KMG")) * mult)
 
 
+_ONESHOT = 256 << 10
+
+
+def _blocks() -> int:
+    """GOCOMM_AR_BLOCKS: the most blocks a kernel uses (1 to MAX_BLOCKS)."""
+    return max(1, min(MAX_BLOCKS, int(os.environ.get("GOCOMM_AR_BLOCKS", str(MAX_BLOCKS)))))
+
+
 def configured_max() -> int:
     """GOCOMM_AR_MAX: the largest message (bytes) the path takes; 0 turns it off."""
     return _bytes("GOCOMM_AR_MAX", 32 << 20) // 16 * 16
@@ -85,8 +93,8 @@ class Path:
     def __init__(self, idx: int, rank: int, n: int, cap: int, err: tuple[int, int], maps: list[int], timeout_s: float):
         self.idx, self.cap = idx, cap
         # one-shot puts every rank's whole message in a half: n slots of it
-        self.oneshot = min(_bytes("GOCOMM_AR_ONESHOT", 256 << 10), cap // n)
-        self.blocks = max(1, min(MAX_BLOCKS, int(os.environ.get("GOCOMM_AR_BLOCKS", str(MAX_BLOCKS)))))
+        self.oneshot = min(_bytes("GOCOMM_AR_ONESHOT", _ONESHOT), cap // n)
+        self.blocks = _blocks()
         self._errword = ctypes.c_uint32.from_address(err[0])
         a = self._args = _Args()
         for p, base in enumerate(maps):
@@ -160,7 +168,8 @@ def setup(pg, dev: torch.device) -> Path | None:
             MODULE.function(idx, "gocomm_ar_one_bf16")
     except Exception as e:  # noqa: BLE001 - any failure turns the path off for the group
         why = f"{type(e).__name__}: {e}"
-    sh = _peers.share(pg, idx, "all_reduce", why, cap, _HEAD + 2 * (cap + _SLACK))
+    shape = (_blocks() << 40) | _bytes("GOCOMM_AR_ONESHOT", _ONESHOT)
+    sh = _peers.share(pg, idx, "all_reduce", why, cap, _HEAD + 2 * (cap + _SLACK), shape)
     if sh is None:
         return None
     with _cuda.on_device(idx):

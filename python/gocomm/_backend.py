@@ -409,7 +409,8 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         )
         self._ar: dict[int, _allreduce.Path | None] = {}
         # all_to_all_v of CUDA tensors in this process (gocomm/_a2av.py), likewise
-        self._a2av_on = self._sparse == "nvshmem" and size <= _a2av.MAX_RANKS and _a2av.enabled()
+        # (GOCOMM_A2AV_HERE=0 on a rank turns it off at the collective setup, for all ranks)
+        self._a2av_on = self._sparse == "nvshmem" and size <= _a2av.MAX_RANKS
         self._a2av: dict[int, _a2av.Path | None] = {}
         self._broken: BaseException | None = None  # the first failure of an op of this group
         log.info("gocomm group %r rank %d/%d on handle %d via %s", group_name, rank, size, self._handle, conn.transport)

@@ -72,6 +72,12 @@ def _load():
         lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
         lib.cuEventCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
         lib.cuEventSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [
+            ctypes.POINTER(ctypes.c_int),
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_size_t,
+        ]
         _lib = lib
     return _lib
 
@@ -209,8 +215,20 @@ def tensor_at(ptr: int, nbytes: int, idx: int) -> torch.Tensor:
     return torch.as_tensor(_Range(ptr, nbytes), device=torch.device("cuda", idx))
 
 
+def max_resident(fn: int, threads: int, idx: int) -> int:
+    """How many blocks of kernel fn (threads each, no dynamic shared memory) device idx holds
+    at once, on all its SMs."""
+    per = ctypes.c_int()
+    _check(
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+        _load().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(per), fn, threads, 0),
+    )
+    return per.value * torch.cuda.get_device_properties(idx).multi_processor_count
+
+
 def host_word() -> tuple[int, int]:
-    """A zeroed u32 in pinned host memory the GPU writes to: (host address, device address)."""
+    """64 zeroed bytes of pinned host memory the GPU writes to (a few u32 words): (host
+    address, device address)."""
     lib = _load()
     h, d = ctypes.c_void_p(), ctypes.c_uint64()
     _check("cuMemHostAlloc", lib.cuMemHostAlloc(ctypes.byref(h), ctypes.c_size_t(64), 3))  # PORTABLE | DEVICEMAP

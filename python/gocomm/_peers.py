@@ -30,14 +30,16 @@ class Shared:
     err: tuple[int, int]
 
 
-def share(pg, idx: int, what: str, why: str, cap: int, nbytes: int) -> Shared | None:
+def share(pg, idx: int, what: str, why: str, cap: int, nbytes: int, settings: int = 0) -> Shared | None:
     """Collective over pg: each rank allocates nbytes of zeroed device memory on device idx
     (outside torch's allocator, so that its IPC handle names it alone; kept for the life of
     the process, as a peer may map it after this group is gone), offers cap, and maps every
-    peer's. why, if not empty, says why this rank cannot take part. None (logged, naming what
-    for) where any rank cannot."""
+    peer's. why, if not empty, says why this rank cannot take part; settings, what must be
+    the same on every rank (a kernel's launch shape: ranks that differ would wait for each
+    other forever). None (logged, naming what for) where any rank cannot take part or the
+    settings differ."""
     rank, n = pg.rank(), pg.size()
-    rec = torch.zeros(80, dtype=torch.uint8)  # IPC handle, cap (int64), ok
+    rec = torch.zeros(88, dtype=torch.uint8)  # IPC handle, cap (int64), settings (int64), ok
     buf = err = None
     if not why:
         try:
@@ -47,14 +49,15 @@ def share(pg, idx: int, what: str, why: str, cap: int, nbytes: int) -> Shared | 
                 err = _cuda.host_word()
                 handle = _cuda.ipc_handle(buf)
             rec[:64] = torch.frombuffer(bytearray(handle), dtype=torch.uint8)
-            rec[64:72] = torch.tensor([cap], dtype=torch.int64).view(torch.uint8)
-            rec[72] = 1
+            rec[64:80] = torch.tensor([cap, settings], dtype=torch.int64).view(torch.uint8)
+            rec[80] = 1
         except Exception as e:  # noqa: BLE001 - any failure turns the path off for the group
             why = f"{type(e).__name__}: {e}"
     recs = _gather(pg, rec)
-    if why or not all(recs[p][72] for p in range(n)):
+    ok = [bool(recs[p][80]) for p in range(n)]
+    if why or not all(ok) or len({int(recs[p][72:80].view(torch.int64)) for p in range(n)}) > 1:
         agree(pg, False)
-        _say(pg, rank, what, why or _PEER)
+        _say(pg, rank, what, why or (_PEER if not all(ok) else "the ranks' settings differ (the same on every rank)"))
         return None
     maps, ok = [], True
     try:

@@ -62,10 +62,12 @@ def _output(n, input, out, row, limit):
 
 def _here(g, path, n, input, in_splits, out):
     """all_to_all_v by the shim's kernel on the caller's stream: nothing here waits for the
-    GPU, and decode calls this once per layer, so it makes as few torch ops as it can (each
-    costs microseconds of host time)."""
+    GPU (but for splits on the CPU: they are copied in, and out_splits back), and decode calls
+    this once per layer, so it makes as few torch ops as it can (each costs microseconds of
+    host time)."""
     row = input.element_size() * math.prod(input.shape[1:])
-    out = _output(n, input, out, row, path.cap // max(row, 1))
+    direct = out is not None and path.outputs and path.output_of(out, out.shape[0] * row)[0] >= 0
+    out = _output(n, input, out, row, out.shape[0] if direct else path.cap // max(row, 1))
     splits = in_splits if in_splits.is_cuda and in_splits.is_contiguous() else in_splits.to(input.device).contiguous()
     out_splits = torch.empty(n, dtype=splits.dtype, device=input.device)
     path.report(g._group_name)
@@ -132,8 +134,11 @@ def all_to_all_v(
         some ranks only shifts every later op), and splits that are negative or exceed
         the input make this rank send nothing (logged). Where the shim's kernel runs (the
         group's GPUs share NVLink; see the module's docstring) a call can be captured in a
-        CUDA graph with its input, splits and out; the sidecar's kernel cannot be captured
-        (every call hands the sidecar one op, and a replayed graph would not).
+        CUDA graph with its input, splits (on the GPU) and out, once the group's first call
+        on that device ran outside the capture (it sets the path up, collectively); replays
+        and eager calls of a group are ordered by the caller, as with torch's NCCL. The
+        sidecar's kernel cannot be captured (every call hands the sidecar one op, and a
+        replayed graph would not).
     """
     g = group if group is not None else dist.group.WORLD
     n = dist.get_world_size(g)
@@ -212,7 +217,7 @@ def receive_buffer(
     torch.empty, so code that uses it runs on every transport.
 
     Collective: every rank of group calls it at the same point (the ranks map each other's
-    buffers). Each rank may ask for a different number of rows. The memory is outside torch's
+    buffers), outside any CUDA graph capture. Each rank may ask for a different number of rows. The memory is outside torch's
     allocator and stays for the life of the process; at most 16 per group and device.
 
     Args:
@@ -237,7 +242,14 @@ def receive_buffer(
     sh = _peers.share(g, path.idx, "receive_buffer", "", nbytes, max(nbytes, 256))
     if sh is None:
         return torch.empty(shape, dtype=dtype, device=dev)
-    with g._cuda_lock, _cuda.on_device(path.idx):
-        path.add_output(sh.maps, nbytes)
-    _peers.agree(g, True)  # every rank's table names the buffers before any kernel uses them
-    return _cuda.tensor_at(sh.maps[g.rank()], max(nbytes, 256), path.idx)[:nbytes].view(dtype).view(shape)
+    why = None
+    try:
+        with g._cuda_lock, _cuda.on_device(path.idx):
+            path.add_output(sh.maps, nbytes)
+        t = _cuda.tensor_at(sh.maps[g.rank()], max(nbytes, 256), path.idx)[:nbytes].view(dtype).view(shape)
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it (below)
+        why = e
+    # every rank's table names the buffer before any kernel uses it; all raise or none does
+    if not _peers.agree(g, why is None):
+        raise RuntimeError(f"gocomm receive_buffer: {why or 'a peer could not register its buffer'}")
+    return t

@@ -597,7 +597,7 @@ def check_all_to_all_v_graph(rk, seed):
     plain = torch.full((most * n, h), -5.0, dtype=torch.bfloat16, device=dev)
     # a receive buffer (the peers write into it, no copy out), used through a view 3 rows in
     rbuf = gocomm.receive_buffer(most * n + 3, (h,), torch.bfloat16)
-    ck.expect("receive buffer", rk.world.pg._a2av_path(dev.index)._outs != [], "not registered")
+    ck.expect("receive buffer", rk.world.pg._a2av_path(dev.index).outputs != [], "not registered")
     rbuf[:3].fill_(-7.0)
 
     def send_of(step, src):
@@ -647,6 +647,17 @@ def check_all_to_all_v_graph(rk, seed):
         if me == 0:
             ck.expect("overflow shows in the counts", int(got_splits.sum()) == 7 * n, str(got_splits.tolist()))
             ck.expect("nothing written", bool(torch.all(rbuf == -1.0)))
+    with ck.case("row sizes that differ"):
+        # rank 0's rows are half as wide: no rank writes anything into any receive buffer
+        w = h // 2 if me == 0 else h
+        xs = torch.ones(n, w, dtype=torch.bfloat16, device=dev)
+        rbuf.fill_(-2.0)
+        room = rbuf.view(-1).view(-1, w)
+        _, got_splits = gocomm.all_to_all_v(xs, torch.ones(n, dtype=torch.int64, device=dev), out=room)
+        torch.cuda.synchronize(dev)
+        dist.barrier(group=rk.world.gloo)  # every rank's kernel is done
+        ck.expect("nothing written", bool(torch.all(rbuf == -2.0)))
+        ck.expect("the counts", got_splits.tolist() == [1] * n, str(got_splits.tolist()))
     # subgroups: the lower and the upper half of the ranks
     halves = [list(range(n // 2)), list(range(n // 2, n))]
     subs = [dist.new_group(r, backend="gocomm") for r in halves]
