@@ -102,16 +102,7 @@ extern "C" __global__ void gocomm_a2av(const char* __restrict__ in, const int64_
   // 1. Block 0 publishes this PE's splits, capacity and row size to every PE (itself too).
   //    Invalid splits are never trusted: the PE publishes zeros and sends nothing.
   if (blockIdx.x == 0) {
-    if (threadIdx.x == 0) {
-      int64_t sum = 0;
-      valid = 1;
-      for (int j = 0; j < n; j++) {
-        int64_t s = in_splits[j];
-        if (s < 0 || s > in_rows) valid = 0;  // capped before summing: no overflow
-        else sum += s;
-      }
-      if (sum > in_rows) valid = 0;
-    }
+    if (threadIdx.x == 0) valid = splits_valid((uint64_t)in_splits, n, false, in_rows);
     __syncthreads();
     for (int j = threadIdx.x; j < n; j += blockDim.x) mine[j] = valid ? in_splits[j] : 0;
     if (threadIdx.x == 0) {

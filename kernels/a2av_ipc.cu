@@ -127,26 +127,12 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
   // 1. Block 0 publishes this rank's row to every rank (itself too): thread p writes rank
   //    p's copy and releases its signal. Invalid splits are never trusted: zeros are sent.
   if (blockIdx.x == 0) {
-    if (threadIdx.x == 0) {
-      int64_t sum = 0;
-      valid = 1;
-      for (int j = 0; j < n; j++) {
-        const int64_t s = a.splits32 ? (int64_t) reinterpret_cast<const int32_t*>(a.splits)[j]
-                                     : reinterpret_cast<const int64_t*>(a.splits)[j];
-        if (s < 0 || s > a.in_rows) valid = 0;  // capped before summing: no overflow
-        else sum += s;
-      }
-      if (sum > a.in_rows) valid = 0;
-    }
+    if (threadIdx.x == 0) valid = splits_valid(a.splits, n, a.splits32, a.in_rows);
     __syncthreads();
     if (threadIdx.x < n) {
       const int p = threadIdx.x;
       int64_t* row = meta_row(a.base[p], par, me);
-      for (int j = 0; j < n; j++) {
-        const int64_t s = a.splits32 ? (int64_t) reinterpret_cast<const int32_t*>(a.splits)[j]
-                                     : reinterpret_cast<const int64_t*>(a.splits)[j];
-        row[j] = valid ? s : 0;
-      }
+      for (int j = 0; j < n; j++) row[j] = valid ? split_at(a.splits, j, a.splits32) : 0;
       row[n] = a.capacity;
       row[n + 1] = a.row_bytes;
       row[n + 2] = a.out_id;

@@ -1,6 +1,6 @@
 // What the shim's and the sidecar's kernels share for talking to other GPUs: the global
-// clock for deadlines, system-scope release/acquire on 64-bit signal words, and a block-wide
-// copy that may write into a peer's memory.
+// clock for deadlines, system-scope release/acquire on 64-bit signal words, the all-to-all
+// kernels' check of their splits, and a block-wide copy that may write into a peer's memory.
 #pragma once
 #include <stdint.h>
 
@@ -19,6 +19,23 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
+}
+
+// split_at is split j of an int32 (i32) or int64 array of splits.
+__device__ __forceinline__ int64_t split_at(uint64_t splits, int j, bool i32) {
+  return i32 ? (int64_t) reinterpret_cast<const int32_t*>(splits)[j] : reinterpret_cast<const int64_t*>(splits)[j];
+}
+
+// splits_valid: whether n splits are each >= 0 and add up to at most rows (the all-to-all
+// kernels never trust splits that are not: they publish zeros and send nothing).
+__device__ __forceinline__ bool splits_valid(uint64_t splits, int n, bool i32, int64_t rows) {
+  int64_t sum = 0;
+  for (int j = 0; j < n; j++) {
+    const int64_t s = split_at(splits, j, i32);
+    if (s < 0 || s > rows) return false;  // capped before summing: no overflow
+    sum += s;
+  }
+  return sum <= rows;
 }
 
 // block_copy copies bytes from src to dst with the whole block: 16 bytes per load and store,
