@@ -35,6 +35,7 @@ MAX_RANKS, MAX_PARTS, MAX_OUTS = 8, 128, 16
 _HEAD = 64 << 10  # kernels/a2av_ipc.cu's A2_HEAD: signals before it, the receive buffer after
 _TABLE = 9920  # kernels/a2av_ipc.cu's A2_TABLE: u64 [MAX_OUTS][MAX_RANKS], the receive buffers
 _EVENTS = 64
+_INT31 = (1 << 31) - 1  # the largest value a meta word carries
 _KERNEL = "gocomm_a2av_ipc"
 MODULE = _kernels.Module("a2av_ipc.cubin", (_KERNEL,))
 
@@ -173,7 +174,8 @@ class Path:
                 _cuda.stream_wait_event(stream, self._events[(self._ops - 1) % _EVENTS])
             self._stream = stream
         a.inp, a.splits, a.out, a.out_splits = inp.data_ptr(), splits.data_ptr(), out.data_ptr(), out_splits.data_ptr()
-        a.capacity, a.row_bytes, a.in_rows = out.shape[0], row, inp.shape[0]
+        # meta words carry 32-bit values (kernels/a2av_ipc.cu): more rows than that never fit
+        a.capacity, a.row_bytes, a.in_rows = min(out.shape[0], _INT31), row, inp.shape[0]
         a.out_id, a.out_off = self.output_of(out, out.shape[0] * row) if self.outputs else (-1, 0)
         a.splits32 = 1 if splits.dtype == torch.int32 else 0
         _cuda.launch(self._fn, self._grid, self._threads, stream, self._params)

@@ -66,6 +66,8 @@ def _here(g, path, n, input, in_splits, out):
     this once per layer, so it makes as few torch ops as it can (each costs microseconds of
     host time)."""
     row = input.element_size() * math.prod(input.shape[1:])
+    if input.shape[0] > _a2av._INT31 or row > _a2av._INT31:
+        raise ValueError(f"gocomm all_to_all_v: at most 2^31 - 1 rows of at most 2^31 - 1 bytes, got {input.shape}")
     direct = out is not None and path.outputs and path.output_of(out, out.shape[0] * row)[0] >= 0
     out = _output(n, input, out, row, out.shape[0] if direct else path.cap // max(row, 1))
     splits = in_splits if in_splits.is_cuda and in_splits.is_contiguous() else in_splits.to(input.device).contiguous()
@@ -217,7 +219,8 @@ def receive_buffer(
     torch.empty, so code that uses it runs on every transport.
 
     Collective: every rank of group calls it at the same point (the ranks map each other's
-    buffers), outside any CUDA graph capture. Each rank may ask for a different number of rows. The memory is outside torch's
+    buffers), outside any CUDA graph capture. If any rank asks for more than 2 GiB, every
+    rank gets a plain tensor. Each rank may ask for a different number of rows. The memory is outside torch's
     allocator and stays for the life of the process; at most 16 per group and device.
 
     Args:
@@ -239,7 +242,10 @@ def receive_buffer(
     if not isinstance(path, _a2av.Path):
         return torch.empty(shape, dtype=dtype, device=dev)
     nbytes = rows * math.prod(row_shape) * torch.empty(0, dtype=dtype).element_size()
-    sh = _peers.share(g, path.idx, "receive_buffer", "", nbytes, max(nbytes, 256))
+    # more than 2 GiB (the kernel's offsets are 32-bit): a plain tensor on every rank (share
+    # is collective, so the ranks agree)
+    big = f"{nbytes} bytes, more than the 2 GiB a receive buffer holds" if nbytes > _a2av._INT31 else ""
+    sh = _peers.share(g, path.idx, "receive_buffer", big, nbytes, max(nbytes, 256) if not big else 0)
     if sh is None:
         return torch.empty(shape, dtype=dtype, device=dev)
     why = None
