@@ -4,7 +4,7 @@
 // hand-off to the sidecar, no host sync, and no host-side state that changes per op (the op
 // counter lives on the GPU), so a call can be captured in a CUDA graph and replayed.
 // The protocol is the sidecar's NVSHMEM kernel's (kernels/a2av.cu) with CUDA IPC mappings in
-// place of the symmetric heap.
+// place of the symmetric heap, and meta words that carry their epoch in place of a signal.
 //
 // Every rank owns one buffer (cuMemAlloc'd by the shim, zeroed, mapped into every peer by
 // CUDA IPC). Layout, in bytes from its base (R = 8 ranks at most, W = R + 4, P = 128 parts,
