@@ -199,13 +199,11 @@ def setup(pg, idx: int, recv_bytes: int) -> Path | None:
     try:
         if not enabled():
             why = "GOCOMM_A2AV_HERE=0"
-        elif not MODULE.available():
-            why = f"{MODULE.path} was not built"
-        elif torch.cuda.get_device_capability(idx) != (9, 0):
-            why = "the module is built for sm_90"
-        elif pg.size() > MAX_RANKS:
+        elif n > MAX_RANKS:
             why = f"more than {MAX_RANKS} ranks"
         else:
+            why = MODULE.why_not(idx)
+        if not why:
             with _cuda.on_device(idx):
                 room = _cuda.max_resident(MODULE.function(idx, _KERNEL), _threads(), idx)
             parts = min(MAX_PARTS, max(1, min(_env_int("GOCOMM_A2AV_BLOCKS", 128, n, 1024), room) // n))

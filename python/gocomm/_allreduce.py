@@ -158,14 +158,8 @@ def setup(pg, dev: torch.device) -> Path | None:
     None where any rank cannot take part."""
     idx = dev.index
     cap = configured_max()
-    why = ""
     try:
-        if not MODULE.available():
-            why = f"{MODULE.path} was not built"
-        elif torch.cuda.get_device_capability(idx) != (9, 0):
-            why = "the module is built for sm_90"
-        else:
-            MODULE.function(idx, "gocomm_ar_one_bf16")
+        why = MODULE.why_not(idx)
     except Exception as e:  # noqa: BLE001 - any failure turns the path off for the group
         why = f"{type(e).__name__}: {e}"
     shape = (_blocks() << 40) | _bytes("GOCOMM_AR_ONESHOT", _ONESHOT)

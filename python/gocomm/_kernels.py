@@ -22,6 +22,10 @@ _WSUM = {
 }
 
 
+_ARCH = (9, 0)  # the modules are built for sm_90 only (Makefile's CUDA_ARCH): a cubin runs on its own arch
+LOAD_FAILED = "the module does not load"
+
+
 class Module:
     """A cubin next to the package (make copies it from kernels/build), loaded once per
     device into this process with the driver API, and its kernels."""
@@ -32,10 +36,31 @@ class Module:
         self._lock = threading.Lock()
         self._funcs: dict[tuple[int, str], int] = {}  # (device index, kernel) -> CUfunction
         self._image: bytes | None = None
+        self._why: dict[int, str] = {}  # device index -> why_not's answer
 
     def available(self) -> bool:
         """Whether make built the module."""
         return os.path.exists(self.path)
+
+    def why_not(self, dev: int) -> str:
+        """Why the kernels do not run on device dev ("" where they do): the module was not
+        built, is built for another architecture, or does not load there (this reason starts
+        with LOAD_FAILED). Asked once per device."""
+        why = self._why.get(dev)
+        if why is None:
+            cap = torch.cuda.get_device_capability(dev)
+            if not self.available():
+                why = f"{self.path} was not built (make builds it)"
+            elif cap != _ARCH:
+                why = f"the module is built for sm_{_ARCH[0]}{_ARCH[1]}; device {dev} is sm_{cap[0]}{cap[1]}"
+            else:
+                try:
+                    self.function(dev, self.names[0])
+                    why = ""
+                except (_cuda.CudaError, OSError) as e:
+                    why = f"{LOAD_FAILED} on device {dev}: {e}"
+            self._why[dev] = why
+        return why
 
     def function(self, dev: int, name: str) -> int:
         """The kernel name in this process's copy of the module on device dev (loaded once)."""
@@ -75,36 +100,25 @@ def available() -> bool:
     return MOE.available()
 
 
-_ARCH = (9, 0)  # the module is built for sm_90 only (Makefile's CUDA_ARCH): a cubin runs on its own arch
 _usable: dict[int, bool] = {}
-_why: dict[int, str] = {}  # device index -> why the kernels do not run there
 
 
 def usable(dev: torch.device) -> bool:
-    """Whether the kernels run on CUDA device dev: the module was built, for dev's
+    """Whether the MoE kernels run on CUDA device dev: the module was built, for dev's
     architecture, and loads there (asked once per device; why_not says why not)."""
     i = dev.index if dev.index is not None else torch.cuda.current_device()
     ok = _usable.get(i)
     if ok is None:
-        cap = torch.cuda.get_device_capability(i)
-        if not available():
-            _why[i] = f"{MOE.path} was not built (make builds it)"
-        elif cap != _ARCH:
-            _why[i] = f"the module is built for sm_{_ARCH[0]}{_ARCH[1]}; device {i} is sm_{cap[0]}{cap[1]}"
-        else:
-            try:
-                MOE.function(i, "gocomm_moe_route")
-            except (_cuda.CudaError, OSError) as e:
-                _why[i] = f"the module does not load on device {i}: {e}"
-                warnings.warn(f"gocomm: MoE kernels fall back to torch ops: {_why[i]}", RuntimeWarning, stacklevel=3)
-        ok = _usable[i] = i not in _why
+        why = MOE.why_not(i)
+        if why.startswith(LOAD_FAILED):
+            warnings.warn(f"gocomm: MoE kernels fall back to torch ops: {why}", RuntimeWarning, stacklevel=3)
+        ok = _usable[i] = not why
     return ok
 
 
 def why_not(dev: torch.device) -> str:
     """Why usable(dev) is False ("" where it is True)."""
-    i = dev.index if dev.index is not None else torch.cuda.current_device()
-    return "" if usable(dev) else _why[i]
+    return MOE.why_not(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 def wsum(out: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor | None, offs: torch.Tensor) -> bool:
