@@ -34,7 +34,6 @@ log = logging.getLogger("gocomm")
 MAX_RANKS, MAX_PARTS, MAX_OUTS = 8, 128, 16
 _HEAD = 64 << 10  # kernels/a2av_ipc.cu's A2_HEAD: signals before it, the receive buffer after
 _TABLE = 9920  # kernels/a2av_ipc.cu's A2_TABLE: u64 [MAX_OUTS][MAX_RANKS], the receive buffers
-_EVENTS = 64
 _INT31 = (1 << 31) - 1  # the largest value a meta word carries
 _KERNEL = "gocomm_a2av_ipc"
 MODULE = _kernels.Module("a2av_ipc.cubin", (_KERNEL,))
@@ -115,9 +114,7 @@ class Path:
         self._seen = [0, 0]
         self._fn = MODULE.function(idx, _KERNEL)
         self._params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(a), ctypes.c_void_p))
-        self._events = [_cuda.event_create() for _ in range(_EVENTS)]
-        self._ops = 0
-        self._stream = None  # the stream of the last op queued outside a graph capture
+        self._order = _peers.StreamOrder()
         self.outputs: list[tuple[int, int]] = []  # receive buffers: (address here, bytes)
 
     def add_output(self, maps: list[int], nbytes: int) -> int:
@@ -166,13 +163,10 @@ class Path:
         cap bytes)."""
         a, idx = self._args, self.idx
         stream = _cuda.current_stream(idx)
+        # graph replays are ordered by the caller (kernels/a2av_ipc.cu, invariant 1)
         capturing = torch.cuda.is_current_stream_capturing()
-        if not capturing and stream != self._stream:
-            # the previous op may still run on another stream: the kernel's epoch and the
-            # receive buffer assume the group's ops run one after another
-            if self._stream is not None:
-                _cuda.stream_wait_event(stream, self._events[(self._ops - 1) % _EVENTS])
-            self._stream = stream
+        if not capturing:
+            self._order.before(stream)
         a.inp, a.splits, a.out, a.out_splits = inp.data_ptr(), splits.data_ptr(), out.data_ptr(), out_splits.data_ptr()
         # meta words carry 32-bit values (kernels/a2av_ipc.cu): more rows than that never fit
         a.capacity, a.row_bytes, a.in_rows = min(out.shape[0], _INT31), row, inp.shape[0]
@@ -180,8 +174,7 @@ class Path:
         a.splits32 = 1 if splits.dtype == torch.int32 else 0
         _cuda.launch(self._fn, self._grid, self._threads, stream, self._params)
         if not capturing:
-            _cuda.event_record(self._events[self._ops % _EVENTS], stream)
-            self._ops += 1
+            self._order.after(stream)
 
 
 def _threads() -> int:

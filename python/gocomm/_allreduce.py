@@ -39,7 +39,6 @@ _FLAG_BYTES = 2 * MAX_BLOCKS * MAX_RANKS * 8  # u64 [2 phases][blocks][ranks]
 _HEAD = 64 << 10  # flags at the start of the staging allocation, halves after
 assert _FLAG_BYTES <= _HEAD
 _SLACK = 256  # two-shot's n slots of ceil(vectors / n) may pass the message by (n - 1) vectors
-_EVENTS = 64
 _THREADS = 512
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 MODULE = _kernels.Module(
@@ -108,8 +107,7 @@ class Path:
         self._fn = {
             (k, dt): MODULE.function(idx, f"gocomm_ar_{k}_{sfx}") for k in ("one", "two") for dt, sfx in _SUFFIX.items()
         }
-        self._events = [_cuda.event_create() for _ in range(_EVENTS)]
-        self._stream = None  # the stream of the last op
+        self._order = _peers.StreamOrder()
         self._n = n
 
     def fits(self, t: torch.Tensor, redop: int) -> bool:
@@ -131,12 +129,7 @@ class Path:
         CUDA lock. Returns (the event recorded after it, the stream)."""
         a, idx = self._args, self.idx
         stream = _cuda.current_stream(idx)
-        if stream != self._stream:
-            # the previous op may still run on another stream: the halves and flags assume
-            # the group's ops run one after another
-            if self._stream is not None:
-                _cuda.stream_wait_event(stream, self._events[a.epoch % _EVENTS])
-            self._stream = stream
+        self._order.before(stream)  # the halves and flags assume one op after another
         a.epoch += 1
         nb = t.numel() * t.element_size()
         ptr = t.data_ptr()
@@ -148,9 +141,7 @@ class Path:
         per_block = _THREADS * (1 if kind == "one" else self._n)
         grid = max(1, min(self.blocks, -(-a.nvec // per_block)))
         _cuda.launch(self._fn[(kind, t.dtype)], grid, _THREADS, stream, self._params)
-        ev = self._events[a.epoch % _EVENTS]
-        _cuda.event_record(ev, stream)
-        return ev, stream
+        return self._order.after(stream), stream
 
 
 def setup(pg, dev: torch.device) -> Path | None:

@@ -1,5 +1,6 @@
 """Buffers the ranks of a group map into each other's processes (CUDA IPC), for the shim's
-kernels that write into their peers' memory over NVLink (gocomm/_allreduce.py, gocomm/_a2av.py).
+kernels that write into their peers' memory over NVLink (gocomm/_allreduce.py, gocomm/_a2av.py),
+and the order those kernels keep on the caller's streams (StreamOrder).
 
 share() is collective: every rank of the group calls it at the same op, also a rank that
 cannot take part (it says why), so that all ranks agree on the outcome. The handles travel
@@ -73,6 +74,33 @@ def share(pg, idx: int, what: str, why: str, cap: int, nbytes: int, settings: in
     torch.cuda.synchronize(idx)  # the zeroed buffer is in place before any peer's kernel
     agree(pg, True)
     return Shared(maps, cap, err)
+
+
+class StreamOrder:
+    """Keeps one group's kernels on a device one after another when the caller changes
+    streams: the kernels' epochs and shared buffers assume it. An op queued on a stream
+    other than the previous op's waits for the previous op's event. Events come from a ring,
+    so an event a caller keeps (a Work's) answers for its op or a later one, never an earlier
+    one. Call under the group's CUDA lock, in the device's context."""
+
+    def __init__(self, events: int = 64):
+        self._events = [_cuda.event_create() for _ in range(events)]
+        self._ops = 0
+        self._stream = None  # the stream of the last op recorded
+
+    def before(self, stream: int) -> None:
+        """Order an op about to be queued on stream after the previous one."""
+        if stream != self._stream:
+            if self._stream is not None:
+                _cuda.stream_wait_event(stream, self._events[(self._ops - 1) % len(self._events)])
+            self._stream = stream
+
+    def after(self, stream: int) -> int:
+        """Record the op just queued on stream; its event."""
+        ev = self._events[self._ops % len(self._events)]
+        _cuda.event_record(ev, stream)
+        self._ops += 1
+        return ev
 
 
 def _gather(pg, rec: torch.Tensor) -> list[torch.Tensor]:
