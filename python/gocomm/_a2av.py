@@ -156,11 +156,19 @@ class Path:
                 log.warning("gocomm all_to_all_v on group %r: %d op(s) with %s", group, got - self._seen[i], what)
                 self._seen[i] = got
 
-    def run(self, inp: torch.Tensor, splits: torch.Tensor, out: torch.Tensor, out_splits: torch.Tensor, row: int):
+    def run(
+        self,
+        inp: torch.Tensor,
+        splits: torch.Tensor,
+        out: torch.Tensor,
+        out_splits: torch.Tensor,
+        row: int,
+        where: tuple[int, int],
+    ):
         """Queue the exchange of rows of row bytes on the current stream; call under the
         group's CUDA lock. splits (int32 or int64, on the device) and out_splits have the same
-        dtype; out's rows are the capacity (out fits in the receive buffer it lies in, or in
-        cap bytes)."""
+        dtype; out's rows are the capacity; where is output_of(out) (out fits in that receive
+        buffer), or (-1, 0) (out fits in cap bytes)."""
         a, idx = self._args, self.idx
         stream = _cuda.current_stream(idx)
         # graph replays are ordered by the caller (kernels/a2av_ipc.cu, invariant 1)
@@ -170,7 +178,7 @@ class Path:
         a.inp, a.splits, a.out, a.out_splits = inp.data_ptr(), splits.data_ptr(), out.data_ptr(), out_splits.data_ptr()
         # meta words carry 32-bit values (kernels/a2av_ipc.cu): more rows than that never fit
         a.capacity, a.row_bytes, a.in_rows = min(out.shape[0], _INT31), row, inp.shape[0]
-        a.out_id, a.out_off = self.output_of(out, out.shape[0] * row) if self.outputs else (-1, 0)
+        a.out_id, a.out_off = where
         a.splits32 = 1 if splits.dtype == torch.int32 else 0
         _cuda.launch(self._fn, self._grid, self._threads, stream, self._params)
         if not capturing:
