@@ -86,6 +86,10 @@ type DeviceOp struct {
 // DeviceGroup runs one group's device ops in submission order on its own streams.
 type DeviceGroup interface {
 	Enqueue(op DeviceOp)
+	// ShmemID takes the group's NVSHMEM unique id, which the client carries between the
+	// ranks through the torch Store: rank 0 gets a new one (id empty), every other rank hands
+	// in rank 0's. The group's NVSHMEM PE is made with it at its first OpAllToAllV.
+	ShmemID(id []byte) ([]byte, error)
 	// Abort fails everything pending, cancels what runs (ncclCommAbort) and releases the
 	// client's waiting streams; the group stays broken.
 	Abort(cause error)

@@ -149,6 +149,7 @@ type fakeDevGroup struct {
 	joined  chan struct{}
 	id      []byte // rank 0's, over the PeerLink
 	idErr   error
+	shmemID []byte // what ShmemID was handed
 }
 
 func (g *fakeDevGroup) Enqueue(op DeviceOp) {
@@ -190,6 +191,17 @@ func (g *fakeDevGroup) Abort(cause error) {
 }
 
 func (g *fakeDevGroup) Close() error { return nil }
+
+// ShmemID: rank 0 (empty id) gets "new", the others have theirs kept.
+func (g *fakeDevGroup) ShmemID(id []byte) ([]byte, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if len(id) == 0 {
+		id = []byte("new")
+	}
+	g.shmemID = id
+	return id, nil
+}
 
 func (e *fakeEngine) group(i int) *fakeDevGroup {
 	e.mu.Lock()
@@ -536,4 +548,59 @@ func engine(srv *Server, name string) Engine {
 		}
 	}
 	return Engine{}
+}
+
+// TestShmemIDReachesTheDeviceGroup: the NVSHMEM unique id a client hands over (carried
+// between ranks through the torch Store) reaches its group's device member, which is made
+// for it when no CUDA op of the group has run yet, and the group's CUDA ops still run after;
+// an unknown group or a session with no device is refused.
+func TestShmemIDReachesTheDeviceGroup(t *testing.T) {
+	eng := &fakeEngine{}
+	clients, groups := deviceCluster(t, 2, 5*time.Second, eng)
+	id, err := clients[0].sess.ShmemID(groups[0].Handle, nil)
+	if err != nil || string(id) != "new" {
+		t.Fatalf("rank 0 ShmemID = %q, %v", id, err)
+	}
+	if back, err := clients[1].sess.ShmemID(groups[1].Handle, id); err != nil || string(back) != "new" {
+		t.Fatalf("rank 1 ShmemID = %q, %v", back, err)
+	}
+	for i := range groups {
+		if got := string(eng.group(i).shmemID); got != "new" {
+			t.Fatalf("device group %d holds id %q", i, got)
+		}
+	}
+	seg := uint32(CUDASegment | 1)
+	for r := range clients {
+		clients[r].registerIPC(seg, 1<<20)
+		clients[r].submit(cudaAllReduce(groups[r], seg, 1000, 1))
+	}
+	for r := range clients {
+		if d := clients[r].next(5 * time.Second); d.status != StatusOK {
+			t.Fatalf("rank %d's op after ShmemID: %+v", r, d)
+		}
+	}
+	if n := len(eng.groups); n != 2 {
+		t.Fatalf("%d device groups, want the 2 ShmemID made", n)
+	}
+	if _, err := clients[0].sess.ShmemID(9999, nil); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("ShmemID on an unknown group: %v, want ErrNotFound", err)
+	}
+
+	node, err := transport.Listen(transport.Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quietLog()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := NewServer(Config{Version: "test", ShmDir: t.TempDir()}, node, quietLog())
+	t.Cleanup(func() { srv.Shutdown("test over"); node.Close() })
+	sess, err := srv.Attach(1, 0, 64<<10, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	g, _, err := sess.CreateGroup("cpu", 0, 1, nil, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sess.ShmemID(g.Handle, nil); !errors.Is(err, ErrNoDevice) {
+		t.Fatalf("ShmemID without a device: %v, want ErrNoDevice", err)
+	}
 }

@@ -290,30 +290,18 @@ func (g *Group) submitDevice(ds DeviceSession, o *op, ptrs []uint64) {
 		g.finish(o, StatusAborted, -1, fmt.Sprintf("%s on group %q: %s", o.desc.Kind, g.Name, why))
 		return
 	}
-	if g.dev == nil {
-		if g.Slot < 0 {
-			g.mu.Unlock()
-			g.finish(o, StatusInvalid, -1, fmt.Sprintf("%s on group %q: more than %d groups use CUDA tensors in this process", o.desc.Kind, g.Name, CounterSlots))
-			return
-		}
-		start := time.Now()
-		dev, err := ds.NewGroup(g.Rank, g.Size, g.Slot, g.Base, peerLink{g.ep})
-		g.log.Info("device group created", "took", time.Since(start), "err", err)
-		if err != nil {
-			ep := g.ep
-			g.mu.Unlock()
-			msg := fmt.Sprintf("%s on group %q: %v", o.desc.Kind, g.Name, err)
-			ep.Break(fmt.Errorf("%w: %s", transport.ErrAborted, msg)) // the peers' device groups wait for this one
-			g.releaseStreams("a failed device group")
-			g.finish(o, StatusInternal, -1, msg)
-			return
-		}
-		g.dev = dev
-		g.ep.OnBreak(func(cause error) {
-			if !errors.Is(cause, transport.ErrClosed) { // a destroy gives device ops their grace period (close)
-				dev.Abort(cause)
-			}
-		})
+	if g.Slot < 0 {
+		g.mu.Unlock()
+		g.finish(o, StatusInvalid, -1, fmt.Sprintf("%s on group %q: more than %d groups use CUDA tensors in this process", o.desc.Kind, g.Name, CounterSlots))
+		return
+	}
+	if err := g.makeDevice(ds); err != nil {
+		ep := g.ep
+		g.mu.Unlock()
+		msg := fmt.Sprintf("%s on group %q: %v", o.desc.Kind, g.Name, err)
+		g.deviceFailed(ep, msg)
+		g.finish(o, StatusInternal, -1, msg)
+		return
 	}
 	dev, ep := g.dev, g.ep
 	g.running.Add(1)
@@ -329,6 +317,59 @@ func (g *Group) submitDevice(ds DeviceSession, o *op, ptrs []uint64) {
 		ep.Break(errors.New(msg))
 		g.finish(o, status, -1, msg)
 	}})
+}
+
+// makeDevice makes the group's device member if it has none (g.mu held, the group
+// connected, with a counter slot). After a failure the caller unlocks g.mu and calls
+// deviceFailed.
+func (g *Group) makeDevice(ds DeviceSession) error {
+	if g.dev != nil {
+		return nil
+	}
+	start := time.Now()
+	dev, err := ds.NewGroup(g.Rank, g.Size, g.Slot, g.Base, peerLink{g.ep})
+	g.log.Info("device group created", "took", time.Since(start), "err", err)
+	if err != nil {
+		return err
+	}
+	g.dev = dev
+	g.ep.OnBreak(func(cause error) {
+		if !errors.Is(cause, transport.ErrClosed) { // a destroy gives device ops their grace period (close)
+			dev.Abort(cause)
+		}
+	})
+	return nil
+}
+
+// deviceFailed breaks the group after its device member could not be made (g.mu not held):
+// the peers' device members wait for this one.
+func (g *Group) deviceFailed(ep *transport.Endpoint, msg string) {
+	ep.Break(fmt.Errorf("%w: %s", transport.ErrAborted, msg))
+	g.releaseStreams("a failed device group")
+}
+
+// shmemID hands the group's NVSHMEM unique id to its device member (DeviceGroup.ShmemID),
+// making the member first if no CUDA op has yet.
+func (g *Group) shmemID(ds DeviceSession, id []byte) ([]byte, error) {
+	g.mu.Lock()
+	switch {
+	case g.ep == nil || g.closing != "":
+		g.mu.Unlock()
+		return nil, fmt.Errorf("%w: group %q: %s", ErrInvalid, g.Name, cmp.Or(g.closing, "not connected"))
+	case g.Slot < 0:
+		g.mu.Unlock()
+		return nil, fmt.Errorf("%w: group %q: more than %d groups use CUDA tensors in this process", ErrInvalid, g.Name, CounterSlots)
+	}
+	if err := g.makeDevice(ds); err != nil {
+		ep := g.ep
+		g.mu.Unlock()
+		err = fmt.Errorf("NVSHMEM unique id on group %q: %w", g.Name, err)
+		g.deviceFailed(ep, err.Error())
+		return nil, err
+	}
+	dev := g.dev
+	g.mu.Unlock()
+	return dev.ShmemID(id)
 }
 
 // execute runs the collectives of the group in order (design 1).

@@ -218,6 +218,20 @@ func (sess *Session) ConnectGroup(handle uint32, blobs [][]byte, secret []byte) 
 	return "tcp", nil
 }
 
+// ShmemID hands a group's NVSHMEM unique id over (DeviceGroup.ShmemID): the client carries
+// it from rank 0 to the other ranks through the torch Store.
+func (sess *Session) ShmemID(handle uint32, id []byte) ([]byte, error) {
+	g, err := sess.Group(handle)
+	if err != nil {
+		return nil, err
+	}
+	ds := sess.deviceSession()
+	if ds == nil {
+		return nil, fmt.Errorf("%w: the session has not attached its device", ErrNoDevice)
+	}
+	return g.shmemID(ds, id)
+}
+
 // Group returns one of the session's groups.
 func (sess *Session) Group(handle uint32) (*Group, error) {
 	sess.mu.Lock()

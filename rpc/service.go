@@ -195,6 +195,18 @@ func (s *Service) ConnectGroup(_ context.Context, req *v1.ConnectGroupRequest) (
 	return &v1.ConnectGroupResponse{Transport: transport}, nil
 }
 
+func (s *Service) ShmemID(_ context.Context, req *v1.ShmemIDRequest) (*v1.ShmemIDResponse, error) {
+	sess, err := s.srv.Session(req.Session)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	id, err := sess.ShmemID(req.Group, req.Id)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &v1.ShmemIDResponse{Id: id}, nil
+}
+
 func (s *Service) DestroyGroup(_ context.Context, req *v1.DestroyGroupRequest) (*v1.DestroyGroupResponse, error) {
 	sess, err := s.srv.Session(req.Session)
 	if err != nil {

@@ -14,6 +14,7 @@ import (
 	"github.com/gocomm/gocomm/collectives/reduce"
 	"github.com/gocomm/gocomm/internal/cuda"
 	"github.com/gocomm/gocomm/internal/nccl"
+	"github.com/gocomm/gocomm/internal/nvshmem"
 	"github.com/gocomm/gocomm/pg"
 )
 
@@ -80,6 +81,8 @@ type group struct {
 	wg       sync.WaitGroup
 
 	floor [2]uint32 // per lane, the last stream value enqueued (the base before any): what a release counts from (mu)
+
+	shmemID *nvshmem.UniqueID // handed over by the client (ShmemID) before the first OpAllToAllV (mu)
 
 	seqMu     sync.Mutex // the p2p done sequencer (design 3)
 	seqStream cuda.Stream

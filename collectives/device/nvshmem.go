@@ -21,11 +21,9 @@ import (
 // Status: passes the GPU suite on 2 and 4 H200s; the sidecar picks it when its client
 // attaches (cmd/pgserver: NVLink topology, GOCOMM_TRANSPORT, the library loads).
 
-// PeerLink tags of the NVSHMEM set-up.
-const (
-	tagShmemID = 2 // rank 0 -> every rank: the NVSHMEM unique id
-	tagShmemOK = 3 // every rank -> every rank: whether its PE is ready for the heap
-)
+// PeerLink tag of the NVSHMEM set-up: every rank -> every rank, whether its PE is ready for
+// the heap. (The unique id travels through the torch Store: ShmemID.)
+const tagShmemOK = 3
 
 // shmem is this process's NVSHMEM PE and what the a2av kernels need (kernels/a2av.cu
 // documents the symmetric layout).
@@ -105,46 +103,68 @@ func (s *session) shmemFor(g *group, deadline time.Time) (*shmem, error) {
 	return sh, nil
 }
 
-// initShmem makes this process PE g.rank of g.size (invariants 1-3).
-func (g *group) initShmem(path string, deadline time.Time) (*shmem, error) {
-	// What NVSHMEM reads at init: no NCCL of its own (it would build communicators for its
-	// teams), no remote transports (one node), no NVLink SHARP, the loopback interface for
-	// the bootstrap, and a heap that holds the receive buffer.
-	rb := recvBytes()
+// loadShmem sets what NVSHMEM reads from the environment (where the user did not) and loads
+// the library: no NCCL of its own (it would build communicators for its teams), no remote
+// transports (one node), no NVLink SHARP, the loopback interface for the unique-id
+// bootstrap (read when the id is made), and a heap that holds the receive buffer.
+func loadShmem(path string) error {
 	for k, v := range map[string]string{
 		"NVSHMEM_DISABLE_NCCL":              "1",
 		"NVSHMEM_REMOTE_TRANSPORT":          "none",
 		"NVSHMEM_DISABLE_NVLS":              "1",
 		"NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
-		"NVSHMEM_SYMMETRIC_SIZE":            strconv.FormatInt(rb+(64<<20), 10),
+		"NVSHMEM_SYMMETRIC_SIZE":            strconv.FormatInt(recvBytes()+(64<<20), 10),
 	} {
 		if os.Getenv(k) == "" {
 			os.Setenv(k, v)
 		}
 	}
-	if err := nvshmem.Load(path); err != nil {
+	return nvshmem.Load(path)
+}
+
+// ShmemID implements pg.DeviceGroup: the unique id of the group's NVSHMEM bootstrap, which
+// the client carries from rank 0 to the others through the torch Store. Rank 0 makes it
+// (its process is the bootstrap's root) and every other rank hands rank 0's in; initShmem
+// uses it.
+func (g *group) ShmemID(id []byte) ([]byte, error) {
+	var u nvshmem.UniqueID
+	switch {
+	case g.rank == 0 && len(id) != 0:
+		return nil, fmt.Errorf("%w: rank 0 makes the NVSHMEM unique id, it was sent one", pg.ErrInvalid)
+	case g.rank == 0:
+		if err := loadShmem(g.s.shmem.path); err != nil {
+			return nil, fmt.Errorf("NVSHMEM: %w", err)
+		}
+		var err error
+		if u, err = nvshmem.NewUniqueID(); err != nil {
+			return nil, fmt.Errorf("NVSHMEM: %w", err)
+		}
+	case len(id) != len(u):
+		return nil, fmt.Errorf("%w: an NVSHMEM unique id of %d bytes, want %d", pg.ErrInvalid, len(id), len(u))
+	default:
+		copy(u[:], id)
+	}
+	g.mu.Lock()
+	g.shmemID = &u
+	g.mu.Unlock()
+	return u[:], nil
+}
+
+// initShmem makes this process PE g.rank of g.size (invariants 1-3).
+func (g *group) initShmem(path string, deadline time.Time) (*shmem, error) {
+	rb := recvBytes()
+	if err := loadShmem(path); err != nil {
 		return nil, err
 	}
+	g.mu.Lock()
+	idp := g.shmemID
+	g.mu.Unlock()
+	if idp == nil {
+		return nil, fmt.Errorf("%w: no unique id for this group's bootstrap (the client hands it over, ShmemID, before the first all_to_all_v)", pg.ErrInvalid)
+	}
+	id := *idp
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	var id nvshmem.UniqueID
-	if g.rank == 0 {
-		var err error
-		if id, err = nvshmem.NewUniqueID(); err != nil {
-			return nil, err
-		}
-		for p := 1; p < g.size; p++ {
-			if err := g.link.Send(ctx, p, tagShmemID, id[:]); err != nil {
-				return nil, fmt.Errorf("send the unique id to rank %d: %w", p, err)
-			}
-		}
-	} else {
-		b, err := g.link.Recv(ctx, 0, tagShmemID, len(id))
-		if err != nil {
-			return nil, fmt.Errorf("unique id from rank 0: %w", err)
-		}
-		copy(id[:], b)
-	}
 	sh := &shmem{group: g, recvBytes: rb, shape: a2avShapeOf(g.size)}
 	cubin, err := kernels.Cubin("a2av")
 	if err != nil {

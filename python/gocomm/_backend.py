@@ -413,6 +413,10 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         self._a2av_on = self._sparse == "nvshmem" and size <= _a2av.MAX_RANKS
         self._a2av: dict[int, _a2av.Path | None] = {}
         self._broken: BaseException | None = None  # the first failure of an op of this group
+        # the group's Store, for the NVSHMEM unique id of the sidecar's all_to_all_v kernel
+        # (_shmem_id), handed over at the group's first such op
+        self._store = store
+        self._shmem_ready = False
         log.info("gocomm group %r rank %d/%d on handle %d via %s", group_name, rank, size, self._handle, conn.transport)
 
     # ----- identity -------------------------------------------------------------------------
@@ -750,6 +754,36 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             self._a2av_on = False
             self._fail_kernel("all_to_all_v")
         return path
+
+    def _shmem_id(self, device: torch.device) -> None:
+        """Carry the group's NVSHMEM unique id from rank 0's sidecar (the bootstrap's root,
+        which makes it) to every other rank's through the group's torch Store. Collective:
+        each rank calls it before the group's first all_to_all_v in the sidecar's NVSHMEM
+        kernel, which makes the PE with the id. A rank 0 that cannot make one says so through
+        the Store, so the other ranks raise at once instead of at the Store's timeout."""
+        if self._shmem_ready:
+            return
+        self._need_slot("all_to_all_v")
+        self._sc.attach_device(device)
+        key = "gocomm/nvshmem_uid"
+        req = pb.ShmemIDRequest(session=self._sc.session, group=self._handle)
+        if self._rank == 0:
+            try:
+                uid = self._sc.call("ShmemID", req).id
+            except BaseException:
+                self._store.set(key, b"")
+                raise
+            self._store.set(key, uid)
+        else:
+            uid = self._store.get(key)
+            if not uid:
+                raise RuntimeError(
+                    f"gocomm all_to_all_v on group {self._group_name!r}: rank 0 could not make the NVSHMEM "
+                    "unique id (its error says why)"
+                )
+            req.id = uid
+            self._sc.call("ShmemID", req)
+        self._shmem_ready = True
 
     def _fail_kernel(self, op: str) -> None:
         """Abort the group and raise: a kernel of op in this process timed out waiting for a peer."""

@@ -85,6 +85,7 @@ def _nvshmem(g, n, input, in_splits, out):
     calls this once per layer: the path makes as few as it can."""
     row = input.element_size() * math.prod(input.shape[1:])
     out = _output(n, input, out, row, _capacity_rows(row))
+    g._shmem_id(input.device)
     native = in_splits.dtype == torch.int64 and in_splits.is_cuda and in_splits.is_contiguous()
     splits64 = in_splits if native else in_splits.to(input.device, torch.int64)
     # the output splits and the kernel's status word (after them) in one allocation, and no
