@@ -38,23 +38,53 @@ __device__ __forceinline__ bool splits_valid(uint64_t splits, int n, bool i32, i
   return sum <= rows;
 }
 
+// Loads in flight per thread in block_copy (16 bytes each).
+#ifndef GOCOMM_COPY_UNROLL
+#define GOCOMM_COPY_UNROLL 4
+#endif
+
+// A 16-byte load of memory no one writes while the kernel runs (the read-only data path).
+__device__ __forceinline__ int4 ld_nc(const int4* p) {
+#if GOCOMM_COPY_NC
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+#else
+  return *p;
+#endif
+}
+
 // block_copy copies bytes from src to dst with the whole block: 16 bytes per load and store,
-// four loads in flight per thread, where both ends are 16-byte aligned; byte by byte for the
-// rest. dst may be a peer's memory (an NVLink mapping): stores post, where loads would wait
-// a round trip, so the copy is pushed, never pulled, across GPUs.
+// GOCOMM_COPY_UNROLL loads in flight per thread (the last round too, predicated), where both
+// ends are 16-byte aligned; byte by byte for the rest. dst may be a peer's memory (an NVLink
+// mapping): stores post, where loads would wait a round trip, so the copy is pushed, never
+// pulled, across GPUs.
 __device__ __forceinline__ void block_copy(char* __restrict__ dst, const char* __restrict__ src, int64_t bytes) {
+  constexpr int U = GOCOMM_COPY_UNROLL;
   int64_t done = 0;
   if (((((uintptr_t)dst) | ((uintptr_t)src)) & 15) == 0) {
-    const int64_t vec = bytes >> 4;
+    const int64_t vec = bytes >> 4, bd = blockDim.x;
     int4* d = reinterpret_cast<int4*>(dst);
     const int4* s = reinterpret_cast<const int4*>(src);
-    const int64_t step = (int64_t)blockDim.x * 4;
     int64_t i = threadIdx.x;
-    for (; i + 3 * blockDim.x < vec; i += step) {
-      int4 a = s[i], b = s[i + blockDim.x], c = s[i + 2 * blockDim.x], e = s[i + 3 * blockDim.x];
-      d[i] = a, d[i + blockDim.x] = b, d[i + 2 * blockDim.x] = c, d[i + 3 * blockDim.x] = e;
+    for (; i + (U - 1) * bd < vec; i += U * bd) {
+      int4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; u++) v[u] = ld_nc(s + i + u * bd);
+#pragma unroll
+      for (int u = 0; u < U; u++) d[i + u * bd] = v[u];
     }
-    for (; i < vec; i += blockDim.x) d[i] = s[i];
+    if (i < vec) {  // fewer than U left for this thread: one more round, all loads first
+      int4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; u++)
+        if (i + u * bd < vec) v[u] = ld_nc(s + i + u * bd);
+#pragma unroll
+      for (int u = 0; u < U; u++)
+        if (i + u * bd < vec) d[i + u * bd] = v[u];
+    }
     done = vec << 4;
   }
   for (int64_t k = done + threadIdx.x; k < bytes; k += blockDim.x) dst[k] = src[k];
