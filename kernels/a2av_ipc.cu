@@ -19,11 +19,14 @@
 //                                  output's offset in it (bytes), for epochs of parity p;
 //                                  written by s, each word tagged with the epoch (tagged())
 //   1600    (unused, 128 bytes)
-//   1728    dsig   u64 [R][P]      dsig[s][k] = epoch once part k of s's rows for this rank
-//                                  landed (a part with no bytes is never signalled)
+//   1728    dsig   u64 [R][P]      dsig[s][k] = stage(epoch, j + 1) once round j of part k of
+//                                  s's rows for this rank landed (a part with no bytes in a
+//                                  round is not signalled for it)
 //   9920    table  u64 [O][R]      table[o][s] = rank s's receive buffer o, mapped here
 //                                  (written by the host when the group made it)
-//   10944   (free up to 64 KiB)
+//   10944   csig   u64 [R][P]      csig[d][k] = stage(epoch, j) once rank d copied round j - 1
+//                                  of part k of this rank's rows out of its slot (invariant 5)
+//   19136   (free up to 64 KiB)
 //   65536   recv   capacity bytes  rows from the peers, grouped by source rank, for a rank
 //                                  whose output is not a receive buffer; it copies them out
 //
@@ -51,6 +54,12 @@
 //      out is a receive buffer: the sender writes into it directly).
 //   4. Block 0 waits for every other block of its rank (ctl.done), then advances ctl.epoch:
 //      every block read the epoch before it counted itself done.
+//   5. A receiver whose rows do not fit its recv at once (its output is not a receive buffer
+//      and it takes more than stage_bytes) takes them in rounds: recv holds one slot of S
+//      bytes per sender (stage_bytes / n, rounded down to 16 x P'), a sender moves S bytes
+//      of its rows for that receiver per round into its slot, and part k of a round waits
+//      until the receiver's part k copied the previous round out (csig). Every rank decides
+//      this from the same meta rows, so sender and receiver count the same rounds.
 //
 // Meta values are 32-bit (tagged()): the shim keeps splits, capacities, row sizes and
 // offsets in receive buffers below 2^31.
@@ -74,9 +83,10 @@
 #define A2_META 64
 #define A2_DSIG (A2_META + 2 * A2_MAX_RANKS * A2_W * 8 + 128)
 #define A2_TABLE (A2_DSIG + A2_MAX_RANKS * A2_MAX_PARTS * 8)
+#define A2_CSIG (A2_TABLE + A2_MAX_OUTS * A2_MAX_RANKS * 8)
 #define A2_HEAD 65536
 static_assert(A2_TABLE == 9920, "the layout above (and gocomm/_a2av.py's _TABLE)");
-static_assert(A2_TABLE + A2_MAX_OUTS * A2_MAX_RANKS * 8 <= A2_HEAD, "the table overlaps recv");
+static_assert(A2_CSIG + A2_MAX_RANKS * A2_MAX_PARTS * 8 <= A2_HEAD, "the signals overlap recv");
 
 struct A2Args {
   uint64_t base[A2_MAX_RANKS];  // every rank's buffer, mapped in this process
@@ -86,6 +96,8 @@ struct A2Args {
   int64_t in_rows;    // rows in the input
   int64_t out_id;     // the receive buffer out lies in, or -1
   int64_t out_off;    // out's offset in it (bytes)
+  int64_t stage_bytes;  // recv's size (every rank's is the same): invariant 5
+  int64_t host_splits[A2_MAX_RANKS];  // the splits where splits is 0 (known on the host)
   uint64_t timeout_ns;
   uint32_t rank, n, parts, splits32;  // splits32: in and out splits are int32, else int64
 };
@@ -101,9 +113,17 @@ __device__ __forceinline__ uint64_t* dsig_of(uint64_t base, int s, int part) {
   return reinterpret_cast<uint64_t*>(base + A2_DSIG) + s * A2_MAX_PARTS + part;
 }
 
-// Spins until *sig >= epoch; false (and *late set) once the deadline passed.
-__device__ __forceinline__ bool wait_ge(const uint64_t* sig, uint64_t epoch, uint64_t deadline, int* late) {
-  for (uint32_t spins = 0; ld_acquire_sys(sig) < epoch; spins++) {
+__device__ __forceinline__ uint64_t* csig_of(uint64_t base, int s, int part) {
+  return reinterpret_cast<uint64_t*>(base + A2_CSIG) + s * A2_MAX_PARTS + part;
+}
+
+// A signal value: round k of the op of this epoch (rounds < 2^24; epochs grow, so a signal
+// of an earlier op is always below any of a later one).
+__device__ __forceinline__ uint64_t stage(uint64_t epoch, int64_t k) { return (epoch << 24) | (uint64_t)k; }
+
+// Spins until *sig >= want; false (and *late set) once the deadline passed.
+__device__ __forceinline__ bool wait_ge(const uint64_t* sig, uint64_t want, uint64_t deadline, int* late) {
+  for (uint32_t spins = 0; ld_acquire_sys(sig) < want; spins++) {
     if ((spins & 255) == 255 && now_ns() > deadline) {
       atomicExch(late, 1);
       return false;
@@ -129,16 +149,23 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
   const uint64_t deadline = now_ns() + a.timeout_ns;
   __shared__ int late, valid;
   if (threadIdx.x == 0) late = 0;
+  // splits known on the host (all_to_all_single) come in the arguments
+  __shared__ int64_t hs[A2_MAX_RANKS];
+  const bool on_host = a.splits == 0;
+  if (on_host && threadIdx.x < n) hs[threadIdx.x] = a.host_splits[threadIdx.x];
+  __syncthreads();
+  const uint64_t splits = on_host ? reinterpret_cast<uint64_t>(hs) : a.splits;
+  const bool splits32 = !on_host && a.splits32;
 
   // 1. Block 0 publishes this rank's row to every rank (itself too): thread p writes rank
   //    p's copy and releases its signal. Invalid splits are never trusted: zeros are sent.
   if (blockIdx.x == 0) {
-    if (threadIdx.x == 0) valid = splits_valid(a.splits, n, a.splits32, a.in_rows);
+    if (threadIdx.x == 0) valid = splits_valid(splits, n, splits32, a.in_rows);
     __syncthreads();
     if (threadIdx.x < n) {
       const int p = threadIdx.x;
       volatile uint64_t* row = reinterpret_cast<volatile uint64_t*>(meta_row(a.base[p], par, me));
-      for (int j = 0; j < n; j++) row[j] = tagged(epoch, valid ? split_at(a.splits, j, a.splits32) : 0);
+      for (int j = 0; j < n; j++) row[j] = tagged(epoch, valid ? split_at(splits, j, splits32) : 0);
       row[n] = tagged(epoch, a.capacity);
       row[n + 1] = tagged(epoch, a.row_bytes);
       row[n + 2] = tagged(epoch, a.out_id);
@@ -165,12 +192,12 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
   }
   __syncthreads();
 
-  // 3. The pair (this rank, d), part k: send, then take (invariant 2).
+  // 3. The pair (this rank, d), part k: send, then take, round by round (invariants 2, 5).
   const int d = blockIdx.x / a.parts, part = blockIdx.x % a.parts;
   if (d < n && !late) {
     __shared__ int64_t src_off, dst_off, in_off, from_d, to_d;
     __shared__ uint64_t dst_base;  // where d takes this rank's rows: its recv or its output
-    __shared__ int send, take;
+    __shared__ int send, take, staged_d, staged_me, ok;
     if (threadIdx.x == 0) {
       int64_t src = 0, dst = 0, in = 0, total_d = 0, c_in = 0;
       int same = 1;
@@ -194,36 +221,65 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
                      : a.base[d] + A2_HEAD;
       send = same && total_d <= md[n];  // d's own test, invariant 3
       take = same && c_in <= a.capacity;
+      staged_d = !(o >= 0 && o < A2_MAX_OUTS) && total_d * a.row_bytes > a.stage_bytes;
+      staged_me = a.out_id < 0 && c_in * a.row_bytes > a.stage_bytes;
     }
     __syncthreads();
     const int64_t rb = a.row_bytes;
     const int64_t bytes = to_d * rb;
-    const int64_t chunk = ((bytes + a.parts - 1) / a.parts + 15) & ~(int64_t)15;
-    const int64_t lo = min(part * chunk, bytes), hi = min(lo + chunk, bytes);
     const char* in = reinterpret_cast<const char*>(a.in) + src_off * rb;
     char* out = reinterpret_cast<char*>(a.out);
     if (d == me) {
       // this rank's rows for itself: input to output, no staging
+      const int64_t chunk = ((bytes + a.parts - 1) / a.parts + 15) & ~(int64_t)15;
+      const int64_t lo = min(part * chunk, bytes), hi = min(lo + chunk, bytes);
       if (take && hi > lo) block_copy(out + in_off * rb + lo, in + lo, hi - lo);
     } else {
-      if (send && hi > lo) {
-        char* peer = reinterpret_cast<char*>(dst_base) + dst_off * rb;
-        block_copy(peer + lo, in + lo, hi - lo);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          __threadfence_system();
-          st_release_sys(dsig_of(a.base[d], me, part), epoch);
-        }
-      }
+      // One round moves a pair's bytes, or slot bytes per round through the sender's slot
+      // where the receiver's rows do not fit its recv at once (invariant 5). In rounds, part
+      // k always has the same slot / P' bytes of the slot (fewer in the last round), so the
+      // receiver's part k freeing them is all the sender's part k waits for.
+      const int64_t slot = a.stage_bytes / n / (16 * a.parts) * (16 * a.parts);
       const int64_t rbytes = from_d * rb;
-      const int64_t rc = ((rbytes + a.parts - 1) / a.parts + 15) & ~(int64_t)15;
-      const int64_t rlo = min(part * rc, rbytes), rhi = min(rlo + rc, rbytes);
-      if (take && rhi > rlo) {
-        __shared__ int got;
-        if (threadIdx.x == 0) got = wait_ge(dsig_of(mine, d, part), epoch, deadline, &late);
+      const int64_t sq = staged_d ? slot : max(bytes, (int64_t)1);
+      const int64_t rq = staged_me ? slot : max(rbytes, (int64_t)1);
+      const int64_t ks = send ? (bytes + sq - 1) / sq : 0, kr = take ? (rbytes + rq - 1) / rq : 0;
+      char* to = staged_d ? reinterpret_cast<char*>(a.base[d] + A2_HEAD) + me * slot
+                          : reinterpret_cast<char*>(dst_base) + dst_off * rb;
+      const char* from = reinterpret_cast<const char*>(mine + A2_HEAD) + (staged_me ? d * slot : in_off * rb);
+      for (int64_t k = 0; k < max(ks, kr); k++) {
+        if (k < ks) {
+          const int64_t len = min(sq, bytes - k * sq);
+          const int64_t chunk = staged_d ? slot / a.parts : ((len + a.parts - 1) / a.parts + 15) & ~(int64_t)15;
+          const int64_t lo = min(part * chunk, len), hi = min(lo + chunk, len);
+          if (hi > lo) {
+            if (threadIdx.x == 0) ok = k == 0 || wait_ge(csig_of(mine, d, part), stage(epoch, k), deadline, &late);
+            __syncthreads();
+            if (!ok) break;
+            block_copy(to + lo, in + k * sq + lo, hi - lo);
+            __syncthreads();
+            if (threadIdx.x == 0) {
+              __threadfence_system();
+              st_release_sys(dsig_of(a.base[d], me, part), stage(epoch, k + 1));
+            }
+          }
+        }
+        if (k < kr) {
+          const int64_t len = min(rq, rbytes - k * rq);
+          const int64_t chunk = staged_me ? slot / a.parts : ((len + a.parts - 1) / a.parts + 15) & ~(int64_t)15;
+          const int64_t lo = min(part * chunk, len), hi = min(lo + chunk, len);
+          if (hi > lo) {
+            if (threadIdx.x == 0) ok = wait_ge(dsig_of(mine, d, part), stage(epoch, k + 1), deadline, &late);
+            __syncthreads();
+            if (!ok) break;
+            if (a.out_id < 0) block_copy(out + in_off * rb + k * rq + lo, from + lo, hi - lo);
+            if (k + 1 < kr) {  // d may send its next round into the slot
+              __syncthreads();
+              if (threadIdx.x == 0) st_release_sys(csig_of(a.base[d], me, part), stage(epoch, k + 1));
+            }
+          }
+        }
         __syncthreads();
-        const char* recv = reinterpret_cast<const char*>(mine + A2_HEAD) + in_off * rb;
-        if (got && a.out_id < 0) block_copy(out + in_off * rb + rlo, recv + rlo, rhi - rlo);
       }
     }
   }
@@ -244,8 +300,12 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
   __syncthreads();
   for (int s = threadIdx.x; s < n; s += blockDim.x) {
     const int64_t* m = rows[s];
-    if (a.splits32) reinterpret_cast<int32_t*>(a.out_splits)[s] = (int32_t)m[me];
-    else reinterpret_cast<int64_t*>(a.out_splits)[s] = m[me];
+    if (!a.out_splits) {
+    } else if (splits32) {
+      reinterpret_cast<int32_t*>(a.out_splits)[s] = (int32_t)m[me];
+    } else {
+      reinterpret_cast<int64_t*>(a.out_splits)[s] = m[me];
+    }
     if (m[n + 1] != a.row_bytes) mismatch = 1;
   }
   __syncthreads();

@@ -83,6 +83,8 @@ class _Args(ctypes.Structure):
         ("in_rows", ctypes.c_int64),
         ("out_id", ctypes.c_int64),
         ("out_off", ctypes.c_int64),
+        ("stage_bytes", ctypes.c_int64),
+        ("host_splits", ctypes.c_int64 * MAX_RANKS),
         ("timeout_ns", ctypes.c_uint64),
         ("rank", ctypes.c_uint32),
         ("n", ctypes.c_uint32),
@@ -105,6 +107,7 @@ class Path:
         for p, base in enumerate(maps):
             a.base[p] = base
         a.err = err[1]
+        a.stage_bytes = cap
         a.timeout_ns = int(timeout_s * 1e9)
         a.rank, a.n = rank, n
         a.parts = parts
@@ -159,30 +162,36 @@ class Path:
     def run(
         self,
         inp: torch.Tensor,
-        splits: torch.Tensor,
+        splits: torch.Tensor | list[int],
         out: torch.Tensor,
-        out_splits: torch.Tensor,
+        out_splits: torch.Tensor | None,
         row: int,
         where: tuple[int, int],
-    ):
+    ) -> tuple[int | None, int]:
         """Queue the exchange of rows of row bytes on the current stream; call under the
-        group's CUDA lock. splits (int32 or int64, on the device) and out_splits have the same
-        dtype; out's rows are the capacity; where is output_of(out) (out fits in that receive
-        buffer), or (-1, 0) (out fits in cap bytes)."""
+        group's CUDA lock. splits: int32 or int64 on the device (out_splits, if given, has
+        the same dtype), or a list known on the host (valid: the caller checked it); out's
+        rows are the capacity; where is output_of(out) (out lies in that receive buffer), or
+        (-1, 0): the rows pass through recv (in rounds where they do not fit it at once).
+        Returns the op's event (None while capturing a graph) and stream."""
         a, idx = self._args, self.idx
         stream = _cuda.current_stream(idx)
         # graph replays are ordered by the caller (kernels/a2av_ipc.cu, invariant 1)
         capturing = torch.cuda.is_current_stream_capturing()
         if not capturing:
             self._order.before(stream)
-        a.inp, a.splits, a.out, a.out_splits = inp.data_ptr(), splits.data_ptr(), out.data_ptr(), out_splits.data_ptr()
+        if isinstance(splits, torch.Tensor):
+            a.splits, a.splits32 = splits.data_ptr(), 1 if splits.dtype == torch.int32 else 0
+        else:
+            a.splits, a.splits32 = 0, 0
+            a.host_splits[: len(splits)] = splits
+        a.inp, a.out = inp.data_ptr(), out.data_ptr()
+        a.out_splits = 0 if out_splits is None else out_splits.data_ptr()
         # meta words carry 32-bit values (kernels/a2av_ipc.cu): more rows than that never fit
         a.capacity, a.row_bytes, a.in_rows = min(out.shape[0], _INT31), row, inp.shape[0]
         a.out_id, a.out_off = where
-        a.splits32 = 1 if splits.dtype == torch.int32 else 0
         _cuda.launch(self._fn, self._grid, self._threads, stream, self._params)
-        if not capturing:
-            self._order.after(stream)
+        return (None if capturing else self._order.after(stream)), stream
 
 
 def _threads() -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
+import math
 import os
 import socket
 import threading
@@ -755,6 +756,33 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             self._fail_kernel("all_to_all_v")
         return path
 
+    def _all_to_all_single_here(self, output: torch.Tensor, input: torch.Tensor, ins: list[int]):
+        """all_to_all_single of CUDA tensors by the shim's all_to_all_v kernel, one-sided
+        over NVLink (gocomm/_a2av.py; the host's splits ride in the launch's arguments: no
+        copy, no host sync, capturable once the group's first call on the device ran), or
+        None where the group does not take it. The choice depends only on what every rank of
+        the group shares (its transport and the path's collective setup), so the ranks agree;
+        any output size works (rows that do not fit the receive buffer at once pass through
+        it in rounds). Splits that disagree between ranks (a peer sends other than
+        output_split_sizes says) are refused by the kernel: nothing written, as with NCCL
+        nothing checks them on the host."""
+        if output.device != input.device:
+            raise ValueError(f"gocomm all_to_all_single: output is on {output.device}, input on {input.device}")
+        path = self._a2av_path(input.get_device())
+        if path is None:
+            return None
+        row = input.element_size() * math.prod(input.shape[1:])
+        if max(input.shape[0], output.shape[0], row) > _a2av._INT31:
+            raise ValueError(
+                f"gocomm all_to_all_single: at most 2^31 - 1 rows of at most 2^31 - 1 bytes, got input "
+                f"{tuple(input.shape)}, output {tuple(output.shape)}"
+            )
+        where = path.output_of(output, output.shape[0] * row) if path.outputs else (-1, 0)
+        path.report(self._group_name)
+        with self._cuda_lock, _cuda.on_device(path.idx):
+            ev, stream = path.run(input, ins, output, None, row, where)
+        return _allreduce.KernelWork([output], ev, stream, path.idx)
+
     def _shmem_id(self, device: torch.device) -> None:
         """Carry the group's NVSHMEM unique id from rank 0's sidecar (the bootstrap's root,
         which makes it) to every other rank's through the group's torch Store. Collective:
@@ -955,6 +983,10 @@ class ProcessGroupGocomm(dist.ProcessGroup):
                 f"gocomm {op}: rank {self._rank} sends itself {ins[self._rank]} rows "
                 f"(input_split_sizes) but expects {outs[self._rank]} (output_split_sizes)"
             )
+        if input.is_cuda:
+            w = self._all_to_all_single_here(output, input, ins)
+            if w is not None:
+                return w
         me = self._rank
         if input.device.type == "cpu" and n > 1 and ins[me]:
             # This rank's own block never leaves the process: copy it here and stage only

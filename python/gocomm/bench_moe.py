@@ -14,7 +14,8 @@ Two process sets run one after the other in one invocation:
 - gocomm's ranks (default group gocomm, plus an NCCL subgroup), as MPS clients when the
   environment has MPS: "nccl a2a (splits known)" and "nccl counts+a2a" on the NCCL subgroup,
   then gocomm's variants:
-  - gocomm a2a (splits known): dist.all_to_all_single on the gocomm group.
+  - gocomm a2a (splits known): dist.all_to_all_single on the gocomm group (the shim's
+    kernel where the GPUs share NVLink, the host's splits in its launch arguments).
   - gocomm all_to_all_v: gocomm.all_to_all_v with splits on the GPU.
   - gocomm all_to_all_v graph: the same call captured in a CUDA graph and replayed (where the
     shim's kernel serves it), as decode steps run; no host time per call.

@@ -7,7 +7,9 @@ caller's stream (gocomm/_a2av.py, any such group), or, where that path cannot be
 GOCOMM_A2AV_HERE=0, by the sidecar's NVSHMEM kernel (the default group only). Everywhere else
 the counts are exchanged with one all_to_all, read on the host, and the rows moved with
 `all_to_all_single` on the group (NCCL grouped send/recv in the sidecar for CUDA tensors,
-the host engine for CPU tensors): one host sync.
+the host engine for CPU tensors): one host sync. (`dist.all_to_all_single` of CUDA tensors,
+splits known on the host, takes the shim's kernel too where it serves the group:
+ProcessGroupGocomm._all_to_all_single_here.)
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def _capacity_rows(row_bytes: int) -> int:
 
 
 def _output(n, input, out, row, limit):
-    """The device paths' output: out, or input's rows times the group size (at most limit
-    rows, what the receive buffer holds)."""
+    """The device paths' output: out (at most limit rows), or input's rows times the group
+    size (at most limit rows, what the receive buffer holds)."""
     if out is None:
         return torch.empty((min(input.shape[0] * n, limit), *input.shape[1:]), dtype=input.dtype, device=input.device)
     if out.shape[0] > limit:
@@ -70,7 +72,8 @@ def _here(g, path, n, input, in_splits, out):
         raise ValueError(f"gocomm all_to_all_v: at most 2^31 - 1 rows of at most 2^31 - 1 bytes, got {input.shape}")
     # (the receive buffer out lies in, out's offset there), or (-1, 0): the kernel's recv
     where = path.output_of(out, out.shape[0] * row) if out is not None and path.outputs else (-1, 0)
-    out = _output(n, input, out, row, out.shape[0] if where[0] >= 0 else path.cap // max(row, 1))
+    # any out: rows that do not fit recv at once pass through it in rounds
+    out = _output(n, input, out, row, out.shape[0] if out is not None else path.cap // max(row, 1))
     splits = in_splits if in_splits.is_cuda and in_splits.is_contiguous() else in_splits.to(input.device).contiguous()
     out_splits = torch.empty(n, dtype=splits.dtype, device=input.device)
     path.report(g._group_name)
@@ -131,7 +134,9 @@ def all_to_all_v(
         of out's first rows when out is given); out_splits, on in_splits' device with its
         dtype, says how many came from each rank. On the NVSHMEM path the host never learns
         the count: output is the whole out buffer (by default input's rows times the group
-        size, at most the receive buffer, GOCOMM_NVSHMEM_RECV_MB), rows past
+        size, at most the receive buffer, GOCOMM_NVSHMEM_RECV_MB; a given out may be larger
+        where the shim's kernel runs: rows that do not fit the receive buffer at once pass
+        through it in rounds; the sidecar's kernel refuses it), rows past
         sum(out_splits) are undefined, an overflow shows as sum(out_splits) > len(out) with
         nothing written instead of an OverflowError (to get the rows, every rank of the
         group repeats the call, with an out that fits where it overflowed: a call made on

@@ -4,6 +4,7 @@ device machine with `make test-gpu`). Each rank uses GPU rank % device_count."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -687,6 +688,109 @@ def check_all_to_all_v_graph(rk, seed):
     for g in subs:
         dist.destroy_process_group(g)
     return ck.done()
+
+
+def check_all_to_all_single_here(rk, seed):
+    """dist.all_to_all_single of CUDA tensors where the group's GPUs share NVLink: the shim's
+    one-sided kernel (host splits in its launch arguments), bitwise against torch's NCCL on
+    the same inputs: every dtype, uneven, empty, skewed and random splits, rows of several
+    dimensions, outputs larger than the receive buffer (this world's is 1 MiB, so they
+    pass through it in rounds; 1 MiB of 7168 bf16 rows is 73 rows), a receive buffer as
+    output, async_op on another stream, and a CUDA graph replayed with new rows."""
+    from test_moe import ROUTINGS
+
+    import gocomm
+
+    dev, nccl = _setup(rk)
+    n, me = rk.size, rk.rank
+    ck = Checker("all_to_all_single by the shim's kernel", seed, me)
+    path = rk.world.pg._a2av_path(dev.index)
+    ck.expect("the kernel path is set up", path is not None and path.cap == 1 << 20, "a 1 MiB receive buffer")
+    routings = dict(ROUTINGS)
+    routings["random, many rows"] = lambda seed, src, n: [seeded_int(seed, f"big{src}-{d}", 0, 300) for d in range(n)]
+    routings["one big pair"] = lambda seed, src, n: [700 if (src, d) == (0, n - 1) else 3 for d in range(n)]
+
+    def both(label, x, send, recv, row_shape, out=None):
+        a = torch.empty(sum(recv), *row_shape, dtype=x.dtype, device=dev) if out is None else out
+        b = torch.empty(sum(recv), *row_shape, dtype=x.dtype, device=dev)
+        dist.all_to_all_single(b, x, recv, send, group=nccl)
+        dist.all_to_all_single(a, x, recv, send)
+        _compare(ck, label, a, b, exact=True)
+
+    for label, splits_of in routings.items():
+        send = splits_of(seed, me, n)
+        recv = [splits_of(seed, src, n)[me] for src in range(n)]
+        for dtype in [d for d, _ in DTYPES]:
+            d = str(dtype).removeprefix("torch.")
+            big = label in ("random, many rows", "one big pair")
+            row_shape = (7168,) if big and dtype == torch.bfloat16 else (3, 5) if not big else (40,)
+            with ck.case(f"{label} {d}"):
+                x = _input(seed, f"s{label}{d}", me, sum(send) * math.prod(row_shape), dtype, dev)
+                both(f"{label} {d}", x.view(-1, *row_shape), send, recv, row_shape)
+    with ck.case("into a receive buffer"):
+        send = routings["random, many rows"](seed, me, n)
+        recv = [routings["random, many rows"](seed, src, n)[me] for src in range(n)]
+        rb = gocomm.receive_buffer(1200, (7168,), torch.bfloat16)
+        x = _input(seed, "rbuf", me, sum(send) * 7168, torch.bfloat16, dev).view(-1, 7168)
+        both("into a receive buffer", x, send, recv, (7168,), out=rb[: sum(recv)])
+    with ck.case("all_to_all_v (splits on the GPU) into an out larger than the receive buffer"):
+        send = routings["random, many rows"](seed, me, n)
+        recv = [routings["random, many rows"](seed, src, n)[me] for src in range(n)]
+        x = _input(seed, "a2av", me, sum(send) * 7168, torch.bfloat16, dev).view(-1, 7168)
+        out = torch.empty(n * 300, 7168, dtype=torch.bfloat16, device=dev)  # 17 MB
+        got, got_splits = gocomm.all_to_all_v(x, torch.tensor(send, device=dev), out=out)
+        want = torch.empty(sum(recv), 7168, dtype=torch.bfloat16, device=dev)
+        dist.all_to_all_single(want, x, recv, send, group=nccl)
+        ck.expect("all_to_all_v out_splits", got_splits.tolist() == recv, f"{got_splits.tolist()} vs {recv}")
+        _compare(ck, "all_to_all_v rows", got[: sum(recv)], want, exact=True)
+    with ck.case("async_op, waited on another stream"):
+        send = routings["uneven"](seed, me, n)
+        recv = [routings["uneven"](seed, src, n)[me] for src in range(n)]
+        x = _input(seed, "async", me, sum(send) * 64, torch.float32, dev).view(-1, 64)
+        want = torch.empty(sum(recv), 64, device=dev)
+        dist.all_to_all_single(want, x, recv, send, group=nccl)
+        got = torch.full((sum(recv), 64), -1.0, device=dev)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            w = dist.all_to_all_single(got, x, recv, send, async_op=True)
+        w.wait()  # the current stream waits for the op
+        _compare(ck, "async_op", got.clone(), want, exact=True)
+    with ck.case("captured in a CUDA graph, replayed with new rows"):
+        send = routings["random, many rows"](seed, me, n)
+        recv = [routings["random, many rows"](seed, src, n)[me] for src in range(n)]
+        x = torch.empty(sum(send), 7168, dtype=torch.bfloat16, device=dev)
+        got = torch.empty(sum(recv), 7168, dtype=torch.bfloat16, device=dev)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side), torch.cuda.graph(g):
+            dist.all_to_all_single(got, x, recv, send)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        for step in range(3):
+            x.copy_(_input(seed, f"graph{step}", me, x.numel(), torch.bfloat16, dev).view_as(x))
+            g.replay()
+            want = torch.empty_like(got)
+            dist.all_to_all_single(want, x, recv, send, group=nccl)
+            _compare(ck, f"graph replay {step}", got, want, exact=True)
+    torch.cuda.synchronize()
+    return ck.done()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_all_to_all_single_here(worlds, seed, size):
+    _need(size)
+    env = {"GOCOMM_TRANSPORT": "nvshmem", "GOCOMM_NVSHMEM_RECV_MB": "1"}
+    os.environ.update(env)  # inherited by this world's ranks and sidecars
+    try:
+        w = worlds.fresh(size, label="a2a-single")
+    finally:
+        for k in env:
+            del os.environ[k]
+    try:
+        w.run(check_all_to_all_single_here, seed=seed, timeout=RUN_LIMIT_S)
+    finally:
+        w.close()
 
 
 def check_transport(rk, want):
