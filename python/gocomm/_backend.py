@@ -764,8 +764,9 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         the group shares (its transport and the path's collective setup), so the ranks agree;
         any output size works (rows that do not fit the receive buffer at once pass through
         it in rounds). Splits that disagree between ranks (a peer sends other than
-        output_split_sizes says) are refused by the kernel: nothing written, as with NCCL
-        nothing checks them on the host."""
+        output_split_sizes says) are not checked, as with NCCL: where more arrives than the
+        output holds the kernel writes nothing into it; where less arrives, the rows land
+        where the senders' splits put them."""
         if output.device != input.device:
             raise ValueError(f"gocomm all_to_all_single: output is on {output.device}, input on {input.device}")
         path = self._a2av_path(input.get_device())
