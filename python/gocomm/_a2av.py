@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 
 import torch
@@ -54,6 +55,18 @@ def recv_bytes() -> int:
             mb = 512
         _recv_mb = mb if mb > 0 else 512
     return _recv_mb << 20
+
+
+def row_bytes(op: str, inp: torch.Tensor, out_rows: int = 0) -> int:
+    """The bytes per row of inp. Raises where inp's rows (or out_rows, rows the caller must
+    receive in full), or their size, pass what the kernel's 32-bit meta words carry."""
+    row = inp.element_size() * math.prod(inp.shape[1:])
+    if max(inp.shape[0], out_rows, row) > _INT31:
+        raise ValueError(
+            f"gocomm {op}: at most 2^31 - 1 rows of at most 2^31 - 1 bytes, got {tuple(inp.shape)}"
+            + (f" and {out_rows} output rows" if out_rows else "")
+        )
+    return row
 
 
 def enabled() -> bool:
@@ -134,7 +147,7 @@ class Path:
         self.outputs.append((maps[self._args.rank], nbytes))
         return o
 
-    def output_of(self, out: torch.Tensor, nbytes: int) -> tuple[int, int]:
+    def _output_of(self, out: torch.Tensor, nbytes: int) -> tuple[int, int]:
         """(the receive buffer out lies in, out's offset there), or (-1, 0)."""
         p = out.data_ptr()
         for o, (base, size) in enumerate(self.outputs):
@@ -166,14 +179,13 @@ class Path:
         out: torch.Tensor,
         out_splits: torch.Tensor | None,
         row: int,
-        where: tuple[int, int],
     ) -> tuple[int | None, int]:
-        """Queue the exchange of rows of row bytes on the current stream; call under the
-        group's CUDA lock. splits: int32 or int64 on the device (out_splits, if given, has
-        the same dtype), or a list known on the host (valid: the caller checked it); out's
-        rows are the capacity; where is output_of(out) (out lies in that receive buffer), or
-        (-1, 0): the rows pass through recv (in rounds where they do not fit it at once).
-        Returns the op's event (None while capturing a graph) and stream."""
+        """Queue the exchange of rows of row bytes (row_bytes) on the current stream; call
+        under the group's CUDA lock. splits: int32 or int64 on the device (out_splits, if
+        given, has the same dtype), or a list known on the host (valid: the caller checked
+        it); out's rows are the capacity. Where out lies in a receive buffer the peers write
+        into it; elsewhere the rows pass through recv (in rounds where they do not fit it at
+        once). Returns the op's event (None while capturing a graph) and stream."""
         a, idx = self._args, self.idx
         stream = _cuda.current_stream(idx)
         # graph replays are ordered by the caller (kernels/a2av_ipc.cu, invariant 1)
@@ -189,7 +201,7 @@ class Path:
         a.out_splits = 0 if out_splits is None else out_splits.data_ptr()
         # meta words carry 32-bit values (kernels/a2av_ipc.cu): more rows than that never fit
         a.capacity, a.row_bytes, a.in_rows = min(out.shape[0], _INT31), row, inp.shape[0]
-        a.out_id, a.out_off = where
+        a.out_id, a.out_off = self._output_of(out, out.shape[0] * row)
         _cuda.launch(self._fn, self._grid, self._threads, stream, self._params)
         return (None if capturing else self._order.after(stream)), stream
 

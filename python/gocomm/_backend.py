@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
-import math
 import os
 import socket
 import threading
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import _a2av, _allreduce, _cuda, _sidecar, _wire
+from . import _a2av, _allreduce, _cuda, _peers, _sidecar, _wire
 from ._sidecar import SidecarError
 from .v1 import pgserver_pb2 as pb
 
@@ -740,7 +739,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             self._fail_kernel("all_reduce")
         with self._cuda_lock, _cuda.on_device(idx):
             ev, stream = path.run(t, redop)
-        return _allreduce.KernelWork([t], ev, stream, idx)
+        return _peers.KernelWork([t], ev, stream, idx)
 
     def _a2av_path(self, idx: int):
         """The shim's all_to_all_v kernel on device idx (gocomm/_a2av.py; set up, collectively,
@@ -772,17 +771,11 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         path = self._a2av_path(input.get_device())
         if path is None:
             return None
-        row = input.element_size() * math.prod(input.shape[1:])
-        if max(input.shape[0], output.shape[0], row) > _a2av._INT31:
-            raise ValueError(
-                f"gocomm all_to_all_single: at most 2^31 - 1 rows of at most 2^31 - 1 bytes, got input "
-                f"{tuple(input.shape)}, output {tuple(output.shape)}"
-            )
-        where = path.output_of(output, output.shape[0] * row) if path.outputs else (-1, 0)
+        row = _a2av.row_bytes("all_to_all_single", input, output.shape[0])
         path.report(self._group_name)
         with self._cuda_lock, _cuda.on_device(path.idx):
-            ev, stream = path.run(input, ins, output, None, row, where)
-        return _allreduce.KernelWork([output], ev, stream, path.idx)
+            ev, stream = path.run(input, ins, output, None, row)
+        return _peers.KernelWork([output], ev, stream, path.idx)
 
     def _shmem_id(self, device: torch.device) -> None:
         """Carry the group's NVSHMEM unique id from rank 0's sidecar (the bootstrap's root,

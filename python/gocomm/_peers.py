@@ -1,6 +1,7 @@
 """Buffers the ranks of a group map into each other's processes (CUDA IPC), for the shim's
 kernels that write into their peers' memory over NVLink (gocomm/_allreduce.py, gocomm/_a2av.py),
-and the order those kernels keep on the caller's streams (StreamOrder).
+the order those kernels keep on the caller's streams (StreamOrder), and the Work of an op
+they queued (KernelWork).
 
 share() is collective: every rank of the group calls it at the same op, also a rank that
 cannot take part (it says why), so that all ranks agree on the outcome. The handles travel
@@ -12,6 +13,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from . import _cuda
 
@@ -101,6 +103,54 @@ class StreamOrder:
         _cuda.event_record(ev, stream)
         self._ops += 1
         return ev
+
+
+class KernelWork(dist._Work):
+    """A kernel the shim queued (all_reduce, all_to_all_single): on stream before its event
+    ev. wait() makes the current stream wait (as torch's NCCL work does); is_completed() asks
+    the event, which a later op of the group may have recorded again (then it answers for
+    that op: later, never early). ev is None for an op queued while capturing a graph."""
+
+    def __init__(self, result: list[torch.Tensor], ev: int | None, stream: int, idx: int):
+        super().__init__()
+        self._result, self._ev, self._stream, self._idx = result, ev, stream, idx
+        self._done = False
+
+    def wait(self, timeout=None) -> bool:
+        if self._ev is None:  # queued while capturing a graph: on the capturing stream
+            return True
+        cur = _cuda.current_stream(self._idx)
+        if cur != self._stream:
+            with _cuda.on_device(self._idx):
+                _cuda.stream_wait_event(cur, self._ev)
+        return True
+
+    def is_completed(self) -> bool:
+        if not self._done and self._ev is not None:
+            with _cuda.on_device(self._idx):
+                self._done = _cuda.event_done(self._ev)
+        return self._done
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def exception(self):
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        with _cuda.on_device(self._idx):
+            if self._ev is not None:
+                _cuda.event_sync(self._ev)
+        self._done = True
+        fut = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def synchronize(self) -> None:
+        self.wait()
 
 
 def _gather(pg, rec: torch.Tensor) -> list[torch.Tensor]:

@@ -67,18 +67,14 @@ def _here(g, path, n, input, in_splits, out):
     GPU (but for splits on the CPU: they are copied in, and out_splits back), and decode calls
     this once per layer, so it makes as few torch ops as it can (each costs microseconds of
     host time)."""
-    row = input.element_size() * math.prod(input.shape[1:])
-    if input.shape[0] > _a2av._INT31 or row > _a2av._INT31:
-        raise ValueError(f"gocomm all_to_all_v: at most 2^31 - 1 rows of at most 2^31 - 1 bytes, got {input.shape}")
-    # (the receive buffer out lies in, out's offset there), or (-1, 0): the kernel's recv
-    where = path.output_of(out, out.shape[0] * row) if out is not None and path.outputs else (-1, 0)
+    row = _a2av.row_bytes("all_to_all_v", input)
     # any out: rows that do not fit recv at once pass through it in rounds
     out = _output(n, input, out, row, out.shape[0] if out is not None else path.cap // max(row, 1))
     splits = in_splits if in_splits.is_cuda and in_splits.is_contiguous() else in_splits.to(input.device).contiguous()
     out_splits = torch.empty(n, dtype=splits.dtype, device=input.device)
     path.report(g._group_name)
     with g._cuda_lock, _cuda.on_device(path.idx):
-        path.run(input, splits, out, out_splits, row, where)
+        path.run(input, splits, out, out_splits, row)
     return out, out_splits if in_splits.is_cuda else out_splits.cpu()
 
 
