@@ -457,6 +457,13 @@ func (sess *Session) complete(seq uint64, status int32, source int, msg string) 
 		msg = msg[:maxMsg]
 	}
 	payload := encodeDone(seq, status, int32(source), msg)
+	// A client usually submits its next op soon after one completes. If serve stopped
+	// spinning while this op ran (an op longer than Spin), wake it now, so that it spins
+	// again by then: woken by the submission itself, a sleeping loop costs the op its wake-up
+	// (measured: 1 GiB all_reduce alone +215 us with a 2 ms spin, none with 20 ms).
+	if sess.srv.cfg.Spin > 0 {
+		sess.cons.Nudge()
+	}
 	sess.cmpMu.Lock()
 	defer sess.cmpMu.Unlock()
 	for sess.prod != nil {

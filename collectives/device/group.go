@@ -73,6 +73,7 @@ type group struct {
 	pairs    map[pairKey]*worker
 	workers  int // worker goroutines running
 	inflight []*flight
+	retired  uint64       // rounds of retirements by the poller: wakes sleeping workers to spin again
 	events   []cuda.Event // pool (see event)
 	broken   error
 	aborted  chan struct{} // closed by Abort: wakes a pending communicator init
@@ -260,12 +261,17 @@ func (g *group) work(w *worker) {
 	for {
 		g.spin(w)
 		g.mu.Lock()
-		for len(w.queue) == 0 && !g.closing && g.broken == nil {
+		retired := g.retired
+		for len(w.queue) == 0 && !g.closing && g.broken == nil && (g.s.spin <= 0 || g.retired == retired) {
 			g.cond.Wait()
 		}
 		if len(w.queue) == 0 {
+			stop := g.closing || g.broken != nil
 			g.mu.Unlock()
-			return
+			if stop {
+				return
+			}
+			continue // an op retired: spin for the client's next one (see spin)
 		}
 		o := w.queue[0]
 		w.queue = w.queue[1:]
@@ -294,7 +300,9 @@ func (g *group) work(w *worker) {
 
 // spin polls for w's next op for a while before the worker sleeps: waking a goroutine locked
 // to its thread takes the scheduler tens of microseconds, more than a whole small op on the
-// GPU. Only on hosts that asked for spinning (Engine.Spin, the sidecar's --spin).
+// GPU. Only on hosts that asked for spinning (Engine.Spin, the sidecar's --spin). A worker
+// that went to sleep while a long op ran spins again once the poller retires an op: the
+// client's next op usually follows a completion.
 func (g *group) spin(w *worker) {
 	if g.s.spin <= 0 {
 		return
@@ -615,6 +623,8 @@ func (g *group) poll() {
 				}
 			}
 			g.inflight = keep
+			g.retired++
+			g.cond.Broadcast() // sleeping workers spin again
 			g.mu.Unlock()
 			for _, f := range retired {
 				g.recycle(f.ev)

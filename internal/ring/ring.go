@@ -343,3 +343,12 @@ func (c *Consumer) Wait(spin, timeout time.Duration) {
 	}
 	atomic.AddUint32(c.q.waiters, ^uint32(0))
 }
+
+// Nudge ends a Wait that sleeps on the futex, as a publish would, without a record: the
+// consumer's loop finds nothing and waits again, spinning first. Safe from any goroutine.
+func (c *Consumer) Nudge() {
+	atomic.AddUint32(c.q.notify, 1)
+	if atomic.LoadUint32(c.q.waiters) > 0 {
+		shm.Wake(c.q.notify, 1)
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"math/rand/v2"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -186,3 +187,34 @@ func TestConcurrentWake(t *testing.T) {
 		t.Fatalf("took %v: wake-ups were lost", el)
 	}
 }
+
+// A Nudge ends a consumer's futex sleep without a record; a Wait after it sleeps again.
+func TestNudge(t *testing.T) {
+	_, sub, _ := newRing(t, 4096)
+	c := NewConsumer(sub)
+	for round := 0; round < 20; round++ {
+		woke := make(chan time.Duration, 1)
+		go func() {
+			start := time.Now()
+			c.Wait(0, 10*time.Second)
+			woke <- time.Since(start)
+		}()
+		for atomicWaiters(sub) == 0 {
+			time.Sleep(100 * time.Microsecond)
+		}
+		c.Nudge()
+		select {
+		case d := <-woke:
+			if _, ok, err := c.Next(); ok || err != nil {
+				t.Fatalf("a nudge left a record (%v)", err)
+			}
+			if d > 5*time.Second {
+				t.Fatalf("round %d: the nudge did not wake the consumer (%v)", round, d)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("round %d: the nudge did not wake the consumer", round)
+		}
+	}
+}
+
+func atomicWaiters(q *Queue) uint32 { return atomic.LoadUint32(q.waiters) }
