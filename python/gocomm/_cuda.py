@@ -94,7 +94,12 @@ def on_device(idx: int):
     context, and a caller may hold tensors of a device other than its current one (torch's
     NCCL backend allows it): they failed then (cuMemGetAddressRange: not found; stream
     memory operations: invalid argument, seen on H200)."""
-    return contextlib.nullcontext() if torch.cuda.current_device() == idx else torch.cuda.device(idx)
+    # torch.cuda.current_device() runs torch's lazy-init check first: microseconds per op
+    cur = torch._C._cuda_getDevice() if torch.cuda._initialized else torch.cuda.current_device()
+    return _SAME if cur == idx else torch.cuda.device(idx)
+
+
+_SAME = contextlib.nullcontext()  # reusable: it holds no state
 
 
 def buffer_id(ptr: int) -> int:
