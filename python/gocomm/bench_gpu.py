@@ -8,8 +8,9 @@ NVSHMEM (auto on NVLink nodes; GOCOMM_TRANSPORT=nccl|nvshmem forces one).)
 
 One rank per visible GPU. Each rank joins the gocomm default group and an NCCL group over
 the same ranks and times, on bf16 tensors, each op two ways (nccl-tests' columns):
-- alone: one op between CUDA events after a barrier and a device sync (median of 20 after 5
-  warm-ups), the way ../shared/reference/nccl_baseline.py times;
+- alone: one op between CUDA events after a barrier and a device sync (median of 40 after 5
+  warm-ups), the way ../shared/reference/nccl_baseline.py times, gocomm's and NCCL's
+  iterations interleaved so that the machine's drift falls on both alike;
 - loop: 20 ops back to back between two events, time per op.
 Columns: time (us), algorithm bandwidth (bytes / time) and bus bandwidth (algbw times 2(n-1)/n
 for all_reduce, (n-1)/n for the others), and gocomm's time over NCCL's. Set MPS up first
@@ -55,6 +56,28 @@ def _alone(fn, sync, iters=20, warm=5) -> float:
         e.synchronize()
         ts.append(s.elapsed_time(e) * 1000)
     return statistics.median(ts)
+
+
+def _alone_paired(fns: dict, sync, iters=40, warm=5) -> dict:
+    """_alone for several implementations of one op, their iterations interleaved (a, b, a,
+    b, ...), so that a drift of the machine's state (clocks, other tenants, the ranks' skew)
+    falls on all of them alike: medians of iters each, in us."""
+    for fn in fns.values():
+        for _ in range(warm):
+            fn()
+    torch.cuda.synchronize()
+    ts = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            sync()
+            torch.cuda.synchronize()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            ts[name].append(s.elapsed_time(e) * 1000)
+    return {name: statistics.median(v) for name, v in ts.items()}
 
 
 def _loop(fn, sync, iters=20) -> float:
@@ -110,9 +133,10 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], ops: list[str], 
         for nbytes in sizes:
             n = max(world, nbytes // 2 // world * world)  # elements of the nccl-tests "size"
             res = {"op": op, "bytes": n * 2, "world": world}
-            for name, g in (("nccl", nccl), ("gocomm", None)):
-                fn = _op(op, n, world, dev, g)
-                res[name] = {"alone": _alone(fn, sync), "loop": _loop(fn, sync)}
+            fns = {name: _op(op, n, world, dev, g) for name, g in (("nccl", nccl), ("gocomm", None))}
+            alone = _alone_paired(fns, sync)
+            for name, fn in fns.items():
+                res[name] = {"alone": alone[name], "loop": _loop(fn, sync)}
             rows.append(res)
             if rank == 0:
                 print(f"{op} {_fmt(n * 2)}: nccl {res['nccl']} gocomm {res['gocomm']}", flush=True)
