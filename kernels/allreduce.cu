@@ -1,24 +1,23 @@
-// Client-side all_reduce (sum, avg) of bf16, fp16 and fp32 for messages up to a few tens of
-// MiB between GPUs that map each other's memory (NVLink): the shim
-// (python/gocomm/_allreduce.py) loads this module into the training process and launches it
-// on the caller's stream, so a small all_reduce costs one kernel launch instead of a hand-off
-// to the sidecar and an NCCL launch there. No NVSHMEM.
+// Client-side all_reduce (sum, avg) of bf16, fp16 and fp32, any size, between GPUs that map
+// each other's memory (NVLink): the shim (python/gocomm/_allreduce.py) loads this module into
+// the training process and launches it on the caller's stream, so an all_reduce costs one
+// kernel launch instead of a hand-off to the sidecar and an NCCL launch there. No NVSHMEM.
 //
-// Every rank owns a staging buffer of two halves (op epoch parity picks one), each of n
-// slots, and a flag array, both mapped into every peer by CUDA IPC. Ranks push (remote
-// stores over NVLink, which post, where loads wait a round trip) their data into slot r of
-// the peers' halves and read their own half locally. Block b of every rank works on the
-// same set of 16-byte vectors (the same grid-stride set, within each shard for two-shot), so
-// the barrier between phases is per block and pairwise: block b tells block b of each peer
-// "phase done for epoch e" (a release store into the peer's flag array) and waits until each
-// peer's block b has told it the same (acquire loads). No block waits for another block of
-// its own rank, and a block only overwrites output vectors it has read itself (in == out is
-// fine).
+// Every rank owns a staging buffer of two halves (epoch parity picks one; an op is one epoch,
+// or one per round for two-shot) and a flag array, both mapped into every peer by CUDA IPC.
+// Ranks push (remote stores over NVLink, which post, where loads wait a round trip) their
+// data into slot r of the peers' halves and read their own half locally. Block b of every
+// rank works on the same set of 16-byte vectors (the same grid-stride set, within each shard
+// for two-shot), so the barrier between phases is per block and pairwise: block b tells
+// block b of each peer "phase done for epoch e" (a release store into the peer's flag array)
+// and waits until each peer's block b has told it the same (acquire loads). No block waits
+// for another block of its own rank, and a block only overwrites output vectors it has read
+// itself (in == out is fine).
 //
-// Why two halves are enough: ops of one group run one after another on each rank (the shim
-// orders a stream change after the previous op's event), so when a peer writes into a half
-// for epoch e + 2, it has passed the barrier of epoch e + 1, which this rank's block entered
-// only after finishing epoch e with that half.
+// Why two halves are enough: epochs of one group run one after another on each rank (rounds
+// in a block's loop; ops because the shim orders a stream change after the previous op's
+// event), so when a peer writes into a half for epoch e + 2, it has passed the barrier of
+// epoch e + 1, which this rank's block entered only after finishing epoch e with that half.
 //
 // Sums are taken in float32 in rank order 0..n-1 and rounded once, so every rank gets the
 // same bits. A wait that passes the deadline sets *err (host-mapped memory the shim checks
@@ -37,9 +36,10 @@ struct ArArgs {
   uint64_t in, out;              // the caller's tensors (element-aligned; 16-byte if aligned)
   uint64_t err;                  // u32 the host reads: 1 once a wait gave up
   uint64_t nvec;                 // 16-byte vectors in the message
+  uint64_t round;                // two-shot: vectors per round (the message passes the staging in rounds)
   uint64_t half;                 // bytes per staging half
   uint64_t timeout_ns;           // how long a wait may take
-  uint64_t epoch;                // this op's number in the group, from 1; never wraps
+  uint64_t epoch;                // the number of this op's first round in the group, from 1; never wraps
   float scale;                   // 1 for sum, 1/n for avg
   uint32_t rank, n, aligned;
 };
@@ -75,20 +75,20 @@ __device__ __forceinline__ uint64_t* flag(uint64_t base, int phase, int block, i
 
 // Block-level barrier with the same block of every peer (see the top). False when a wait
 // gave up (then *err is set and the block stops).
-__device__ bool barrier(const ArArgs& a, int phase, uint64_t deadline) {
+__device__ bool barrier(const ArArgs& a, int phase, uint64_t epoch, uint64_t deadline) {
   __syncthreads();
   bool ok = true;
   const uint32_t t = threadIdx.x;
   if (t < a.n && t != a.rank) {
     uint64_t* theirs = flag(a.flags[t], phase, blockIdx.x, a.rank);
-    st_release_sys(theirs, a.epoch);
+    st_release_sys(theirs, epoch);
     uint64_t* mine = flag(a.flags[a.rank], phase, blockIdx.x, t);
     for (uint32_t spins = 0;; spins++) {
       const uint64_t v = ld_acquire_sys(mine);
       // >=, not ==: a peer may already have moved on and written epoch + 1 here. The epoch
       // is 64 bits and starts at 1, so a block left unused for a while (smaller grids) has
       // an old value that never compares as new.
-      if (v >= a.epoch) break;
+      if (v >= epoch) break;
       if ((spins & 1023) == 1023 && now_ns() > deadline) {
         *reinterpret_cast<volatile uint32_t*>(a.err) = 1;
         __threadfence_system();
@@ -128,8 +128,8 @@ __device__ __forceinline__ int4 reduce_vec(const ArArgs& a, const int4* half, ui
   return o;
 }
 
-__device__ __forceinline__ int4* half_of(const ArArgs& a, uint32_t rank) {
-  return reinterpret_cast<int4*>(a.stage[rank] + (a.epoch & 1) * a.half);
+__device__ __forceinline__ int4* half_of(const ArArgs& a, uint32_t rank, uint64_t epoch) {
+  return reinterpret_cast<int4*>(a.stage[rank] + (epoch & 1) * a.half);
 }
 
 // one-shot: push the whole input into slot r of every peer's half; barrier; sum the slots.
@@ -138,44 +138,54 @@ template <typename T> __device__ void one_shot(const ArArgs& a) {
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   const uint64_t i0 = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   for (uint32_t d = 1; d < a.n; d++) {
-    int4* theirs = half_of(a, (a.rank + d) % a.n) + a.rank * a.nvec;
+    int4* theirs = half_of(a, (a.rank + d) % a.n, a.epoch) + a.rank * a.nvec;
     for (uint64_t i = i0; i < a.nvec; i += stride) theirs[i] = load_vec<T>(a, i);
   }
-  if (!barrier(a, 0, deadline)) return;
-  const int4* mine = half_of(a, a.rank);
+  if (!barrier(a, 0, a.epoch, deadline)) return;
+  const int4* mine = half_of(a, a.rank, a.epoch);
   for (uint64_t i = i0; i < a.nvec; i += stride) store_vec<T>(a, i, reduce_vec<T>(a, mine, a.nvec, i, i));
 }
 
-// two-shot: push shard s of the input into slot r of rank s's half; barrier; rank r sums
-// its shard's slots into its output and its own slot r; barrier; copy the other shards'
-// sums from slot s of their owners' halves.
+// two-shot, per round of at most a.round vectors (round k is epoch a.epoch + k, in the half
+// of its parity): push shard s of the round into slot r of rank s's half; barrier; rank r
+// sums its shard's slots into its output and pushes the sum into slot r of every peer's
+// gather region (the half's second n slots); barrier; copy the other shards' sums from this
+// rank's own gather region. Both phases push (remote stores post; remote loads wait a round
+// trip). The gather region is separate because rank s may still be reading rank r's shard-s
+// slot when rank r is done reducing. Rounds reuse the halves as consecutive ops do (see the
+// top), so a message of any size passes a staging buffer of fixed size.
 template <typename T> __device__ void two_shot(const ArArgs& a) {
   const uint64_t deadline = now_ns() + a.timeout_ns;
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   const uint64_t i0 = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const uint64_t chunk = (a.nvec + a.n - 1) / a.n;  // a half holds n slots of chunk vectors
-  for (uint32_t d = 1; d < a.n; d++) {
-    const uint32_t s = (a.rank + d) % a.n;
-    const uint64_t lo = s * chunk, len = min(a.nvec, lo + chunk) - min(a.nvec, lo);
-    int4* theirs = half_of(a, s) + a.rank * chunk;
-    for (uint64_t j = i0; j < len; j += stride) theirs[j] = load_vec<T>(a, lo + j);
-  }
-  if (!barrier(a, 0, deadline)) return;
-  int4* mine = half_of(a, a.rank);
-  {
-    const uint64_t lo = a.rank * chunk, len = min(a.nvec, lo + chunk) - min(a.nvec, lo);
-    for (uint64_t j = i0; j < len; j += stride) {
-      const int4 v = reduce_vec<T>(a, mine, chunk, j, lo + j);
-      mine[a.rank * chunk + j] = v;  // the peers copy it after the next barrier
-      store_vec<T>(a, lo + j, v);
+  uint64_t epoch = a.epoch;
+  for (uint64_t base = 0; base < a.nvec; base += a.round, epoch++) {
+    const uint64_t nvec = min(a.round, a.nvec - base);
+    const uint64_t chunk = (nvec + a.n - 1) / a.n;  // a half holds 2n slots of chunk vectors
+    for (uint32_t d = 1; d < a.n; d++) {
+      const uint32_t s = (a.rank + d) % a.n;
+      const uint64_t lo = s * chunk, len = min(nvec, lo + chunk) - min(nvec, lo);
+      int4* theirs = half_of(a, s, epoch) + a.rank * chunk;
+      for (uint64_t j = i0; j < len; j += stride) theirs[j] = load_vec<T>(a, base + lo + j);
     }
-  }
-  if (!barrier(a, 1, deadline)) return;
-  for (uint32_t d = 1; d < a.n; d++) {
-    const uint32_t s = (a.rank + d) % a.n;
-    const uint64_t lo = s * chunk, len = min(a.nvec, lo + chunk) - min(a.nvec, lo);
-    const int4* theirs = half_of(a, s) + s * chunk;
-    for (uint64_t j = i0; j < len; j += stride) store_vec<T>(a, lo + j, theirs[j]);
+    if (!barrier(a, 0, epoch, deadline)) return;
+    const int4* mine = half_of(a, a.rank, epoch);
+    {
+      const uint64_t lo = a.rank * chunk, len = min(nvec, lo + chunk) - min(nvec, lo);
+      const uint64_t gather = (a.n + a.rank) * chunk;  // slot r of a gather region
+      for (uint64_t j = i0; j < len; j += stride) {
+        const int4 v = reduce_vec<T>(a, mine, chunk, j, base + lo + j);
+        for (uint32_t d = 1; d < a.n; d++) half_of(a, (a.rank + d) % a.n, epoch)[gather + j] = v;
+        store_vec<T>(a, base + lo + j, v);
+      }
+    }
+    if (!barrier(a, 1, epoch, deadline)) return;
+    for (uint32_t d = 1; d < a.n; d++) {
+      const uint32_t s = (a.rank + d) % a.n;
+      const uint64_t lo = s * chunk, len = min(nvec, lo + chunk) - min(nvec, lo);
+      const int4* got = mine + (a.n + s) * chunk;
+      for (uint64_t j = i0; j < len; j += stride) store_vec<T>(a, base + lo + j, got[j]);
+    }
   }
 }
 

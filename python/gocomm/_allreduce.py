@@ -5,13 +5,15 @@ an NCCL launch there, about twice torch's NCCL time at 8 KiB. Where the group's 
 other's memory over NVLink (the group's sparse transport is NVSHMEM: every pair NVLink, sm_90),
 the shim instead launches one kernel on the caller's stream that reads the peers' staging
 buffers through CUDA IPC: one-shot (every rank sums every rank's copy) up to
-GOCOMM_AR_ONESHOT bytes, two-shot (reduce-scatter then all-gather) up to GOCOMM_AR_MAX. Sum
-and avg of bf16, fp16 and fp32, message sizes a multiple of 16 bytes; everything else goes
-through the sidecar as before. GOCOMM_AR_MAX=0 turns the path off; the variables must be the
-same on every rank.
+GOCOMM_AR_ONESHOT bytes, two-shot (reduce-scatter then all-gather, both by remote stores)
+above, in rounds of GOCOMM_AR_STAGE bytes (default 32 MiB) through staging of a fixed size,
+up to GOCOMM_AR_MAX bytes (default: any size). Sum and avg of bf16, fp16 and fp32, message
+sizes a multiple of 16 bytes; everything else goes through the sidecar as before.
+GOCOMM_AR_MAX=0 turns the path off; the variables must be the same on every rank.
 
 Setup is collective, at a group's first all_reduce of a CUDA tensor on a device: each rank
-allocates a zeroed staging buffer (two halves of GOCOMM_AR_MAX bytes plus flags), and the
+allocates a zeroed staging buffer (two halves of twice GOCOMM_AR_STAGE bytes, plus flags:
+130 MiB by default), and the
 ranks swap IPC handles through the group itself (gocomm/_peers.py). Any rank that cannot
 take part (the module missing, IPC refused, e.g. under expandable_segments) turns the path
 off for the whole group, so all ranks always agree.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import zlib
 
 import torch
 
@@ -62,8 +65,14 @@ def _blocks() -> int:
 
 
 def configured_max() -> int:
-    """GOCOMM_AR_MAX: the largest message (bytes) the path takes; 0 turns it off."""
-    return _bytes("GOCOMM_AR_MAX", 32 << 20) // 16 * 16
+    """GOCOMM_AR_MAX: the largest message (bytes) the path takes (default: no limit); 0
+    turns it off."""
+    return _bytes("GOCOMM_AR_MAX", 1 << 62)
+
+
+def configured_stage() -> int:
+    """GOCOMM_AR_STAGE: bytes of the message per two-shot round (a multiple of 16)."""
+    return max(16, _bytes("GOCOMM_AR_STAGE", 32 << 20) // 16 * 16)
 
 
 class _Args(ctypes.Structure):
@@ -75,6 +84,7 @@ class _Args(ctypes.Structure):
         ("out", ctypes.c_uint64),
         ("err", ctypes.c_uint64),
         ("nvec", ctypes.c_uint64),
+        ("round", ctypes.c_uint64),
         ("half", ctypes.c_uint64),
         ("timeout_ns", ctypes.c_uint64),
         ("epoch", ctypes.c_uint64),
@@ -88,8 +98,10 @@ class _Args(ctypes.Structure):
 class Path:
     """One group's client-side all_reduce on one device (see the module's docstring)."""
 
-    def __init__(self, idx: int, rank: int, n: int, cap: int, err: tuple[int, int], maps: list[int], timeout_s: float):
-        self.idx, self.cap = idx, cap
+    def __init__(
+        self, idx: int, rank: int, n: int, cap: int, limit: int, err: tuple[int, int], maps: list[int], timeout_s: float
+    ):
+        self.idx, self.cap, self.limit = idx, cap, limit
         # one-shot puts every rank's whole message in a half: n slots of it
         self.oneshot = min(_bytes("GOCOMM_AR_ONESHOT", _ONESHOT), cap // n)
         self.blocks = _blocks()
@@ -99,7 +111,9 @@ class Path:
             a.flags[p] = base
             a.stage[p] = base + _HEAD
         a.err = err[1]
-        a.half = cap + _SLACK
+        a.half = 2 * (cap + _SLACK)  # two-shot: n slots to reduce from, n to gather into
+        a.round = cap // 16
+        self._epoch = 1  # the next op's first round (the flags start at 0)
         a.timeout_ns = int(timeout_s * 1e9)
         a.rank, a.n = rank, n
         self._params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(a), ctypes.c_void_p))
@@ -114,7 +128,7 @@ class Path:
         return (
             t.dtype in _SUFFIX
             and redop in (_wire.SUM, _wire.AVG)
-            and 0 < nb <= self.cap
+            and 0 < nb <= self.limit
             and nb % 16 == 0
             and t.get_device() == self.idx
         )
@@ -129,7 +143,6 @@ class Path:
         a, idx = self._args, self.idx
         stream = _cuda.current_stream(idx)
         self._order.before(stream)  # the halves and flags assume one op after another
-        a.epoch += 1
         nb = t.numel() * t.element_size()
         ptr = t.data_ptr()
         a.inp = a.out = ptr
@@ -137,6 +150,8 @@ class Path:
         a.aligned = 1 if ptr % 16 == 0 else 0
         a.scale = 1.0 / self._n if redop == _wire.AVG else 1.0
         kind = "one" if nb <= self.oneshot else "two"
+        a.epoch = self._epoch
+        self._epoch += 1 if kind == "one" else -(-a.nvec // a.round)
         per_block = _THREADS * (1 if kind == "one" else self._n)
         grid = max(1, min(self.blocks, -(-a.nvec // per_block)))
         _cuda.launch(self._fn[(kind, t.dtype)], grid, _THREADS, stream, self._params)
@@ -147,18 +162,22 @@ def setup(pg, dev: torch.device) -> Path | None:
     """Collective over pg (every rank calls it at the same all_reduce): the path on dev, or
     None where any rank cannot take part."""
     idx = dev.index
-    cap = configured_max()
+    cap, limit = configured_stage(), configured_max()
     try:
         why = MODULE.why_not(idx)
     except Exception as e:  # noqa: BLE001 - any failure turns the path off for the group
         why = f"{type(e).__name__}: {e}"
-    shape = (_blocks() << 40) | _bytes("GOCOMM_AR_ONESHOT", _ONESHOT)
-    sh = _peers.share(pg, idx, "all_reduce", why, cap, _HEAD + 2 * (cap + _SLACK), shape)
+    shape = zlib.crc32(f"{_blocks()} {_bytes('GOCOMM_AR_ONESHOT', _ONESHOT)} {limit}".encode())
+    sh = _peers.share(pg, idx, "all_reduce", why, cap, _HEAD + 4 * (cap + _SLACK), shape)
     if sh is None:
         return None
     with _cuda.on_device(idx):
-        path = Path(idx, pg.rank(), pg.size(), sh.cap, sh.err, sh.maps, pg._timeout)
+        path = Path(idx, pg.rank(), pg.size(), sh.cap, limit, sh.err, sh.maps, pg._timeout)
     log.info(
-        "gocomm group %r: all_reduce up to %d bytes in this process (IPC peers, device %d)", pg.group_name, sh.cap, idx
+        "gocomm group %r: all_reduce up to %d bytes in this process, in rounds of %d (IPC peers, device %d)",
+        pg.group_name,
+        limit,
+        sh.cap,
+        idx,
     )
     return path

@@ -290,8 +290,9 @@ def check_ddp_cuda(rk, seed):
 
 
 def check_killed_sidecar_cuda(rk, seed):
-    """A sidecar killed during a large CUDA all_reduce: every rank gets an error within the
-    timeout, and no CUDA stream is left waiting forever."""
+    """A sidecar killed during a large CUDA all_reduce that runs in the sidecars (MAX: the
+    shim's kernel takes sum and avg only): every rank gets an error within the timeout, and
+    no CUDA stream is left waiting forever."""
     import gocomm
 
     dev = torch.device("cuda", rk.rank % torch.cuda.device_count())
@@ -304,7 +305,7 @@ def check_killed_sidecar_cuda(rk, seed):
     big = torch.ones(64 << 20, device=dev)
     if rk.rank == 1:
         os.kill(gocomm.info()["pid"], signal.SIGKILL)
-    works = [dist.all_reduce(big, async_op=True) for _ in range(3)]
+    works = [dist.all_reduce(big, op=dist.ReduceOp.MAX, async_op=True) for _ in range(3)]
     err = None
     try:
         for w in works:
@@ -344,7 +345,8 @@ def check_allreduce_here(rk, seed):
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         d = str(dtype).removeprefix("torch.")
         e = torch.tensor([], dtype=dtype).element_size()
-        counts = [16 // e, 1000, one // e, one // e + 16 // e, (1 << 20) + 8 * 16 // e, (16 << 20) // e, 1001]
+        counts = [16 // e, 1000, one // e, one // e + 16 // e, (1 << 20) + 8 * 16 // e, (3 << 20) // e + 3 * (16 // e)]
+        counts += [(16 << 20) // e, 1001]
         for count in counts:
             for opname in ("sum", "avg"):
                 label = f"{d} x{count} {opname}"
@@ -381,7 +383,7 @@ def check_allreduce_here(rk, seed):
         side.wait_stream(torch.cuda.current_stream(dev))
         ts = []
         for i in range(64):
-            size = [64, 4096, 200_000][i % 3]
+            size = [64, 4096, 400_000][i % 3]
             s = side if i % 2 else torch.cuda.current_stream(dev)
             with torch.cuda.stream(s):
                 t = torch.full((size,), float(i + r), device=dev)
@@ -478,6 +480,22 @@ def test_collectives_vs_nccl(worlds, seed, size):
 def test_allreduce_here(worlds, seed, size):
     _need(size)
     worlds.get(size).run(check_allreduce_here, seed=seed, timeout=RUN_LIMIT_S)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_allreduce_here_rounds(worlds, seed, size):
+    """The same checks with 1 MiB staging rounds: two-shot messages pass in up to 17
+    rounds, the last one short, and ops of several rounds follow each other on two streams."""
+    _need(size)
+    os.environ["GOCOMM_AR_STAGE"] = "1M"  # inherited by this world's ranks
+    try:
+        w = worlds.fresh(size, label="ar-rounds")
+    finally:
+        del os.environ["GOCOMM_AR_STAGE"]
+    try:
+        w.run(check_allreduce_here, seed=seed, timeout=RUN_LIMIT_S)
+    finally:
+        w.close()
 
 
 def test_stream_semantics(worlds, seed):
