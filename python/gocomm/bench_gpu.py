@@ -42,20 +42,8 @@ def _busbw(op: str, n: int) -> float:
 
 
 def _alone(fn, sync, iters=20, warm=5) -> float:
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        sync()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1000)
-    return statistics.median(ts)
+    """One op between CUDA events after a barrier and a device sync: the median, in us."""
+    return _alone_paired({"op": fn}, sync, iters, warm)["op"]
 
 
 def _alone_paired(fns: dict, sync, iters=40, warm=5) -> dict:
