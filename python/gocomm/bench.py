@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import statistics
 import sys
@@ -38,6 +39,19 @@ def _fmt(n: int) -> str:
 
 
 def _free_port() -> int:
+    """A free TCP port for the benchmark's store, below Linux's ephemeral range (32768 up):
+    a port bind(0) hands out is in that range, where any process's outgoing connection
+    (the previous run's sidecars, gRPC) may take it as its local port before the store binds
+    it again (bench_gpu failed once with EADDRINUSE right after bench_moe)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
