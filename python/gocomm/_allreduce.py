@@ -13,10 +13,10 @@ GOCOMM_AR_MAX=0 turns the path off; the variables must be the same on every rank
 
 Setup is collective, at a group's first all_reduce of a CUDA tensor on a device: each rank
 allocates a zeroed staging buffer (two halves of twice GOCOMM_AR_STAGE bytes, plus flags:
-130 MiB by default), and the
-ranks swap IPC handles through the group itself (gocomm/_peers.py). Any rank that cannot
-take part (the module missing, IPC refused, e.g. under expandable_segments) turns the path
-off for the whole group, so all ranks always agree.
+128 MiB by default), and the ranks swap IPC handles through the group itself
+(gocomm/_peers.py). Any rank that cannot take part (the module missing, IPC refused, e.g.
+under expandable_segments) turns the path off for the whole group, so all ranks always
+agree.
 
 Failure: a kernel wait gives up after the group's timeout and sets a word in pinned host
 memory; the group's next all_reduce raises and aborts the group. The op itself, like any
@@ -41,6 +41,14 @@ _FLAG_BYTES = 2 * MAX_BLOCKS * MAX_RANKS * 8  # u64 [2 phases][blocks][ranks]
 _HEAD = 64 << 10  # flags at the start of the staging allocation, halves after
 assert _FLAG_BYTES <= _HEAD
 _SLACK = 256  # two-shot's n slots of ceil(vectors / n) may pass the message by (n - 1) vectors
+
+
+def _half_bytes(cap: int) -> int:
+    """Bytes of one staging half for rounds of cap bytes: two-shot's n slots to reduce
+    from and n to gather into (one-shot's n slots of at most cap / n fit the first)."""
+    return 2 * (cap + _SLACK)
+
+
 _THREADS = 512
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 MODULE = _kernels.Module(
@@ -111,7 +119,7 @@ class Path:
             a.flags[p] = base
             a.stage[p] = base + _HEAD
         a.err = err[1]
-        a.half = 2 * (cap + _SLACK)  # two-shot: n slots to reduce from, n to gather into
+        a.half = _half_bytes(cap)
         a.round = cap // 16
         self._epoch = 1  # the next op's first round (the flags start at 0)
         a.timeout_ns = int(timeout_s * 1e9)
@@ -168,7 +176,7 @@ def setup(pg, dev: torch.device) -> Path | None:
     except Exception as e:  # noqa: BLE001 - any failure turns the path off for the group
         why = f"{type(e).__name__}: {e}"
     shape = zlib.crc32(f"{_blocks()} {_bytes('GOCOMM_AR_ONESHOT', _ONESHOT)} {limit}".encode())
-    sh = _peers.share(pg, idx, "all_reduce", why, cap, _HEAD + 4 * (cap + _SLACK), shape)
+    sh = _peers.share(pg, idx, "all_reduce", why, cap, _HEAD + 2 * _half_bytes(cap), shape)
     if sh is None:
         return None
     with _cuda.on_device(idx):

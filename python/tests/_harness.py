@@ -481,9 +481,19 @@ class Worlds:
             self._worlds[size] = w
         return w
 
-    def fresh(self, size: int, label: str = "") -> World:
-        """A world of its own (the caller closes it), for tests that wreck their world."""
-        return World(size, self.log_dir, label=label)
+    def fresh(self, size: int, label: str = "", env: dict[str, str] | None = None) -> World:
+        """A world of its own (the caller closes it), for tests that wreck their world or
+        need env set in its ranks and sidecars (set while they start, then restored)."""
+        saved = {k: os.environ.get(k) for k in env or {}}
+        os.environ.update(env or {})  # inherited by the ranks and, through them, the sidecars
+        try:
+            return World(size, self.log_dir, label=label)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
 
     def close(self) -> None:
         for w in self._worlds.values():

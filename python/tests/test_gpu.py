@@ -487,11 +487,7 @@ def test_allreduce_here_rounds(worlds, seed, size):
     """The same checks with 1 MiB staging rounds: two-shot messages pass in up to 17
     rounds, the last one short, and ops of several rounds follow each other on two streams."""
     _need(size)
-    os.environ["GOCOMM_AR_STAGE"] = "1M"  # inherited by this world's ranks
-    try:
-        w = worlds.fresh(size, label="ar-rounds")
-    finally:
-        del os.environ["GOCOMM_AR_STAGE"]
+    w = worlds.fresh(size, label="ar-rounds", env={"GOCOMM_AR_STAGE": "1M"})
     try:
         w.run(check_allreduce_here, seed=seed, timeout=RUN_LIMIT_S)
     finally:
@@ -582,12 +578,7 @@ def check_all_to_all_v_nvshmem(rk, seed, here):
 def test_all_to_all_v_nvshmem(worlds, seed, size, here):
     _need(size)
     env = {"GOCOMM_TRANSPORT": "nvshmem", "GOCOMM_A2AV_HERE": "1" if here else "0"}
-    os.environ.update(env)  # inherited by this world's ranks and sidecars
-    try:
-        w = worlds.fresh(size, label="nvshmem" + ("" if here else "-sidecar"))
-    finally:
-        for k in env:
-            del os.environ[k]
+    w = worlds.fresh(size, label="nvshmem" + ("" if here else "-sidecar"), env=env)
     try:
         w.run(check_all_to_all_v_nvshmem, seed=seed, here=here, timeout=RUN_LIMIT_S)
         # dispatch/combine on that path (one exchange of tokens with their routing)
@@ -799,12 +790,7 @@ def check_all_to_all_single_here(rk, seed):
 def test_all_to_all_single_here(worlds, seed, size):
     _need(size)
     env = {"GOCOMM_TRANSPORT": "nvshmem", "GOCOMM_NVSHMEM_RECV_MB": "1"}
-    os.environ.update(env)  # inherited by this world's ranks and sidecars
-    try:
-        w = worlds.fresh(size, label="a2a-single")
-    finally:
-        for k in env:
-            del os.environ[k]
+    w = worlds.fresh(size, label="a2a-single", env=env)
     try:
         w.run(check_all_to_all_single_here, seed=seed, timeout=RUN_LIMIT_S)
     finally:
@@ -825,16 +811,7 @@ def test_moe_cuda_nccl_forced(worlds, seed, size):
     PCIe-only box (issue 4): all_to_all_v and dispatch/combine on CUDA tensors."""
     _need(size)
     forced = {"GOCOMM_TRANSPORT": "nccl", "NCCL_P2P_DISABLE": "1"}
-    saved = {k: os.environ.get(k) for k in forced}
-    os.environ.update(forced)  # inherited by this world's ranks and sidecars
-    try:
-        w = worlds.fresh(size, label="ncclforced")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
+    w = worlds.fresh(size, label="ncclforced", env=forced)
     try:
         w.run(check_transport, want="nccl", timeout=RUN_LIMIT_S)
         w.run(check_all_to_all_v, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
