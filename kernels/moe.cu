@@ -3,7 +3,8 @@
 //
 // gocomm_moe_wsum_<dtype>: out[r] = sum over j in [offs[r], offs[r+1]) of w[j] * src[idx[j]]
 // (w may be null: weight 1), accumulated in float32 in j order and rounded once; a row with
-// no terms is zero. Rows are h elements, h * sizeof(dtype) a multiple of 16 and every row
+// no terms is zero. Rows r < rows, and r < *nrows where nrows is not null (a count the GPU
+// made: the host need not learn it). Rows are h elements, h * sizeof(dtype) a multiple of 16 and every row
 // 16-byte aligned (the shim checks). combine uses it twice: on the expert side (each
 // received token's experts, weighted) and on the token side (each token's partial sums from
 // the ranks that held its experts).
@@ -15,9 +16,10 @@
 template <typename T>
 __device__ __forceinline__ void wsum(T* __restrict__ out, const T* __restrict__ src, const int64_t* __restrict__ idx,
                                      const float* __restrict__ w, const int64_t* __restrict__ offs, int64_t rows,
-                                     int64_t h) {
+                                     const int64_t* __restrict__ nrows, int64_t h) {
   constexpr int V = 16 / sizeof(T);  // elements per 16-byte vector
   const int64_t hv = h / V;
+  if (nrows) rows = min(rows, *nrows);
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int64_t lo = offs[r], hi = offs[r + 1];
     for (int64_t c = threadIdx.x; c < hv; c += blockDim.x) {
@@ -42,8 +44,8 @@ __device__ __forceinline__ void wsum(T* __restrict__ out, const T* __restrict__ 
 
 #define WSUM(name, T)                                                                                           \
   extern "C" __global__ void name(T* out, const T* src, const int64_t* idx, const float* w, const int64_t* offs, \
-                                  int64_t rows, int64_t h) {                                                    \
-    wsum<T>(out, src, idx, w, offs, rows, h);                                                                   \
+                                  int64_t rows, const int64_t* nrows, int64_t h) {                              \
+    wsum<T>(out, src, idx, w, offs, rows, nrows, h);                                                            \
   }
 WSUM(gocomm_moe_wsum_bf16, __nv_bfloat16)
 WSUM(gocomm_moe_wsum_f16, __half)
@@ -56,81 +58,123 @@ WSUM(gocomm_moe_wsum_f32, float)
 // rank send_rank[s]. meta[0..n) = rows per rank (the send splits), meta[n] = their sum.
 // Each rank's rows are counted with a block-wide scan over the tokens, each thread owning a
 // contiguous run of them, so the layout is the same every time.
-__device__ __forceinline__ bool hits(const int64_t* idx, int64_t t, int k, int64_t lo, int64_t hi) {
-  bool hit = false;
-  for (int j = 0; j < k; j++) {
-    const int64_t e = idx[t * k + j];
-    hit |= e >= lo && e < hi;
-  }
-  return hit;
-}
-
 // block_scan: the exclusive prefix sum of v over the block's threads (in thread order), and
-// the total in *total; scan holds blockDim.x entries.
+// the total in *total; scan holds 32 entries, and blockDim.x is a multiple of 32. Warp shuffles, then one warp over the warps'
+// sums: three block barriers a scan (a Hillis-Steele scan over 1024 threads took twenty, and
+// the routing kernel's scans were most of its time).
 __device__ __forceinline__ int64_t block_scan(int64_t v, int64_t* scan, int64_t* total) {
-  const int tid = threadIdx.x, nt = blockDim.x;
-  scan[tid] = v;
-  __syncthreads();
-  for (int off = 1; off < nt; off <<= 1) {  // inclusive scan (Hillis-Steele)
-    const int64_t u = tid >= off ? scan[tid - off] : 0;
-    __syncthreads();
-    scan[tid] += u;
-    __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  int64_t x = v;  // inclusive within the warp
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int64_t u = __shfl_up_sync(0xffffffffu, x, off);
+    if (lane >= off) x += u;
   }
-  const int64_t ex = scan[tid] - v;
-  if (total) *total = scan[nt - 1];
+  if (lane == 31) scan[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int64_t y = lane < warps ? scan[lane] : 0;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int64_t u = __shfl_up_sync(0xffffffffu, y, off);
+      if (lane >= off) y += u;
+    }
+    scan[lane] = y;  // inclusive over warps
+  }
+  __syncthreads();
+  const int64_t ex = (warp ? scan[warp - 1] : 0) + x - v;
+  if (total) *total = scan[warps - 1];
   __syncthreads();
   return ex;
 }
 
-// Also the token side of combine's sum: token t's rows are t_idx[t_offs[t] .. t_offs[t+1]),
-// by rank (cursor is scratch of tokens entries).
-extern "C" __global__ void gocomm_moe_route(const int64_t* __restrict__ idx, int64_t tokens, int k, int64_t experts,
-                                            int per, int n, int64_t* __restrict__ meta,
-                                            int64_t* __restrict__ send_order, int32_t* __restrict__ send_rank,
-                                            int64_t* __restrict__ t_idx, int64_t* __restrict__ t_offs,
-                                            int64_t* __restrict__ cursor) {
-  __shared__ int64_t scan[1024];
-  __shared__ int64_t base, all;
-  __shared__ int bad;
-  const int tid = threadIdx.x, nt = blockDim.x;
-  const int64_t run = (tokens + nt - 1) / nt, t0 = min((int64_t)tid * run, tokens), t1 = min(t0 + run, tokens);
-  if (tid == 0) base = 0, bad = 0;
-  __syncthreads();
-  int64_t pairs = 0;  // (token, rank) pairs of this thread's tokens
-  for (int64_t t = t0; t < t1; t++) {
+// gocomm_moe_route_count, then gocomm_moe_route_place, same grid and block (a thread per
+// token, blockDim.x tokens per block): which ranks each token goes to, and where in the send
+// buffer. Token t goes to rank r when one of its k expert ids lies in [r * per, (r+1) * per);
+// ids of -1 choose nothing, and so do ids out of range, which also set meta[n + 1] = 1 (and
+// flag[0] = 1, host memory the GPU writes, where flag is not null: dispatch without a host
+// sync reports it later). Rows are laid out by rank, tokens ascending within a rank: slot s
+// holds token send_order[s] for rank send_rank[s]. meta[0..n) = rows per rank (the send
+// splits), meta[n] = their sum. Also the token side of combine's sum: token t's rows are
+// t_idx[t_offs[t] .. t_offs[t+1]), by rank. The first pass leaves each token's ranks as a
+// bit mask (mask, a byte per token) and each block's counts (bcount [blocks][n + 2]: rows
+// per rank, their sum, whether an id was bad); the second places the tokens from them, so
+// the layout is the same every time, and neither waits on another block.
+extern "C" __global__ void gocomm_moe_route_count(const int64_t* __restrict__ idx, int64_t tokens, int k,
+                                                  int64_t experts, int per, int n, uint8_t* __restrict__ mask,
+                                                  int64_t* __restrict__ bcount) {
+  const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  uint32_t m = 0;
+  int bad = 0;
+  if (t < tokens) {
     for (int j = 0; j < k; j++) {
       const int64_t e = idx[t * k + j];
-      if (e < -1 || e >= experts) bad = 1;  // benign race: any writer writes 1
+      if (e < -1 || e >= experts)
+        bad = 1;
+      else if (e >= 0)
+        m |= 1u << (int)(e / per);
     }
-    for (int r = 0; r < n; r++) pairs += hits(idx, t, k, (int64_t)r * per, (int64_t)(r + 1) * per);
+    mask[t] = (uint8_t)m;
   }
-  int64_t at = block_scan(pairs, scan, &all);
-  for (int64_t t = t0; t < t1; t++) {
-    t_offs[t] = cursor[t] = at;
-    for (int r = 0; r < n; r++) at += hits(idx, t, k, (int64_t)r * per, (int64_t)(r + 1) * per);
-  }
-  if (tid == 0) t_offs[tokens] = all;
+  int64_t* mine = bcount + (int64_t)blockIdx.x * (n + 2);
+  int64_t sum = 0;
   for (int r = 0; r < n; r++) {
-    const int64_t lo = (int64_t)r * per, hi = lo + per;
-    int64_t mine = 0;
-    for (int64_t t = t0; t < t1; t++) mine += hits(idx, t, k, lo, hi);
-    int64_t total;
-    int64_t slot = base + block_scan(mine, scan, &total);
-    for (int64_t t = t0; t < t1; t++) {
-      if (hits(idx, t, k, lo, hi)) {
-        send_order[slot] = t, send_rank[slot] = r;
-        t_idx[cursor[t]++] = slot++;
-      }
-    }
-    __syncthreads();
-    if (tid == 0) {
-      meta[r] = total;
-      base += total;
-    }
-    __syncthreads();
+    const int c = __syncthreads_count((m >> r) & 1);
+    sum += c;
+    if (threadIdx.x == 0) mine[r] = c;
   }
-  if (tid == 0) meta[n] = base, meta[n + 1] = bad;
+  bad = __syncthreads_or(bad);
+  if (threadIdx.x == 0) mine[n] = sum, mine[n + 1] = bad;
+}
+
+extern "C" __global__ void gocomm_moe_route_place(int64_t tokens, int n, const uint8_t* __restrict__ mask,
+                                                  const int64_t* __restrict__ bcount, int64_t* __restrict__ meta,
+                                                  int64_t* __restrict__ send_order, int32_t* __restrict__ send_rank,
+                                                  int64_t* __restrict__ t_idx, int64_t* __restrict__ t_offs,
+                                                  volatile uint32_t* flag) {
+  __shared__ int64_t scan[32];
+  __shared__ int64_t base[8], tbase;  // the first slot of this block's rows per rank; its first pair
+  const int b = blockIdx.x, blocks = gridDim.x, w = n + 2;
+  if (threadIdx.x < n) {  // rank r's slots start after every rank before r, then the blocks before this one
+    const int r = threadIdx.x;
+    int64_t at = 0;
+    for (int q = 0; q < blocks; q++) {
+      for (int rr = 0; rr < r; rr++) at += bcount[q * w + rr];
+      if (q < b) at += bcount[q * w + r];
+    }
+    base[r] = at;
+  }
+  if (threadIdx.x == 0) {
+    int64_t at = 0;  // this block's first pair
+    for (int q = 0; q < b; q++) at += bcount[q * w + n];
+    tbase = at;
+    if (b == 0) {
+      int64_t all = 0, bad = 0;
+      for (int q = 0; q < blocks; q++) all += bcount[q * w + n], bad |= bcount[q * w + n + 1];
+      for (int r = 0; r < n; r++) {
+        int64_t c = 0;
+        for (int q = 0; q < blocks; q++) c += bcount[q * w + r];
+        meta[r] = c;
+      }
+      meta[n] = all, meta[n + 1] = bad;
+      t_offs[tokens] = all;
+      if (bad && flag) flag[0] = 1, __threadfence_system();  // the host reads it
+    }
+  }
+  __syncthreads();
+  const int64_t t = (int64_t)b * blockDim.x + threadIdx.x;
+  const uint32_t m = t < tokens ? mask[t] : 0;
+  const int64_t toff = tbase + block_scan(__popc(m), scan, nullptr);
+  if (t < tokens) t_offs[t] = toff;
+  int j = 0;
+  for (int r = 0; r < n; r++) {
+    const int hit = (m >> r) & 1;
+    const int64_t slot = base[r] + block_scan(hit, scan, nullptr);
+    if (hit) {
+      send_order[slot] = t, send_rank[slot] = r;
+      t_idx[toff + j++] = slot;
+    }
+  }
 }
 
 // gocomm_moe_pack: the send buffer of dispatch, one row per slot of gocomm_moe_route (the
@@ -158,57 +202,127 @@ extern "C" __global__ void gocomm_moe_pack(char* __restrict__ payload, const cha
   }
 }
 
-// gocomm_moe_group (one block): dispatch's receive side. The first R = min(sum(out_splits),
-// cap_rows) rows of recv (packed as gocomm_moe_pack packs) hold tokens with their local
-// expert ids (int32 at id_off, -1 for none) and weights (float32 at w_off). Each (row, id)
-// pair gets a place in the output grouped by expert, rows ascending within an expert:
-// rows_sorted[p] and w_sorted[p] are its row and weight, tpe[e] counts expert e's pairs.
-// For combine: row r's pairs are at e_idx[e_offs[r] .. e_offs[r+1]) (ids in slot order).
-// gmeta = {pairs, R}. Each thread owns a run of rows and counts its pairs per expert in a
-// column of hist (shared, per x blockDim.x int32); one scan over hist in (expert, thread)
-// order gives every pair its place, the same every time.
-extern "C" __global__ void gocomm_moe_group(const char* __restrict__ recv, int64_t row_bytes, int64_t id_off,
-                                            int64_t w_off, int k, int per, const int64_t* __restrict__ out_splits,
-                                            int n, int64_t cap_rows, int64_t* __restrict__ rows_sorted,
-                                            float* __restrict__ w_sorted, int64_t* __restrict__ tpe,
-                                            int64_t* __restrict__ e_idx, int64_t* __restrict__ e_offs,
-                                            int64_t* __restrict__ gmeta) {
-  extern __shared__ int32_t hist[];  // [per][nt]
-  __shared__ int64_t scan[1024];
-  __shared__ int64_t rows, pairs;
+// gocomm_moe_group_count, then gocomm_moe_group_place, same grid and block: dispatch's
+// receive side. The first R = sum(out_splits) rows of recv (packed as gocomm_moe_pack packs)
+// hold tokens with their local expert ids (int32 at id_off, -1 for none) and weights (float32
+// at w_off); R = 0 where that passes cap_rows (the exchange overflowed and wrote nothing:
+// flag[1] = 1, where flag is not null). Each (row, id) pair gets a place in the output
+// grouped by expert, rows ascending within an expert: rows_sorted[p] and w_sorted[p] are its
+// row and weight, tpe[e] counts expert e's pairs. For combine: row r's pairs are at
+// e_idx[e_offs[r] .. e_offs[r+1]) (ids in slot order), with their weights at w_e[e_offs[r] ..].
+// gmeta = {pairs, R}. Each block takes a run of the rows, each of its threads a run of
+// those; a thread counts its pairs per expert in hist (shared, [per][blockDim.x + 1] int32). The
+// first pass leaves each block's counts per expert and its pairs in bhist [blocks][per + 1];
+// the second gives every pair its place from them and a scan of each expert's counts over
+// the block's threads, the same every time.
+__device__ __forceinline__ int64_t group_rows(const int64_t* out_splits, int n, int64_t cap_rows) {
+  int64_t r = 0;
+  for (int s = 0; s < n; s++) r += out_splits[s];
+  return r <= cap_rows ? r : 0;
+}
+
+// count_pairs: this thread's rows [*r0, *r1) of this block's run of R rows, counted per
+// expert into its hist column; returns its pairs.
+__device__ __forceinline__ int64_t count_pairs(const char* recv, int64_t row_bytes, int64_t id_off, int k, int per,
+                                               int64_t R, int32_t* hist, int64_t* r0, int64_t* r1) {
   const int tid = threadIdx.x, nt = blockDim.x;
-  if (tid == 0) {
-    int64_t r = 0;
-    for (int s = 0; s < n; s++) r += out_splits[s];
-    rows = min(r, cap_rows);
-  }
-  __syncthreads();
-  const int64_t R = rows;
-  const int64_t run = (R + nt - 1) / nt, r0 = min((int64_t)tid * run, R), r1 = min(r0 + run, R);
-  for (int e = 0; e < per; e++) hist[e * nt + tid] = 0;
+  const int64_t rpb = (R + gridDim.x - 1) / gridDim.x;
+  const int64_t lo = min((int64_t)blockIdx.x * rpb, R), hi = min(lo + rpb, R);
+  const int64_t run = (hi - lo + nt - 1) / nt;
+  *r0 = min(lo + tid * run, hi), *r1 = min(*r0 + run, hi);
+  for (int e = 0; e < per; e++) hist[e * (nt + 1) + tid] = 0;
   int64_t mine = 0;
-  for (int64_t r = r0; r < r1; r++) {
+  for (int64_t r = *r0; r < *r1; r++) {
     const int32_t* ids = reinterpret_cast<const int32_t*>(recv + r * row_bytes + id_off);
     for (int j = 0; j < k; j++) {
       const int32_t e = ids[j];
-      if (e >= 0 && e < per) hist[e * nt + tid]++, mine++;
+      if (e >= 0 && e < per) hist[e * (nt + 1) + tid]++, mine++;
     }
   }
   __syncthreads();
-  // exclusive scan of hist in (expert, thread) order: thread tid owns entries [tid*per, tid*per+per)
-  int64_t chunk = 0;
-  for (int i = 0; i < per; i++) chunk += hist[tid * per + i];
-  int64_t total;
-  int64_t at = block_scan(chunk, scan, &total);
-  for (int i = 0; i < per; i++) {
-    const int32_t c = hist[tid * per + i];
-    hist[tid * per + i] = (int32_t)at;
-    at += c;
+  return mine;
+}
+
+// scan_columns: each expert's counts (hist[e * P + t], t < blockDim.x, P = blockDim.x + 1)
+// become their exclusive prefix over t, by a thread per expert; column e's total goes to
+// tot[e] where tot is not null. The pitch of one word more than the block keeps both this
+// (threads on consecutive experts) and the counting (threads on consecutive t) free of
+// shared-memory bank conflicts; a warp per expert took 16 us at 128 experts on 64 threads.
+__device__ __forceinline__ void scan_columns(int32_t* hist, int per, int64_t* tot) {
+  const int nt = blockDim.x, P = nt + 1;
+  for (int e = threadIdx.x; e < per; e += nt) {
+    int32_t acc = 0;
+    int32_t* col = hist + e * P;
+    for (int t = 0; t < nt; t++) {
+      const int32_t v = col[t];
+      col[t] = acc;
+      acc += v;
+    }
+    if (tot) tot[e] = acc;
   }
-  if (tid == 0) pairs = total;
   __syncthreads();
-  for (int e = tid; e < per; e += nt) tpe[e] = (e + 1 < per ? hist[(e + 1) * nt] : pairs) - hist[e * nt];
-  int64_t base = block_scan(mine, scan, nullptr);  // this thread's first pair in row order
+}
+
+extern "C" __global__ void gocomm_moe_group_count(const char* __restrict__ recv, int64_t row_bytes, int64_t id_off,
+                                                  int k, int per, const int64_t* __restrict__ out_splits, int n,
+                                                  int64_t cap_rows, int64_t* __restrict__ bhist) {
+  extern __shared__ int32_t hist[];  // [per][blockDim.x + 1]
+  __shared__ int64_t scan[32];
+  int64_t r0, r1, total;
+  const int64_t R = group_rows(out_splits, n, cap_rows);
+  const int64_t mine = count_pairs(recv, row_bytes, id_off, k, per, R, hist, &r0, &r1);
+  int64_t* out = bhist + (int64_t)blockIdx.x * (per + 1);
+  scan_columns(hist, per, out);
+  block_scan(mine, scan, &total);
+  if (threadIdx.x == 0) out[per] = total;
+}
+
+extern "C" __global__ void gocomm_moe_group_place(const char* __restrict__ recv, int64_t row_bytes, int64_t id_off,
+                                                  int64_t w_off, int k, int per, const int64_t* __restrict__ out_splits,
+                                                  int n, int64_t cap_rows, const int64_t* __restrict__ bhist,
+                                                  int64_t* __restrict__ rows_sorted, float* __restrict__ w_sorted,
+                                                  int64_t* __restrict__ tpe, int64_t* __restrict__ e_idx,
+                                                  float* __restrict__ w_e, int64_t* __restrict__ e_offs,
+                                                  int64_t* __restrict__ gmeta, volatile uint32_t* flag) {
+  extern __shared__ int64_t dyn[];  // adj [per] int64, then hist [per][blockDim.x + 1] int32
+  int64_t* adj = dyn;
+  int32_t* hist = reinterpret_cast<int32_t*>(dyn + per);
+  __shared__ int64_t scan[32];
+  __shared__ int64_t pb;
+  const int tid = threadIdx.x, nt = blockDim.x, b = blockIdx.x, w = per + 1;
+  const int64_t R = group_rows(out_splits, n, cap_rows);
+  // 1. Where each expert's pairs of this block start: after every expert before it (all
+  //    blocks), then the blocks before this one. Thread tid owns a run of the experts.
+  const int ce = (per + nt - 1) / nt, e0 = min(tid * ce, per), e1 = min(e0 + ce, per);
+  int64_t mysum = 0, pairs;
+  for (int e = e0; e < e1; e++) {
+    int64_t tot = 0;
+    for (int q = 0; q < gridDim.x; q++) tot += bhist[q * w + e];
+    adj[e] = tot, mysum += tot;
+  }
+  int64_t ex = block_scan(mysum, scan, &pairs);
+  for (int e = e0; e < e1; e++) {
+    const int64_t tot = adj[e];
+    int64_t before = 0;
+    for (int q = 0; q < b; q++) before += bhist[q * w + e];
+    if (b == 0) tpe[e] = tot;
+    adj[e] = ex + before, ex += tot;
+  }
+  if (tid == 0) {
+    int64_t at = 0;
+    for (int q = 0; q < b; q++) at += bhist[q * w + per];
+    pb = at;
+    if (b == 0) {
+      gmeta[0] = pairs, gmeta[1] = R, e_offs[R] = pairs;
+      if (flag && group_rows(out_splits, n, INT64_MAX) > cap_rows) flag[1] = 1, __threadfence_system();
+    }
+  }
+  // 2. This block's pairs: counted again, then each expert's column scanned over the
+  //    threads, so a thread's pairs of expert e go after the block's pairs of e before it.
+  int64_t r0, r1;
+  const int64_t mine = count_pairs(recv, row_bytes, id_off, k, per, R, hist, &r0, &r1);
+  scan_columns(hist, per, nullptr);
+  int64_t base = pb + block_scan(mine, scan, nullptr);  // this thread's first pair in row order
   for (int64_t r = r0; r < r1; r++) {
     const char* row = recv + r * row_bytes;
     const int32_t* ids = reinterpret_cast<const int32_t*>(row + id_off);
@@ -217,10 +331,25 @@ extern "C" __global__ void gocomm_moe_group(const char* __restrict__ recv, int64
     for (int j = 0; j < k; j++) {
       const int32_t e = ids[j];
       if (e >= 0 && e < per) {
-        const int32_t p = hist[e * nt + tid]++;
-        rows_sorted[p] = r, w_sorted[p] = ws[j], e_idx[base++] = p;
+        const int64_t p = hist[e * (nt + 1) + tid]++ + adj[e];
+        rows_sorted[p] = r, w_sorted[p] = ws[j], e_idx[base] = p;
+        if (w_e) w_e[base] = ws[j];
+        base++;
       }
     }
   }
-  if (tid == 0) e_offs[R] = pairs, gmeta[0] = pairs, gmeta[1] = R;
+}
+
+// gocomm_moe_gather: out[p] = the first bytes of src's row rows[p] (rows stride apart), for
+// p < min(*count, cap): dispatch's tokens in expert order, with the pair count on the GPU.
+// bytes, stride and both bases are multiples of 16.
+extern "C" __global__ void gocomm_moe_gather(char* __restrict__ out, const char* __restrict__ src,
+                                             const int64_t* __restrict__ rows, const int64_t* __restrict__ count,
+                                             int64_t cap, int64_t stride, int64_t bytes) {
+  const int64_t m = min(*count, cap), v = bytes / 16;
+  for (int64_t p = blockIdx.x; p < m; p += gridDim.x) {
+    const int4* s = reinterpret_cast<const int4*>(src + rows[p] * stride);
+    int4* d = reinterpret_cast<int4*>(out + p * bytes);
+    for (int64_t c = threadIdx.x; c < v; c += blockDim.x) d[c] = s[c];
+  }
 }

@@ -147,9 +147,8 @@ class Path:
         self.outputs.append((maps[self._args.rank], nbytes))
         return o
 
-    def _output_of(self, out: torch.Tensor, nbytes: int) -> tuple[int, int]:
-        """(the receive buffer out lies in, out's offset there), or (-1, 0)."""
-        p = out.data_ptr()
+    def _output_of(self, p: int, nbytes: int) -> tuple[int, int]:
+        """(the receive buffer the nbytes at address p lie in, their offset there), or (-1, 0)."""
         for o, (base, size) in enumerate(self.outputs):
             if base <= p and p + nbytes <= base + size:
                 return o, p - base
@@ -186,22 +185,37 @@ class Path:
         it); out's rows are the capacity. Where out lies in a receive buffer the peers write
         into it; elsewhere the rows pass through recv (in rounds where they do not fit it at
         once). Returns the op's event (None while capturing a graph) and stream."""
+        if isinstance(splits, torch.Tensor):
+            sp, s32 = splits.data_ptr(), splits.dtype == torch.int32
+        else:
+            sp, s32 = 0, False
+            self._args.host_splits[: len(splits)] = splits
+        return self.run_at(
+            inp.data_ptr(),
+            inp.shape[0],
+            sp,
+            s32,
+            out.data_ptr(),
+            out.shape[0],
+            0 if out_splits is None else out_splits.data_ptr(),
+            row,
+        )
+
+    def run_at(
+        self, inp: int, in_rows: int, splits: int, splits32: bool, out: int, out_rows: int, out_splits: int, row: int
+    ) -> tuple[int | None, int]:
+        """run by addresses: splits 0 takes the host splits run set in the arguments."""
         a, idx = self._args, self.idx
         stream = _cuda.current_stream(idx)
         # graph replays are ordered by the caller (kernels/a2av_ipc.cu, invariant 1)
         capturing = torch.cuda.is_current_stream_capturing()
         if not capturing:
             self._order.before(stream)
-        if isinstance(splits, torch.Tensor):
-            a.splits, a.splits32 = splits.data_ptr(), 1 if splits.dtype == torch.int32 else 0
-        else:
-            a.splits, a.splits32 = 0, 0
-            a.host_splits[: len(splits)] = splits
-        a.inp, a.out = inp.data_ptr(), out.data_ptr()
-        a.out_splits = 0 if out_splits is None else out_splits.data_ptr()
+        a.splits, a.splits32 = splits, 1 if splits and splits32 else 0
+        a.inp, a.out, a.out_splits = inp, out, out_splits
         # meta words carry 32-bit values (kernels/a2av_ipc.cu): more rows than that never fit
-        a.capacity, a.row_bytes, a.in_rows = min(out.shape[0], _INT31), row, inp.shape[0]
-        a.out_id, a.out_off = self._output_of(out, out.shape[0] * row)
+        a.capacity, a.row_bytes, a.in_rows = min(out_rows, _INT31), row, in_rows
+        a.out_id, a.out_off = self._output_of(out, out_rows * row)
         _cuda.launch(self._fn, self._grid, self._threads, stream, self._params)
         return (None if capturing else self._order.after(stream)), stream
 

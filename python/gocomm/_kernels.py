@@ -86,13 +86,24 @@ class Module:
     def launch(self, dev: int, name: str, grid: int, block: int, args: list, smem: int = 0) -> None:
         """Queue kernel name on dev's current stream; args are ctypes values, in order."""
         fn = self.function(dev, name)
-        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+        params = (ctypes.c_void_p * len(args))(*map(ctypes.addressof, args))
         with _cuda.on_device(dev):
             _cuda.ensure_context(dev)
             _cuda.launch(fn, grid, block, _cuda.current_stream(dev), params, smem)
 
 
-MOE = Module("moe.cubin", (*_WSUM.values(), "gocomm_moe_route", "gocomm_moe_pack", "gocomm_moe_group"))
+MOE = Module(
+    "moe.cubin",
+    (
+        *_WSUM.values(),
+        "gocomm_moe_route_count",
+        "gocomm_moe_route_place",
+        "gocomm_moe_pack",
+        "gocomm_moe_group_count",
+        "gocomm_moe_group_place",
+        "gocomm_moe_gather",
+    ),
+)
 
 
 def available() -> bool:
@@ -151,22 +162,33 @@ def wsum(out: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, w: torch.Tenso
     if w is not None:
         w = w.to(device=out.device, dtype=torch.float32).contiguous()
         wp = w.data_ptr() if w.numel() else 0
-    vec = h * out.element_size() // 16
-    block = min(256, max(32, -(-vec // 32) * 32))
-    grid = min(rows, 65535)
-    args = [
-        ctypes.c_uint64(out.data_ptr()),
-        ctypes.c_uint64(src.data_ptr() if src.numel() else 0),
-        ctypes.c_uint64(idx.data_ptr() if idx.numel() else 0),
-        ctypes.c_uint64(wp),
-        ctypes.c_uint64(offs.data_ptr()),
-        ctypes.c_int64(rows),
-        ctypes.c_int64(h),
-    ]
     # idx, offs and w were made (or are used) on this stream: freeing them after the launch is
     # safe, the caching allocator reuses memory in stream order
-    MOE.launch(dev, _WSUM[out.dtype], grid, block, args)
+    wsum_at(
+        dev,
+        out.dtype,
+        out.data_ptr(),
+        src.data_ptr() if src.numel() else 0,
+        idx.data_ptr() if idx.numel() else 0,
+        wp,
+        offs.data_ptr(),
+        rows,
+        0,
+        h,
+    )
     return True
+
+
+def wsum_at(
+    dev: int, dtype: torch.dtype, out: int, src: int, idx: int, w: int, offs: int, rows: int, nrows: int, h: int
+):
+    """wsum's launch by addresses, unchecked: rows is the most rows, nrows (0: none) the
+    address of an int64 count on the GPU that may cut them."""
+    vec = h * dtype.itemsize // 16
+    block = min(256, max(32, -(-vec // 32) * 32))
+    args = [ctypes.c_uint64(a) for a in (out, src, idx, w, offs)]
+    args += [ctypes.c_int64(rows), ctypes.c_uint64(nrows), ctypes.c_int64(h)]
+    MOE.launch(dev, _WSUM[dtype], min(rows, 65535), block, args)
 
 
 def route_pack(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: int, n: int):
@@ -201,26 +223,13 @@ def route_pack(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: int
     payload = torch.empty(t * n, row, dtype=torch.uint8, device=dev)
     t_idx = torch.empty(t * n, dtype=torch.int64, device=dev)
     t_offs = torch.empty(t + 1, dtype=torch.int64, device=dev)
-    cursor = torch.empty(t, dtype=torch.int64, device=dev)
-    MOE.launch(
+    mask = torch.empty(t, dtype=torch.uint8, device=dev)
+    bcount = torch.empty(route_blocks(t)[0] * (n + 2), dtype=torch.int64, device=dev)
+    route_at(
         dev.index,
-        "gocomm_moe_route",
-        1,
-        1024,
-        [
-            ctypes.c_uint64(idx.data_ptr()),
-            ctypes.c_int64(t),
-            ctypes.c_int(k),
-            ctypes.c_int64(experts),
-            ctypes.c_int(per),
-            ctypes.c_int(n),
-            ctypes.c_uint64(meta.data_ptr()),
-            ctypes.c_uint64(send_order.data_ptr()),
-            ctypes.c_uint64(send_rank.data_ptr()),
-            ctypes.c_uint64(t_idx.data_ptr()),
-            ctypes.c_uint64(t_offs.data_ptr()),
-            ctypes.c_uint64(cursor.data_ptr()),
-        ],
+        *(idx.data_ptr(), t, k, experts, n),
+        *(meta.data_ptr(), send_order.data_ptr(), send_rank.data_ptr(), t_idx.data_ptr(), t_offs.data_ptr()),
+        *(mask.data_ptr(), bcount.data_ptr(), 0),
     )
     MOE.launch(
         dev.index,
@@ -248,18 +257,111 @@ def route_pack(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: int
     return payload, meta, send_order, t_idx, t_offs
 
 
-# hist bytes: with the kernel's static 8 KiB scan (and two words) under the 48 KiB a kernel
-# gets without opting in
-_GROUP_SMEM = (48 << 10) - 8192 - 256
+def route_blocks(t: int) -> tuple[int, int]:
+    """The routing kernels' grid and block for t tokens (a thread per token)."""
+    threads = min(1024, max(32, -(-t // 32) * 32))
+    return max(1, -(-t // threads)), threads
+
+
+def route_at(
+    dev: int,
+    idx: int,
+    t: int,
+    k: int,
+    experts: int,
+    n: int,
+    meta: int,
+    send_order: int,
+    send_rank: int,
+    t_idx: int,
+    t_offs: int,
+    mask: int,
+    bcount: int,
+    flag: int,
+) -> None:
+    """gocomm_moe_route_count and _place by addresses (kernels/moe.cu says what each holds;
+    mask is t bytes, bcount route_blocks(t)[0] x (n + 2) int64; flag 0 or a host word)."""
+    grid, block = route_blocks(t)
+    u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
+    MOE.launch(
+        dev,
+        "gocomm_moe_route_count",
+        grid,
+        block,
+        [u64(idx), i64(t), i32(k), i64(experts), i32(experts // n), i32(n), u64(mask), u64(bcount)],
+    )
+    MOE.launch(
+        dev,
+        "gocomm_moe_route_place",
+        grid,
+        block,
+        [i64(t), i32(n), u64(mask), u64(bcount), u64(meta), u64(send_order), u64(send_rank)]
+        + [u64(t_idx), u64(t_offs), u64(flag)],
+    )
+
+
+# shared memory under the 48 KiB a kernel gets without opting in, less the static scan and words
+_GROUP_SMEM = (48 << 10) - 512
+
+
+def group_threads(per: int) -> int:
+    """The grouping kernels' block for per local experts (their histogram is per x (threads
+    + 1) int32 in shared memory, after per int64); 0 where per is too many."""
+    t = min(1024, ((_GROUP_SMEM - per * 8) // (4 * max(per, 1)) - 1) // 32 * 32)
+    return t if t >= 32 else 0
+
+
+def group_blocks(cap: int) -> int:
+    """The grouping kernels' grid for at most cap received rows (about 32 rows a block)."""
+    return max(1, min(64, -(-cap // 32)))
+
+
+def group_at(
+    dev: int,
+    recv: int,
+    row: int,
+    id_off: int,
+    w_off: int,
+    k: int,
+    per: int,
+    out_splits: int,
+    n: int,
+    cap: int,
+    bhist: int,
+    out: tuple[int, int, int, int, int, int, int],
+    flag: int,
+) -> None:
+    """gocomm_moe_group_count and _place by addresses: out is (rows_sorted, w_sorted, tpe,
+    e_idx, w_e (0: none), e_offs, gmeta); bhist holds group_blocks(cap) x (per + 1) int64."""
+    threads, blocks = group_threads(per), group_blocks(cap)
+    u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
+    MOE.launch(
+        dev,
+        "gocomm_moe_group_count",
+        blocks,
+        threads,
+        [u64(recv), i64(row), i64(id_off), i32(k), i32(per), u64(out_splits), i32(n), i64(cap), u64(bhist)],
+        smem=per * (threads + 1) * 4,
+    )
+    MOE.launch(
+        dev,
+        "gocomm_moe_group_place",
+        blocks,
+        threads,
+        [u64(recv), i64(row), i64(id_off), i64(w_off), i32(k), i32(per), u64(out_splits), i32(n), i64(cap)]
+        + [u64(bhist)]
+        + [u64(a) for a in out]
+        + [u64(flag)],
+        smem=per * 8 + per * (threads + 1) * 4,
+    )
 
 
 def group(recv: torch.Tensor, id_off: int, w_off: int, k: int, per: int, out_splits: torch.Tensor):
-    """dispatch's receive side on the GPU (gocomm_moe_group, one launch, no sync): recv
-    [cap, row] uint8 as packed by route_pack, its first sum(out_splits) rows received.
-    Returns (rows_sorted, w_sorted, tokens_per_expert, e_idx, e_offs, gmeta) with gmeta =
-    [pairs, rows] on the device; None where the kernel cannot take it (then use torch ops)."""
-    threads = min(1024, _GROUP_SMEM // 4 // max(per, 1) // 32 * 32)
-    if not recv.is_cuda or not usable(recv.device) or threads < 32 or not recv.is_contiguous() or k == 0:
+    """dispatch's receive side on the GPU (two launches, no sync): recv [cap, row] uint8 as
+    packed by route_pack, its first sum(out_splits) rows received. Returns (rows_sorted,
+    w_sorted, tokens_per_expert, e_idx, e_offs, gmeta) with gmeta = [pairs, rows] on the
+    device; None where the kernels cannot take it (then use torch ops)."""
+    if not recv.is_cuda or not usable(recv.device) or not group_threads(per) or not recv.is_contiguous() or k == 0:
         return None
     dev = recv.device
     cap = recv.shape[0]
@@ -270,28 +372,13 @@ def group(recv: torch.Tensor, id_off: int, w_off: int, k: int, per: int, out_spl
     e_idx = torch.empty(cap * k, dtype=torch.int64, device=dev)
     e_offs = torch.empty(cap + 1, dtype=torch.int64, device=dev)
     gmeta = torch.empty(2, dtype=torch.int64, device=dev)
-    MOE.launch(
+    bhist = torch.empty(group_blocks(cap) * (per + 1), dtype=torch.int64, device=dev)
+    outs = (rows_sorted, w_sorted, tpe, e_idx, None, e_offs, gmeta)
+    group_at(
         dev.index,
-        "gocomm_moe_group",
-        1,
-        threads,
-        [
-            ctypes.c_uint64(recv.data_ptr()),
-            ctypes.c_int64(recv.shape[1]),
-            ctypes.c_int64(id_off),
-            ctypes.c_int64(w_off),
-            ctypes.c_int(k),
-            ctypes.c_int(per),
-            ctypes.c_uint64(out_splits.data_ptr()),
-            ctypes.c_int(out_splits.numel()),
-            ctypes.c_int64(cap),
-            ctypes.c_uint64(rows_sorted.data_ptr()),
-            ctypes.c_uint64(w_sorted.data_ptr()),
-            ctypes.c_uint64(tpe.data_ptr()),
-            ctypes.c_uint64(e_idx.data_ptr()),
-            ctypes.c_uint64(e_offs.data_ptr()),
-            ctypes.c_uint64(gmeta.data_ptr()),
-        ],
-        smem=per * threads * 4,
+        *(recv.data_ptr(), recv.shape[1], id_off, w_off, k, per, out_splits.data_ptr(), out_splits.numel(), cap),
+        bhist.data_ptr(),
+        tuple(0 if o is None else o.data_ptr() for o in outs),
+        0,
     )
     return rows_sorted, w_sorted, tpe, e_idx, e_offs, gmeta

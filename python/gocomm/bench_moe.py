@@ -22,7 +22,9 @@ Two process sets run one after the other in one invocation:
   - gocomm all_to_all_v rbuf (graph): into a gocomm.receive_buffer, which the peers write
     into directly (no copy out of the kernel's receive buffer); eager, then captured.
   - gocomm dispatch / combine: gocomm.moe.dispatch and gocomm.moe.combine (top-k routing,
-    dedupe, grouping by expert; combine weights and sums).
+    dedupe, grouping by expert; combine weights and sums), with the host sync that sizes
+    dispatch's output; "padded": without it (max_tokens_per_rank bounds the output), and
+    both captured in one CUDA graph ("dispatch+combine padded graph", as decode steps run).
 - torch's ranks, as torch users run them (NCCL default group, no MPS unless
   --torch-under-mps), the anchors of ../shared/design.md:
   - torch nccl a2a (splits known): all_to_all_single with host splits.
@@ -158,6 +160,19 @@ def _measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
     run("gocomm dispatch", lambda: _timeit(lambda: gocomm.moe.dispatch(x, didx, weights, args.experts), sync))
     recv_x, _, handle = gocomm.moe.dispatch(x, didx, weights, args.experts)
     run("gocomm combine", lambda: _timeit(lambda: gocomm.moe.combine(recv_x, handle), sync))
+
+    def padded():
+        return gocomm.moe.dispatch(x, didx, weights, args.experts, max_tokens_per_rank=tokens, padded=True)
+
+    run("gocomm dispatch padded", lambda: _timeit(padded, sync))
+    precv, _, phandle = padded()
+    run("gocomm combine padded", lambda: _timeit(lambda: gocomm.moe.combine(precv, phandle), sync))
+
+    def both():  # a decode step's two exchanges, with the experts' work left out
+        recv_x, _, handle = padded()
+        gocomm.moe.combine(recv_x, handle)
+
+    run("gocomm dispatch+combine padded graph", lambda: _graphed(both, dev, sync))
     return res
 
 
@@ -298,6 +313,9 @@ VARIANTS = (
     "gocomm all_to_all_v rbuf graph",
     "gocomm dispatch",
     "gocomm combine",
+    "gocomm dispatch padded",
+    "gocomm combine padded",
+    "gocomm dispatch+combine padded graph",
 )
 
 

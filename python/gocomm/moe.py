@@ -12,24 +12,30 @@ does), and appears on the receiving rank once per local expert it chose. topk_id
 -1 choose nothing.
 
 Each token travels once per destination rank with its routing (local expert ids and weights)
-in the same row: one `gocomm.all_to_all_v` per dispatch (the NVSHMEM path where the sidecar
-uses it, else NCCL or the host engine), one per combine. On CUDA, gocomm's own kernels
-(kernels/moe.cu, launched on the caller's stream) route and pack the tokens and do combine's
-weighted sums, and group what arrives by expert; elsewhere, and for fp8, torch ops do.
-Dispatch still reads counts on the host once, after the exchange (tensor shapes depend on
-them; the torch-op path twice more).
+in the same row: one `gocomm.all_to_all_v` per dispatch, one per combine. On CUDA, gocomm's
+own kernels (kernels/moe.cu, launched on the caller's stream) route and pack the tokens, group
+what arrives by expert, and do combine's weighted sums; elsewhere, and for fp8, torch ops do.
+
+Where the group's exchange is the shim's kernel (gocomm/_a2av.py: GPUs that share NVLink),
+dispatch is route, pack, exchange, group and gather launches over one workspace, and combine
+three launches (weighted sums per received token, exchange back, sums per token) from what
+dispatch left on the GPU. dispatch reads the counts on the host once, to size its output;
+with padded=True it never does (its output has the most rows max_tokens_per_rank allows), so
+dispatch and combine can be captured in one CUDA graph. Elsewhere (NCCL, the sidecar's
+NVSHMEM kernel, the host engine) the counts cross the host once more, as all_to_all_v needs.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from . import _kernels
-from .sparse import _capacity_rows, _on_nvshmem, all_to_all_v
+from . import _a2av, _cuda, _kernels
+from .sparse import _capacity_rows, _device_path, all_to_all_v
 
 __all__ = ["Handle", "combine", "dispatch"]
 
@@ -50,6 +56,7 @@ class Handle:
     rows: torch.Tensor  # [N] received row of each grouped row
     weights: torch.Tensor  # [N] float32 weight of each grouped row
     sums: tuple | None = None  # combine's sums as (terms, offsets) pairs, made on first use
+    padded_rows: int = 0  # rows of a padded dispatch's output (combine takes y of that many)
 
 
 def dispatch(
@@ -61,6 +68,7 @@ def dispatch(
     group: dist.ProcessGroup | None = None,
     fp8: bool = False,
     max_tokens_per_rank: int | None = None,
+    padded: bool = False,
 ):
     """Send tokens to the ranks of their experts; group what arrives by local expert.
 
@@ -78,6 +86,17 @@ def dispatch(
             NVSHMEM path, where nothing learns the counts before the exchange, it sizes the
             receive buffer; without it the buffer is the sidecar's whole receive capacity
             (GOCOMM_NVSHMEM_RECV_MB). A rank that is sent more raises OverflowError.
+        padded: no host sync (needs max_tokens_per_rank): recv has its most rows,
+            max_tokens_per_rank x group size x min(k, E/n), expert e's tokens at rows
+            sum(tokens_per_expert[:e]) onwards and rows past their total undefined, so
+            shapes do not depend on the routing and the call can be captured in a CUDA graph
+            (once a first call ran outside the capture: it sets the group's exchange up).
+            combine then takes y of that many rows. Where the group's all-to-all runs in
+            this process (its GPUs share NVLink; see gocomm.all_to_all_v), nothing waits for
+            the GPU; an id out of range, or more tokens sent to a rank than its bound, is
+            found on the GPU and raises OverflowError / ValueError at that rank's next padded
+            dispatch (after its exchange, so no peer is left waiting), the tokens concerned
+            not received. Elsewhere the result is the same, after one sync.
 
     Returns:
         (recv, tokens_per_expert, handle): recv holds the received tokens grouped by local
@@ -101,10 +120,40 @@ def dispatch(
         raise ValueError(f"gocomm moe.dispatch: {num_experts} experts do not spread evenly over {n} ranks")
     if fp8 and h % FP8_BLOCK:
         raise ValueError(f"gocomm moe.dispatch: fp8 needs hidden ({h}) to be a multiple of {FP8_BLOCK}")
+    if padded and max_tokens_per_rank is None:
+        raise ValueError("gocomm moe.dispatch: padded needs max_tokens_per_rank (it sizes the output)")
+    if max_tokens_per_rank is not None and max_tokens_per_rank < t:
+        raise ValueError(f"gocomm moe.dispatch: max_tokens_per_rank {max_tokens_per_rank} < this rank's {t} tokens")
     dev = x.device
     k = topk_idx.shape[1]
     idx = topk_idx.to(device=dev, dtype=torch.int64).contiguous()
     w32 = topk_weights.to(device=dev, dtype=torch.float32).contiguous()
+    per = num_experts // n
+    path = _device_path(g, x)  # collective at the group's first call on x's device
+    if isinstance(path, _a2av.Path) and not fp8 and _here_takes(x, k, per):
+        return _dispatch_here(group, g, path, x, idx, w32, num_experts, n, max_tokens_per_rank, padded)
+    recv, tokens_per_expert, handle = _dispatch(
+        group, g, path is not None, x, idx, w32, num_experts, n, fp8, max_tokens_per_rank
+    )
+    if not padded:
+        return recv, tokens_per_expert, handle
+    # the same shapes as where nothing syncs: the most rows, the grouped ones first
+    handle.padded_rows = max_tokens_per_rank * n * min(k, per)
+    got = recv if fp8 else (recv,)
+    padded_parts = []
+    for part in got:
+        full = part.new_empty((handle.padded_rows, *part.shape[1:]))
+        full[: part.shape[0]] = part
+        padded_parts.append(full)
+    return (tuple(padded_parts) if fp8 else padded_parts[0]), tokens_per_expert, handle
+
+
+def _dispatch(group, g, nv: bool, x, idx, w32, num_experts: int, n: int, fp8: bool, max_tokens_per_rank):
+    """dispatch where the group's exchange is not the in-process kernel (NCCL, the sidecar's
+    NVSHMEM kernel, the host engine), or the kernels do not take x: one host sync."""
+    t, h = x.shape
+    dev = x.device
+    k = idx.shape[1]
     per = num_experts // n
     routed = None if fp8 else _kernels.route_pack(x, idx, w32, num_experts, n)
     if routed is not None:
@@ -118,10 +167,7 @@ def dispatch(
         payload, send_splits, send_order, parts, offs = _route_torch(x, idx, w32, num_experts, n, fp8)
         meta = None
     out = None
-    nv = _on_nvshmem(g, payload)
     if max_tokens_per_rank is not None:
-        if max_tokens_per_rank < t:
-            raise ValueError(f"gocomm moe.dispatch: max_tokens_per_rank {max_tokens_per_rank} < this rank's {t} tokens")
         out = payload.new_empty((max_tokens_per_rank * n, payload.shape[1]))
     elif nv:
         out = payload.new_empty((_capacity_rows(payload.shape[1]), payload.shape[1]))
@@ -179,6 +225,180 @@ def dispatch(
     if fp8:
         return (got[0][rows_sorted], got[1][rows_sorted]), tokens_per_expert, handle
     return got[0][rows_sorted], tokens_per_expert, handle
+
+
+def _here_takes(x: torch.Tensor, k: int, per: int) -> bool:
+    """Whether the kernels take dispatch of x (and combine of its dtype) on their own."""
+    xbytes = x.shape[1] * x.element_size()
+    return (
+        x.dtype in _kernels._WSUM
+        and k > 0
+        and xbytes % 16 == 0
+        and x.is_contiguous()
+        and x.data_ptr() % 16 == 0
+        and _kernels.usable(x.device)
+        and _kernels.group_threads(per) > 0
+    )
+
+
+@dataclass
+class _Here:
+    """dispatch's handle where the exchange runs in this process: combine needs only
+    addresses in ws (the routing dispatch made on the GPU) and sizes the host knows."""
+
+    group: dist.ProcessGroup | None
+    g: dist.ProcessGroup
+    path: _a2av.Path
+    tokens: int
+    dtype: torch.dtype
+    n: int
+    ws: torch.Tensor  # the workspace the addresses below point into
+    at: dict  # name -> address in ws
+    y_rows: int  # rows combine's y has (dispatch's output)
+    recv_rows: int  # rows the exchange received into, at most (combine sends as many back)
+    send_rows: int  # rows this rank sent, at most (combine receives as many)
+    send_splits: list[int] | None = None  # known after a dispatch that synced
+    recv_splits: list[int] | None = None
+
+
+def _carve(sizes: dict) -> tuple[dict, int]:
+    """Byte offsets of named regions of one allocation (each 256-byte aligned), and its size."""
+    offs, at = {}, 0
+    for name, size in sizes.items():
+        offs[name] = at
+        at += -(-max(size, 1) // 256) * 256
+    return offs, at
+
+
+_flags: dict[int, ctypes.Array] = {}  # device -> (host words, their device address)
+
+
+def _flag_words(dev: int):
+    """Host memory the routing kernels write on device dev where a padded dispatch found an
+    id out of range ([0]) or an overflow ([1]): (the words, their device address)."""
+    got = _flags.get(dev)
+    if got is None:
+        host, devp = _cuda.host_word()
+        got = _flags[dev] = ((ctypes.c_uint32 * 2).from_address(host), devp)
+    return got
+
+
+def _dispatch_here(group, g, path, x, idx, w32, experts: int, n: int, bound, padded: bool):
+    """dispatch where the exchange is the in-process kernel: five launches (route, pack,
+    exchange, group, gather), addresses into one workspace, and no host sync when padded
+    (else one, to size the output)."""
+    t, h = x.shape
+    k = idx.shape[1]
+    per = experts // n
+    kk = min(k, per)
+    dev = path.idx
+    xbytes = h * x.element_size()
+    id_off = xbytes
+    w_off = id_off + -(-k * 4 // 16) * 16
+    row = w_off + -(-k * 4 // 16) * 16
+    cap = bound * n if bound is not None else _capacity_rows(row)  # rows the exchange takes
+    send_cap = t * min(n, k)
+    offs, size = _carve(
+        {
+            "counts": (2 * n + 4) * 8,  # meta [n + 2] (send splits, sent, bad), recv splits [n], gmeta [2]
+            "send_order": t * n * 8,
+            "send_rank": t * n * 4,
+            "t_idx": t * n * 8,
+            "t_offs": (t + 1) * 8,
+            "mask": t,
+            "bcount": _kernels.route_blocks(t)[0] * (n + 2) * 8,
+            "bhist": _kernels.group_blocks(cap) * (per + 1) * 8,
+            "rows_sorted": cap * kk * 8,
+            "w_sorted": cap * kk * 4,
+            "tpe": per * 8,
+            "e_idx": cap * kk * 8,
+            "w_e": cap * kk * 4,
+            "e_offs": (cap + 1) * 8,
+            "back_splits": n * 8,
+        }
+    )
+    ws = torch.empty(size, dtype=torch.uint8, device=x.device)
+    base = ws.data_ptr()
+    at = {name: base + off for name, off in offs.items()}
+    meta, recv_splits, gmeta = at["counts"], at["counts"] + (n + 2) * 8, at["counts"] + (2 * n + 2) * 8
+    # the payload and the exchange's output live only through this call
+    big_offs, big = _carve({"payload": send_cap * row, "recv": cap * row})
+    tmp = torch.empty(big, dtype=torch.uint8, device=x.device)
+    payload, recv = tmp.data_ptr() + big_offs["payload"], tmp.data_ptr() + big_offs["recv"]
+    flags, flag_at = _flag_words(dev) if padded else (None, 0)
+    u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
+    launch = _kernels.MOE.launch
+    _kernels.route_at(
+        dev,
+        *(idx.data_ptr(), t, k, experts, n, meta),
+        *(at[a] for a in ("send_order", "send_rank", "t_idx", "t_offs", "mask", "bcount")),
+        flag_at,
+    )
+    if send_cap:
+        launch(
+            dev,
+            "gocomm_moe_pack",
+            min(send_cap, 4096),
+            min(256, max(32, -(-xbytes // 16 // 32) * 32)),
+            [u64(payload), u64(x.data_ptr()), u64(idx.data_ptr()), u64(w32.data_ptr()), u64(meta)]
+            + [u64(at["send_order"]), u64(at["send_rank"]), i32(n), i32(k), i64(experts), i32(per)]
+            + [i64(xbytes), i64(id_off), i64(w_off), i64(row)],
+        )
+    path.report(g._group_name)
+    with g._cuda_lock, _cuda.on_device(dev):
+        path.run_at(payload, send_cap, meta, False, recv, cap, recv_splits, row)
+    _kernels.group_at(
+        dev,
+        *(recv, row, id_off, w_off, k, per, recv_splits, n, cap, at["bhist"]),
+        tuple(at[a] for a in ("rows_sorted", "w_sorted", "tpe", "e_idx", "w_e", "e_offs")) + (gmeta,),
+        flag_at,
+    )
+    handle = _Here(group, g, path, t, x.dtype, n, ws, at, 0, cap, send_cap)
+    tpe = ws[offs["tpe"] : offs["tpe"] + per * 8].view(torch.int64)
+    if padded:
+        rows = cap * kk
+    else:
+        counts = ws[: (2 * n + 4) * 8].view(torch.int64).tolist()  # the one sync
+        send, bad, recv_n = counts[:n], counts[n + 1], counts[n + 2 : 2 * n + 2]
+        rows, got = counts[2 * n + 2], counts[2 * n + 3]
+        if bad:
+            lo, hi = torch.stack(torch.aminmax(idx)).tolist()
+            raise ValueError(
+                f"gocomm moe.dispatch: topk_idx must be in [-1, {experts}), got {lo}..{hi} "
+                "(those entries were sent nowhere)"
+            )
+        if sum(recv_n) > cap:  # the exchange wrote nothing
+            raise OverflowError(
+                f"gocomm moe.dispatch: this rank is sent {sum(recv_n)} tokens ({recv_n} by source rank), more than "
+                f"max_tokens_per_rank x group size = {cap}; nothing was received"
+            )
+        handle.recv_rows, handle.send_rows = got, counts[n]
+        handle.send_splits, handle.recv_splits = send, recv_n
+    out = torch.empty(rows, h, dtype=x.dtype, device=x.device)
+    if rows:
+        vec = xbytes // 16
+        launch(
+            dev,
+            "gocomm_moe_gather",
+            min(rows, 2048),
+            min(256, max(32, -(-vec // 32) * 32)),
+            [u64(out.data_ptr()), u64(recv), u64(at["rows_sorted"]), u64(gmeta), i64(rows), i64(row), i64(xbytes)],
+        )
+    handle.y_rows = rows
+    del tmp  # freed in stream order: the kernels above are queued before any reuse
+    if flags is not None and (flags[0] or flags[1]):
+        over = flags[1]
+        flags[0] = flags[1] = 0
+        if over:
+            raise OverflowError(
+                "gocomm moe.dispatch: a padded dispatch on this rank was sent more tokens than max_tokens_per_rank "
+                f"x group size = {cap}; it received none (a rank dispatched more than the bound)"
+            )
+        raise ValueError(
+            f"gocomm moe.dispatch: a padded dispatch on this rank had topk_idx outside [-1, {experts}) "
+            "(those entries were sent nowhere)"
+        )
+    return out, tpe, handle
 
 
 def _group_torch(recv_local: torch.Tensor, recv_w: torch.Tensor, per: int):
@@ -284,10 +504,13 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
         fp16 or fp32, rows a multiple of 16 bytes), both sums run in gocomm's kernel, in a
         fixed order (the same result every time); elsewhere in torch ops.
     """
-    if y.dim() != 2 or y.shape[0] != handle.rows.shape[0]:
-        raise ValueError(
-            f"gocomm moe.combine: y must be [{handle.rows.shape[0]}, hidden] (dispatch's rows), got {tuple(y.shape)}"
-        )
+    if isinstance(handle, _Here):
+        return _combine_here(y, handle)
+    rows_y = handle.padded_rows or handle.rows.shape[0]
+    if y.dim() != 2 or y.shape[0] != rows_y:
+        raise ValueError(f"gocomm moe.combine: y must be [{rows_y}, hidden] (dispatch's rows), got {tuple(y.shape)}")
+    if handle.padded_rows:
+        y = y[: handle.rows.shape[0]]
     h = y.shape[1]
     dev = y.device
     g = handle.group if handle.group is not None else dist.group.WORLD
@@ -309,6 +532,36 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
     out = torch.zeros(handle.tokens, h, dtype=torch.float32, device=dev)
     out.index_add_(0, handle.send_order, back.float())
     return out.to(handle.dtype)
+
+
+def _combine_here(y: torch.Tensor, hd: _Here) -> torch.Tensor:
+    """combine after _dispatch_here: three launches (the expert side's weighted sums, the
+    exchange back, the token side's sums) from the routing dispatch left on the GPU; no sync."""
+    if y.dim() != 2 or y.shape[0] != hd.y_rows:
+        raise ValueError(f"gocomm moe.combine: y must be [{hd.y_rows}, hidden] (dispatch's rows), got {tuple(y.shape)}")
+    if y.dtype != hd.dtype or y.device.index != hd.path.idx:
+        raise ValueError(
+            f"gocomm moe.combine: y must be {hd.dtype} on cuda:{hd.path.idx} like dispatch's x, got {y.dtype} on {y.device}"
+        )
+    h = y.shape[1]
+    if (h * y.element_size()) % 16:
+        raise ValueError(f"gocomm moe.combine: y's rows must be a multiple of 16 bytes like dispatch's x, got {h}")
+    y = y.contiguous()
+    at, dev, row = hd.at, hd.path.idx, h * y.element_size()
+    tmp = torch.empty(hd.recv_rows * h + hd.send_rows * h, dtype=y.dtype, device=y.device)
+    partial, back = tmp.data_ptr(), tmp.data_ptr() + hd.recv_rows * row
+    gmeta = at["counts"] + (2 * hd.n + 2) * 8
+    if hd.recv_rows:
+        _kernels.wsum_at(
+            dev, y.dtype, partial, y.data_ptr(), at["e_idx"], at["w_e"], at["e_offs"], hd.recv_rows, gmeta + 8, h
+        )
+    recv_splits = at["counts"] + (hd.n + 2) * 8
+    with hd.g._cuda_lock, _cuda.on_device(dev):
+        hd.path.run_at(partial, hd.recv_rows, recv_splits, False, back, hd.send_rows, at["back_splits"], row)
+    out = torch.empty(hd.tokens, h, dtype=y.dtype, device=y.device)
+    if hd.tokens:
+        _kernels.wsum_at(dev, y.dtype, out.data_ptr(), back, at["t_idx"], 0, at["t_offs"], hd.tokens, 0, h)
+    return out
 
 
 def _sums_of(handle: Handle, rows: int, dev: torch.device):

@@ -589,6 +589,72 @@ def test_all_to_all_v_nvshmem(worlds, seed, size, here):
         w.close()
 
 
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_moe_graph(worlds, seed, size):
+    """dispatch/combine where the exchange runs in this process (one rank too), padded and
+    captured in a CUDA graph, then the whole MoE check on the same world."""
+    _need(size)
+    w = worlds.fresh(size, label="moegraph", env={"GOCOMM_TRANSPORT": "nvshmem"})
+    try:
+        w.run(check_moe_graph, seed=seed, timeout=RUN_LIMIT_S)
+        w.run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
+    finally:
+        w.close()
+
+
+def check_moe_graph(rk, seed):
+    """Padded dispatch and combine (no host sync) captured in one CUDA graph with an expert
+    step between them, replayed with new tokens and routings (uniform, all to rank 0's
+    experts, with -1 entries): the counts, the grouped tokens and combine's sums equal, bit
+    for bit, what dispatch and combine give eagerly (with their sync) on the same inputs."""
+    import gocomm
+
+    dev, _ = _setup(rk)
+    n, me = rk.size, rk.rank
+    ck = Checker("moe captured", seed, me)
+    per, k, h = 8, 4, 512
+    experts = per * n
+    tokens = [20 + 3 * r for r in range(n)]
+    t, bound = tokens[me], max(tokens)
+    x = torch.zeros(t, h, dtype=torch.bfloat16, device=dev)
+    idx = torch.zeros(t, k, dtype=torch.int64, device=dev)
+    w = torch.zeros(t, k, dtype=torch.float32, device=dev)
+
+    def experts_of(step):
+        g = torch.Generator().manual_seed(seed * 31 + step * 7 + me)
+        pool = per if step % 3 == 1 else experts  # step 1, 4: only rank 0's experts
+        ids = torch.rand(t, pool, generator=g).argsort(dim=1)[:, :k]
+        if step % 3 == 2:
+            ids = torch.where(torch.rand(t, k, generator=g) < 0.3, -1, ids)
+        return ids
+
+    def expert_step(recv):  # stands in for the experts: any op on the grouped rows
+        return (recv.float() * 1.5 - 0.25).to(torch.bfloat16)
+
+    gocomm.moe.dispatch(x, idx, w, experts, max_tokens_per_rank=bound, padded=True)  # sets up: not while capturing
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        recv, tpe, handle = gocomm.moe.dispatch(x, idx, w, experts, max_tokens_per_rank=bound, padded=True)
+        out = gocomm.moe.combine(expert_step(recv), handle)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    for step in range(5):
+        with ck.case(f"replay {step}"):
+            x.copy_(gen(seed, f"mg{step}", me, (t, h), torch.bfloat16))
+            idx.copy_(experts_of(step))
+            w.copy_(gen(seed, f"mw{step}", me, (t, k), torch.float32).abs())
+            graph.replay()
+            got = (recv.clone(), tpe.clone(), out.clone())
+            want_recv, want_tpe, want_h = gocomm.moe.dispatch(x, idx, w, experts)
+            want_out = gocomm.moe.combine(expert_step(want_recv), want_h)
+            ck.same(f"replay {step} tokens per expert", got[1].cpu(), want_tpe.cpu())
+            ck.same(f"replay {step} grouped tokens", got[0][: want_recv.shape[0]].cpu(), want_recv.cpu())
+            ck.same(f"replay {step} combine", got[2].cpu(), want_out.cpu())
+    torch.cuda.synchronize()
+    return ck.done()
+
+
 def check_all_to_all_v_graph(rk, seed):
     """The shim's all_to_all_v kernel (gocomm/_a2av.py) captured in a CUDA graph and replayed
     with new rows and splits, between eager calls, with no host sync in between, into a plain
@@ -856,3 +922,82 @@ def test_moe_wsum_kernel(seed, dtype):
         assert torch.equal(out, again), "the same sum every time"
     odd = torch.zeros(rows, 7, dtype=dtype, device=dev)  # 7 elements: not a multiple of 16 bytes
     assert not _kernels.wsum(odd, torch.zeros(n_src, 7, dtype=dtype, device=dev), idx.to(dev), None, offs.to(dev))
+
+
+@pytest.mark.parametrize(
+    "tokens,n,k,per",
+    [(0, 4, 8, 64), (1, 2, 8, 128), (128, 4, 8, 64), (3000, 8, 8, 32), (2500, 2, 4, 128), (777, 3, 2, 5)],
+)
+def test_moe_route_group_kernels(seed, tokens, n, k, per):
+    """dispatch's routing, packing and grouping kernels on one GPU against a reference built
+    in Python from the same ids: every slot, split and offset, more tokens and rows than one
+    block takes, -1 entries, an id out of range, and an overflow that groups nothing."""
+    from gocomm import _kernels
+
+    dev = torch.device("cuda", 0)
+    if torch.cuda.get_device_capability(dev) != _kernels._ARCH:
+        pytest.skip(_kernels.why_not(dev))
+    assert _kernels.usable(dev), _kernels.why_not(dev)
+    g = torch.Generator().manual_seed(seed)
+    experts, h = per * n, 64
+    idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]) if tokens else None
+    idx = (
+        torch.empty(0, k, dtype=torch.int64)
+        if idx is None
+        else torch.where(torch.rand(tokens, k, generator=g) < 0.2, -1, idx)
+    )
+    x = torch.randn(max(tokens, 1), h, generator=g).to(torch.bfloat16)[:tokens]
+    w = torch.rand(tokens, k, generator=g)
+    # the reference: rows by rank, tokens ascending within a rank
+    ranks_of = [sorted({int(e) // per for e in idx[t] if e >= 0}) for t in range(tokens)]
+    slots = [(r, t) for r in range(n) for t in range(tokens) if r in ranks_of[t]]
+    if tokens == 0:
+        assert _kernels.route_pack(x.to(dev), idx.to(dev), w.to(dev), experts, n) is None  # torch ops take it
+    else:
+        payload, meta, send_order, t_idx, t_offs = _kernels.route_pack(x.to(dev), idx.to(dev), w.to(dev), experts, n)
+        meta, send_order, t_idx, t_offs = meta.cpu(), send_order.cpu(), t_idx.cpu(), t_offs.cpu()
+        assert meta.tolist() == [sum(1 for r, _ in slots if r == q) for q in range(n)] + [len(slots), 0]
+        assert send_order[: len(slots)].tolist() == [t for _, t in slots]
+        where = {s: i for i, s in enumerate(slots)}
+        want_offs = [0]
+        for t in range(tokens):
+            want_offs.append(want_offs[-1] + len(ranks_of[t]))
+        assert t_offs.tolist() == want_offs
+        assert t_idx[: len(slots)].tolist() == [where[(r, t)] for t in range(tokens) for r in ranks_of[t]]
+        rows = payload[: len(slots)].cpu()
+        assert torch.equal(rows[:, : h * 2].view(torch.bfloat16), x[[t for _, t in slots]])
+        id_off = h * 2
+        ids = rows[:, id_off : id_off + k * 4].view(torch.int32)
+        want_ids = torch.tensor(
+            [[int(e) - r * per if e >= 0 and int(e) // per == r else -1 for e in idx[t]] for r, t in slots],
+            dtype=torch.int32,
+        ).view(-1, k)
+        assert torch.equal(ids, want_ids)
+        bad = idx.clone()
+        bad[tokens // 2, 0] = experts + 3
+        assert _kernels.route_pack(x.to(dev), bad.to(dev), w.to(dev), experts, n)[1][n + 1].item() == 1
+    # grouping: rows as one rank receives them (local ids in [0, per) or -1), weights
+    rows_n = 3 * tokens + 5
+    cap = rows_n + 7
+    id_off, w_off = 16, 16 + -(-k * 4 // 16) * 16
+    row = w_off + -(-k * 4 // 16) * 16
+    local = torch.stack([torch.randperm(per + 3, generator=g)[:k] for _ in range(rows_n)]) - 3  # -3..-1: none
+    local = torch.where(local < 0, -1, local).to(torch.int32)
+    wts = torch.rand(rows_n, k, generator=g)
+    recv = torch.zeros(cap, row, dtype=torch.uint8)
+    recv[:rows_n, id_off : id_off + k * 4] = local.contiguous().view(torch.uint8)
+    recv[:rows_n, w_off : w_off + k * 4] = wts.contiguous().view(torch.uint8)
+    splits = torch.tensor([rows_n // n] * (n - 1) + [rows_n - rows_n // n * (n - 1)])
+    got = _kernels.group(recv.to(dev), id_off, w_off, k, per, splits.to(dev))
+    rows_sorted, w_sorted, tpe, e_idx, e_offs, gmeta = (v.cpu() for v in got)
+    pairs = [(e, r, j) for e in range(per) for r in range(rows_n) for j in range(k) if local[r, j] == e]
+    assert gmeta.tolist() == [len(pairs), rows_n]
+    assert tpe.tolist() == [sum(1 for e, _, _ in pairs if e == q) for q in range(per)]
+    assert rows_sorted[: len(pairs)].tolist() == [r for _, r, _ in pairs]
+    assert torch.equal(w_sorted[: len(pairs)], torch.tensor([float(wts[r, j]) for _, r, j in pairs]))
+    place = {(r, j): p for p, (_, r, j) in enumerate(pairs)}
+    in_row = [[place[(r, j)] for j in range(k) if local[r, j] >= 0] for r in range(rows_n)]
+    assert e_offs[: rows_n + 1].tolist() == [sum(len(v) for v in in_row[:r]) for r in range(rows_n + 1)]
+    assert e_idx[: len(pairs)].tolist() == [p for v in in_row for p in v]
+    over = _kernels.group(recv.to(dev), id_off, w_off, k, per, splits.to(dev) + cap)
+    assert over[-1].cpu().tolist() == [0, 0] and int(over[2].sum()) == 0, "an overflow groups nothing"

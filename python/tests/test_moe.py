@@ -223,6 +223,35 @@ def check_moe(rk, seed, device="cpu", per=4):
                 not bool(bad.any()),
                 f"{int(bad.sum())} of {d.numel()} off, max {float(d.max()) if d.numel() else 0:.3g}",
             )
+        with ck.case(f"{label} padded"):
+            # no host sync where the exchange runs in this process: the most rows, grouped
+            # ones first, counts on the GPU; combine of y padded alike gives the same sums
+            bound = max(tokens_of)
+            most = bound * n * min(k, per)
+            precv, ptpe, ph = gocomm.moe.dispatch(*args, max_tokens_per_rank=bound, padded=True)
+            ck.expect(f"{label} padded shape", tuple(precv.shape) == (most, hidden), str(tuple(precv.shape)))
+            ck.same(f"{label} padded tokens per expert", ptpe.cpu(), torch.tensor(counts, dtype=torch.int64))
+            ck.same(f"{label} padded grouped tokens", precv[: sum(counts)].cpu(), want)
+            yp = torch.full((most, hidden), float("nan"), dtype=torch.bfloat16, device=dev)
+            yp[: sum(counts)] = y  # rows past the total are never read
+            ck.same(f"{label} padded combine", gocomm.moe.combine(yp, ph).cpu(), got.cpu())
+            try:
+                gocomm.moe.combine(torch.zeros(most + 1, hidden, dtype=torch.bfloat16, device=dev), ph)
+                ck.fail(f"{label} padded combine of the wrong rows", "no error")
+            except ValueError as e:
+                ck.expect(f"{label} padded combine of the wrong rows", str(most) in str(e), str(e))
+        with ck.case(f"{label} padded, too small a bound"):
+            # found on the GPU where nothing syncs: raised by that rank's next padded
+            # dispatch at the latest, never on a rank that was not sent too much
+            raised = 0
+            for bound in (tokens_of[me], max(tokens_of)):
+                try:
+                    gocomm.moe.dispatch(*args, max_tokens_per_rank=bound, padded=True)
+                except OverflowError:
+                    raised += 1
+                if device == "cuda":
+                    torch.cuda.synchronize()
+            ck.expect(f"{label} padded overflow raised", raised == (sent_here > tokens_of[me] * n), f"{raised}")
     with ck.case("fp8 dispatch"):
         x = gen(seed, "fp8", me, (6, hidden), torch.bfloat16)
         idx = _routing(seed, me, 6, experts, k, n, "uniform")
@@ -279,6 +308,38 @@ def check_moe(rk, seed, device="cpu", per=4):
                 ck.expect("raised on rank 0", me != 0, "no ValueError")
             except ValueError as e:
                 ck.expect("only rank 0 raises", me == 0 and str(experts + 5) in str(e), str(e))
+        with ck.case("id out of range, padded"):
+            raised = 0
+            for bad in (True, False):
+                ids = torch.zeros(3, k, dtype=torch.long, device=dev)
+                if me == 0 and bad:
+                    ids[1, 0] = experts + 5
+                try:
+                    gocomm.moe.dispatch(
+                        torch.ones(3, hidden, dtype=torch.bfloat16, device=dev),
+                        ids,
+                        torch.ones(3, k, device=dev),
+                        experts,
+                        max_tokens_per_rank=3,
+                        padded=True,
+                    )
+                except ValueError as e:
+                    raised += 1
+                    ck.expect("names topk_idx", "topk_idx" in str(e), str(e))
+                torch.cuda.synchronize()
+            ck.expect("raised once on rank 0 only", raised == (me == 0), f"{raised}")
+        with ck.case("padded needs a bound"):
+            try:
+                gocomm.moe.dispatch(
+                    torch.ones(3, hidden, dtype=torch.bfloat16, device=dev),
+                    torch.zeros(3, k, dtype=torch.long, device=dev),
+                    torch.ones(3, k, device=dev),
+                    experts,
+                    padded=True,
+                )
+                ck.fail("padded needs a bound", "no error")
+            except ValueError as e:
+                ck.expect("padded needs a bound", "max_tokens_per_rank" in str(e), str(e))
         with ck.case("group usable after it"):  # every rank gets here, whatever the case above did
             t = torch.ones(4, device=dev)
             dist.all_reduce(t)
