@@ -92,8 +92,8 @@ __device__ __forceinline__ int64_t block_scan(int64_t v, int64_t* scan, int64_t*
 // token, blockDim.x tokens per block): which ranks each token goes to, and where in the send
 // buffer. Token t goes to rank r when one of its k expert ids lies in [r * per, (r+1) * per);
 // ids of -1 choose nothing, and so do ids out of range, which also set meta[n + 1] = 1 (and
-// flag[0] = 1, host memory the GPU writes, where flag is not null: dispatch without a host
-// sync reports it later). Rows are laid out by rank, tokens ascending within a rank: slot s
+// count in flag[0], host memory the GPU writes, where flag is not null: dispatch without a
+// host sync reports it later; the host only reads it). n is at most 8 (a byte of mask). Rows are laid out by rank, tokens ascending within a rank: slot s
 // holds token send_order[s] for rank send_rank[s]. meta[0..n) = rows per rank (the send
 // splits), meta[n] = their sum. Also the token side of combine's sum: token t's rows are
 // t_idx[t_offs[t] .. t_offs[t+1]), by rank. The first pass leaves each token's ranks as a
@@ -158,7 +158,7 @@ extern "C" __global__ void gocomm_moe_route_place(int64_t tokens, int n, const u
       }
       meta[n] = all, meta[n + 1] = bad;
       t_offs[tokens] = all;
-      if (bad && flag) flag[0] = 1, __threadfence_system();  // the host reads it
+      if (bad && flag) flag[0] = flag[0] + 1, __threadfence_system();  // the host reads it
     }
   }
   __syncthreads();
@@ -206,11 +206,12 @@ extern "C" __global__ void gocomm_moe_pack(char* __restrict__ payload, const cha
 // receive side. The first R = sum(out_splits) rows of recv (packed as gocomm_moe_pack packs)
 // hold tokens with their local expert ids (int32 at id_off, -1 for none) and weights (float32
 // at w_off); R = 0 where that passes cap_rows (the exchange overflowed and wrote nothing:
-// flag[1] = 1, where flag is not null). Each (row, id) pair gets a place in the output
+// counted in flag[1], where flag is not null). Each (row, id) pair gets a place in the output
 // grouped by expert, rows ascending within an expert: rows_sorted[p] and w_sorted[p] are its
 // row and weight, tpe[e] counts expert e's pairs. For combine: row r's pairs are at
 // e_idx[e_offs[r] .. e_offs[r+1]) (ids in slot order), with their weights at w_e[e_offs[r] ..].
-// gmeta = {pairs, R}. Each block takes a run of the rows, each of its threads a run of
+// gmeta = {pairs, R}; back[s] = out_splits[s], or 0 where the exchange overflowed (what
+// combine sends back to each rank). Each block takes a run of the rows, each of its threads a run of
 // those; a thread counts its pairs per expert in hist (shared, [per][blockDim.x + 1] int32). The
 // first pass leaves each block's counts per expert and its pairs in bhist [blocks][per + 1];
 // the second gives every pair its place from them and a scan of each expert's counts over
@@ -283,7 +284,8 @@ extern "C" __global__ void gocomm_moe_group_place(const char* __restrict__ recv,
                                                   int64_t* __restrict__ rows_sorted, float* __restrict__ w_sorted,
                                                   int64_t* __restrict__ tpe, int64_t* __restrict__ e_idx,
                                                   float* __restrict__ w_e, int64_t* __restrict__ e_offs,
-                                                  int64_t* __restrict__ gmeta, volatile uint32_t* flag) {
+                                                  int64_t* __restrict__ gmeta, int64_t* __restrict__ back,
+                                                  volatile uint32_t* flag) {
   extern __shared__ int64_t dyn[];  // adj [per] int64, then hist [per][blockDim.x + 1] int32
   int64_t* adj = dyn;
   int32_t* hist = reinterpret_cast<int32_t*>(dyn + per);
@@ -314,7 +316,9 @@ extern "C" __global__ void gocomm_moe_group_place(const char* __restrict__ recv,
     pb = at;
     if (b == 0) {
       gmeta[0] = pairs, gmeta[1] = R, e_offs[R] = pairs;
-      if (flag && group_rows(out_splits, n, INT64_MAX) > cap_rows) flag[1] = 1, __threadfence_system();
+      if (back)
+        for (int s = 0; s < n; s++) back[s] = R ? out_splits[s] : 0;
+      if (flag && group_rows(out_splits, n, INT64_MAX) > cap_rows) flag[1] = flag[1] + 1, __threadfence_system();
     }
   }
   // 2. This block's pairs: counted again, then each expert's column scanned over the

@@ -209,6 +209,7 @@ def route_pack(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: int
         or x.data_ptr() % 16
         or idx.dim() != 2
         or idx.shape[1] == 0
+        or n > ROUTE_MAX_RANKS
     ):
         return None
     k = idx.shape[1]
@@ -257,6 +258,9 @@ def route_pack(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: int
     return payload, meta, send_order, t_idx, t_offs
 
 
+ROUTE_MAX_RANKS = 8  # the routing kernels keep a token's ranks in a byte
+
+
 def route_blocks(t: int) -> tuple[int, int]:
     """The routing kernels' grid and block for t tokens (a thread per token)."""
     threads = min(1024, max(32, -(-t // 32) * 32))
@@ -280,7 +284,10 @@ def route_at(
     flag: int,
 ) -> None:
     """gocomm_moe_route_count and _place by addresses (kernels/moe.cu says what each holds;
-    mask is t bytes, bcount route_blocks(t)[0] x (n + 2) int64; flag 0 or a host word)."""
+    mask is t bytes, bcount route_blocks(t)[0] x (n + 2) int64; flag 0 or a host word).
+    n is at most ROUTE_MAX_RANKS."""
+    if n > ROUTE_MAX_RANKS:
+        raise ValueError(f"gocomm: the routing kernels take at most {ROUTE_MAX_RANKS} ranks, got {n}")
     grid, block = route_blocks(t)
     u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
     MOE.launch(
@@ -328,11 +335,12 @@ def group_at(
     n: int,
     cap: int,
     bhist: int,
-    out: tuple[int, int, int, int, int, int, int],
+    out: tuple[int, int, int, int, int, int, int, int],
     flag: int,
 ) -> None:
     """gocomm_moe_group_count and _place by addresses: out is (rows_sorted, w_sorted, tpe,
-    e_idx, w_e (0: none), e_offs, gmeta); bhist holds group_blocks(cap) x (per + 1) int64."""
+    e_idx, w_e (0: none), e_offs, gmeta, back (0: none)); bhist holds group_blocks(cap) x
+    (per + 1) int64."""
     threads, blocks = group_threads(per), group_blocks(cap)
     u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
     MOE.launch(
@@ -373,7 +381,7 @@ def group(recv: torch.Tensor, id_off: int, w_off: int, k: int, per: int, out_spl
     e_offs = torch.empty(cap + 1, dtype=torch.int64, device=dev)
     gmeta = torch.empty(2, dtype=torch.int64, device=dev)
     bhist = torch.empty(group_blocks(cap) * (per + 1), dtype=torch.int64, device=dev)
-    outs = (rows_sorted, w_sorted, tpe, e_idx, None, e_offs, gmeta)
+    outs = (rows_sorted, w_sorted, tpe, e_idx, None, e_offs, gmeta, None)
     group_at(
         dev.index,
         *(recv.data_ptr(), recv.shape[1], id_off, w_off, k, per, out_splits.data_ptr(), out_splits.numel(), cap),

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from . import _a2av, _cuda, _kernels
 from .sparse import _capacity_rows, _device_path, all_to_all_v
 
-__all__ = ["Handle", "combine", "dispatch"]
+__all__ = ["Handle", "check", "combine", "dispatch"]
 
 FP8_BLOCK = 128  # channels per scale in fp8 dispatch
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -87,16 +87,19 @@ def dispatch(
             receive buffer; without it the buffer is the sidecar's whole receive capacity
             (GOCOMM_NVSHMEM_RECV_MB). A rank that is sent more raises OverflowError.
         padded: no host sync (needs max_tokens_per_rank): recv has its most rows,
-            max_tokens_per_rank x group size x min(k, E/n), expert e's tokens at rows
+            max_tokens_per_rank x group size x k, expert e's tokens at rows
             sum(tokens_per_expert[:e]) onwards and rows past their total undefined, so
             shapes do not depend on the routing and the call can be captured in a CUDA graph
             (once a first call ran outside the capture: it sets the group's exchange up).
             combine then takes y of that many rows. Where the group's all-to-all runs in
             this process (its GPUs share NVLink; see gocomm.all_to_all_v), nothing waits for
-            the GPU; an id out of range, or more tokens sent to a rank than its bound, is
-            found on the GPU and raises OverflowError / ValueError at that rank's next padded
-            dispatch (after its exchange, so no peer is left waiting), the tokens concerned
-            not received. Elsewhere the result is the same, after one sync.
+            the GPU. An id out of range (sent nowhere), or more tokens sent to a rank than
+            its bound (that rank receives none, and combine's sums of the tokens sent to it
+            are undefined), is found on the GPU and raises ValueError / OverflowError at the
+            end of a later combine of a padded dispatch on that rank's device (after that
+            combine's exchange, so no peer is left waiting), or in gocomm.moe.check(), which
+            waits for the GPU first. Elsewhere the result is the same, after one sync, and
+            such errors raise in dispatch.
 
     Returns:
         (recv, tokens_per_expert, handle): recv holds the received tokens grouped by local
@@ -138,7 +141,7 @@ def dispatch(
     if not padded:
         return recv, tokens_per_expert, handle
     # the same shapes as where nothing syncs: the most rows, the grouped ones first
-    handle.padded_rows = max_tokens_per_rank * n * min(k, per)
+    handle.padded_rows = max_tokens_per_rank * n * k
     got = recv if fp8 else (recv,)
     padded_parts = []
     for part in got:
@@ -259,6 +262,7 @@ class _Here:
     send_rows: int  # rows this rank sent, at most (combine receives as many)
     send_splits: list[int] | None = None  # known after a dispatch that synced
     recv_splits: list[int] | None = None
+    experts: int = 0
 
 
 def _carve(sizes: dict) -> tuple[dict, int]:
@@ -270,17 +274,59 @@ def _carve(sizes: dict) -> tuple[dict, int]:
     return offs, at
 
 
-_flags: dict[int, ctypes.Array] = {}  # device -> (host words, their device address)
+class _Flags:
+    """Host memory the routing and grouping kernels count in on one device: padded
+    dispatches that found an id out of range ([0]) or overflowed ([1]). The GPU only adds to
+    them and the host only reads them (seen: what it reported), so none is lost."""
+
+    def __init__(self):
+        host, self.at = _cuda.host_word()
+        self.words = (ctypes.c_uint32 * 2).from_address(host)
+        self.seen = [0, 0]
+
+    def raise_new(self, experts: int) -> None:
+        """Raise for what the kernels counted since the last call (once each)."""
+        got = [self.words[0], self.words[1]]
+        if got == self.seen:
+            return
+        over = got[1] != self.seen[1]
+        i = 1 if over else 0  # one error per call: the other stays for the next
+        self.seen[i] = got[i]
+        if over:
+            raise OverflowError(
+                "gocomm moe: a padded dispatch on this device was sent more tokens than max_tokens_per_rank x "
+                "group size; it received none, and its combine sent nothing back (a rank dispatched more than "
+                "the bound)"
+            )
+        raise ValueError(
+            f"gocomm moe: a padded dispatch on this device had topk_idx outside [-1, {experts}) "
+            "(those entries were sent nowhere)"
+        )
 
 
-def _flag_words(dev: int):
-    """Host memory the routing kernels write on device dev where a padded dispatch found an
-    id out of range ([0]) or an overflow ([1]): (the words, their device address)."""
-    got = _flags.get(dev)
-    if got is None:
-        host, devp = _cuda.host_word()
-        got = _flags[dev] = ((ctypes.c_uint32 * 2).from_address(host), devp)
-    return got
+_flags: dict[int, _Flags] = {}  # device -> its words
+
+
+def check(device: torch.device | int | None = None, num_experts: int = 0) -> None:
+    """Wait for device's queued work (default: the current device), then raise what padded
+    dispatches there found on the GPU and no combine has raised yet: OverflowError (a rank
+    was sent more tokens than its bound) or ValueError (ids out of range). Host-only: no
+    collective, so a rank may call it alone (once a step, say)."""
+    dev = torch.device("cuda", device) if isinstance(device, int) else device
+    idx = dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()
+    f = _flags.get(idx)
+    if f is not None:
+        torch.cuda.synchronize(idx)
+        f.raise_new(num_experts)
+
+
+def _flags_of(dev: int) -> _Flags:
+    """dev's flag words, made at the first dispatch on this path (outside any capture: it
+    set the path up)."""
+    f = _flags.get(dev)
+    if f is None:
+        f = _flags[dev] = _Flags()
+    return f
 
 
 def _dispatch_here(group, g, path, x, idx, w32, experts: int, n: int, bound, padded: bool):
@@ -290,7 +336,6 @@ def _dispatch_here(group, g, path, x, idx, w32, experts: int, n: int, bound, pad
     t, h = x.shape
     k = idx.shape[1]
     per = experts // n
-    kk = min(k, per)
     dev = path.idx
     xbytes = h * x.element_size()
     id_off = xbytes
@@ -308,12 +353,14 @@ def _dispatch_here(group, g, path, x, idx, w32, experts: int, n: int, bound, pad
             "mask": t,
             "bcount": _kernels.route_blocks(t)[0] * (n + 2) * 8,
             "bhist": _kernels.group_blocks(cap) * (per + 1) * 8,
-            "rows_sorted": cap * kk * 8,
-            "w_sorted": cap * kk * 4,
+            # a row's pairs: one per topk entry on this rank (k, duplicated ids included)
+            "rows_sorted": cap * k * 8,
+            "w_sorted": cap * k * 4,
             "tpe": per * 8,
-            "e_idx": cap * kk * 8,
-            "w_e": cap * kk * 4,
+            "e_idx": cap * k * 8,
+            "w_e": cap * k * 4,
             "e_offs": (cap + 1) * 8,
+            "csplits": n * 8,  # what combine sends back to each rank (zeros after an overflow)
             "back_splits": n * 8,
         }
     )
@@ -325,7 +372,8 @@ def _dispatch_here(group, g, path, x, idx, w32, experts: int, n: int, bound, pad
     big_offs, big = _carve({"payload": send_cap * row, "recv": cap * row})
     tmp = torch.empty(big, dtype=torch.uint8, device=x.device)
     payload, recv = tmp.data_ptr() + big_offs["payload"], tmp.data_ptr() + big_offs["recv"]
-    flags, flag_at = _flag_words(dev) if padded else (None, 0)
+    flags = _flags_of(dev)
+    flag_at = flags.at if padded else 0  # a synced dispatch raises at once
     u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
     launch = _kernels.MOE.launch
     _kernels.route_at(
@@ -350,13 +398,13 @@ def _dispatch_here(group, g, path, x, idx, w32, experts: int, n: int, bound, pad
     _kernels.group_at(
         dev,
         *(recv, row, id_off, w_off, k, per, recv_splits, n, cap, at["bhist"]),
-        tuple(at[a] for a in ("rows_sorted", "w_sorted", "tpe", "e_idx", "w_e", "e_offs")) + (gmeta,),
+        tuple(at[a] for a in ("rows_sorted", "w_sorted", "tpe", "e_idx", "w_e", "e_offs")) + (gmeta, at["csplits"]),
         flag_at,
     )
     handle = _Here(group, g, path, t, x.dtype, n, ws, at, 0, cap, send_cap)
     tpe = ws[offs["tpe"] : offs["tpe"] + per * 8].view(torch.int64)
     if padded:
-        rows = cap * kk
+        rows = cap * k
     else:
         counts = ws[: (2 * n + 4) * 8].view(torch.int64).tolist()  # the one sync
         send, bad, recv_n = counts[:n], counts[n + 1], counts[n + 2 : 2 * n + 2]
@@ -384,20 +432,8 @@ def _dispatch_here(group, g, path, x, idx, w32, experts: int, n: int, bound, pad
             min(256, max(32, -(-vec // 32) * 32)),
             [u64(out.data_ptr()), u64(recv), u64(at["rows_sorted"]), u64(gmeta), i64(rows), i64(row), i64(xbytes)],
         )
-    handle.y_rows = rows
+    handle.y_rows, handle.experts = rows, experts
     del tmp  # freed in stream order: the kernels above are queued before any reuse
-    if flags is not None and (flags[0] or flags[1]):
-        over = flags[1]
-        flags[0] = flags[1] = 0
-        if over:
-            raise OverflowError(
-                "gocomm moe.dispatch: a padded dispatch on this rank was sent more tokens than max_tokens_per_rank "
-                f"x group size = {cap}; it received none (a rank dispatched more than the bound)"
-            )
-        raise ValueError(
-            f"gocomm moe.dispatch: a padded dispatch on this rank had topk_idx outside [-1, {experts}) "
-            "(those entries were sent nowhere)"
-        )
     return out, tpe, handle
 
 
@@ -555,12 +591,13 @@ def _combine_here(y: torch.Tensor, hd: _Here) -> torch.Tensor:
         _kernels.wsum_at(
             dev, y.dtype, partial, y.data_ptr(), at["e_idx"], at["w_e"], at["e_offs"], hd.recv_rows, gmeta + 8, h
         )
-    recv_splits = at["counts"] + (hd.n + 2) * 8
     with hd.g._cuda_lock, _cuda.on_device(dev):
-        hd.path.run_at(partial, hd.recv_rows, recv_splits, False, back, hd.send_rows, at["back_splits"], row)
+        hd.path.run_at(partial, hd.recv_rows, at["csplits"], False, back, hd.send_rows, at["back_splits"], row)
     out = torch.empty(hd.tokens, h, dtype=y.dtype, device=y.device)
     if hd.tokens:
         _kernels.wsum_at(dev, y.dtype, out.data_ptr(), back, at["t_idx"], 0, at["t_offs"], hd.tokens, 0, h)
+    if hd.send_splits is None:  # padded: what the GPU found, after this pair's last exchange
+        _flags_of(dev).raise_new(hd.experts)
     return out
 
 

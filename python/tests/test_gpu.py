@@ -926,12 +926,21 @@ def test_moe_wsum_kernel(seed, dtype):
 
 @pytest.mark.parametrize(
     "tokens,n,k,per",
-    [(0, 4, 8, 64), (1, 2, 8, 128), (128, 4, 8, 64), (3000, 8, 8, 32), (2500, 2, 4, 128), (777, 3, 2, 5)],
+    [
+        (0, 4, 8, 64),
+        (1, 2, 8, 128),
+        (128, 4, 8, 64),
+        (3000, 8, 8, 32),
+        (2500, 2, 4, 128),
+        (777, 3, 2, 5),
+        (600, 2, 8, 3),
+    ],
 )
 def test_moe_route_group_kernels(seed, tokens, n, k, per):
     """dispatch's routing, packing and grouping kernels on one GPU against a reference built
     in Python from the same ids: every slot, split and offset, more tokens and rows than one
-    block takes, -1 entries, an id out of range, and an overflow that groups nothing."""
+    block takes, -1 entries, ids repeated within a token (more pairs per row than experts
+    per rank), an id out of range, and an overflow that groups nothing."""
     from gocomm import _kernels
 
     dev = torch.device("cuda", 0)
@@ -940,12 +949,8 @@ def test_moe_route_group_kernels(seed, tokens, n, k, per):
     assert _kernels.usable(dev), _kernels.why_not(dev)
     g = torch.Generator().manual_seed(seed)
     experts, h = per * n, 64
-    idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]) if tokens else None
-    idx = (
-        torch.empty(0, k, dtype=torch.int64)
-        if idx is None
-        else torch.where(torch.rand(tokens, k, generator=g) < 0.2, -1, idx)
-    )
+    idx = torch.randint(0, experts, (tokens, k), generator=g)  # repeats within a token too
+    idx = torch.where(torch.rand(tokens, k, generator=g) < 0.2, -1, idx)
     x = torch.randn(max(tokens, 1), h, generator=g).to(torch.bfloat16)[:tokens]
     w = torch.rand(tokens, k, generator=g)
     # the reference: rows by rank, tokens ascending within a rank
@@ -973,6 +978,8 @@ def test_moe_route_group_kernels(seed, tokens, n, k, per):
             dtype=torch.int32,
         ).view(-1, k)
         assert torch.equal(ids, want_ids)
+        ranks9 = _kernels.route_pack(x.to(dev), idx.to(dev), w.to(dev), 9 * per, 9)
+        assert ranks9 is None, "a token's ranks are a byte: more than 8 go to torch ops"
         bad = idx.clone()
         bad[tokens // 2, 0] = experts + 3
         assert _kernels.route_pack(x.to(dev), bad.to(dev), w.to(dev), experts, n)[1][n + 1].item() == 1
@@ -981,8 +988,7 @@ def test_moe_route_group_kernels(seed, tokens, n, k, per):
     cap = rows_n + 7
     id_off, w_off = 16, 16 + -(-k * 4 // 16) * 16
     row = w_off + -(-k * 4 // 16) * 16
-    local = torch.stack([torch.randperm(per + 3, generator=g)[:k] for _ in range(rows_n)]) - 3  # -3..-1: none
-    local = torch.where(local < 0, -1, local).to(torch.int32)
+    local = torch.randint(-1, per, (rows_n, k), generator=g, dtype=torch.int32)  # -1: none; repeats too
     wts = torch.rand(rows_n, k, generator=g)
     recv = torch.zeros(cap, row, dtype=torch.uint8)
     recv[:rows_n, id_off : id_off + k * 4] = local.contiguous().view(torch.uint8)

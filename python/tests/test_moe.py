@@ -160,6 +160,11 @@ def check_moe(rk, seed, device="cpu", per=4):
     _elsewhere(rk, device)
     n, me = rk.size, rk.rank
     ck = Checker(f"moe dispatch/combine on {device}", seed, me)
+    # where the exchange runs in the shim's kernel, a padded dispatch's errors are found on
+    # the GPU and raised by a combine; elsewhere dispatch raises them (the same on every rank)
+    here = device == "cuda" and isinstance(
+        gocomm.sparse._device_path(dist.group.WORLD, torch.empty(0, device=dev)), gocomm._a2av.Path
+    )
     hidden = 256
     experts = per * n
     k = min(4, experts)
@@ -227,7 +232,7 @@ def check_moe(rk, seed, device="cpu", per=4):
             # no host sync where the exchange runs in this process: the most rows, grouped
             # ones first, counts on the GPU; combine of y padded alike gives the same sums
             bound = max(tokens_of)
-            most = bound * n * min(k, per)
+            most = bound * n * k
             precv, ptpe, ph = gocomm.moe.dispatch(*args, max_tokens_per_rank=bound, padded=True)
             ck.expect(f"{label} padded shape", tuple(precv.shape) == (most, hidden), str(tuple(precv.shape)))
             ck.same(f"{label} padded tokens per expert", ptpe.cpu(), torch.tensor(counts, dtype=torch.int64))
@@ -241,16 +246,23 @@ def check_moe(rk, seed, device="cpu", per=4):
             except ValueError as e:
                 ck.expect(f"{label} padded combine of the wrong rows", str(most) in str(e), str(e))
         with ck.case(f"{label} padded, too small a bound"):
-            # found on the GPU where nothing syncs: raised by that rank's next padded
-            # dispatch at the latest, never on a rank that was not sent too much
+            # found on the GPU where nothing syncs: raised at the end of a combine (the
+            # next once the GPU ran the dispatch), never on a rank that was not sent too much
             raised = 0
             for bound in (tokens_of[me], max(tokens_of)):
                 try:
-                    gocomm.moe.dispatch(*args, max_tokens_per_rank=bound, padded=True)
+                    r, _, hd = gocomm.moe.dispatch(*args, max_tokens_per_rank=bound, padded=True)
+                    if here:
+                        gocomm.moe.combine(r, hd)
                 except OverflowError:
                     raised += 1
                 if device == "cuda":
                     torch.cuda.synchronize()
+            if here:
+                try:
+                    gocomm.moe.check(dev)  # by here at the latest
+                except OverflowError:
+                    raised += 1
             ck.expect(f"{label} padded overflow raised", raised == (sent_here > tokens_of[me] * n), f"{raised}")
     with ck.case("fp8 dispatch"):
         x = gen(seed, "fp8", me, (6, hidden), torch.bfloat16)
@@ -315,7 +327,7 @@ def check_moe(rk, seed, device="cpu", per=4):
                 if me == 0 and bad:
                     ids[1, 0] = experts + 5
                 try:
-                    gocomm.moe.dispatch(
+                    r, _, hd = gocomm.moe.dispatch(
                         torch.ones(3, hidden, dtype=torch.bfloat16, device=dev),
                         ids,
                         torch.ones(3, k, device=dev),
@@ -323,10 +335,18 @@ def check_moe(rk, seed, device="cpu", per=4):
                         max_tokens_per_rank=3,
                         padded=True,
                     )
+                    if here:
+                        gocomm.moe.combine(r, hd)
                 except ValueError as e:
                     raised += 1
                     ck.expect("names topk_idx", "topk_idx" in str(e), str(e))
                 torch.cuda.synchronize()
+            if here:
+                try:
+                    gocomm.moe.check(dev, experts)
+                except ValueError as e:
+                    raised += 1
+                    ck.expect("names topk_idx", "topk_idx" in str(e), str(e))
             ck.expect("raised once on rank 0 only", raised == (me == 0), f"{raised}")
         with ck.case("padded needs a bound"):
             try:
