@@ -312,6 +312,8 @@ def check(device: torch.device | int | None = None, num_experts: int = 0) -> Non
     dispatches there found on the GPU and no combine has raised yet: OverflowError (a rank
     was sent more tokens than its bound) or ValueError (ids out of range). Host-only: no
     collective, so a rank may call it alone (once a step, say)."""
+    if not _flags:  # no padded dispatch on the GPU path in this process (a CPU-only one too)
+        return
     dev = torch.device("cuda", device) if isinstance(device, int) else device
     idx = dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()
     f = _flags.get(idx)
