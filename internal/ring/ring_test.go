@@ -188,27 +188,36 @@ func TestConcurrentWake(t *testing.T) {
 	}
 }
 
-// A Nudge ends a consumer's futex sleep without a record; a Wait after it sleeps again.
+// A Nudge ends a consumer's futex sleep without a record; a Wait after it sleeps again. A
+// futex wait may also end early (a signal, such as the runtime's preemption): the consumer
+// waits again until it was nudged, as the sidecar's loop does, and no wait here is unbounded.
 func TestNudge(t *testing.T) {
 	_, sub, _ := newRing(t, 4096)
 	c := NewConsumer(sub)
 	for round := 0; round < 20; round++ {
-		woke := make(chan time.Duration, 1)
+		var nudged atomic.Bool
+		woke := make(chan struct{}, 1)
 		go func() {
-			start := time.Now()
-			c.Wait(0, 10*time.Second)
-			woke <- time.Since(start)
+			for !nudged.Load() {
+				c.Wait(0, 10*time.Second)
+			}
+			woke <- struct{}{}
 		}()
-		for atomicWaiters(sub) == 0 {
+		for deadline := time.Now().Add(5 * time.Second); atomicWaiters(sub) == 0; {
+			if time.Now().After(deadline) {
+				t.Fatalf("round %d: the consumer never slept", round)
+			}
 			time.Sleep(100 * time.Microsecond)
 		}
+		at := time.Now()
+		nudged.Store(true)
 		c.Nudge()
 		select {
-		case d := <-woke:
+		case <-woke:
 			if _, ok, err := c.Next(); ok || err != nil {
 				t.Fatalf("a nudge left a record (%v)", err)
 			}
-			if d > 5*time.Second {
+			if d := time.Since(at); d > 5*time.Second {
 				t.Fatalf("round %d: the nudge did not wake the consumer (%v)", round, d)
 			}
 		case <-time.After(5 * time.Second):
