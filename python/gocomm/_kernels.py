@@ -184,11 +184,64 @@ def wsum_at(
 ):
     """wsum's launch by addresses, unchecked: rows is the most rows, nrows (0: none) the
     address of an int64 count on the GPU that may cut them."""
-    vec = h * dtype.itemsize // 16
-    block = min(256, max(32, -(-vec // 32) * 32))
     args = [ctypes.c_uint64(a) for a in (out, src, idx, w, offs)]
     args += [ctypes.c_int64(rows), ctypes.c_uint64(nrows), ctypes.c_int64(h)]
-    MOE.launch(dev, _WSUM[dtype], min(rows, 65535), block, args)
+    MOE.launch(dev, _WSUM[dtype], min(rows, 65535), row_block(h * dtype.itemsize), args)
+
+
+def row_block(nbytes: int) -> int:
+    """The block of the kernels that take a row of nbytes (a multiple of 16) per block: a
+    thread per 16 bytes, in whole warps, at most 256."""
+    return min(256, max(32, -(-(nbytes // 16) // 32) * 32))
+
+
+def row_layout(xbytes: int, k: int) -> tuple[int, int, int]:
+    """dispatch's packed row for tokens of xbytes and k choices: (the local ids' offset, the
+    weights' offset, the row's bytes); every part 16-byte aligned, as moe._layout lays it."""
+    w_off = xbytes + -(-k * 4 // 16) * 16
+    return xbytes, w_off, w_off + -(-k * 4 // 16) * 16
+
+
+def pack_at(
+    dev: int,
+    payload: int,
+    x: int,
+    idx: int,
+    w: int,
+    meta: int,
+    send_order: int,
+    send_rank: int,
+    rows: int,
+    n: int,
+    k: int,
+    experts: int,
+    xbytes: int,
+) -> None:
+    """gocomm_moe_pack by addresses: payload holds at most rows packed rows (row_layout), of
+    which the kernel fills meta[n]."""
+    id_off, w_off, row = row_layout(xbytes, k)
+    u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
+    MOE.launch(
+        dev,
+        "gocomm_moe_pack",
+        min(rows, 4096),
+        row_block(xbytes),
+        [u64(payload), u64(x), u64(idx), u64(w), u64(meta), u64(send_order), u64(send_rank)]
+        + [i32(n), i32(k), i64(experts), i32(experts // n), i64(xbytes), i64(id_off), i64(w_off), i64(row)],
+    )
+
+
+def gather_at(dev: int, out: int, src: int, rows: int, count: int, cap: int, stride: int, nbytes: int) -> None:
+    """gocomm_moe_gather by addresses: out[p] = the first nbytes of src's row rows[p] (rows
+    stride apart), for p below the int64 count at address count and below cap."""
+    u64, i64 = ctypes.c_uint64, ctypes.c_int64
+    MOE.launch(
+        dev,
+        "gocomm_moe_gather",
+        min(cap, 2048),
+        row_block(nbytes),
+        [u64(out), u64(src), u64(rows), u64(count), i64(cap), i64(stride), i64(nbytes)],
+    )
 
 
 def route_pack(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: int, n: int):
@@ -213,11 +266,8 @@ def route_pack(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: int
     ):
         return None
     k = idx.shape[1]
-    per = experts // n
     dev = x.device
-    id_off = xbytes
-    w_off = id_off + -(-k * 4 // 16) * 16
-    row = w_off + -(-k * 4 // 16) * 16
+    row = row_layout(xbytes, k)[2]
     meta = torch.empty(n + 2, dtype=torch.int64, device=dev)
     send_order = torch.empty(t * n, dtype=torch.int64, device=dev)
     send_rank = torch.empty(t * n, dtype=torch.int32, device=dev)
@@ -232,28 +282,10 @@ def route_pack(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: int
         *(meta.data_ptr(), send_order.data_ptr(), send_rank.data_ptr(), t_idx.data_ptr(), t_offs.data_ptr()),
         *(mask.data_ptr(), bcount.data_ptr(), 0),
     )
-    MOE.launch(
+    pack_at(
         dev.index,
-        "gocomm_moe_pack",
-        min(t * n, 4096),
-        min(256, max(32, -(-xbytes // 16 // 32) * 32)),
-        [
-            ctypes.c_uint64(payload.data_ptr()),
-            ctypes.c_uint64(x.data_ptr()),
-            ctypes.c_uint64(idx.data_ptr()),
-            ctypes.c_uint64(w.data_ptr()),
-            ctypes.c_uint64(meta.data_ptr()),
-            ctypes.c_uint64(send_order.data_ptr()),
-            ctypes.c_uint64(send_rank.data_ptr()),
-            ctypes.c_int(n),
-            ctypes.c_int(k),
-            ctypes.c_int64(experts),
-            ctypes.c_int(per),
-            ctypes.c_int64(xbytes),
-            ctypes.c_int64(id_off),
-            ctypes.c_int64(w_off),
-            ctypes.c_int64(row),
-        ],
+        *(payload.data_ptr(), x.data_ptr(), idx.data_ptr(), w.data_ptr(), meta.data_ptr()),
+        *(send_order.data_ptr(), send_rank.data_ptr(), t * n, n, k, experts, xbytes),
     )
     return payload, meta, send_order, t_idx, t_offs
 

@@ -254,7 +254,6 @@ class _Here:
     path: _a2av.Path
     tokens: int
     dtype: torch.dtype
-    n: int
     ws: torch.Tensor  # the workspace the addresses below point into
     at: dict  # name -> address in ws
     y_rows: int  # rows combine's y has (dispatch's output)
@@ -340,9 +339,7 @@ def _dispatch_here(group, g, path, x, idx, w32, experts: int, n: int, bound, pad
     per = experts // n
     dev = path.idx
     xbytes = h * x.element_size()
-    id_off = xbytes
-    w_off = id_off + -(-k * 4 // 16) * 16
-    row = w_off + -(-k * 4 // 16) * 16
+    id_off, w_off, row = _kernels.row_layout(xbytes, k)
     cap = bound * n if bound is not None else _capacity_rows(row)  # rows the exchange takes
     send_cap = t * min(n, k)
     offs, size = _carve(
@@ -369,15 +366,15 @@ def _dispatch_here(group, g, path, x, idx, w32, experts: int, n: int, bound, pad
     ws = torch.empty(size, dtype=torch.uint8, device=x.device)
     base = ws.data_ptr()
     at = {name: base + off for name, off in offs.items()}
-    meta, recv_splits, gmeta = at["counts"], at["counts"] + (n + 2) * 8, at["counts"] + (2 * n + 2) * 8
+    # counts holds meta [n + 2], the recv splits [n], then gmeta [2] (pairs, rows)
+    at["recv_splits"], at["gmeta"] = at["counts"] + (n + 2) * 8, at["counts"] + (2 * n + 2) * 8
+    meta, recv_splits, gmeta = at["counts"], at["recv_splits"], at["gmeta"]
     # the payload and the exchange's output live only through this call
     big_offs, big = _carve({"payload": send_cap * row, "recv": cap * row})
     tmp = torch.empty(big, dtype=torch.uint8, device=x.device)
     payload, recv = tmp.data_ptr() + big_offs["payload"], tmp.data_ptr() + big_offs["recv"]
     flags = _flags_of(dev)
     flag_at = flags.at if padded else 0  # a synced dispatch raises at once
-    u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
-    launch = _kernels.MOE.launch
     _kernels.route_at(
         dev,
         *(idx.data_ptr(), t, k, experts, n, meta),
@@ -385,14 +382,10 @@ def _dispatch_here(group, g, path, x, idx, w32, experts: int, n: int, bound, pad
         flag_at,
     )
     if send_cap:
-        launch(
+        _kernels.pack_at(
             dev,
-            "gocomm_moe_pack",
-            min(send_cap, 4096),
-            min(256, max(32, -(-xbytes // 16 // 32) * 32)),
-            [u64(payload), u64(x.data_ptr()), u64(idx.data_ptr()), u64(w32.data_ptr()), u64(meta)]
-            + [u64(at["send_order"]), u64(at["send_rank"]), i32(n), i32(k), i64(experts), i32(per)]
-            + [i64(xbytes), i64(id_off), i64(w_off), i64(row)],
+            *(payload, x.data_ptr(), idx.data_ptr(), w32.data_ptr(), meta, at["send_order"], at["send_rank"]),
+            *(send_cap, n, k, experts, xbytes),
         )
     path.report(g._group_name)
     with g._cuda_lock, _cuda.on_device(dev):
@@ -403,7 +396,7 @@ def _dispatch_here(group, g, path, x, idx, w32, experts: int, n: int, bound, pad
         tuple(at[a] for a in ("rows_sorted", "w_sorted", "tpe", "e_idx", "w_e", "e_offs")) + (gmeta, at["csplits"]),
         flag_at,
     )
-    handle = _Here(group, g, path, t, x.dtype, n, ws, at, 0, cap, send_cap)
+    handle = _Here(group, g, path, t, x.dtype, ws, at, 0, cap, send_cap)
     tpe = ws[offs["tpe"] : offs["tpe"] + per * 8].view(torch.int64)
     if padded:
         rows = cap * k
@@ -426,14 +419,7 @@ def _dispatch_here(group, g, path, x, idx, w32, experts: int, n: int, bound, pad
         handle.send_splits, handle.recv_splits = send, recv_n
     out = torch.empty(rows, h, dtype=x.dtype, device=x.device)
     if rows:
-        vec = xbytes // 16
-        launch(
-            dev,
-            "gocomm_moe_gather",
-            min(rows, 2048),
-            min(256, max(32, -(-vec // 32) * 32)),
-            [u64(out.data_ptr()), u64(recv), u64(at["rows_sorted"]), u64(gmeta), i64(rows), i64(row), i64(xbytes)],
-        )
+        _kernels.gather_at(dev, out.data_ptr(), recv, at["rows_sorted"], gmeta, rows, row, xbytes)
     handle.y_rows, handle.experts = rows, experts
     del tmp  # freed in stream order: the kernels above are queued before any reuse
     return out, tpe, handle
@@ -588,10 +574,9 @@ def _combine_here(y: torch.Tensor, hd: _Here) -> torch.Tensor:
     at, dev, row = hd.at, hd.path.idx, h * y.element_size()
     tmp = torch.empty(hd.recv_rows * h + hd.send_rows * h, dtype=y.dtype, device=y.device)
     partial, back = tmp.data_ptr(), tmp.data_ptr() + hd.recv_rows * row
-    gmeta = at["counts"] + (2 * hd.n + 2) * 8
-    if hd.recv_rows:
+    if hd.recv_rows:  # gmeta[1]: the rows received
         _kernels.wsum_at(
-            dev, y.dtype, partial, y.data_ptr(), at["e_idx"], at["w_e"], at["e_offs"], hd.recv_rows, gmeta + 8, h
+            dev, y.dtype, partial, y.data_ptr(), at["e_idx"], at["w_e"], at["e_offs"], hd.recv_rows, at["gmeta"] + 8, h
         )
     with hd.g._cuda_lock, _cuda.on_device(dev):
         hd.path.run_at(partial, hd.recv_rows, at["csplits"], False, back, hd.send_rows, at["back_splits"], row)

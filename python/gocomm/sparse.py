@@ -39,11 +39,6 @@ def _device_path(g, input: torch.Tensor):
     return True if g is dist.group.WORLD else None
 
 
-def _on_nvshmem(g, input: torch.Tensor) -> bool:
-    """Whether all_to_all_v of input on g keeps the splits on the GPU (see _device_path)."""
-    return _device_path(g, input) is not None
-
-
 def _capacity_rows(row_bytes: int) -> int:
     """The most rows of row_bytes the NVSHMEM path can receive."""
     return _a2av.recv_bytes() // max(row_bytes, 1)
