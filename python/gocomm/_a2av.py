@@ -97,6 +97,7 @@ class _Args(ctypes.Structure):
         ("out_id", ctypes.c_int64),
         ("out_off", ctypes.c_int64),
         ("stage_bytes", ctypes.c_int64),
+        ("fast_bytes", ctypes.c_int64),
         ("host_splits", ctypes.c_int64 * MAX_RANKS),
         ("timeout_ns", ctypes.c_uint64),
         ("rank", ctypes.c_uint32),
@@ -120,7 +121,9 @@ class Path:
         for p, base in enumerate(maps):
             a.base[p] = base
         a.err = err[1]
-        a.stage_bytes = cap
+        # the tail of recv holds two fast slots per sender (kernels/a2av_ipc.cu, invariant 6)
+        a.fast_bytes = fast_bytes(cap, n, parts)
+        a.stage_bytes = cap - 2 * n * a.fast_bytes
         a.timeout_ns = int(timeout_s * 1e9)
         a.rank, a.n = rank, n
         a.parts = parts
@@ -218,6 +221,18 @@ class Path:
         a.out_id, a.out_off = self._output_of(out, out_rows * row)
         _cuda.launch(self._fn, self._grid, self._threads, stream, self._params)
         return (None if capturing else self._order.after(stream)), stream
+
+
+FAST_MAX = 2 << 20  # bytes: a pair that fits goes before the meta rows are in
+
+
+def fast_bytes(cap: int, n: int, parts: int) -> int:
+    """A fast slot's size (every rank's is the same: cap, n and parts are): at most FAST_MAX
+    and an eighth of recv's share per sender, a multiple of 16 x parts; 0 on one rank."""
+    if n < 2:
+        return 0
+    unit = 16 * parts
+    return min(FAST_MAX, cap // (8 * n)) // unit * unit
 
 
 def _threads() -> int:
