@@ -37,6 +37,7 @@ class Module:
         self._funcs: dict[tuple[int, str], int] = {}  # (device index, kernel) -> CUfunction
         self._image: bytes | None = None
         self._why: dict[int, str] = {}  # device index -> why_not's answer
+        self._launchers: dict[tuple[int, str], _Launcher] = {}
 
     def available(self) -> bool:
         """Whether make built the module."""
@@ -83,13 +84,38 @@ class Module:
                         self._funcs[(dev, n)] = fn.value
             return self._funcs[(dev, name)]
 
-    def launch(self, dev: int, name: str, grid: int, block: int, args: list, smem: int = 0) -> None:
-        """Queue kernel name on dev's current stream; args are ctypes values, in order."""
-        fn = self.function(dev, name)
-        params = (ctypes.c_void_p * len(args))(*map(ctypes.addressof, args))
+    def launch(self, dev: int, name: str, grid: int, block: int, sig: str, *vals: int, smem: int = 0) -> None:
+        """Queue kernel name on dev's current stream with arguments vals, typed by sig (a letter
+        each: P an address, q an int64, i an int32)."""
+        ln = self._launchers.get((dev, name))
+        if ln is None:
+            ln = self._launchers.setdefault((dev, name), _Launcher(self.function(dev, name), sig))
         with _cuda.on_device(dev):
             _cuda.ensure_context(dev)
-            _cuda.launch(fn, grid, block, _cuda.current_stream(dev), params, smem)
+            ln(grid, block, smem, _cuda.current_stream(dev), sig, vals)
+
+
+_CTYPES = {"P": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int}
+
+
+class _Launcher:
+    """One kernel on one device with an argument array kept between launches: a launch sets
+    the values and queues the kernel (the driver copies the arguments then), so no ctypes
+    object is made per launch (host time per launch was most of an eager dispatch's)."""
+
+    def __init__(self, fn: int, sig: str):
+        self.fn, self.sig = fn, sig
+        self.args = [_CTYPES[c]() for c in sig]
+        self.params = (ctypes.c_void_p * len(sig))(*map(ctypes.addressof, self.args))
+        self.lock = threading.Lock()  # threads launching the same kernel share the array
+
+    def __call__(self, grid: int, block: int, smem: int, stream: int, sig: str, vals: tuple) -> None:
+        if sig != self.sig or len(vals) != len(sig):  # a caller out of step with the kernel
+            raise TypeError(f"gocomm kernel launch: {len(vals)} arguments as {sig!r}, the kernel takes {self.sig!r}")
+        with self.lock:
+            for a, v in zip(self.args, vals, strict=True):
+                a.value = v
+            _cuda.launch(self.fn, grid, block, stream, self.params, smem)
 
 
 MOE = Module(
@@ -184,9 +210,8 @@ def wsum_at(
 ):
     """wsum's launch by addresses, unchecked: rows is the most rows, nrows (0: none) the
     address of an int64 count on the GPU that may cut them."""
-    args = [ctypes.c_uint64(a) for a in (out, src, idx, w, offs)]
-    args += [ctypes.c_int64(rows), ctypes.c_uint64(nrows), ctypes.c_int64(h)]
-    MOE.launch(dev, _WSUM[dtype], min(rows, 65535), row_block(h * dtype.itemsize), args)
+    grid, block = min(rows, 65535), row_block(h * dtype.itemsize)
+    MOE.launch(dev, _WSUM[dtype], grid, block, "PPPPPqPq", out, src, idx, w, offs, rows, nrows, h)
 
 
 def row_block(nbytes: int) -> int:
@@ -220,27 +245,33 @@ def pack_at(
     """gocomm_moe_pack by addresses: payload holds at most rows packed rows (row_layout), of
     which the kernel fills meta[n]."""
     id_off, w_off, row = row_layout(xbytes, k)
-    u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
     MOE.launch(
         dev,
         "gocomm_moe_pack",
         min(rows, 4096),
         row_block(xbytes),
-        [u64(payload), u64(x), u64(idx), u64(w), u64(meta), u64(send_order), u64(send_rank)]
-        + [i32(n), i32(k), i64(experts), i32(experts // n), i64(xbytes), i64(id_off), i64(w_off), i64(row)],
+        "PPPPPPPiiqiqqqq",
+        *(payload, x, idx, w, meta, send_order, send_rank),
+        *(n, k, experts, experts // n, xbytes, id_off, w_off, row),
     )
 
 
 def gather_at(dev: int, out: int, src: int, rows: int, count: int, cap: int, stride: int, nbytes: int) -> None:
     """gocomm_moe_gather by addresses: out[p] = the first nbytes of src's row rows[p] (rows
     stride apart), for p below the int64 count at address count and below cap."""
-    u64, i64 = ctypes.c_uint64, ctypes.c_int64
     MOE.launch(
         dev,
         "gocomm_moe_gather",
         min(cap, 2048),
         row_block(nbytes),
-        [u64(out), u64(src), u64(rows), u64(count), i64(cap), i64(stride), i64(nbytes)],
+        "PPPPqqq",
+        out,
+        src,
+        rows,
+        count,
+        cap,
+        stride,
+        nbytes,
     )
 
 
@@ -321,21 +352,16 @@ def route_at(
     if n > ROUTE_MAX_RANKS:
         raise ValueError(f"gocomm: the routing kernels take at most {ROUTE_MAX_RANKS} ranks, got {n}")
     grid, block = route_blocks(t)
-    u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
     MOE.launch(
-        dev,
-        "gocomm_moe_route_count",
-        grid,
-        block,
-        [u64(idx), i64(t), i32(k), i64(experts), i32(experts // n), i32(n), u64(mask), u64(bcount)],
+        dev, "gocomm_moe_route_count", grid, block, "PqiqiiPP", idx, t, k, experts, experts // n, n, mask, bcount
     )
     MOE.launch(
         dev,
         "gocomm_moe_route_place",
         grid,
         block,
-        [i64(t), i32(n), u64(mask), u64(bcount), u64(meta), u64(send_order), u64(send_rank)]
-        + [u64(t_idx), u64(t_offs), u64(flag)],
+        "qiPPPPPPPP",
+        *(t, n, mask, bcount, meta, send_order, send_rank, t_idx, t_offs, flag),
     )
 
 
@@ -374,13 +400,13 @@ def group_at(
     e_idx, w_e (0: none), e_offs, gmeta, back (0: none)); bhist holds group_blocks(cap) x
     (per + 1) int64."""
     threads, blocks = group_threads(per), group_blocks(cap)
-    u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
     MOE.launch(
         dev,
         "gocomm_moe_group_count",
         blocks,
         threads,
-        [u64(recv), i64(row), i64(id_off), i32(k), i32(per), u64(out_splits), i32(n), i64(cap), u64(bhist)],
+        "PqqiiPiqP",
+        *(recv, row, id_off, k, per, out_splits, n, cap, bhist),
         smem=per * (threads + 1) * 4,
     )
     MOE.launch(
@@ -388,10 +414,8 @@ def group_at(
         "gocomm_moe_group_place",
         blocks,
         threads,
-        [u64(recv), i64(row), i64(id_off), i64(w_off), i32(k), i32(per), u64(out_splits), i32(n), i64(cap)]
-        + [u64(bhist)]
-        + [u64(a) for a in out]
-        + [u64(flag)],
+        "PqqqiiPiqPPPPPPPPPP",
+        *(recv, row, id_off, w_off, k, per, out_splits, n, cap, bhist, *out, flag),
         smem=per * 8 + per * (threads + 1) * 4,
     )
 

@@ -28,6 +28,7 @@ NVSHMEM kernel, the host engine) the counts cross the host once more, as all_to_
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from dataclasses import dataclass
 
@@ -321,27 +322,11 @@ def check(device: torch.device | int | None = None, num_experts: int = 0) -> Non
         f.raise_new(num_experts)
 
 
-def _flags_of(dev: int) -> _Flags:
-    """dev's flag words, made at the first dispatch on this path (outside any capture: it
-    set the path up)."""
-    f = _flags.get(dev)
-    if f is None:
-        f = _flags[dev] = _Flags()
-    return f
-
-
-def _dispatch_here(group, g, path, x, idx, w32, experts: int, n: int, bound, padded: bool):
-    """dispatch where the exchange is the in-process kernel: five launches (route, pack,
-    exchange, group, gather), addresses into one workspace, and no host sync when padded
-    (else one, to size the output)."""
-    t, h = x.shape
-    k = idx.shape[1]
-    per = experts // n
-    dev = path.idx
-    xbytes = h * x.element_size()
-    id_off, w_off, row = _kernels.row_layout(xbytes, k)
-    cap = bound * n if bound is not None else _capacity_rows(row)  # rows the exchange takes
-    send_cap = t * min(n, k)
+@functools.lru_cache(maxsize=256)
+def _workspace(t: int, n: int, k: int, per: int, cap: int, payload: int, recv: int):
+    """_dispatch_here's two allocations for its shape, made once per shape: (the regions of
+    the one that lives with the handle, its size, the regions of the one that lives through
+    the call, its size)."""
     offs, size = _carve(
         {
             "counts": (2 * n + 4) * 8,  # meta [n + 2] (send splits, sent, bad), recv splits [n], gmeta [2]
@@ -363,14 +348,39 @@ def _dispatch_here(group, g, path, x, idx, w32, experts: int, n: int, bound, pad
             "back_splits": n * 8,
         }
     )
+    # counts holds meta [n + 2], the recv splits [n], then gmeta [2] (pairs, rows)
+    offs["recv_splits"], offs["gmeta"] = offs["counts"] + (n + 2) * 8, offs["counts"] + (2 * n + 2) * 8
+    big_offs, big = _carve({"payload": payload, "recv": recv})
+    return offs, size, big_offs, big
+
+
+def _flags_of(dev: int) -> _Flags:
+    """dev's flag words, made at the first dispatch on this path (outside any capture: it
+    set the path up)."""
+    f = _flags.get(dev)
+    if f is None:
+        f = _flags[dev] = _Flags()
+    return f
+
+
+def _dispatch_here(group, g, path, x, idx, w32, experts: int, n: int, bound, padded: bool):
+    """dispatch where the exchange is the in-process kernel: five launches (route, pack,
+    exchange, group, gather), addresses into one workspace, and no host sync when padded
+    (else one, to size the output)."""
+    t, h = x.shape
+    k = idx.shape[1]
+    per = experts // n
+    dev = path.idx
+    xbytes = h * x.element_size()
+    id_off, w_off, row = _kernels.row_layout(xbytes, k)
+    cap = bound * n if bound is not None else _capacity_rows(row)  # rows the exchange takes
+    send_cap = t * min(n, k)
+    offs, size, big_offs, big = _workspace(t, n, k, per, cap, send_cap * row, cap * row)
     ws = torch.empty(size, dtype=torch.uint8, device=x.device)
     base = ws.data_ptr()
     at = {name: base + off for name, off in offs.items()}
-    # counts holds meta [n + 2], the recv splits [n], then gmeta [2] (pairs, rows)
-    at["recv_splits"], at["gmeta"] = at["counts"] + (n + 2) * 8, at["counts"] + (2 * n + 2) * 8
     meta, recv_splits, gmeta = at["counts"], at["recv_splits"], at["gmeta"]
     # the payload and the exchange's output live only through this call
-    big_offs, big = _carve({"payload": send_cap * row, "recv": cap * row})
     tmp = torch.empty(big, dtype=torch.uint8, device=x.device)
     payload, recv = tmp.data_ptr() + big_offs["payload"], tmp.data_ptr() + big_offs["recv"]
     flags = _flags_of(dev)
