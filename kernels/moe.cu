@@ -51,13 +51,6 @@ WSUM(gocomm_moe_wsum_bf16, __nv_bfloat16)
 WSUM(gocomm_moe_wsum_f16, __half)
 WSUM(gocomm_moe_wsum_f32, float)
 
-// gocomm_moe_route (one block): which ranks each token goes to, and where in the send
-// buffer. Token t goes to rank r when one of its k expert ids lies in [r * per, (r+1) * per);
-// ids of -1 choose nothing, and so do ids out of range, which also set meta[n + 1] = 1. Rows
-// are laid out by rank, tokens ascending within a rank: slot s holds token send_order[s] for
-// rank send_rank[s]. meta[0..n) = rows per rank (the send splits), meta[n] = their sum.
-// Each rank's rows are counted with a block-wide scan over the tokens, each thread owning a
-// contiguous run of them, so the layout is the same every time.
 // block_scan: the exclusive prefix sum of v over the block's threads (in thread order), and
 // the total in *total; scan holds 32 entries, and blockDim.x is a multiple of 32. Warp shuffles, then one warp over the warps'
 // sums: three block barriers a scan (a Hillis-Steele scan over 1024 threads took twenty, and
@@ -100,9 +93,8 @@ __device__ __forceinline__ int64_t block_scan(int64_t v, int64_t* scan, int64_t*
 // bit mask (mask, a byte per token) and each block's counts (bcount [blocks][n + 2]: rows
 // per rank, their sum, whether an id was bad); the second places the tokens from them, so
 // the layout is the same every time, and neither waits on another block.
-extern "C" __global__ void gocomm_moe_route_count(const int64_t* __restrict__ idx, int64_t tokens, int k,
-                                                  int64_t experts, int per, int n, uint8_t* __restrict__ mask,
-                                                  int64_t* __restrict__ bcount) {
+__device__ __forceinline__ void route_count(const int64_t* __restrict__ idx, int64_t tokens, int k, int64_t experts,
+                                            int per, int n, uint8_t* __restrict__ mask, int64_t* __restrict__ bcount) {
   const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   uint32_t m = 0;
   int bad = 0;
@@ -127,11 +119,11 @@ extern "C" __global__ void gocomm_moe_route_count(const int64_t* __restrict__ id
   if (threadIdx.x == 0) mine[n] = sum, mine[n + 1] = bad;
 }
 
-extern "C" __global__ void gocomm_moe_route_place(int64_t tokens, int n, const uint8_t* __restrict__ mask,
-                                                  const int64_t* __restrict__ bcount, int64_t* __restrict__ meta,
-                                                  int64_t* __restrict__ send_order, int32_t* __restrict__ send_rank,
-                                                  int64_t* __restrict__ t_idx, int64_t* __restrict__ t_offs,
-                                                  volatile uint32_t* flag) {
+__device__ __forceinline__ void route_place(int64_t tokens, int n, const uint8_t* __restrict__ mask,
+                                            const int64_t* __restrict__ bcount, int64_t* __restrict__ meta,
+                                            int64_t* __restrict__ send_order, int32_t* __restrict__ send_rank,
+                                            int64_t* __restrict__ t_idx, int64_t* __restrict__ t_offs,
+                                            volatile uint32_t* flag) {
   __shared__ int64_t scan[32];
   __shared__ int64_t base[8], tbase;  // the first slot of this block's rows per rank; its first pair
   const int b = blockIdx.x, blocks = gridDim.x, w = n + 2;
@@ -175,6 +167,32 @@ extern "C" __global__ void gocomm_moe_route_place(int64_t tokens, int n, const u
       t_idx[toff + j++] = slot;
     }
   }
+}
+
+extern "C" __global__ void gocomm_moe_route_count(const int64_t* __restrict__ idx, int64_t tokens, int k,
+                                                  int64_t experts, int per, int n, uint8_t* __restrict__ mask,
+                                                  int64_t* __restrict__ bcount) {
+  route_count(idx, tokens, k, experts, per, n, mask, bcount);
+}
+
+extern "C" __global__ void gocomm_moe_route_place(int64_t tokens, int n, const uint8_t* __restrict__ mask,
+                                                  const int64_t* __restrict__ bcount, int64_t* __restrict__ meta,
+                                                  int64_t* __restrict__ send_order, int32_t* __restrict__ send_rank,
+                                                  int64_t* __restrict__ t_idx, int64_t* __restrict__ t_offs,
+                                                  volatile uint32_t* flag) {
+  route_place(tokens, n, mask, bcount, meta, send_order, send_rank, t_idx, t_offs, flag);
+}
+
+// gocomm_moe_route: both passes in one block (tokens <= blockDim.x: decode), one launch
+// less; the block's own writes are visible to it after the barrier.
+extern "C" __global__ void gocomm_moe_route(const int64_t* __restrict__ idx, int64_t tokens, int k, int64_t experts,
+                                            int per, int n, uint8_t* __restrict__ mask, int64_t* __restrict__ bcount,
+                                            int64_t* __restrict__ meta, int64_t* __restrict__ send_order,
+                                            int32_t* __restrict__ send_rank, int64_t* __restrict__ t_idx,
+                                            int64_t* __restrict__ t_offs, volatile uint32_t* flag) {
+  route_count(idx, tokens, k, experts, per, n, mask, bcount);
+  __syncthreads();
+  route_place(tokens, n, mask, bcount, meta, send_order, send_rank, t_idx, t_offs, flag);
 }
 
 // gocomm_moe_pack: the send buffer of dispatch, one row per slot of gocomm_moe_route (the
@@ -264,10 +282,9 @@ __device__ __forceinline__ void scan_columns(int32_t* hist, int per, int64_t* to
   __syncthreads();
 }
 
-extern "C" __global__ void gocomm_moe_group_count(const char* __restrict__ recv, int64_t row_bytes, int64_t id_off,
-                                                  int k, int per, const int64_t* __restrict__ out_splits, int n,
-                                                  int64_t cap_rows, int64_t* __restrict__ bhist) {
-  extern __shared__ int32_t hist[];  // [per][blockDim.x + 1]
+__device__ __forceinline__ void group_count(const char* __restrict__ recv, int64_t row_bytes, int64_t id_off, int k,
+                                            int per, const int64_t* __restrict__ out_splits, int n, int64_t cap_rows,
+                                            int64_t* __restrict__ bhist, int32_t* hist) {
   __shared__ int64_t scan[32];
   int64_t r0, r1, total;
   const int64_t R = group_rows(out_splits, n, cap_rows);
@@ -278,17 +295,14 @@ extern "C" __global__ void gocomm_moe_group_count(const char* __restrict__ recv,
   if (threadIdx.x == 0) out[per] = total;
 }
 
-extern "C" __global__ void gocomm_moe_group_place(const char* __restrict__ recv, int64_t row_bytes, int64_t id_off,
-                                                  int64_t w_off, int k, int per, const int64_t* __restrict__ out_splits,
-                                                  int n, int64_t cap_rows, const int64_t* __restrict__ bhist,
-                                                  int64_t* __restrict__ rows_sorted, float* __restrict__ w_sorted,
-                                                  int64_t* __restrict__ tpe, int64_t* __restrict__ e_idx,
-                                                  float* __restrict__ w_e, int64_t* __restrict__ e_offs,
-                                                  int64_t* __restrict__ gmeta, int64_t* __restrict__ back,
-                                                  volatile uint32_t* flag) {
-  extern __shared__ int64_t dyn[];  // adj [per] int64, then hist [per][blockDim.x + 1] int32
-  int64_t* adj = dyn;
-  int32_t* hist = reinterpret_cast<int32_t*>(dyn + per);
+__device__ __forceinline__ void group_place(const char* __restrict__ recv, int64_t row_bytes, int64_t id_off,
+                                            int64_t w_off, int k, int per, const int64_t* __restrict__ out_splits,
+                                            int n, int64_t cap_rows, const int64_t* __restrict__ bhist,
+                                            int64_t* __restrict__ rows_sorted, float* __restrict__ w_sorted,
+                                            int64_t* __restrict__ tpe, int64_t* __restrict__ e_idx,
+                                            float* __restrict__ w_e, int64_t* __restrict__ e_offs,
+                                            int64_t* __restrict__ gmeta, int64_t* __restrict__ back,
+                                            volatile uint32_t* flag, int64_t* adj, int32_t* hist) {
   __shared__ int64_t scan[32];
   __shared__ int64_t pb;
   const int tid = threadIdx.x, nt = blockDim.x, b = blockIdx.x, w = per + 1;
@@ -342,6 +356,37 @@ extern "C" __global__ void gocomm_moe_group_place(const char* __restrict__ recv,
       }
     }
   }
+}
+
+extern "C" __global__ void gocomm_moe_group_count(const char* __restrict__ recv, int64_t row_bytes, int64_t id_off,
+                                                  int k, int per, const int64_t* __restrict__ out_splits, int n,
+                                                  int64_t cap_rows, int64_t* __restrict__ bhist) {
+  extern __shared__ int32_t hist[];  // [per][blockDim.x + 1]
+  group_count(recv, row_bytes, id_off, k, per, out_splits, n, cap_rows, bhist, hist);
+}
+
+#define GROUP_PLACE_ARGS                                                                                            \
+  const char *__restrict__ recv, int64_t row_bytes, int64_t id_off, int64_t w_off, int k, int per,                 \
+      const int64_t *__restrict__ out_splits, int n, int64_t cap_rows, int64_t *__restrict__ bhist,                \
+      int64_t *__restrict__ rows_sorted, float *__restrict__ w_sorted, int64_t *__restrict__ tpe,                  \
+      int64_t *__restrict__ e_idx, float *__restrict__ w_e, int64_t *__restrict__ e_offs,                          \
+      int64_t *__restrict__ gmeta, int64_t *__restrict__ back, volatile uint32_t *flag
+
+extern "C" __global__ void gocomm_moe_group_place(GROUP_PLACE_ARGS) {
+  extern __shared__ int64_t dyn[];  // adj [per] int64, then hist [per][blockDim.x + 1] int32
+  group_place(recv, row_bytes, id_off, w_off, k, per, out_splits, n, cap_rows, bhist, rows_sorted, w_sorted, tpe,
+              e_idx, w_e, e_offs, gmeta, back, flag, dyn, reinterpret_cast<int32_t*>(dyn + per));
+}
+
+// gocomm_moe_group: both passes in one block (at most 32 rows), one launch less; the
+// arguments and shared memory are group_place's.
+extern "C" __global__ void gocomm_moe_group(GROUP_PLACE_ARGS) {
+  extern __shared__ int64_t dyn[];
+  int32_t* hist = reinterpret_cast<int32_t*>(dyn + per);
+  group_count(recv, row_bytes, id_off, k, per, out_splits, n, cap_rows, bhist, hist);
+  __syncthreads();
+  group_place(recv, row_bytes, id_off, w_off, k, per, out_splits, n, cap_rows, bhist, rows_sorted, w_sorted, tpe,
+              e_idx, w_e, e_offs, gmeta, back, flag, dyn, hist);
 }
 
 // gocomm_moe_gather: out[p] = the first bytes of src's row rows[p] (rows stride apart), for
