@@ -8,7 +8,9 @@ NVLink (the group's sparse transport is NVSHMEM: every pair NVLink with peer ato
 the shim instead launches one kernel on the caller's stream. It pushes this rank's rows into
 the peers' receive buffers (CUDA IPC mappings) with the same protocol as the sidecar's
 kernel, and the op counter lives on the GPU: nothing on the host changes from one call to
-the next, so a call can be captured in a CUDA graph.
+the next, so a call can be captured in a CUDA graph. A pair of ranks whose rows fit a fast
+slot (FAST_MAX, at decode sizes) moves before the ranks' counts are exchanged, into a slot
+carved from the tail of the receiver's buffer that the receiver copies out.
 
 Setup is collective, at a group's first all_to_all_v of a CUDA tensor on a device: each rank
 allocates its receive buffer (GOCOMM_NVSHMEM_RECV_MB, as the sidecar's, plus 64 KiB of
