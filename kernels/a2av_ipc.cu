@@ -70,7 +70,9 @@
 //      so it saw the receiver's row of e, so the receiver finished e - 1, the last op that
 //      read fast[parity of e + 1]. The receiver's capacity is not known then, so the rows
 //      land in the slot even where the receiver takes nothing (invariant 3 still holds for
-//      out). Decode-sized pairs save the meta round trip that way.
+//      out). Decode-sized pairs save the meta round trip that way. Every block reads the
+//      caller's splits at its start for this test, so they must not overlap out_splits
+//      (which block 0 writes at its end; no caller's do).
 //
 // Meta values are 32-bit (tagged()): the shim keeps splits, capacities, row sizes and
 // offsets in receive buffers below 2^31.
@@ -104,7 +106,7 @@ static_assert(A2_EPOCHS + A2_MAX_BLOCKS * 8 <= A2_HEAD, "the signals overlap rec
 struct A2Args {
   uint64_t base[A2_MAX_RANKS];  // every rank's buffer, mapped in this process
   uint64_t in, splits, out, out_splits, err;
-  int64_t capacity;   // rows this rank takes (out's rows, at most what recv holds)
+  int64_t capacity;   // rows this rank takes (out's rows)
   int64_t row_bytes;  // bytes per row (every rank's must be the same)
   int64_t in_rows;    // rows in the input
   int64_t out_id;     // the receive buffer out lies in, or -1
@@ -200,7 +202,8 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
   if (d < n && d != me && valid && a.fast_bytes > 0) {
     int64_t src = 0;
     for (int j = 0; j < d; j++) src += split_at(splits, j, splits32);
-    const int64_t bytes = split_at(splits, d, splits32) * rb;
+    // the count as its meta word carries it (32 bits), so d's test in step 4 sees the same
+    const int64_t bytes = (int64_t)(int32_t)split_at(splits, d, splits32) * rb;
     if (bytes > 0 && bytes <= a.fast_bytes) {
       fast_sent = true;
       const int64_t chunk = ((bytes + a.parts - 1) / a.parts + 15) & ~(int64_t)15;
