@@ -30,9 +30,10 @@ class Module:
     """A cubin next to the package (make copies it from kernels/build), loaded once per
     device into this process with the driver API, and its kernels."""
 
-    def __init__(self, file: str, names: tuple[str, ...]):
+    def __init__(self, file: str, names: tuple[str, ...], sigs: dict[str, str] | None = None):
         self.path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", file)
         self.names = names
+        self.sigs = sigs or {}  # kernel -> its arguments' types, for launch()
         self._lock = threading.Lock()
         self._funcs: dict[tuple[int, str], int] = {}  # (device index, kernel) -> CUfunction
         self._image: bytes | None = None
@@ -84,15 +85,15 @@ class Module:
                         self._funcs[(dev, n)] = fn.value
             return self._funcs[(dev, name)]
 
-    def launch(self, dev: int, name: str, grid: int, block: int, sig: str, *vals: int, smem: int = 0) -> None:
-        """Queue kernel name on dev's current stream with arguments vals, typed by sig (a letter
-        each: P an address, q an int64, i an int32)."""
+    def launch(self, dev: int, name: str, grid: int, block: int, *vals: int, smem: int = 0) -> None:
+        """Queue kernel name on dev's current stream with arguments vals, typed as the
+        module's sigs say."""
         ln = self._launchers.get((dev, name))
         if ln is None:
-            ln = self._launchers.setdefault((dev, name), _Launcher(self.function(dev, name), sig))
+            ln = self._launchers.setdefault((dev, name), _Launcher(self.function(dev, name), self.sigs[name]))
         with _cuda.on_device(dev):
             _cuda.ensure_context(dev)
-            ln(grid, block, smem, _cuda.current_stream(dev), sig, vals)
+            ln(grid, block, smem, _cuda.current_stream(dev), vals)
 
 
 _CTYPES = {"P": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int}
@@ -109,29 +110,28 @@ class _Launcher:
         self.params = (ctypes.c_void_p * len(sig))(*map(ctypes.addressof, self.args))
         self.lock = threading.Lock()  # threads launching the same kernel share the array
 
-    def __call__(self, grid: int, block: int, smem: int, stream: int, sig: str, vals: tuple) -> None:
-        if sig != self.sig or len(vals) != len(sig):  # a caller out of step with the kernel
-            raise TypeError(f"gocomm kernel launch: {len(vals)} arguments as {sig!r}, the kernel takes {self.sig!r}")
+    def __call__(self, grid: int, block: int, smem: int, stream: int, vals: tuple) -> None:
+        if len(vals) != len(self.sig):  # a caller out of step with the kernel
+            raise TypeError(f"gocomm kernel launch: {len(vals)} arguments, the kernel takes {self.sig!r}")
         with self.lock:
             for a, v in zip(self.args, vals, strict=True):
                 a.value = v
             _cuda.launch(self.fn, grid, block, stream, self.params, smem)
 
 
-MOE = Module(
-    "moe.cubin",
-    (
-        *_WSUM.values(),
-        "gocomm_moe_route_count",
-        "gocomm_moe_route_place",
-        "gocomm_moe_route",
-        "gocomm_moe_pack",
-        "gocomm_moe_group_count",
-        "gocomm_moe_group_place",
-        "gocomm_moe_group",
-        "gocomm_moe_gather",
-    ),
-)
+# kernels/moe.cu's kernels and their arguments, a letter each: P an address, q an int64, i an int32
+_MOE_SIGS = {
+    **dict.fromkeys(_WSUM.values(), "PPPPPqPq"),
+    "gocomm_moe_route_count": "PqiqiiPP",
+    "gocomm_moe_route_place": "qiPPPPPPPP",
+    "gocomm_moe_route": "PqiqiiPPPPPPPP",
+    "gocomm_moe_pack": "PPPPPPPiiqiqqqq",
+    "gocomm_moe_group_count": "PqqiiPiqP",
+    "gocomm_moe_group_place": "PqqqiiPiqPPPPPPPPPP",
+    "gocomm_moe_group": "PqqqiiPiqPPPPPPPPPP",
+    "gocomm_moe_gather": "PPPPqqq",
+}
+MOE = Module("moe.cubin", tuple(_MOE_SIGS), _MOE_SIGS)
 
 
 def available() -> bool:
@@ -213,7 +213,7 @@ def wsum_at(
     """wsum's launch by addresses, unchecked: rows is the most rows, nrows (0: none) the
     address of an int64 count on the GPU that may cut them."""
     grid, block = min(rows, 65535), row_block(h * dtype.itemsize)
-    MOE.launch(dev, _WSUM[dtype], grid, block, "PPPPPqPq", out, src, idx, w, offs, rows, nrows, h)
+    MOE.launch(dev, _WSUM[dtype], grid, block, out, src, idx, w, offs, rows, nrows, h)
 
 
 def row_block(nbytes: int) -> int:
@@ -252,7 +252,6 @@ def pack_at(
         "gocomm_moe_pack",
         min(rows, 4096),
         row_block(xbytes),
-        "PPPPPPPiiqiqqqq",
         *(payload, x, idx, w, meta, send_order, send_rank),
         *(n, k, experts, experts // n, xbytes, id_off, w_off, row),
     )
@@ -266,7 +265,6 @@ def gather_at(dev: int, out: int, src: int, rows: int, count: int, cap: int, str
         "gocomm_moe_gather",
         min(cap, 2048),
         row_block(nbytes),
-        "PPPPqqq",
         out,
         src,
         rows,
@@ -360,19 +358,15 @@ def route_at(
             "gocomm_moe_route",
             1,
             block,
-            "PqiqiiPPPPPPPP",
             *(idx, t, k, experts, experts // n, n, mask, bcount, meta, send_order, send_rank, t_idx, t_offs, flag),
         )
         return
-    MOE.launch(
-        dev, "gocomm_moe_route_count", grid, block, "PqiqiiPP", idx, t, k, experts, experts // n, n, mask, bcount
-    )
+    MOE.launch(dev, "gocomm_moe_route_count", grid, block, idx, t, k, experts, experts // n, n, mask, bcount)
     MOE.launch(
         dev,
         "gocomm_moe_route_place",
         grid,
         block,
-        "qiPPPPPPPP",
         *(t, n, mask, bcount, meta, send_order, send_rank, t_idx, t_offs, flag),
     )
 
@@ -416,14 +410,13 @@ def group_at(
     smem = per * 8 + per * (threads + 1) * 4
     args = (recv, row, id_off, w_off, k, per, out_splits, n, cap, bhist, *out, flag)
     if blocks == 1:  # both passes in one launch
-        MOE.launch(dev, "gocomm_moe_group", 1, threads, "PqqqiiPiqPPPPPPPPPP", *args, smem=smem)
+        MOE.launch(dev, "gocomm_moe_group", 1, threads, *args, smem=smem)
         return
     MOE.launch(
         dev,
         "gocomm_moe_group_count",
         blocks,
         threads,
-        "PqqiiPiqP",
         *(recv, row, id_off, k, per, out_splits, n, cap, bhist),
         smem=per * (threads + 1) * 4,
     )
@@ -432,7 +425,6 @@ def group_at(
         "gocomm_moe_group_place",
         blocks,
         threads,
-        "PqqqiiPiqPPPPPPPPPP",
         *args,
         smem=smem,
     )
