@@ -325,15 +325,24 @@ def _plot(rows, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(rows), figsize=(6.5 * len(rows), 5), squeeze=False)
     for ax, r in zip(axes[0], rows, strict=True):
         names = [v for v in VARIANTS if isinstance(r.get(v), list)]
-        ax.barh(
-            names, [r[v][0] for v in names], color=["#999" if not v.startswith("gocomm") else "#2a7" for v in names]
-        )
-        ax.set_xlabel("us (one op alone, median)")
-        ax.set_title(f"{r['tokens']} tokens/rank, {r['world']} GPUs, {r['bytes'] / 1e6:.1f} MB sent")
+        y = list(range(len(names)))
+        for k, shade in enumerate((0.45, 1.0)):
+            ax.barh(
+                [i + 0.4 * k - 0.2 for i in y],
+                [r[v][k] for v in names],
+                height=0.4,
+                color=[
+                    (0.16, 0.47, 0.33, shade) if v.startswith("gocomm") else (0.45, 0.45, 0.45, shade) for v in names
+                ],
+            )
+        ax.set_yticks(y, names)
+        ax.set_xlabel("us per op, median")
+        ax.set_title(f"{r['tokens']} tokens per rank, {r['world']} GPUs\n{r['bytes'] / 1e6:.1f} MB sent by rank 0")
         ax.invert_yaxis()
+    fig.suptitle("pale: one op alone; dark: ops back to back; green: gocomm", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -17,7 +17,6 @@ import faulthandler
 import multiprocessing.connection as mpc
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -135,12 +134,10 @@ def rank_main(
 
         import gocomm  # noqa: F401  (registers the backend)
 
-        dist.init_process_group(
-            "gocomm",
-            rank=rank,
-            world_size=size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        # the store's server is the World's, in the pytest process (see World._start)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        dist.init_process_group("gocomm", rank=rank, world_size=size, timeout=timeout, store=store)
         rk = Rank(rank, size, timeout_s)
         conn.send(("ready", {"pid": os.getpid(), **_sidecar_info()}))
     except BaseException:  # noqa: BLE001
@@ -192,13 +189,6 @@ def health(rk: Rank) -> None:
 # --------------------------------------------------------------------------------------------
 # pytest side
 # --------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: str | None, lines: int = 25) -> str:
@@ -257,6 +247,7 @@ class World:
         self.name = f"w{size}{label}-{_counter}"
         self.log_dir = log_dir
         self.procs: list = []
+        self._store = None
         self.conns: list = []
         self.info: list[dict] = [{} for _ in range(size)]
         self.logs = [os.path.join(log_dir, f"{self.name}-rank{r}.log") for r in range(size)]
@@ -267,49 +258,49 @@ class World:
     # ----- lifetime ---------------------------------------------------------------------------
 
     def _start(self) -> None:
+        import torch.distributed as dist
         import torch.multiprocessing as tmp
 
         ctx = tmp.get_context("spawn")
         t0 = time.monotonic()
-        for attempt in range(2):
-            port = free_port()
-            self.procs, self.conns = [], []
-            for r in range(self.size):
-                parent, child = ctx.Pipe()
-                p = ctx.Process(
-                    target=rank_main,
-                    args=(
-                        r,
-                        self.size,
-                        port,
-                        child,
-                        self.logs[r],
-                        self.timeout_s,
-                        list(sys.path),
-                    ),
-                    name=f"{self.name}-rank{r}",
-                    daemon=True,
-                )
-                p.start()
-                child.close()
-                self.procs.append(p)
-                self.conns.append(parent)
-            self.alive = True
-            try:
-                replies = self._collect(START_TIMEOUT_S)
-            except BaseException:
-                self.kill()
-                raise
-            if all(rep[0] == "ready" for rep in replies):
-                for r, rep in enumerate(replies):
-                    self.info[r] = rep[1]
-                self.started_s = time.monotonic() - t0
-                return
-            report = self._report("start", replies, seed=None)
+        # The world's store server lives here, bound to a port the OS picks, for as long as
+        # the world: a port picked, freed and handed to rank 0 could be taken in between (an
+        # x4 run lost 35 s to that when NCCL's sockets were about).
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        for r in range(self.size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=rank_main,
+                args=(
+                    r,
+                    self.size,
+                    self._store.port,
+                    child,
+                    self.logs[r],
+                    self.timeout_s,
+                    list(sys.path),
+                ),
+                name=f"{self.name}-rank{r}",
+                daemon=True,
+            )
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+        self.alive = True
+        try:
+            replies = self._collect(START_TIMEOUT_S)
+        except BaseException:
             self.kill()
-            if attempt == 0 and "address already in use" in report.lower():
-                continue
-            raise HarnessError(report)
+            raise
+        if all(rep[0] == "ready" for rep in replies):
+            for r, rep in enumerate(replies):
+                self.info[r] = rep[1]
+            self.started_s = time.monotonic() - t0
+            return
+        report = self._report("start", replies, seed=None)
+        self.kill()
+        raise HarnessError(report)
 
     def kill(self) -> None:
         """Kill every rank and its sidecar (by pid, checked to be a pgserver)."""
@@ -337,6 +328,7 @@ class World:
             c.close()
         self.alive = False
         self.procs, self.conns = [], []
+        self._store = None
 
     def close(self) -> None:
         """Stop the ranks cleanly (they destroy their groups), killing whatever lingers."""
