@@ -304,6 +304,7 @@ class World:
 
     def kill(self) -> None:
         """Kill every rank and its sidecar (by pid, checked to be a pgserver)."""
+        self._store = None
         if not self.procs:
             return
         sidecars = {i.get("sidecar_pid") for i in self.info if i.get("sidecar_pid")}
@@ -328,7 +329,6 @@ class World:
             c.close()
         self.alive = False
         self.procs, self.conns = [], []
-        self._store = None
 
     def close(self) -> None:
         """Stop the ranks cleanly (they destroy their groups), killing whatever lingers."""

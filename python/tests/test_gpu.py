@@ -54,9 +54,16 @@ def _setup(rk):
     return dev, nccl
 
 
-def _input(seed, key, rank, n, dtype, dev):
-    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return (gen(seed, key, rank, (n,), torch.float32, small=True) / 4).to(dtype).to(dev)
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _input(seed, key, rank, n, dtype, dev, exact_sum=False):
+    """exact_sum: fp8 values of -1, 0 or 1, so every partial sum over up to 8 ranks is exact
+    and any order gives the same bits (with two or three mantissa bits, a bound on the
+    rounding would be the whole value: it could not tell a missing rank)."""
+    if dtype in FP8:
+        x = gen(seed, key, rank, (n,), torch.float32, small=True)
+        return (x.round().clamp(-1, 1) + 0.0 if exact_sum else x / 4).to(dtype).to(dev)  # + 0.0: no -0
     return gen(seed, key, rank, (n,), dtype, small=True).to(dev)
 
 
@@ -75,6 +82,19 @@ def _sum_scale(seed, key, ranks, count, dtype, part=None):
     return sum(xs)
 
 
+def _float_err(got, want, steps=1, scale=None):
+    """(error, tolerance) of a float result against another. scale: per element, what the
+    error may be relative to (default the result's size), plus 1."""
+    g, w = got.double(), want.double()
+    tol = 1e-2 if got.element_size() <= 2 else 1e-5
+    if steps > 1 and got.element_size() <= 2:
+        # NCCL's ring rounds after each of its steps; gocomm's own kernel sums in float32
+        # and rounds once: the two may differ by one rounding per step
+        tol = max(tol, steps * torch.finfo(got.dtype).eps / 2)
+    err = ((g - w).abs() / ((w.abs() if scale is None else scale) + 1)).max().item() if g.numel() else 0.0
+    return err, tol
+
+
 def _bits(t):
     return t.contiguous().view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
 
@@ -86,13 +106,7 @@ def _compare(ck, label, got, want, exact, steps=1, scale=None):
         if not torch.equal(_bits(got), _bits(want)):
             ck.fail(label, f"differs from nccl: {got[:6].tolist()} vs {want[:6].tolist()}")
         return
-    g, w = got.double(), want.double()
-    tol = 1e-2 if got.element_size() <= 2 else 1e-5
-    if steps > 1 and got.element_size() <= 2:
-        # NCCL's ring rounds after each of its steps; gocomm's own kernel sums in float32
-        # and rounds once: the two may differ by one rounding per step
-        tol = max(tol, steps * torch.finfo(got.dtype).eps / 2)
-    err = ((g - w).abs() / ((w.abs() if scale is None else scale) + 1)).max().item() if g.numel() else 0.0
+    err, tol = _float_err(got, want, steps, scale)
     if not err <= tol:
         ck.fail(label, f"max rel error {err} vs nccl (tol {tol})")
 
@@ -110,16 +124,16 @@ def check_collectives_vs_nccl(rk, seed):
             for opname in ops:
                 op = OPS[opname]
                 with ck.case(f"all_reduce {opname} {d} x{count}"):
-                    x = _input(seed, f"ar{d}{count}{opname}", r, count, dtype, dev)
+                    x = _input(seed, f"ar{d}{count}{opname}", r, count, dtype, dev, exact_sum=dtype in FP8)
                     a, b = x.clone(), x.clone()
                     dist.all_reduce(b, op=op, group=nccl)
                     dist.all_reduce(a, op=op)
                     scale = None
-                    if opname in ("sum", "avg"):
+                    if opname in ("sum", "avg") and dtype not in FP8:
                         scale = _sum_scale(seed, f"ar{d}{count}{opname}", range(n), count, dtype)
                         scale = scale / n if scale is not None and opname == "avg" else scale
                     label = f"all_reduce {opname} {d} x{count}"
-                    _compare(ck, label, a, b, exact=opname in ("min", "max"), steps=n, scale=scale)
+                    _compare(ck, label, a, b, exact=opname in ("min", "max") or dtype in FP8, steps=n, scale=scale)
         count = 4097
         x = _input(seed, f"mv{d}", r, count, dtype, dev)
         for root in range(n):
