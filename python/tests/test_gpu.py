@@ -67,19 +67,17 @@ def _input(seed, key, rank, n, dtype, dev, exact_sum=False):
     return gen(seed, key, rank, (n,), dtype, small=True).to(dev)
 
 
-def _sum_scale(seed, key, ranks, count, dtype, part=None):
-    """What a float sum over ranks' _input(seed, key, ..., count) may err relative to, per
-    element (part: this chunk of count // n elements, as reduce_scatter sums): the sum of the
-    inputs' sizes. Under cancellation a partial sum outgrows the result, but never this, so
-    each of a ring's roundings (and gocomm's one) is at most eps / 2 of it. Against the
-    result's size, seed 76811082 on 4 GPUs gave 0.01596 for bf16 over n * eps / 2 = 0.0156."""
-    if not dtype.is_floating_point:
+def _sum_scale(xs, part=None):
+    """What a float sum of xs (every rank's input, on the CPU) may err relative to, per
+    element (part (k, i): the i-th of k chunks, as reduce_scatter sums): the sum of the
+    inputs' sizes; None for other dtypes (compared exactly). Under cancellation a partial
+    sum outgrows the result, but never this, so each of a ring's roundings (and gocomm's
+    one) is at most eps / 2 of it. Against the result's size, seed 76811082 on 4 GPUs gave
+    0.01596 for bf16 over n * eps / 2 = 0.0156."""
+    if not xs[0].dtype.is_floating_point:
         return None
-    xs = [_input(seed, key, q, count, dtype, "cpu").double().abs() for q in ranks]
-    if part is not None:
-        k, i = part
-        xs = [x.narrow(0, i * (count // k), count // k) for x in xs]
-    return sum(xs)
+    s = sum(x.double().abs() for x in xs)
+    return s if part is None else s.chunk(part[0])[part[1]]
 
 
 def _float_err(got, want, steps=1, scale=None):
@@ -123,15 +121,17 @@ def check_collectives_vs_nccl(rk, seed):
         for count in (1, 1000, 1 << 18):
             for opname in ops:
                 op = OPS[opname]
+                key = f"ar{d}{count}{opname}"
                 with ck.case(f"all_reduce {opname} {d} x{count}"):
-                    x = _input(seed, f"ar{d}{count}{opname}", r, count, dtype, dev, exact_sum=dtype in FP8)
+                    x = _input(seed, key, r, count, dtype, dev, exact_sum=dtype in FP8)
                     a, b = x.clone(), x.clone()
                     dist.all_reduce(b, op=op, group=nccl)
                     dist.all_reduce(a, op=op)
                     scale = None
                     if opname in ("sum", "avg") and dtype not in FP8:
-                        scale = _sum_scale(seed, f"ar{d}{count}{opname}", range(n), count, dtype)
-                        scale = scale / n if scale is not None and opname == "avg" else scale
+                        scale = _sum_scale([_input(seed, key, q, count, dtype, "cpu") for q in range(n)])
+                        if opname == "avg" and scale is not None:
+                            scale = scale / n
                     label = f"all_reduce {opname} {d} x{count}"
                     _compare(ck, label, a, b, exact=opname in ("min", "max") or dtype in FP8, steps=n, scale=scale)
         count = 4097
@@ -167,7 +167,7 @@ def check_collectives_vs_nccl(rk, seed):
                 b = torch.empty_like(a)
                 dist.reduce_scatter_tensor(b, y.clone(), group=nccl)
                 dist.reduce_scatter_tensor(a, y.clone())
-                scale = _sum_scale(seed, f"rs{d}", range(n), n * count, dtype, part=(n, r))
+                scale = _sum_scale([_input(seed, f"rs{d}", q, n * count, dtype, "cpu") for q in range(n)], part=(n, r))
                 _compare(ck, f"reduce_scatter_tensor {d}", a, b, exact=False, steps=n, scale=scale)
             with ck.case(f"reduce_scatter list {d}"):
                 ins = list(y.clone().chunk(n))
@@ -398,7 +398,7 @@ def check_allreduce_here(rk, seed):
                     # the kernel rounds once; sizes it leaves to NCCL round once per ring step,
                     # each rounding at most eps / 2 of the inputs' sizes (_sum_scale)
                     tol = max(1e-2, n * torch.finfo(dtype).eps / 2) if e <= 2 else 1e-5
-                    scale = torch.stack([t.double().abs() for t in xs]).sum(0) / (n if opname == "avg" else 1)
+                    scale = _sum_scale(xs) / (n if opname == "avg" else 1)
                     err = ((got - ref).abs() / (scale + 1)).max().item()
                     ck.expect(label, err <= tol, f"max rel error {err} vs float64 (tol {tol})")
                     bits = torch.empty(n * a.numel() * e, dtype=torch.uint8, device=dev)
@@ -464,7 +464,7 @@ def check_subgroups_cuda(rk, seed):
                 b = a.clone()
                 dist.all_reduce(a, group=g)
                 dist.all_reduce(b, group=ref)
-                scale = _sum_scale(seed, key + str(dtype), ranks, 4099, dtype)
+                scale = _sum_scale([_input(seed, key + str(dtype), q, 4099, dtype, "cpu") for q in ranks])
                 _compare(ck, f"{ranks} all_reduce {dtype}", a, b, exact=dtype == torch.int64, steps=m, scale=scale)
             x = _input(seed, key + "ag", me, 1000, torch.float32, dev)
             got, want = torch.empty(m * 1000, device=dev), torch.empty(m * 1000, device=dev)

@@ -33,7 +33,7 @@ def _once(xs):
 def test_ring_sums_pass_and_a_missing_rank_fails(seed, dtype, n):
     count = 1 << 14
     xs = [_input(seed, "tol", q, count, dtype, "cpu") for q in range(n)]
-    scale = _sum_scale(seed, "tol", range(n), count, dtype)
+    scale = _sum_scale(xs)
     once = _once(xs)
     for w in _ring_sums(xs):
         err, tol = _float_err(once, w, steps=n, scale=scale)
@@ -66,5 +66,5 @@ def test_the_seed_that_failed():
     ring = next(_ring_sums(xs))
     old, tol = _float_err(_once(xs), ring, steps=n)
     assert abs(old - 0.01596) < 1e-5 and old > tol, old
-    new, tol = _float_err(_once(xs), ring, steps=n, scale=_sum_scale(seed, key, range(n), count, dtype))
+    new, tol = _float_err(_once(xs), ring, steps=n, scale=_sum_scale(xs))
     assert new < 0.01, new
