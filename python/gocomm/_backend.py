@@ -909,8 +909,48 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         return _Batch("all_gather_into_tensor_coalesced", works, list(outputs))
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        works = [self.allgather([o], [i], opts) for o, i in zip(output_lists, input_list, strict=True)]
-        return _Batch("all_gather_coalesced", works, [t for o in output_lists for t in o])
+        """dist.all_gather_coalesced: output_lists[r][j] receives rank r's input_list[j]. One
+        all_gather of every input packed end to end: rank r's block of the result is its
+        inputs in order, which is output_lists[r] flattened in order. CPU tensors only, as
+        torch's NCCL backend has no all_gather_coalesced either."""
+        op = "all_gather_coalesced"
+        ins = _tensor_list(op, "input_tensor_list", input_list)
+        if any(t.is_cuda for t in ins):
+            raise NotImplementedError(
+                f"gocomm {op}: CUDA tensors are not supported (torch's NCCL backend has no all_gather_coalesced "
+                "either); use all_gather_into_tensor, or all_gather per tensor"
+            )
+        _same_dtype(op, "input_tensor_list", ins)
+        if not isinstance(output_lists, (list, tuple)) or len(output_lists) != self._size:
+            n = len(output_lists) if isinstance(output_lists, (list, tuple)) else type(output_lists).__name__
+            raise ValueError(f"gocomm {op}: output_tensor_lists has {n} lists, want one per rank ({self._size})")
+        outs = []
+        for r, lst in enumerate(output_lists):
+            ts = _tensor_list(op, f"output_tensor_lists[{r}]", lst)
+            if len(ts) != len(ins):
+                raise ValueError(
+                    f"gocomm {op}: output_tensor_lists[{r}] has {len(ts)} tensors, input_tensor_list {len(ins)}"
+                )
+            for j, (o, i) in enumerate(zip(ts, ins, strict=True)):
+                _match_dtype(op, f"output_tensor_lists[{r}][{j}]", o, i)
+                if o.numel() != i.numel():
+                    raise ValueError(
+                        f"gocomm {op}: output_tensor_lists[{r}][{j}] has {o.numel()} elements, "
+                        f"input_tensor_list[{j}] has {i.numel()}"
+                    )
+            outs.extend(ts)
+        if not ins:
+            return _Batch(op, [], [])
+        return self._submit(
+            op,
+            _wire.ALL_GATHER,
+            ins[0].dtype,
+            count=sum(t.numel() for t in ins),
+            inputs=[ins, None],
+            outputs=[(1, outs)],
+            result=outs,
+            timeout=_opt_timeout(opts),
+        )
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         out = _single("reduce_scatter", "output", output_tensors)

@@ -173,6 +173,56 @@ def check_all_gather(rk, seed, group):
     return ck.done()
 
 
+def check_all_gather_coalesced(rk, seed, group):
+    """dist.all_gather_coalesced: output_tensor_lists[r][j] is rank r's input j, for inputs of
+    several shapes (empty ones too) of one dtype (complex travels as its real view), against
+    gloo; and a call through the group directly that breaks the rules raises before sending."""
+    gc, ck = _start(rk, group, "all_gather_coalesced", seed)
+    if not gc.member:
+        return 0
+    n, me = gc.size, gc.rank
+    shape_sets = [[(2, 2), (1,), (3,)], [(0,), (4, 3)], [(5,)], [(0,), (0, 2)]]
+    for dtype in ALL_DTYPES:
+        for k, shapes in enumerate(shape_sets):
+            if k and dtype not in (torch.float32, torch.complex64, torch.bool):
+                continue
+            for async_op in (False, True):
+                label = f"all_gather_coalesced {dname(dtype)} {shapes}{' async' if async_op else ''}"
+                with ck.case(label):
+                    key = f"agc/{dname(dtype)}/{k}"
+                    xs = [[gen(seed, f"{key}/{j}", r, s, dtype) for j, s in enumerate(shapes)] for r in range(n)]
+                    outs = [[_junk(x, seed, f"{key}/{q}", me) for x in xs[0]] for q in range(n)]
+                    w = dist.all_gather_coalesced(outs, xs[me], group=gc.pg, async_op=async_op)
+                    if async_op:
+                        w.wait()
+                    for r in range(n):
+                        for j in range(len(shapes)):
+                            ck.same(f"{label} [{r}][{j}]", outs[r][j], xs[r][j])
+                    if gloo_moves(dtype) and any(x.numel() for x in xs[me]):
+                        gl = [[_junk(x, seed, f"{key}/{q}", me) for x in xs[0]] for q in range(n)]
+                        dist.all_gather_coalesced(gl, xs[me], group=gc.gloo)
+                        for r in range(n):
+                            for j in range(len(shapes)):
+                                ck.same(f"{label} [{r}][{j}] vs gloo", outs[r][j], gl[r][j])
+    bad = {
+        "too few lists": ([[torch.zeros(2)]] * (n + 1), [torch.ones(2)]),
+        "too few tensors in a list": ([[torch.zeros(2)]] * n, [torch.ones(2), torch.ones(3)]),
+        "wrong size": ([[torch.zeros(3)]] * n, [torch.ones(2)]),
+        "mixed dtypes": (
+            [[torch.zeros(2), torch.zeros(2, dtype=torch.int64)]] * n,
+            [torch.ones(2), torch.ones(2, dtype=torch.int64)],
+        ),
+    }
+    for what, (outs, ins) in bad.items():
+        with ck.case(f"all_gather_coalesced refuses: {what}"):
+            try:
+                gc.pg.allgather_coalesced(outs, ins).wait()
+                ck.fail(what, "no error")
+            except (TypeError, ValueError) as e:
+                ck.expect(what, "all_gather_coalesced" in str(e), str(e))
+    return ck.done()
+
+
 def check_all_gather_into_tensor(rk, seed, group):
     gc, ck = _start(rk, group, "all_gather_into_tensor", seed)
     if not gc.member:
@@ -535,6 +585,39 @@ def check_all_reduce_coalesced(rk, seed, group):
                 SUM,
                 torch.float64,
             )
+    # gloo's coalesced all_gather_into_tensor returns zeros for some tensors of a call whose
+    # dtypes differ (torch 2.11), so it is the reference only where they are the same
+    agitc = {
+        "one dtype": [((3,), torch.float32), ((0,), torch.float32), ((2, 5), torch.float32)],
+        "mixed dtypes": [((3,), torch.float32), ((0,), torch.int64), ((2, 5), torch.complex64), ((7,), torch.bool)],
+    }
+    for what, specs in agitc.items():
+        with ck.case(f"all_gather_into_tensor_coalesced, {what}, complex and empty"):
+            xs = [[gen(seed, f"agitc/{what}/{i}", r, s, dt) for i, (s, dt) in enumerate(specs)] for r in range(n)]
+            outs = [
+                _junk(torch.empty((n * s[0],) + s[1:], dtype=dt), seed, f"agitc/{i}", me)
+                for i, (s, dt) in enumerate(specs)
+            ]
+            gl = [o.clone() for o in outs]
+            gc.pg.allgather_into_tensor_coalesced(outs, [x.clone() for x in xs[me]]).wait()
+            if what == "one dtype":
+                gc.gloo.allgather_into_tensor_coalesced(gl, [x.clone() for x in xs[me]]).wait()
+            for i in range(len(specs)):
+                want = torch.cat([xs[r][i] for r in range(n)])
+                ck.same(f"all_gather_into_tensor_coalesced {what} [{i}]", outs[i], want)
+                if what == "one dtype":
+                    ck.same(f"all_gather_into_tensor_coalesced {what} [{i}] vs gloo", outs[i], gl[i])
+    with ck.case("reduce_scatter_tensor_coalesced, mixed dtypes, complex and empty, against gloo"):
+        specs = [((2,), torch.float64), ((0,), torch.int32), ((3,), torch.complex64), ((4, 2), torch.int64)]
+        xs = [[gen(seed, f"rstc/{i}", r, (n * s[0],) + s[1:], dt) for i, (s, dt) in enumerate(specs)] for r in range(n)]
+        outs = [torch.zeros(s, dtype=dt) for s, dt in specs]
+        gl = [o.clone() for o in outs]
+        opts = dist.ReduceScatterOptions()
+        gc.pg.reduce_scatter_tensor_coalesced(outs, [x.clone() for x in xs[me]], opts).wait()
+        gc.gloo.reduce_scatter_tensor_coalesced(gl, [x.clone() for x in xs[me]], opts).wait()
+        for i, (s, dt) in enumerate(specs):
+            chunks = [xs[r][i].chunk(n)[me] if s[0] else xs[r][i] for r in range(n)]
+            ck.reduced(f"reduce_scatter_tensor_coalesced [{i}]", outs[i], chunks, SUM, dt, gl[i])
     with ck.case("all_reduce_coalesced with mixed dtypes is refused"):
         try:
             dist.all_reduce_coalesced([torch.ones(2), torch.ones(2, dtype=torch.float64)], group=gc.pg)
@@ -790,6 +873,7 @@ CHECKS = {
     "reduce": check_reduce,
     "all_gather": check_all_gather,
     "all_gather_into_tensor": check_all_gather_into_tensor,
+    "all_gather_coalesced": check_all_gather_coalesced,
     "reduce_scatter": check_reduce_scatter,
     "reduce_scatter_tensor": check_reduce_scatter_tensor,
     "all_to_all": check_all_to_all,
