@@ -55,7 +55,7 @@ func (p payload) keep(f *frame, from int) (*early, error) {
 // reader runs for one inbound link: it matches frames to receives until the link closes.
 func (ep *Endpoint) reader(from int, conn net.Conn) {
 	defer ep.readers.Done()
-	defer close(ep.inEnded[from]) // after the Break below: lost waits for this (invariant 7)
+	defer close(ep.inEnded[from]) // once any Break of this reader happened (lost, invariant 7)
 	defer conn.Close()
 	hdr := make([]byte, frameHeader)
 	trailer := make([]byte, refTrailer)
