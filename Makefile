@@ -6,6 +6,7 @@
 # make test-gpu   the GPU suite, on a machine with GPUs (see README; MPS=1 under MPS)
 # make bench-gpu  gocomm against torch NCCL on the machine's GPUs (table, JSON, PNG)
 # make bench      CPU benchmark: gocomm against gloo, 2 to 4 ranks
+# make soak       ranks that disagree, SOAK_RUNS times on one world (not part of make test)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -34,7 +35,7 @@ NVSHMEM   := $(NVIDIA)/nvshmem
 CUDA_ARCH ?= sm_90
 KERNELS   := $(patsubst kernels/%.cu,kernels/build/%.cubin,$(wildcard kernels/*.cu))
 
-.PHONY: all venv tools gen kernels build python test lint test-go test-py test-gpu bench bench-gpu bench-moe clean
+.PHONY: all venv tools gen kernels build python test lint test-go test-py test-gpu bench bench-gpu bench-moe soak clean
 
 all: build python
 
@@ -135,6 +136,12 @@ bench-moe:
 
 bench: all
 	$(PY) -m gocomm.bench --world 2,3,4
+
+# 3 ranks call different collectives (all_reduce vs all_gather) on a fresh group per run;
+# fails unless every rank of every run gets an error naming the mismatch and both calls.
+SOAK_RUNS ?= 1000
+soak: all
+	$(PY) python/tests/soak_disagree.py --runs $(SOAK_RUNS)
 
 clean:
 	rm -rf bin python/gocomm/bin python/gocomm/v1 $(GO_GEN) kernels/build/_obj $(KERNELS)

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 )
 
 // Link handshake. The dialer speaks first; both sides prove they hold the group's secret
@@ -19,6 +20,7 @@ import (
 //	acceptor -> answer (96 bytes): [32]byte acceptor nonce, u8 flags, [31]byte zero,
 //	                               [32]byte HMAC(secret, "srv"|hello|nonce|flags)
 //	dialer   -> proof  (32 bytes): HMAC(secret, "cli"|hello|acceptor nonce)
+//	acceptor -> abort frame        (only with flagAborted: the reason, as on a link)
 //
 // The group id is derived from the secret (GroupID), so the acceptor can find the group but
 // an eavesdropper learns nothing about the secret from it.
@@ -28,13 +30,22 @@ import (
 // through /proc/<pid>/fd/<fd> and read the token is on the same host, in the same namespaces
 // and allowed to map the dialer's segments: it sets flagRefs, and the dialer then sends large
 // payloads by reference (see kindRef).
+//
+// Broken group: an acceptor whose member of the group broke (or broke and left) sets
+// flagAborted and, once the dialer proved it holds the secret, sends one abort frame with
+// the reason and closes; the dialer reports that reason (ErrAborted). Closing the link
+// unanswered would read as a dead peer to a rank that joined after the break, while the
+// abort frames that name the cause are still on their way to it on other links.
 
 const (
 	helloMagic   = 0x49484347 // "GCHI"
-	helloVersion = 2
+	helloVersion = 3
 	helloSize    = 88
 	answerSize   = 96
 	flagRefs     = 1
+	flagAborted  = 2
+	// maxReason bounds the abort reason read off a link or a handshake.
+	maxReason = 4096
 )
 
 // probe is what a dialer offers for the same-host check; pid 0 offers nothing.
@@ -104,7 +115,7 @@ func mac(secret []byte, role string, helloBytes []byte, nonce []byte) []byte {
 }
 
 // dialHandshake runs the dialer's half on rw. It reports whether the acceptor can map this
-// side's segments (flagRefs).
+// side's segments (flagRefs), or the reason rank to broke the group (ErrAborted).
 func dialHandshake(rw io.ReadWriter, secret []byte, from, to int, pr probe) (refs bool, err error) {
 	h := hello{group: GroupID(secret), from: uint32(from), to: uint32(to), probe: pr}
 	if _, err := rand.Read(h.nonce[:]); err != nil {
@@ -124,13 +135,55 @@ func dialHandshake(rw io.ReadWriter, secret []byte, from, to int, pr probe) (ref
 	if _, err := rw.Write(mac(secret, "cli", hb, ans[:32])); err != nil {
 		return false, fmt.Errorf("send proof: %w", err)
 	}
+	if ans[32]&flagAborted != 0 {
+		reason, err := readAbort(rw)
+		if err != nil {
+			return false, fmt.Errorf("read the abort reason: %w", err)
+		}
+		return false, fmt.Errorf("%w by rank %d: %s", ErrAborted, to, reason)
+	}
 	return ans[32]&flagRefs != 0, nil
+}
+
+// readAbort reads an abort frame's reason (at most maxReason bytes of it).
+func readAbort(r io.Reader) ([]byte, error) {
+	f, err := readFrame(r, make([]byte, frameHeader))
+	if err != nil {
+		return nil, err
+	}
+	if f.kind != kindAbort {
+		return nil, fmt.Errorf("frame kind %d, want an abort", f.kind)
+	}
+	return readReason(r, f.length)
+}
+
+// readReason reads an abort frame's payload of n bytes, keeping at most maxReason of them.
+func readReason(r io.Reader, n uint64) ([]byte, error) {
+	msg := make([]byte, min(n, maxReason))
+	if _, err := io.ReadFull(r, msg); err != nil {
+		return nil, err
+	}
+	if _, err := io.CopyN(io.Discard, r, int64(n)-int64(len(msg))); err != nil {
+		return nil, err
+	}
+	return msg, nil
+}
+
+// writeAbort writes an abort frame carrying reason.
+func writeAbort(w io.Writer, reason string) error {
+	f := frame{kind: kindAbort, length: uint64(len(reason))}
+	hdr := make([]byte, frameHeader)
+	f.encode(hdr)
+	bufs := net.Buffers{hdr, []byte(reason)}
+	_, err := bufs.WriteTo(w)
+	return err
 }
 
 // acceptHandshake reads the dialer's hello, asks lookup for the group's secret, runs the
 // same-host probe with canMap, and checks the dialer's proof. It returns the hello so the
-// caller can route the link.
-func acceptHandshake(rw io.ReadWriter, lookup func(group [16]byte) ([]byte, error), canMap func(probe) bool) (hello, error) {
+// caller can route the link. When lookup gives a reason the group broke, the dialer is sent
+// that reason instead and the error is ErrAborted: the link is not to be used.
+func acceptHandshake(rw io.ReadWriter, lookup func(group [16]byte) (secret []byte, aborted string, err error), canMap func(probe) bool) (hello, error) {
 	hb := make([]byte, helloSize)
 	if _, err := io.ReadFull(rw, hb); err != nil {
 		return hello{}, fmt.Errorf("read hello: %w", err)
@@ -139,7 +192,7 @@ func acceptHandshake(rw io.ReadWriter, lookup func(group [16]byte) ([]byte, erro
 	if err != nil {
 		return hello{}, err
 	}
-	secret, err := lookup(h.group)
+	secret, aborted, err := lookup(h.group)
 	if err != nil {
 		return hello{}, err
 	}
@@ -147,7 +200,9 @@ func acceptHandshake(rw io.ReadWriter, lookup func(group [16]byte) ([]byte, erro
 	if _, err := rand.Read(ans[:32]); err != nil {
 		return hello{}, err
 	}
-	if h.probe.pid != 0 && canMap(h.probe) {
+	if aborted != "" {
+		ans[32] = flagAborted // no probe: the link carries nothing but the reason
+	} else if h.probe.pid != 0 && canMap(h.probe) {
 		ans[32] = flagRefs
 	}
 	copy(ans[64:], mac(secret, "srv", hb, ans[:33]))
@@ -160,6 +215,12 @@ func acceptHandshake(rw io.ReadWriter, lookup func(group [16]byte) ([]byte, erro
 	}
 	if !hmac.Equal(proof[:], mac(secret, "cli", hb, ans[:32])) {
 		return hello{}, ErrAuth
+	}
+	if aborted != "" {
+		if err := writeAbort(rw, aborted); err != nil {
+			return h, fmt.Errorf("%w: sending the reason: %v", ErrAborted, err)
+		}
+		return h, fmt.Errorf("%w: the peer was told why", ErrAborted)
 	}
 	return h, nil
 }

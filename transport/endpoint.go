@@ -46,6 +46,11 @@ var (
 //     the receiver's ack: the send request finishes on the ack, not on the write. The
 //     receiver acks only after it has copied or reduced the bytes, and maps a peer's segment
 //     read-only, once, for the life of the endpoint.
+//  7. A peer that breaks the group on purpose says why before its links close: an abort
+//     frame on its link to each rank, or (to a rank whose link reaches it only after the
+//     break) the reason in the handshake's answer. So a link to a peer that fails without a
+//     reason breaks the endpoint as a lost peer only once the peer's own link to this rank
+//     ended without an abort frame, or had peerLostGrace to deliver one (lost).
 type Endpoint struct {
 	node   *Node
 	id     [16]byte
@@ -68,7 +73,9 @@ type Endpoint struct {
 	postCount uint64 // orders posted p2p receives (MPI matching order)
 	arrivals  uint64 // orders early p2p frames (any-source matching order)
 	broken    error
-	fills     sync.WaitGroup // invariant 5
+	brokenC   chan struct{}   // closed when the endpoint breaks
+	inEnded   []chan struct{} // per peer: closed when its link to this rank ended (invariant 7)
+	fills     sync.WaitGroup  // invariant 5
 	readers   sync.WaitGroup
 	writers   sync.WaitGroup
 	ctx       context.Context // canceled by Close: stops dials in progress
@@ -176,6 +183,45 @@ func (ep *Endpoint) Broken() error {
 	ep.mu.Lock()
 	defer ep.mu.Unlock()
 	return ep.broken
+}
+
+// abortReason is what a peer is told when its link arrives after this member broke the
+// group: the cause, or "" while the endpoint works or once it was closed in order.
+func (ep *Endpoint) abortReason() string {
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	if ep.broken == nil || errors.Is(ep.broken, ErrClosed) {
+		return ""
+	}
+	r := ep.broken.Error()
+	if len(r) > maxReason {
+		r = r[:maxReason]
+	}
+	return r
+}
+
+// peerLostGrace bounds how long a failed link to a peer waits for that peer's abort frame
+// (invariant 7) before the endpoint breaks with the peer lost. A peer that died closes its
+// link to this rank too, which ends the wait at once.
+const peerLostGrace = time.Second
+
+// lost handles the failure of this rank's link to peer (err: ErrPeerLost): if the peer broke
+// the group, its abort frame may still be on its way on its own link to this rank, and the
+// endpoint must break with that reason, not with the link's error. Wait until the endpoint
+// broke (the abort arrived), the peer's link ended without one, peerLostGrace passed, or
+// the endpoint closed; then break with err (kept only if nothing broke it first). It
+// returns the endpoint's cause.
+func (ep *Endpoint) lost(peer int, err error) error {
+	t := time.NewTimer(peerLostGrace)
+	defer t.Stop()
+	select {
+	case <-ep.brokenC:
+	case <-ep.inEnded[peer]:
+	case <-t.C:
+	case <-ep.ctx.Done():
+	}
+	ep.Break(err)
+	return ep.Broken()
 }
 
 // Op binds a collective's sequence number and signature to the endpoint, giving the Comm
@@ -423,6 +469,7 @@ func (ep *Endpoint) Break(cause error) {
 		return
 	}
 	ep.broken = cause
+	close(ep.brokenC)
 	var reqs []*request
 	for k, r := range ep.posted {
 		reqs = append(reqs, r)

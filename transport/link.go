@@ -55,6 +55,7 @@ func (p payload) keep(f *frame, from int) (*early, error) {
 // reader runs for one inbound link: it matches frames to receives until the link closes.
 func (ep *Endpoint) reader(from int, conn net.Conn) {
 	defer ep.readers.Done()
+	defer close(ep.inEnded[from]) // once any Break of this reader happened (lost, invariant 7)
 	defer conn.Close()
 	hdr := make([]byte, frameHeader)
 	trailer := make([]byte, refTrailer)
@@ -92,10 +93,8 @@ func (ep *Endpoint) reader(from int, conn net.Conn) {
 				r.finish(nil)
 			}
 		case kindAbort:
-			msg := make([]byte, min(f.length, 4096))
-			if _, err = io.ReadFull(conn, msg); err == nil {
-				_, err = io.CopyN(io.Discard, conn, int64(f.length)-int64(len(msg)))
-			}
+			var msg []byte
+			msg, err = readReason(conn, f.length)
 			ep.Break(fmt.Errorf("%w by rank %d: %s", ErrAborted, from, msg))
 		case kindBye:
 			ep.mu.Lock()
@@ -375,12 +374,24 @@ func (l *outLink) run() {
 			stop, why := l.stop, l.why
 			l.mu.Unlock()
 			if err != nil {
-				err = fmt.Errorf("%w: link to rank %d: %v", ErrPeerLost, l.to, err)
+				// A peer that said why it broke the group (in the handshake) is reported
+				// with its reason; any other failure may be the wake of an abort still on
+				// its way, which lost waits for (invariant 7). Queued sends fail with the
+				// endpoint's cause, so an op reports the same reason as the endpoint.
+				aborted := errors.Is(err, ErrAborted)
+				if !aborted {
+					err = fmt.Errorf("%w: link to rank %d: %v", ErrPeerLost, l.to, err)
+				}
+				switch {
+				case stop != "": // this rank broke or left already
+				case aborted:
+					ep.Break(err)
+					err = ep.Broken()
+				default:
+					err = ep.lost(l.to, err)
+				}
 				for _, m := range l.fail(err) {
 					m.req.finish(err)
-				}
-				if stop == "" {
-					ep.Break(err)
 				}
 				return
 			}
@@ -392,7 +403,10 @@ func (l *outLink) run() {
 		l.q = l.q[1:]
 		l.mu.Unlock()
 		if err = l.write(conn, hdr, m, refs); err != nil {
-			m.req.finish(fmt.Errorf("%w: link to rank %d: %v", ErrPeerLost, l.to, err))
+			// back in front: it fails with the link's error above
+			l.mu.Lock()
+			l.q = append([]*outMsg{m}, l.q...)
+			l.mu.Unlock()
 		}
 	}
 }

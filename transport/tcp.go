@@ -32,7 +32,7 @@ type Node struct {
 	mu     sync.Mutex
 	cond   *sync.Cond
 	groups map[[16]byte]*Endpoint
-	gone   map[[16]byte]bool // groups this node left: a link for one is refused at once
+	gone   map[[16]byte]*departed // groups this node left: a link for one is answered at once
 	closed bool
 }
 
@@ -76,7 +76,7 @@ func Listen(cfg Config) (*Node, error) {
 		joinWait:  cmp.Or(cfg.JoinWait, 60*time.Second),
 		dialLimit: cmp.Or(cfg.DialTimeout, 10*time.Second),
 		groups:    map[[16]byte]*Endpoint{},
-		gone:      map[[16]byte]bool{},
+		gone:      map[[16]byte]*departed{},
 	}
 	if n.log == nil {
 		n.log = slog.Default()
@@ -167,6 +167,11 @@ func (n *Node) Join(secret []byte, rank int, peers []string) (*Endpoint, error) 
 		p2pEarly:  map[p2pKey][]*early{},
 		acks:      map[ackKey]*request{},
 		peerMaps:  map[mapKey][]byte{},
+		brokenC:   make(chan struct{}),
+		inEnded:   make([]chan struct{}, size),
+	}
+	for i := range ep.inEnded {
+		ep.inEnded[i] = make(chan struct{})
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
@@ -184,18 +189,46 @@ func (n *Node) Join(secret []byte, rank int, peers []string) (*Endpoint, error) 
 	return ep, nil
 }
 
+// departed is what a node remembers of a group it left. A group it broke keeps its secret
+// and the cause, so that a peer whose link arrives only after the leave (it joined late) is
+// told why the group broke instead of finding the link closed, which reads as a dead peer.
+type departed struct {
+	secret []byte // nil: the group was left in order (a bye); links are refused
+	reason string
+}
+
+// leave forgets ep's group, remembering why it broke if it did.
 func (n *Node) leave(ep *Endpoint) {
+	d := &departed{}
+	if reason := ep.abortReason(); reason != "" {
+		d.secret, d.reason = ep.secret, reason
+	}
 	n.mu.Lock()
 	if n.groups[ep.id] == ep {
 		delete(n.groups, ep.id)
-		n.gone[ep.id] = true
+		n.gone[ep.id] = d
 	}
 	n.mu.Unlock()
 }
 
+// answerLink finds what a link for group id is answered with: the group's secret, and the
+// reason it broke when it did (the handshake then hands the reason over instead of opening
+// the link). A group that is not joined yet is waited for (lookup).
+func (n *Node) answerLink(id [16]byte) (*Endpoint, []byte, string, error) {
+	ep, d, err := n.lookup(id)
+	if err != nil {
+		return nil, nil, "", err
+	}
+	if d != nil {
+		return nil, d.secret, d.reason, nil
+	}
+	return ep, ep.secret, ep.abortReason(), nil
+}
+
 // lookup waits up to JoinWait for the group with id to be joined; a group this node has
-// left fails at once (a peer's abort link must not wait out JoinWait for it).
-func (n *Node) lookup(id [16]byte) (*Endpoint, error) {
+// left is answered at once (a peer's abort link must not wait out JoinWait for it): with
+// what the node remembers of a group it broke, else with an error.
+func (n *Node) lookup(id [16]byte) (*Endpoint, *departed, error) {
 	deadline := time.Now().Add(n.joinWait)
 	timer := time.AfterFunc(n.joinWait, func() {
 		n.mu.Lock()
@@ -207,13 +240,16 @@ func (n *Node) lookup(id [16]byte) (*Endpoint, error) {
 	defer n.mu.Unlock()
 	for {
 		if ep := n.groups[id]; ep != nil {
-			return ep, nil
+			return ep, nil, nil
 		}
-		if n.gone[id] {
-			return nil, fmt.Errorf("%w: this rank has left the group", ErrAuth)
+		if d := n.gone[id]; d != nil {
+			if d.secret == nil {
+				return nil, nil, fmt.Errorf("%w: this rank has left the group", ErrAuth)
+			}
+			return nil, d, nil
 		}
 		if n.closed || time.Now().After(deadline) {
-			return nil, fmt.Errorf("%w: no such group here", ErrAuth)
+			return nil, nil, fmt.Errorf("%w: no such group here", ErrAuth)
 		}
 		n.cond.Wait()
 	}
@@ -238,14 +274,18 @@ func (n *Node) accept(conn net.Conn) {
 	tune(conn)
 	conn.SetDeadline(time.Now().Add(n.joinWait + 10*time.Second))
 	var ep *Endpoint
-	h, err := acceptHandshake(conn, func(id [16]byte) ([]byte, error) {
+	h, err := acceptHandshake(conn, func(id [16]byte) ([]byte, string, error) {
+		var secret []byte
+		var reason string
 		var err error
-		ep, err = n.lookup(id)
-		if err != nil {
-			return nil, err
-		}
-		return ep.secret, nil
+		ep, secret, reason, err = n.answerLink(id)
+		return secret, reason, err
 	}, n.canMap)
+	if errors.Is(err, ErrAborted) {
+		n.log.Info("answered a link with the group's abort", "remote", conn.RemoteAddr().String(), "from", h.from, "to", h.to, "detail", err)
+		conn.Close()
+		return
+	}
 	if err != nil {
 		n.log.Warn("rejected peer link", "remote", conn.RemoteAddr().String(), "err", err)
 		conn.Close()
@@ -302,6 +342,9 @@ func (n *Node) dial(ep *Endpoint, to int, quick bool) (net.Conn, bool, error) {
 				return conn, refs, nil
 			}
 			conn.Close()
+			if errors.Is(err, ErrAborted) { // the peer broke the group: its reason, as an abort frame says it
+				return nil, false, err
+			}
 			return nil, false, fmt.Errorf("handshake with %s: %w", ep.peers[to], err)
 		}
 		if quick || !errors.Is(err, syscall.ECONNREFUSED) || ctx.Err() != nil {

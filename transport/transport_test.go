@@ -262,3 +262,151 @@ func TestAbortReachesLateJoiner(t *testing.T) {
 	}
 	<-closed
 }
+
+// deadAddr is an address nobody listens on (dials to it are refused).
+func deadAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	return addr
+}
+
+// TestLateDialerIsToldTheAbort: rank 0 breaks the group (and, in one case, leaves it)
+// before rank 1 joins, and its abort frames never reach rank 1 (its address for rank 1 is
+// dead). Rank 1's own link to rank 0 is then the only way to learn why: the handshake must
+// hand over rank 0's reason, not close the link as a dead peer would.
+func TestLateDialerIsToldTheAbort(t *testing.T) {
+	for _, leave := range []bool{false, true} {
+		t.Run(fmt.Sprintf("left=%v", leave), func(t *testing.T) {
+			nodes, addrs := listen(t, 2)
+			secret := []byte("a secret of at least sixteen bytes")
+			ep0, err := nodes[0].Join(secret, 0, []string{addrs[0], deadAddr(t)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(ep0.Close)
+			ep0.Break(fmt.Errorf("%w: rank 0 called all_reduce, rank 2 called all_gather", ErrMismatch))
+			if leave {
+				ep0.Close()
+			}
+			ep1, err := nodes[1].Join(secret, 1, addrs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(ep1.Close)
+			ep1.Connect()
+			err = ep1.Op(0, sigF32).Recv(0, collectives.Tag{}, collectives.CopySink{Dst: make([]byte, 16)}).Wait(ctxT(t))
+			if !errors.Is(err, ErrAborted) || errors.Is(err, ErrPeerLost) ||
+				!strings.Contains(err.Error(), "by rank 0: collective mismatch: rank 0 called all_reduce, rank 2 called all_gather") {
+				t.Fatalf("late joiner's receive = %v, want rank 0's abort naming the mismatch", err)
+			}
+			if b := ep1.Broken(); !errors.Is(b, ErrAborted) {
+				t.Fatalf("late joiner broke with %v, want rank 0's abort", b)
+			}
+		})
+	}
+}
+
+// fakePeer plays rank 0 of a 2-rank group by hand, so a test can order what a real peer's
+// links do: its listener takes rank 1's link, and link() dials rank 1 as rank 0.
+type fakePeer struct {
+	t      *testing.T
+	ln     net.Listener
+	secret []byte
+}
+
+func newFakePeer(t *testing.T, secret []byte) *fakePeer {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	return &fakePeer{t: t, ln: ln, secret: secret}
+}
+
+// link dials rank 1 at addr as rank 0 and authenticates: rank 1 reads from it from then on.
+func (p *fakePeer) link(addr string) net.Conn {
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	p.t.Cleanup(func() { c.Close() })
+	if _, err := dialHandshake(c, p.secret, 0, 1, probe{}); err != nil {
+		p.t.Fatal(err)
+	}
+	return c
+}
+
+// refuseLink accepts rank 1's link and closes it unanswered.
+func (p *fakePeer) refuseLink() {
+	c, err := p.ln.Accept()
+	if err != nil {
+		p.t.Error(err)
+		return
+	}
+	c.Close()
+}
+
+// TestLinkFailureWaitsForTheAbort: rank 0's side of rank 1's link closes before rank 0's
+// abort frame reaches rank 1 on rank 0's own link (the order two sockets give no guarantee
+// of). Rank 1 must report rank 0's reason, not a lost peer; and when rank 0's link ends
+// without an abort (a dead peer) or never comes, rank 1 reports the peer lost, promptly.
+func TestLinkFailureWaitsForTheAbort(t *testing.T) {
+	const delay = 200 * time.Millisecond // < peerLostGrace
+	cases := []struct {
+		name      string
+		ownLink   bool // rank 0's link to rank 1 is up
+		abort     bool // rank 0 sends an abort on it, delay after refusing rank 1's link
+		want      error
+		within    time.Duration
+		notBefore time.Duration
+	}{
+		{"abort late", true, true, ErrAborted, delay + time.Second, delay},
+		{"dead peer", true, false, ErrPeerLost, delay + time.Second, delay},
+		{"no link back", false, false, ErrPeerLost, peerLostGrace + time.Second, peerLostGrace},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			nodes, addrs := listen(t, 1)
+			secret := []byte("a secret of at least sixteen bytes")
+			peer := newFakePeer(t, secret)
+			ep, err := nodes[0].Join(secret, 1, []string{peer.ln.Addr().String(), addrs[0]})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(ep.Close)
+			var own net.Conn
+			if tc.ownLink {
+				own = peer.link(addrs[0])
+			}
+			r := ep.Op(0, sigF32).Recv(0, collectives.Tag{}, collectives.CopySink{Dst: make([]byte, 16)})
+			start := time.Now()
+			ep.Connect()
+			peer.refuseLink()
+			if own != nil {
+				time.Sleep(delay)
+				if tc.abort {
+					if err := writeAbort(own, "rank 0 saw a mismatch"); err != nil {
+						t.Fatal(err)
+					}
+				}
+				own.Close()
+			}
+			err = r.Wait(ctxT(t))
+			took := time.Since(start)
+			if !errors.Is(err, tc.want) {
+				t.Fatalf("receive = %v, want %v", err, tc.want)
+			}
+			if tc.abort && !strings.Contains(err.Error(), "by rank 0: rank 0 saw a mismatch") {
+				t.Fatalf("receive = %v, want rank 0's reason", err)
+			}
+			if took < tc.notBefore || took > tc.within {
+				t.Fatalf("failed after %v, want between %v and %v", took, tc.notBefore, tc.within)
+			}
+		})
+	}
+}
