@@ -16,8 +16,18 @@
 //
 // Why two halves are enough: epochs of one group run one after another on each rank (rounds
 // in a block's loop; ops because the shim orders a stream change after the previous op's
-// event), so when a peer writes into a half for epoch e + 2, it has passed the barrier of
-// epoch e + 1, which this rank's block entered only after finishing epoch e with that half.
+// event, and graph replays are ordered by the caller, as torch's NCCL ops in graphs are), so
+// when a peer writes into a half for epoch e + 2, it has passed the barrier of epoch e + 1,
+// which this rank's block entered only after finishing epoch e with that half.
+//
+// The epoch lives on the GPU, so nothing on the host changes from one op to the next and an
+// op can be captured in a CUDA graph and replayed. ctl (this rank's own memory, 16 bytes):
+//   0  u64  the last epoch the group's ops used on this rank (0 before the first op)
+//   8  u32  blocks of the running op that are done with the word above
+// Every block reads the last epoch at its start; the block that finds itself the last one
+// done (every other block has read it by then) adds the op's rounds and resets the count.
+// The next op, later on the stream, reads the new value. Each rank counts the same rounds
+// (the message size is the same on every rank), so the ranks' epochs stay equal.
 //
 // Sums are taken in float32 in rank order 0..n-1 and rounded once, so every rank gets the
 // same bits. A wait that passes the deadline sets *err (host-mapped memory the shim checks
@@ -39,7 +49,7 @@ struct ArArgs {
   uint64_t round;                // two-shot: vectors per round (the message passes the staging in rounds)
   uint64_t half;                 // bytes per staging half
   uint64_t timeout_ns;           // how long a wait may take
-  uint64_t epoch;                // the number of this op's first round in the group, from 1; never wraps
+  uint64_t ctl;                  // this rank's epoch word and done count (see the top)
   float scale;                   // 1 for sum, 1/n for avg
   uint32_t rank, n, aligned;
 };
@@ -133,20 +143,20 @@ __device__ __forceinline__ int4* half_of(const ArArgs& a, uint32_t rank, uint64_
 }
 
 // one-shot: push the whole input into slot r of every peer's half; barrier; sum the slots.
-template <typename T> __device__ void one_shot(const ArArgs& a) {
+template <typename T> __device__ void one_shot(const ArArgs& a, uint64_t epoch) {
   const uint64_t deadline = now_ns() + a.timeout_ns;
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   const uint64_t i0 = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   for (uint32_t d = 1; d < a.n; d++) {
-    int4* theirs = half_of(a, (a.rank + d) % a.n, a.epoch) + a.rank * a.nvec;
+    int4* theirs = half_of(a, (a.rank + d) % a.n, epoch) + a.rank * a.nvec;
     for (uint64_t i = i0; i < a.nvec; i += stride) theirs[i] = load_vec<T>(a, i);
   }
-  if (!barrier(a, 0, a.epoch, deadline)) return;
-  const int4* mine = half_of(a, a.rank, a.epoch);
+  if (!barrier(a, 0, epoch, deadline)) return;
+  const int4* mine = half_of(a, a.rank, epoch);
   for (uint64_t i = i0; i < a.nvec; i += stride) store_vec<T>(a, i, reduce_vec<T>(a, mine, a.nvec, i, i));
 }
 
-// two-shot, per round of at most a.round vectors (round k is epoch a.epoch + k, in the half
+// two-shot, per round of at most a.round vectors (round k is epoch first + k, in the half
 // of its parity): push shard s of the round into slot r of rank s's half; barrier; rank r
 // sums its shard's slots into its output and pushes the sum into slot r of every peer's
 // gather region (the half's second n slots); barrier; copy the other shards' sums from this
@@ -154,11 +164,10 @@ template <typename T> __device__ void one_shot(const ArArgs& a) {
 // trip). The gather region is separate because rank s may still be reading rank r's shard-s
 // slot when rank r is done reducing. Rounds reuse the halves as consecutive ops do (see the
 // top), so a message of any size passes a staging buffer of fixed size.
-template <typename T> __device__ void two_shot(const ArArgs& a) {
+template <typename T> __device__ void two_shot(const ArArgs& a, uint64_t epoch) {
   const uint64_t deadline = now_ns() + a.timeout_ns;
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   const uint64_t i0 = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  uint64_t epoch = a.epoch;
   for (uint64_t base = 0; base < a.nvec; base += a.round, epoch++) {
     const uint64_t nvec = min(a.round, a.nvec - base);
     const uint64_t chunk = (nvec + a.n - 1) / a.n;  // a half holds 2n slots of chunk vectors
@@ -189,12 +198,38 @@ template <typename T> __device__ void two_shot(const ArArgs& a) {
   }
 }
 
+// The op's first epoch, from the last one the group used (ctl, see the top).
+__device__ __forceinline__ uint64_t first_epoch(const ArArgs& a) {
+  __shared__ uint64_t last;
+  if (threadIdx.x == 0) last = *reinterpret_cast<volatile uint64_t*>(a.ctl);
+  __syncthreads();
+  return last + 1;
+}
+
+// After the block's last use of the epoch: the last block done moves ctl on by the op's
+// rounds (also where a wait gave up: the group is aborted then, but the count stays whole).
+__device__ __forceinline__ void end_epoch(const ArArgs& a, uint64_t first, uint64_t rounds) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  unsigned int* done = reinterpret_cast<unsigned int*>(a.ctl + 8);
+  if (atomicAdd(done, 1u) == gridDim.x - 1) {
+    *reinterpret_cast<volatile uint64_t*>(a.ctl) = first - 1 + rounds;
+    *reinterpret_cast<volatile unsigned int*>(done) = 0;
+    __threadfence();
+  }
+}
+
 #define AR(T, suffix)                                                                            \
   extern "C" __global__ void __launch_bounds__(512) gocomm_ar_one_##suffix(const ArArgs a) {  \
-    one_shot<T>(a);                                                                              \
+    const uint64_t first = first_epoch(a);                                                       \
+    one_shot<T>(a, first);                                                                       \
+    end_epoch(a, first, 1);                                                                      \
   }                                                                                              \
   extern "C" __global__ void __launch_bounds__(512) gocomm_ar_two_##suffix(const ArArgs a) {  \
-    two_shot<T>(a);                                                                              \
+    const uint64_t first = first_epoch(a);                                                       \
+    two_shot<T>(a, first);                                                                       \
+    end_epoch(a, first, (a.nvec + a.round - 1) / a.round);                                       \
   }
 AR(__nv_bfloat16, bf16)
 AR(__half, f16)

@@ -20,8 +20,12 @@ agree.
 
 Failure: a kernel wait gives up after the group's timeout and sets a word in pinned host
 memory; the group's next all_reduce raises and aborts the group. The op itself, like any
-CUDA op, returned before it ran. Not capturable in a CUDA graph (each op's epoch is a kernel
-argument): under capture the op goes through the sidecar path."""
+CUDA op, returned before it ran.
+
+The op's epoch lives on the GPU (kernels/allreduce.cu), so a call can be captured in a CUDA
+graph and replayed, once the group's first all_reduce on that device ran outside the
+capture (it sets the path up, collectively); replays and eager calls of a group are ordered
+by the caller, as with torch's NCCL."""
 
 from __future__ import annotations
 
@@ -38,8 +42,9 @@ log = logging.getLogger("gocomm")
 
 MAX_RANKS, MAX_BLOCKS = 8, 128
 _FLAG_BYTES = 2 * MAX_BLOCKS * MAX_RANKS * 8  # u64 [2 phases][blocks][ranks]
-_HEAD = 64 << 10  # flags at the start of the staging allocation, halves after
-assert _FLAG_BYTES <= _HEAD
+_CTL = _FLAG_BYTES  # kernels/allreduce.cu's ctl words (the last epoch, the done count): 16 bytes
+_HEAD = 64 << 10  # flags and ctl at the start of the staging allocation, halves after
+assert _CTL + 16 <= _HEAD
 _SLACK = 256  # two-shot's n slots of ceil(vectors / n) may pass the message by (n - 1) vectors
 
 
@@ -95,7 +100,7 @@ class _Args(ctypes.Structure):
         ("round", ctypes.c_uint64),
         ("half", ctypes.c_uint64),
         ("timeout_ns", ctypes.c_uint64),
-        ("epoch", ctypes.c_uint64),
+        ("ctl", ctypes.c_uint64),
         ("scale", ctypes.c_float),
         ("rank", ctypes.c_uint32),
         ("n", ctypes.c_uint32),
@@ -121,7 +126,7 @@ class Path:
         a.err = err[1]
         a.half = _half_bytes(cap)
         a.round = cap // 16
-        self._epoch = 1  # the next op's first round (the flags start at 0)
+        a.ctl = maps[rank] + _CTL  # zeroed by share(): no op ran yet
         a.timeout_ns = int(timeout_s * 1e9)
         a.rank, a.n = rank, n
         self._params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(a), ctypes.c_void_p))
@@ -145,12 +150,17 @@ class Path:
         """Whether a kernel of this path gave up waiting for a peer."""
         return self._errword.value != 0
 
-    def run(self, t: torch.Tensor, redop: int) -> tuple[int, int]:
+    def run(self, t: torch.Tensor, redop: int) -> tuple[int | None, int]:
         """Queue the all_reduce of t (in place) on the current stream; call under the group's
-        CUDA lock. Returns (the event recorded after it, the stream)."""
+        CUDA lock. Returns (the event recorded after it, None while capturing a graph; the
+        stream)."""
         a, idx = self._args, self.idx
         stream = _cuda.current_stream(idx)
-        self._order.before(stream)  # the halves and flags assume one op after another
+        # the halves and flags assume one op after another; graph replays are ordered by the
+        # caller (kernels/allreduce.cu)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            self._order.before(stream)
         nb = t.numel() * t.element_size()
         ptr = t.data_ptr()
         a.inp = a.out = ptr
@@ -158,12 +168,10 @@ class Path:
         a.aligned = 1 if ptr % 16 == 0 else 0
         a.scale = 1.0 / self._n if redop == _wire.AVG else 1.0
         kind = "one" if nb <= self.oneshot else "two"
-        a.epoch = self._epoch
-        self._epoch += 1 if kind == "one" else -(-a.nvec // a.round)
         per_block = _THREADS * (1 if kind == "one" else self._n)
         grid = max(1, min(self.blocks, -(-a.nvec // per_block)))
         _cuda.launch(self._fn[(kind, t.dtype)], grid, _THREADS, stream, self._params)
-        return self._order.after(stream), stream
+        return (None if capturing else self._order.after(stream)), stream
 
 
 def setup(pg, dev: torch.device) -> Path | None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import _a2av, _allreduce, _cuda, _peers, _sidecar, _wire
+from . import _a2av, _allreduce, _capture, _cuda, _peers, _sidecar, _wire
 from ._sidecar import SidecarError
 from .v1 import pgserver_pb2 as pb
 
@@ -556,6 +556,8 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         the same steps without the general case's bookkeeping, which is most of a small op's
         host time. dtype defaults to the first buffer's, result to the last buffer. Called by
         _submit, which has checked that the group is open."""
+        if _capture.capturing():
+            _capture.refuse(op, self, _capture.SIDECAR)
         self._need_slot(op)
         t0 = bufs[0]
         idx = t0.get_device()
@@ -591,6 +593,8 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         and the views of a small op cost tens of microseconds of host time each."""
         if self._closed:
             raise ValueError(f"gocomm {op}: the process group was destroyed")
+        if _capture.capturing():
+            _capture.refuse(op, self, "it runs in the sidecar's NVSHMEM kernel, which is handed each call on the host")
         self._need_slot(op)
         p = _Pending(None, op, time.monotonic() + self._timeout + _GRACE, group=self)
         p.keep = keep
@@ -640,6 +644,8 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         wait for done >= k. Every tensor stays referenced until the GPU finished the op, so
         the caching allocator cannot hand its memory out while the sidecar uses it.
         """
+        if _capture.capturing():
+            _capture.refuse(op, self, _capture.SIDECAR)
         sc = self._sc
         self._need_slot(op)
         tensors = [t for ts in list(inputs) + list(out_for.values()) if ts for t in ts]
@@ -731,8 +737,10 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         idx = t.get_device()
         path = self._ar.get(idx, False)
         if path is False:
+            if _capture.capturing():
+                _capture.refuse_setup("all_reduce", self, idx)
             path = self._ar[idx] = _allreduce.setup(self, t.device)
-        if path is None or not path.fits(t, redop) or torch.cuda.is_current_stream_capturing():
+        if path is None or not path.fits(t, redop):
             return None
         if path.failed():
             self._ar_on = False
@@ -749,6 +757,8 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             return None  # the other paths raise (destroyed group, the group's error, sidecar lost)
         path = self._a2av.get(idx, False)
         if path is False:
+            if _capture.capturing():
+                _capture.refuse_setup("all_to_all_v / all_to_all_single", self, idx)
             path = self._a2av[idx] = _a2av.setup(self, idx, _a2av.recv_bytes())
         if path is not None and path.failed():
             self._a2av_on = False

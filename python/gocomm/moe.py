@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import _a2av, _cuda, _kernels
+from . import _a2av, _capture, _cuda, _kernels
 from .sparse import _capacity_rows, _device_path, all_to_all_v
 
 __all__ = ["Handle", "check", "combine", "dispatch"]
@@ -134,7 +134,16 @@ def dispatch(
     w32 = topk_weights.to(device=dev, dtype=torch.float32).contiguous()
     per = num_experts // n
     path = _device_path(g, x)  # collective at the group's first call on x's device
-    if isinstance(path, _a2av.Path) and not fp8 and _here_takes(x, k, per):
+    here = isinstance(path, _a2av.Path) and not fp8 and _here_takes(x, k, per)
+    if not (here and padded) and x.is_cuda and _capture.capturing():
+        _capture.refuse(
+            "moe.dispatch",
+            g,
+            "without padded=True it reads the counts on the host to size its output"
+            if here
+            else "on this group (or with fp8, or this shape) its exchange reads the counts on the host",
+        )
+    if here:
         return _dispatch_here(group, g, path, x, idx, w32, num_experts, n, max_tokens_per_rank, padded)
     recv, tokens_per_expert, handle = _dispatch(
         group, g, path is not None, x, idx, w32, num_experts, n, fp8, max_tokens_per_rank

@@ -19,7 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import _a2av, _cuda, _peers, _wire
+from . import _a2av, _capture, _cuda, _peers, _wire
 
 __all__ = ["all_to_all_v", "receive_buffer"]
 
@@ -164,10 +164,18 @@ def all_to_all_v(
         if not out.is_contiguous():
             raise ValueError("gocomm all_to_all_v: out must be contiguous")
     path = _device_path(g, input)
+    if path is not None and path is not True:
+        return _here(g, path, n, input, in_splits, out)
+    if input.is_cuda and _capture.capturing():
+        _capture.refuse(
+            "all_to_all_v",
+            g,
+            "it runs in the sidecar's NVSHMEM kernel, which is handed each call on the host"
+            if path is True
+            else "its counts are read on the host to size the exchange (the group's transport is NCCL)",
+        )
     if path is True:
         return _nvshmem(g, n, input, in_splits, out)
-    if path is not None:
-        return _here(g, path, n, input, in_splits, out)
     send = in_splits.tolist()
     if any(s < 0 for s in send) or sum(send) != input.shape[0]:
         raise ValueError(
@@ -236,6 +244,10 @@ def receive_buffer(
     if dev.type != "cuda" or rows < 0:
         raise ValueError(f"gocomm receive_buffer: needs a CUDA device and rows >= 0, got {dev} and {rows}")
     shape = (rows, *row_shape)
+    if _capture.capturing():
+        raise RuntimeError(
+            "gocomm receive_buffer: collective setup (the ranks map each other's buffers); call it before capturing"
+        )
     path = _device_path(g, torch.empty(0, dtype=dtype, device=dev))
     if not isinstance(path, _a2av.Path):
         return torch.empty(shape, dtype=dtype, device=dev)

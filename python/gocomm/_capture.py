@@ -1,0 +1,53 @@
+"""CUDA graph capture: which of a group's ops a graph can hold, and the error for the rest.
+
+An op that runs in the sidecar is handed over on the host, one descriptor per call: a graph
+would record the stream's signal to the sidecar but not the hand-off, so a replay would leave
+the outputs stale without an error. Such an op therefore raises when called under capture,
+before anything is queued or sent: the capture can end and the group stays usable. What a
+graph can hold runs as kernels in this process with no per-call host state:
+all_reduce (sum, avg of bf16, fp16, fp32) and all_to_all_single on groups whose GPUs share
+NVLink, gocomm.all_to_all_v there, and gocomm.moe.dispatch(padded=True) and combine there.
+A group's first such call on a device sets its kernel up, collectively, and must run outside
+the capture."""
+
+from __future__ import annotations
+
+import torch
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph; call only where the op's tensors
+    are on a GPU (it initializes CUDA)."""
+    return torch.cuda.is_current_stream_capturing()
+
+
+def capturable(pg) -> str:
+    """What group pg can capture, in words, for error messages."""
+    ops = []
+    if getattr(pg, "_ar_on", False):
+        ops.append("all_reduce (sum, avg; bf16, fp16, fp32; a multiple of 16 bytes)")
+    if getattr(pg, "_a2av_on", False):
+        ops += ["all_to_all_single", "gocomm.all_to_all_v", "gocomm.moe.dispatch(padded=True) and combine"]
+    if not ops:
+        return "none of its ops (its GPUs do not share NVLink, or its in-process kernels are off)"
+    return ", ".join(ops)
+
+
+def refuse(op: str, pg, why: str) -> None:
+    """Raise for op on group pg under capture; why says what runs it instead of a kernel here."""
+    raise RuntimeError(
+        f"gocomm {op} cannot be captured in a CUDA graph on group {pg.group_name!r}: {why}, so a replay "
+        f"would not run it. Run it outside the capture. This group can capture: {capturable(pg)}."
+    )
+
+
+SIDECAR = "it runs in the sidecar (NCCL), which is handed each call on the host"
+
+
+def refuse_setup(op: str, pg, device: int) -> None:
+    """Raise for the first call of an in-process kernel's op on a device, made under capture."""
+    raise RuntimeError(
+        f"gocomm {op} cannot be captured yet on group {pg.group_name!r}: its first call on cuda:{device} sets "
+        f"up its kernel, collectively, which a capture does not allow. Call {op} once on this group and device "
+        "before capturing."
+    )
