@@ -105,9 +105,9 @@ var (
 )
 
 // Counter slots live in device memory the engine allocates per session and shares with the
-// client by CUDA IPC (not in host memory: host pages registered by two MPS clients were seen
-// to alias, see NOTES.md). Slot i is four u32 words at 16*i: collective ready, collective
-// done, p2p ready, p2p done.
+// client by CUDA IPC (not in host memory: host pages registered by two MPS clients were
+// suspected to alias; docs/decisions/0004-stream-counters.md). Slot i is four u32 words at
+// 16*i: collective ready, collective done, p2p ready, p2p done.
 const (
 	CounterBytes = 4096
 	CounterSlots = CounterBytes / 16

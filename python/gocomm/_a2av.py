@@ -2,7 +2,7 @@
 
 Through the sidecar, all_to_all_v costs the shim's submit (a descriptor, a stream write, a
 stream wait) and the hand-off to pgserver before its NVSHMEM kernel starts: about 70 us of
-host time per call at decode sizes on the x4 (NOTES, fifth session), where torch's
+host time per call at decode sizes on 4 H200s (docs/decisions/0008-one-sided-all-to-all-v.md), where torch's
 all_to_all_vdev takes 34 us in a loop. Where the group's GPUs map each other's memory over
 NVLink (the group's sparse transport is NVSHMEM: every pair NVLink with peer atomics, sm_90),
 the shim instead launches one kernel on the caller's stream. It pushes this rank's rows into

@@ -280,7 +280,7 @@ class Sidecar:
                 if self.mps:
                     log.info(
                         "gocomm: rank %d is an MPS client: a hand-off to its sidecar costs ~10 us back to back, "
-                        "~19 us alone (measured on H200, NOTES.md)",
+                        "~19 us alone (measured on H200, docs/decisions/0002-mps.md)",
                         self.rank,
                     )
                 else:

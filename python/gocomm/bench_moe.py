@@ -26,7 +26,7 @@ Two process sets run one after the other in one invocation:
     dispatch's output; "padded": without it (max_tokens_per_rank bounds the output), and
     both captured in one CUDA graph ("dispatch+combine padded graph", as decode steps run).
 - torch's ranks, as torch users run them (NCCL default group, no MPS unless
-  --torch-under-mps), the anchors of ../shared/design.md:
+  --torch-under-mps), the baselines of docs/perf.md:
   - torch nccl a2a (splits known): all_to_all_single with host splits.
   - torch nccl counts+a2a: the usual pattern: all_to_all of the counts, .tolist(), all_to_all_single.
   - torch symm_mem all_to_all_vdev: torch's NVSHMEM kernel, device-side splits. (It runs in

@@ -3,7 +3,7 @@
     python -m gocomm.launch [--mps] [--mps-dir DIR] -- --nproc-per-node 4 train.py args...
 
 Without MPS every hand-off between a rank and its sidecar costs a GPU context switch (about
-0.3 ms on H200); with MPS a few microseconds (../shared/design.md). MPS has to be up before any
+0.3 ms on H200); with MPS a few microseconds (docs/decisions/0002-mps.md). MPS has to be up before any
 rank creates a CUDA context, which is why it is started here, before torchrun. --mps allows
 starting the daemon (it is left alone if one already answers on the pipe directory); without
 --mps nothing is started and the job runs as is (correct, slower). A daemon started here is
