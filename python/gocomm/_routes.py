@@ -102,8 +102,12 @@ class Routes:
                 why = f"the sidecars chose {sorted(kinds)} on {facts.hosts} host(s)"
                 log.warning("gocomm group %r: %s; all_to_all_v takes NCCL", group_name, why)
             else:
-                mine = own_reason or "their GPUs do not all share NVLink with peer atomics, or NVSHMEM cannot run"
-                why = f"the sidecars chose NCCL (this rank's: {mine})"
+                mine = (
+                    f"this rank's: {own_reason}"
+                    if own_reason
+                    else "their GPUs do not share NVLink, or NVSHMEM cannot run"
+                )
+                why = f"the sidecars chose NCCL ({mine})"
         self.transport_reason = why
         self.splits_on_gpu = self.transport == "nvshmem"
         n = facts.size
