@@ -507,9 +507,9 @@ func TestAttachChoosesSparse(t *testing.T) {
 				case errors.Is(err, forced):
 					return SparseChoice{}, err
 				case err != nil:
-					return SparseChoice{"nccl", "NVSHMEM cannot run: " + err.Error()}, nil
+					return SparseChoice{Transport: "nccl", Reason: "NVSHMEM cannot run: " + err.Error()}, nil
 				}
-				return SparseChoice{"nvshmem", "all GPUs NVLink-connected"}, nil
+				return SparseChoice{Transport: "nvshmem", Reason: "all GPUs NVLink-connected"}, nil
 			}}
 			if tc.device {
 				cfg.Device = &fakeEngine{nvshmem: tc.lib}

@@ -15,6 +15,8 @@ import (
 
 	"github.com/gocomm/gocomm/internal/ring"
 	"github.com/gocomm/gocomm/internal/shm"
+	"github.com/gocomm/gocomm/node"
+	"github.com/gocomm/gocomm/sparse"
 	"github.com/gocomm/gocomm/transport"
 )
 
@@ -31,17 +33,17 @@ type Config struct {
 	Spin time.Duration
 	// Device is the GPU engine, or nil where the sidecar serves CPU tensors only.
 	Device DeviceEngine
-	// Sparse picks a client's sparse all-to-all transport when it attaches; nvshmem says
-	// whether the NVSHMEM engine can run for that client (nil: it loaded). An error refuses
-	// the client (a transport forced where it cannot run). Nil: always NCCL.
-	Sparse func(nvshmem func() error) (SparseChoice, error)
+	// Sparse picks a client's sparse all-to-all transport when it attaches (sparse.NewChooser);
+	// it is handed the engine's NVSHMEM loader. An error refuses the client (a transport forced
+	// where it cannot run). Nil: always NCCL.
+	Sparse sparse.Chooser
+	// Node is what the sidecar knows of its node (node.Describe), reported by Info and, with
+	// each client's own facts, by Attach.
+	Node []node.Fact
 }
 
 // SparseChoice is the transport all_to_all_v of a client's CUDA tensors takes, and why.
-type SparseChoice struct {
-	Transport string // "nvshmem" or "nccl"
-	Reason    string
-}
+type SparseChoice = sparse.Choice
 
 // Engine describes one way ops can run (Info).
 type Engine struct {
@@ -64,6 +66,7 @@ type Server struct {
 	nextGrp  uint32
 	closed   bool
 	sparse   *SparseChoice // the last attached client's, for Info
+	client   []node.Fact   // the last attached client's facts, for Info
 }
 
 // ErrShutdown: the server is shutting down.
@@ -112,16 +115,30 @@ func (s *Server) Engines() []Engine {
 	return append(out, Engine{Name: "sparse", Available: true, Detail: c.Transport + ": " + c.Reason})
 }
 
+// Capabilities are the node's facts and those of the last client that attached (Info).
+func (s *Server) Capabilities() []node.Fact {
+	s.mu.Lock()
+	client := s.client
+	s.mu.Unlock()
+	if client == nil {
+		client = []node.Fact{
+			{Name: node.NCCL, Value: node.Unknown, Reason: "decided when a client attaches"},
+			{Name: node.NVSHMEM, Value: node.Unknown, Reason: "decided when a client attaches"},
+		}
+	}
+	return append(append([]node.Fact(nil), s.cfg.Node...), client...)
+}
+
 // chooseSparse picks the sparse transport of a client attaching with (hasNCCL) or without
 // its NCCL loaded. A client without it moves no CUDA tensors: NCCL, whatever was asked.
 func (s *Server) chooseSparse(hasNCCL bool) (SparseChoice, error) {
 	switch {
 	case s.cfg.Device == nil:
-		return SparseChoice{Transport: "nccl", Reason: "no GPU engine in this sidecar"}, nil
+		return sparse.Default("no GPU engine in this sidecar"), nil
 	case !hasNCCL:
-		return SparseChoice{Transport: "nccl", Reason: "the client has no NCCL loaded"}, nil
+		return sparse.Default("the client has no NCCL loaded"), nil
 	case s.cfg.Sparse == nil:
-		return SparseChoice{Transport: "nccl", Reason: "no sparse transport choice configured"}, nil
+		return sparse.Default("no sparse transport choice configured"), nil
 	}
 	return s.cfg.Sparse(s.cfg.Device.LoadNVSHMEM)
 }
@@ -152,14 +169,18 @@ func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath strin
 		mem.Close()
 		return nil, err
 	}
-	hasNCCL := false
-	if ncclPath != "" && s.cfg.Device != nil {
-		if err := s.cfg.Device.LoadNCCL(ncclPath); err != nil {
-			s.log.Warn("NCCL not loaded; CUDA tensors will fail", "path", ncclPath, "err", err)
-		} else {
-			hasNCCL = true
+	var ncclErr error
+	switch {
+	case ncclPath == "":
+	case s.cfg.Device == nil:
+		ncclErr = errors.New("this sidecar has no GPU engine")
+	default:
+		if ncclErr = s.cfg.Device.LoadNCCL(ncclPath); ncclErr != nil {
+			s.log.Warn("NCCL not loaded; CUDA tensors will fail", "path", ncclPath, "err", ncclErr)
 		}
 	}
+	ncclFact := node.LoadedNCCL(ncclPath, ncclErr)
+	hasNCCL := ncclFact.Holds()
 	choice, err := s.chooseSparse(hasNCCL)
 	if err != nil {
 		mem.Close()
@@ -172,16 +193,19 @@ func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath strin
 		return nil, ErrShutdown
 	}
 	s.sparse = &choice
+	client := []node.Fact{ncclFact, choice.NVSHMEM}
+	s.client = client
 	s.nextSess++
 	sess := &Session{
 		ID: s.nextSess, srv: s, pid: clientPID, rank: rank,
 		ringMem: mem, cons: ring.NewConsumer(sub), prod: ring.NewProducer(cmp),
-		reg:    newRegistry(s.cfg.ShmDir),
-		groups: map[uint32]*Group{},
-		done:   make(chan struct{}),
-		log:    s.log.With("session", s.nextSess, "rank", rank),
-		nccl:   hasNCCL,
-		Sparse: choice,
+		reg:          newRegistry(s.cfg.ShmDir),
+		groups:       map[uint32]*Group{},
+		done:         make(chan struct{}),
+		log:          s.log.With("session", s.nextSess, "rank", rank),
+		nccl:         hasNCCL,
+		Sparse:       choice,
+		Capabilities: append(append([]node.Fact(nil), s.cfg.Node...), client...),
 	}
 	s.sessions[sess.ID] = sess
 	go sess.serve()

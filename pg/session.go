@@ -12,6 +12,7 @@ import (
 	"github.com/gocomm/gocomm/collectives/reduce"
 	"github.com/gocomm/gocomm/internal/ring"
 	"github.com/gocomm/gocomm/internal/shm"
+	"github.com/gocomm/gocomm/node"
 )
 
 // Session is one attached client process: its rings, its segments and its groups.
@@ -40,9 +41,11 @@ type Session struct {
 	nccl bool // the client's NCCL is loaded here
 	// Sparse is the transport all_to_all_v of this client's CUDA tensors takes.
 	Sparse SparseChoice
-	device DeviceSession // set by AttachDevice
-	ipcErr map[uint32]error
-	slots  [CounterSlots]bool
+	// Capabilities are the node's facts and this client's (its NCCL, NVSHMEM), for Attach.
+	Capabilities []node.Fact
+	device       DeviceSession // set by AttachDevice
+	ipcErr       map[uint32]error
+	slots        [CounterSlots]bool
 	// slotBase is where each slot's counters stand for its next group, per lane. Counters
 	// never go back: a group counts on from past where the slot's last group and its releases
 	// left them, so a stream wait of the new group cannot be satisfied by an old value, and a

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/gocomm/gocomm/node"
 	"github.com/gocomm/gocomm/pg"
 	v1 "github.com/gocomm/gocomm/proto/gocomm/v1"
 )
@@ -70,6 +71,7 @@ func (s *Service) Info(context.Context, *v1.InfoRequest) (*v1.InfoResponse, erro
 		RuntimeDir:  s.host.RuntimeDir,
 		LogFile:     s.host.LogFile,
 	}
+	resp.Capabilities = capabilities(s.srv.Capabilities())
 	for _, e := range s.srv.Engines() {
 		resp.Engines = append(resp.Engines, &v1.Engine{Name: e.Name, Available: e.Available, Detail: e.Detail})
 	}
@@ -106,7 +108,16 @@ func (s *Service) Attach(_ context.Context, req *v1.AttachRequest) (*v1.AttachRe
 	return &v1.AttachResponse{
 		Session: sess.ID, RingPath: sess.RingPath(), RingBytes: uint64(sess.RingBytes()),
 		SparseTransport: sess.Sparse.Transport, SparseReason: sess.Sparse.Reason,
+		Capabilities: capabilities(sess.Capabilities),
 	}, nil
+}
+
+func capabilities(facts []node.Fact) []*v1.Capability {
+	out := make([]*v1.Capability, len(facts))
+	for i, f := range facts {
+		out[i] = &v1.Capability{Name: f.Name, Value: f.Value, Reason: f.Reason}
+	}
+	return out
 }
 
 func (s *Service) AttachDevice(_ context.Context, req *v1.AttachDeviceRequest) (*v1.AttachDeviceResponse, error) {

@@ -7,6 +7,8 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+
+	gonode "github.com/gocomm/gocomm/node"
 )
 
 // Transports of the sparse all-to-all.
@@ -18,22 +20,16 @@ const (
 	NCCL = "nccl"
 )
 
-// Topology is what the choice needs to know about this node's GPUs (internal/nvml reads it
-// from NVML; tests fake it).
-type Topology interface {
-	// Devices is the number of GPUs on the node.
-	Devices() int
-	// NVLink reports whether GPUs i and j reach each other over NVLink (directly or
-	// through NVSwitch).
-	NVLink(i, j int) bool
-	// Atomics reports whether GPU i can do atomics on GPU j's memory (peer atomics).
-	Atomics(i, j int) bool
-}
+// Topology is what the choice needs to know about this node's GPUs (gonode.Topology).
+type Topology = gonode.Topology
 
 // Choice is the transport picked, and why (logged by the sidecar, shown by its Info).
 type Choice struct {
 	Transport string
 	Reason    string
+	// NVSHMEM is whether the NVSHMEM engine can run for the client (gonode.NVSHMEM), as the
+	// chooser found it.
+	NVSHMEM gonode.Fact
 }
 
 // ErrOverride: GOCOMM_TRANSPORT names something else than auto, nvshmem or nccl, or forces
@@ -49,48 +45,65 @@ func Choose(t Topology, override string, nvshmem error) (Choice, error) {
 	switch strings.ToLower(strings.TrimSpace(override)) {
 	case "", "auto":
 	case NCCL:
-		return Choice{NCCL, "forced by GOCOMM_TRANSPORT=nccl"}, nil
+		return Choice{Transport: NCCL, Reason: "forced by GOCOMM_TRANSPORT=nccl"}, nil
 	case NVSHMEM:
 		if nvshmem != nil {
 			return Choice{}, fmt.Errorf("%w=nvshmem, but NVSHMEM cannot run here: %v", ErrOverride, nvshmem)
 		}
-		if why := nvlinkDomain(t); why != "" {
-			return Choice{NVSHMEM, "forced by GOCOMM_TRANSPORT=nvshmem, although " + why}, nil
+		if d := gonode.InNVLinkDomain(t); !d.Holds() {
+			return Choice{Transport: NVSHMEM, Reason: "forced by GOCOMM_TRANSPORT=nvshmem, although " + d.Reason}, nil
 		}
-		return Choice{NVSHMEM, "forced by GOCOMM_TRANSPORT=nvshmem"}, nil
+		return Choice{Transport: NVSHMEM, Reason: "forced by GOCOMM_TRANSPORT=nvshmem"}, nil
 	default:
 		return Choice{}, fmt.Errorf("%w=%q: want auto, nvshmem or nccl", ErrOverride, override)
 	}
-	if why := nvlinkDomain(t); why != "" {
-		return Choice{NCCL, why}, nil
+	d := gonode.InNVLinkDomain(t)
+	if !d.Holds() {
+		return Choice{Transport: NCCL, Reason: d.Reason}, nil
 	}
 	if nvshmem != nil {
-		return Choice{NCCL, fmt.Sprintf("the %d GPUs share NVLink with peer atomics, but NVSHMEM cannot run: %v", t.Devices(), nvshmem)}, nil
+		return Choice{Transport: NCCL, Reason: fmt.Sprintf("the %d GPUs share NVLink with peer atomics, but NVSHMEM cannot run: %v", t.Devices(), nvshmem)}, nil
 	}
-	return Choice{NVSHMEM, fmt.Sprintf("all %d GPUs are NVLink-connected with peer atomics", t.Devices())}, nil
+	return Choice{Transport: NVSHMEM, Reason: d.Reason}, nil
 }
 
-// nvlinkDomain says why the node is not one NVLink domain with peer atomics, or "".
-func nvlinkDomain(t Topology) string {
-	if t == nil || t.Devices() < 2 {
-		n := 0
-		if t != nil {
-			n = t.Devices()
-		}
-		return fmt.Sprintf("%d GPU(s) on this node: nothing to reach over NVLink", n)
+// Chooser picks an attaching client's transport; nvshmem loads the NVSHMEM host library for
+// that client (nil: it can run).
+type Chooser func(nvshmem func() error) (Choice, error)
+
+// NewChooser returns how each attaching client's transport is picked on a node of topology t
+// (nil: none could be read): from t, override (GOCOMM_TRANSPORT) and whether the NVSHMEM
+// engine can run for the client: kernels is nil when its kernels are built into this binary,
+// else why not; the host library beside the client's NCCL is loaded only where NVSHMEM may
+// be chosen. An override other than auto, nvshmem or nccl is an ErrOverride here.
+func NewChooser(t Topology, override string, kernels error) (Chooser, error) {
+	if _, err := Choose(t, override, nil); err != nil {
+		return nil, err
 	}
-	for i := 0; i < t.Devices(); i++ {
-		for j := 0; j < t.Devices(); j++ {
-			if i == j {
-				continue
-			}
-			if !t.NVLink(i, j) {
-				return fmt.Sprintf("GPU %d and GPU %d are not NVLink-connected (PCIe only)", i, j)
-			}
-			if !t.Atomics(i, j) {
-				return fmt.Sprintf("GPU %d cannot do atomics on GPU %d's memory", i, j)
-			}
+	forcedNCCL := strings.EqualFold(strings.TrimSpace(override), NCCL)
+	return func(load func() error) (Choice, error) {
+		err := kernels
+		if err == nil && !forcedNCCL {
+			err = load()
 		}
-	}
-	return ""
+		c, cerr := Choose(t, override, err)
+		if cerr != nil {
+			return Choice{}, cerr
+		}
+		switch {
+		case err != nil:
+			c.NVSHMEM = gonode.Fact{Name: gonode.NVSHMEM, Value: gonode.No, Reason: err.Error()}
+		case forcedNCCL:
+			c.NVSHMEM = gonode.Fact{Name: gonode.NVSHMEM, Value: gonode.Unknown, Reason: "not loaded: GOCOMM_TRANSPORT=nccl"}
+		default:
+			c.NVSHMEM = gonode.Fact{Name: gonode.NVSHMEM, Value: gonode.Yes, Reason: "kernels built for these GPUs, host library loaded"}
+		}
+		return c, nil
+	}, nil
+}
+
+// Default is the choice where no chooser runs (no GPU engine, or a client without NCCL):
+// NCCL, because why.
+func Default(why string) Choice {
+	return Choice{Transport: NCCL, Reason: why, NVSHMEM: gonode.Fact{Name: gonode.NVSHMEM, Value: gonode.No, Reason: why}}
 }

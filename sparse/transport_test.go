@@ -80,3 +80,41 @@ func TestChoose(t *testing.T) {
 		})
 	}
 }
+
+// NewChooser loads NVSHMEM for a client only where it may be chosen, and reports what it
+// found as the client's NVSHMEM fact.
+func TestNewChooser(t *testing.T) {
+	missing := errors.New("libnvshmem_host.so.3 not found")
+	noCubin := errors.New("kernels: no a2av cubin in this build")
+	for _, tc := range []struct {
+		desc     string
+		topo     Topology
+		override string
+		kernels  error
+		lib      error
+		want     string
+		loaded   bool   // the loader was called
+		nvshmem  string // the NVSHMEM fact's value
+	}{
+		{"NVSwitch node, NVSHMEM loads", nvswitch(4), "", nil, nil, NVSHMEM, true, "yes"},
+		{"NVSwitch node, library missing", nvswitch(4), "", nil, missing, NCCL, true, "no"},
+		{"kernels not built", nvswitch(4), "", noCubin, nil, NCCL, false, "no"},
+		{"forced NCCL: nothing loaded", nvswitch(4), "nccl", nil, nil, NCCL, false, "unknown"},
+		{"PCIe node", pcie(2), "", nil, nil, NCCL, true, "yes"},
+	} {
+		t.Run(tc.desc, func(t *testing.T) {
+			choose, err := NewChooser(tc.topo, tc.override, tc.kernels)
+			if err != nil {
+				t.Fatal(err)
+			}
+			loaded := false
+			c, err := choose(func() error { loaded = true; return tc.lib })
+			if err != nil || c.Transport != tc.want || loaded != tc.loaded || c.NVSHMEM.Value != tc.nvshmem || c.NVSHMEM.Reason == "" {
+				t.Fatalf("choice %+v, %v, loaded %v; want %s, loaded %v, nvshmem %s", c, err, loaded, tc.want, tc.loaded, tc.nvshmem)
+			}
+		})
+	}
+	if _, err := NewChooser(nvswitch(2), "ucx", nil); !errors.Is(err, ErrOverride) {
+		t.Fatalf("NewChooser(ucx) = %v, want an ErrOverride", err)
+	}
+}

@@ -24,6 +24,7 @@ import (
 	"github.com/gocomm/gocomm/collectives/device"
 	gonvml "github.com/gocomm/gocomm/internal/nvml"
 	"github.com/gocomm/gocomm/kernels"
+	gonode "github.com/gocomm/gocomm/node"
 	"github.com/gocomm/gocomm/pg"
 	"github.com/gocomm/gocomm/rpc"
 	"github.com/gocomm/gocomm/sparse"
@@ -84,13 +85,24 @@ func run(args []string) error {
 		return err
 	}
 	defer node.Close()
-	chooser, err := sparseChooser(log)
+	var topo sparse.Topology
+	t, topoErr := gonvml.Read(nvml.New())
+	if topoErr != nil {
+		log.Info("no GPU topology", "err", topoErr)
+	} else {
+		topo = t
+	}
+	_, kernelsErr := kernels.Cubin("a2av")
+	chooser, err := sparse.NewChooser(topo, os.Getenv("GOCOMM_TRANSPORT"), kernelsErr)
 	if err != nil {
 		return err
 	}
 	dev := device.New(log)
 	dev.Spin = *spin
-	srv = pg.NewServer(pg.Config{Version: version, Spin: *spin, Device: dev, Sparse: chooser}, node, log)
+	hostname, _ := os.Hostname()
+	facts := gonode.Describe(hostname, topo, topoErr, dev)
+	log.Info("node capabilities", "facts", facts)
+	srv = pg.NewServer(pg.Config{Version: version, Spin: *spin, Device: dev, Sparse: chooser, Node: facts}, node, log)
 
 	ln, err := listenUnix(*socket)
 	if err != nil {
@@ -130,35 +142,6 @@ func run(args []string) error {
 		return nil
 	}
 	return err
-}
-
-// sparseChooser reads the node's NVML topology once and returns how each attaching client's
-// sparse all-to-all transport is picked: from that topology, GOCOMM_TRANSPORT and whether
-// the NVSHMEM engine can run for the client (its kernels built into this binary and the host
-// library beside the client's NCCL loadable). Each choice is logged.
-func sparseChooser(log *slog.Logger) (func(func() error) (pg.SparseChoice, error), error) {
-	var topo sparse.Topology
-	if t, err := gonvml.Read(nvml.New()); err != nil {
-		log.Info("no GPU topology", "err", err)
-	} else {
-		topo = t
-	}
-	override := os.Getenv("GOCOMM_TRANSPORT")
-	if _, err := sparse.Choose(topo, override, nil); err != nil {
-		return nil, err // a value other than auto, nvshmem or nccl
-	}
-	return func(loadNVSHMEM func() error) (pg.SparseChoice, error) {
-		_, nvshmemErr := kernels.Cubin("a2av")
-		if nvshmemErr == nil && !strings.EqualFold(strings.TrimSpace(override), sparse.NCCL) {
-			nvshmemErr = loadNVSHMEM()
-		}
-		c, err := sparse.Choose(topo, override, nvshmemErr)
-		if err != nil {
-			return pg.SparseChoice{}, err
-		}
-		log.Info("sparse all-to-all transport", "transport", c.Transport, "why", c.Reason)
-		return pg.SparseChoice{Transport: c.Transport, Reason: c.Reason}, nil
-	}, nil
 }
 
 // defaultRuntimeDir is $XDG_RUNTIME_DIR/gocomm, else /tmp/gocomm-<uid>.

@@ -73,6 +73,31 @@ func (e *Engine) Info() (bool, string, []pg.DeviceInfo) {
 	return true, fmt.Sprintf("%d device(s)", len(e.devices)), e.devices
 }
 
+// Arch implements node.Devices: each device's compute capability, or why there are none.
+func (e *Engine) Arch() ([]int, error) {
+	if e.err != nil {
+		return nil, e.err
+	}
+	return e.arch, nil
+}
+
+// MPS implements node.Devices: the driver's CU_DEVICE_ATTRIBUTE_MPS_ENABLED of device 0
+// (this process's contexts go through an MPS server).
+func (e *Engine) MPS() (bool, error) {
+	if e.err != nil {
+		return false, e.err
+	}
+	d, err := cuda.DeviceGet(0)
+	if err != nil {
+		return false, err
+	}
+	on, err := d.Attribute(cuda.AttrMPSEnabled)
+	if err != nil {
+		return false, fmt.Errorf("MPS attribute: %w", err)
+	}
+	return on != 0, nil
+}
+
 // LoadNCCL implements pg.DeviceEngine.
 func (e *Engine) LoadNCCL(path string) error {
 	if e.err != nil {

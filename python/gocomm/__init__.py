@@ -38,13 +38,31 @@ def _check_environment() -> None:
 
 
 def info() -> dict:
-    """What this process's sidecar reports (version, pid, engines, devices), or {} if none runs."""
-    from . import _sidecar
+    """What this process's sidecar reports, and how this process's groups route their ops.
+
+    Returns:
+        {} where no sidecar runs; else its version, pid, hostname, engines, devices' state,
+        peer address and log file, "capabilities" ({fact: (value, reason)}: the node's and
+        this client's, as the sidecar decided them at attach) and "groups" ({group name:
+        {"rank", "size", "transport", "routes": {op class: (engine, reason)}}} for each live
+        group of this process, the default group included).
+    """
+    from . import _backend, _sidecar
 
     sc = _sidecar.current()
     if sc is None:
         return {}
     i = sc.info
+    groups = {}
+    for g in list(_backend._groups):
+        if g._closed:
+            continue
+        groups[g.group_name] = {
+            "rank": g.rank(),
+            "size": g.size(),
+            "transport": (g._routes.transport, g._routes.transport_reason),
+            "routes": g._routes.table(),
+        }
     return {
         "version": i.version,
         "pid": i.pid,
@@ -54,6 +72,8 @@ def info() -> dict:
         "cuda_error": i.cuda_error,
         "peer_address": i.peer_address,
         "log_file": sc.log_file or i.log_file,
+        "capabilities": dict(sc.capabilities),
+        "groups": groups,
     }
 
 

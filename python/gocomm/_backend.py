@@ -15,12 +15,13 @@ import os
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from . import _a2av, _allreduce, _capture, _cuda, _peers, _sidecar, _wire
+from . import _a2av, _allreduce, _capture, _cuda, _peers, _routes, _sidecar, _wire
 from ._sidecar import SidecarError
 from .v1 import pgserver_pb2 as pb
 
@@ -303,6 +304,8 @@ def _error(op: str, status: int, msg: str) -> BaseException:
     return dist.DistBackendError(text)
 
 
+# this process's live groups, for gocomm.info()
+_groups: weakref.WeakSet = weakref.WeakSet()
 _dispatchers: dict[int, _Dispatcher] = {}
 _dispatch_lock = threading.Lock()
 
@@ -314,25 +317,6 @@ def _dispatcher(sc: _sidecar.Sidecar) -> _Dispatcher:
             d = _Dispatcher(sc)
             _dispatchers[id(sc)] = d
         return d
-
-
-def _agree_sparse(choices: list[str], group_name: str) -> str:
-    """The group's sparse transport from every member's "<transport> <host>": NVSHMEM only
-    where every member's sidecar chose it (one rank on NCCL would leave the others waiting in
-    a kernel for rows that never come) and all are on one host (the NVSHMEM path is set up
-    for one node)."""
-    transports = {c.split(" ", 1)[0] for c in choices}
-    hosts = {c.split(" ", 1)[1] if " " in c else "" for c in choices}
-    if transports == {"nvshmem"} and len(hosts) == 1:
-        return "nvshmem"
-    if "nvshmem" in transports:
-        log.warning(
-            "gocomm group %r: the sidecars chose %s on %d host(s); all_to_all_v takes NCCL",
-            group_name,
-            sorted(transports),
-            len(hosts),
-        )
-    return "nccl"
 
 
 class _BackendView:
@@ -395,28 +379,30 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         store.set(f"gocomm/boot/{rank}", resp.bootstrap)
         store.set(f"gocomm/sparse/{rank}", f"{self._sc.sparse_transport} {socket.gethostname()}")
         blobs = [store.get(f"gocomm/boot/{r}") for r in range(size)]
-        self._sparse = _agree_sparse([store.get(f"gocomm/sparse/{r}").decode() for r in range(size)], group_name)
+        # which engine runs each op (gocomm/_routes.py), from every member's sidecar's choice
+        # and host, and the knobs every rank shares
+        facts = _routes.Facts.agree(
+            [store.get(f"gocomm/sparse/{r}").decode() for r in range(size)], _allreduce.configured_max()
+        )
+        self._routes = _routes.Routes(facts, group_name, self._sc.sparse_reason)
         conn = self._sc.call(
             "ConnectGroup",
             pb.ConnectGroupRequest(session=self._sc.session, group=self._handle, bootstrap=blobs, secret=secret),
         )
         self.transport = conn.transport
         self._closed = False
-        # all_reduce of CUDA tensors in this process (gocomm/_allreduce.py), per device index:
-        # where the group's GPUs share NVLink; set up at the first such op (collectively)
-        self._ar_on = (
-            self._sparse == "nvshmem" and 2 <= size <= _allreduce.MAX_RANKS and _allreduce.configured_max() > 0
-        )
+        # the in-process kernels of all_reduce (gocomm/_allreduce.py) and all_to_all_v
+        # (gocomm/_a2av.py) per device index, where the route table sends those ops: set up at
+        # the first such op on the device (collectively; GOCOMM_A2AV_HERE=0 on a rank turns the
+        # latter off there, for all ranks)
         self._ar: dict[int, _allreduce.Path | None] = {}
-        # all_to_all_v of CUDA tensors in this process (gocomm/_a2av.py), likewise
-        # (GOCOMM_A2AV_HERE=0 on a rank turns it off at the collective setup, for all ranks)
-        self._a2av_on = self._sparse == "nvshmem" and size <= _a2av.MAX_RANKS
         self._a2av: dict[int, _a2av.Path | None] = {}
         self._broken: BaseException | None = None  # the first failure of an op of this group
         # the group's Store, for the NVSHMEM unique id of the sidecar's all_to_all_v kernel
         # (_shmem_id), handed over at the group's first such op
         self._store = store
         self._shmem_ready = False
+        _groups.add(self)
         log.info("gocomm group %r rank %d/%d on handle %d via %s", group_name, rank, size, self._handle, conn.transport)
 
     # ----- identity -------------------------------------------------------------------------
@@ -704,15 +690,15 @@ class ProcessGroupGocomm(dist.ProcessGroup):
 
     def _sparse_transport(self) -> str:
         """This group's sparse all-to-all transport ("nvshmem" or "nccl"): NVSHMEM where every
-        member's sidecar chose it when its client attached."""
-        return self._sparse
+        member's sidecar chose it when its client attached, and all are on one host."""
+        return self._routes.transport
 
     # ----- collectives ------------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
         t = _single("all_reduce", "tensor", tensors)
         redop = _redop("all_reduce", opts, t)
-        if self._ar_on and t.is_cuda:
+        if self._routes.ar_here and t.is_cuda:
             w = self._allreduce_here(t, redop)
             if w is not None:
                 return w
@@ -743,7 +729,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         if path is None or not path.fits(t, redop):
             return None
         if path.failed():
-            self._ar_on = False
+            self._routes.fall_back("all_reduce", "an earlier all_reduce kernel timed out; the group is aborted")
             self._fail_kernel("all_reduce")
         with self._cuda_lock, _cuda.on_device(idx):
             ev, stream = path.run(t, redop)
@@ -753,7 +739,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         """The shim's all_to_all_v kernel on device idx (gocomm/_a2av.py; set up, collectively,
         at the group's first call there), or None where the group does not take it. Raises
         (and aborts the group) once one of its kernels gave up waiting for a peer."""
-        if not self._a2av_on or self._closed or self._broken is not None or self._sc.lost:
+        if not self._routes.a2a_here or self._closed or self._broken is not None or self._sc.lost:
             return None  # the other paths raise (destroyed group, the group's error, sidecar lost)
         path = self._a2av.get(idx, False)
         if path is False:
@@ -761,7 +747,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
                 _capture.refuse_setup("all_to_all_v / all_to_all_single", self, idx)
             path = self._a2av[idx] = _a2av.setup(self, idx, _a2av.recv_bytes())
         if path is not None and path.failed():
-            self._a2av_on = False
+            self._routes.fall_back("all_to_all_v", "an earlier all_to_all_v kernel timed out; the group is aborted")
             self._fail_kernel("all_to_all_v")
         return path
 

@@ -22,15 +22,11 @@ def capturing() -> bool:
 
 
 def capturable(pg) -> str:
-    """What group pg can capture, in words, for error messages."""
-    ops = []
-    if getattr(pg, "_ar_on", False):
-        ops.append("all_reduce (sum, avg; bf16, fp16, fp32; a multiple of 16 bytes)")
-    if getattr(pg, "_a2av_on", False):
-        ops += ["all_to_all_single", "gocomm.all_to_all_v", "gocomm.moe.dispatch(padded=True) and combine"]
-    if not ops:
-        return "none of its ops (its GPUs do not share NVLink, or its in-process kernels are off)"
-    return ", ".join(ops)
+    """What group pg can capture, in words, for error messages (its route table says)."""
+    routes = getattr(pg, "_routes", None)
+    if routes is None:
+        return "none of its ops"
+    return routes.capturable()
 
 
 def refuse(op: str, pg, why: str) -> None:

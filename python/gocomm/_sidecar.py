@@ -182,6 +182,8 @@ class Sidecar:
         # how all_to_all_v of this process's CUDA tensors moves, chosen by the sidecar at attach
         self.sparse_transport = resp.sparse_transport or "nccl"
         self.sparse_reason = resp.sparse_reason
+        # the node's and this client's facts, each with its reason (name -> (value, reason))
+        self.capabilities = {c.name: (c.value, c.reason) for c in resp.capabilities}
         self.info = self.call("Info", pb.InfoRequest())  # now naming that choice
         self.ring = _ring.Ring(resp.ring_path, resp.ring_bytes)
         self._watch = self.stub.Watch(pb.WatchRequest(session=self.session))

@@ -31,7 +31,8 @@ def _device_path(g, input: torch.Tensor):
     (a gocomm._a2av.Path), the sidecar's NVSHMEM kernel (True), or not at all (None: the
     counts go through the host). Collective at a group's first call on a device (the shim's
     kernel is set up then), so every caller calls it where all ranks do."""
-    if not input.is_cuda or getattr(g, "_sparse_transport", lambda: "")() != "nvshmem":
+    routes = getattr(g, "_routes", None)
+    if not input.is_cuda or routes is None or not routes.splits_on_gpu:
         return None
     path = g._a2av_path(input.get_device())
     if path is not None:

@@ -373,7 +373,7 @@ def check_allreduce_here(rk, seed):
     g = dist.group.WORLD
     x0 = torch.ones(8, device=dev)
     dist.all_reduce(x0)  # sets the path up (collective)
-    want_here = g._sparse == "nvshmem"
+    want_here = g._routes.ar_here
     ck.expect("path set up where the GPUs share NVLink", (g._ar.get(dev.index) is not None) == want_here, str(g._ar))
     ck.expect("setup result", torch.all(x0 == n).item(), str(x0.tolist()))
     path = g._ar.get(dev.index)

@@ -395,14 +395,3 @@ def check_sparse_choice(rk):
 def test_sparse_choice_reported(worlds):
     details = worlds.get(2).run(check_sparse_choice)
     assert len(set(details)) == 1, details
-
-
-def test_sparse_agreement():
-    """A group takes NVSHMEM only when every member's sidecar chose it, all on one host."""
-    from gocomm._backend import _agree_sparse
-
-    assert _agree_sparse(["nvshmem a", "nvshmem a"], "g") == "nvshmem"
-    assert _agree_sparse(["nvshmem a"], "g") == "nvshmem"
-    assert _agree_sparse(["nvshmem a", "nccl a"], "g") == "nccl"
-    assert _agree_sparse(["nvshmem a", "nvshmem b"], "g") == "nccl"  # two nodes
-    assert _agree_sparse(["nccl a", "nccl b"], "g") == "nccl"

@@ -1,7 +1,7 @@
 """MoE all-to-all benchmark: gocomm's three APIs against torch's NCCL backend and torch's
 NVSHMEM all_to_all_vdev, in one run, on the same GPUs and the same routing.
 
-    python -m gocomm.bench_moe [--tokens 128,4096] [--hidden 7168] [--topk 8] [--experts 256]
+    python -m gocomm.bench.moe [--tokens 128,4096] [--hidden 7168] [--topk 8] [--experts 256]
                                [--transport nccl|nvshmem] [--torch-under-mps] [--json F] [--png F]
 
 One rank per visible GPU. Routing as in ../shared/reference/nccl_baseline.py: each token picks
@@ -55,8 +55,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .bench import _free_port
-from .bench_gpu import _alone, _loop
+from .cpu import _free_port
+from .gpu import _alone, _loop
 
 
 def routing(rank: int, world: int, tokens: int, topk: int, experts: int, seed: int = 0) -> torch.Tensor:
@@ -142,7 +142,7 @@ def _measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
 
     def run(name, f):
         if args.verbose:
-            print(f"bench_moe: rank {rank} {tokens} tokens: {name}", file=sys.stderr, flush=True)
+            print(f"gocomm.bench.moe: rank {rank} {tokens} tokens: {name}", file=sys.stderr, flush=True)
         res[name] = f()
 
     run("nccl a2a (splits known)", lambda: _timeit(nccl_known, sync))
@@ -393,7 +393,7 @@ def main(argv=None) -> int:
     args.tokens = [int(t) for t in args.tokens.split(",") if t]
     world = torch.cuda.device_count()
     if world < 1:
-        print("bench_moe: no GPU", file=sys.stderr)
+        print("gocomm.bench.moe: no GPU", file=sys.stderr)
         return 2
     q = mp.get_context("spawn").SimpleQueue()
     env = dict(os.environ)  # put back once both process sets are done

@@ -1,6 +1,6 @@
 """GPU benchmark: gocomm against torch's NCCL backend, in one run, on the same GPUs.
 
-    python -m gocomm.bench_gpu [--sizes 8K,...,1G] [--ops all_reduce,...] [--json F] [--png F]
+    python -m gocomm.bench.gpu [--sizes 8K,...,1G] [--ops all_reduce,...] [--json F] [--png F]
 
 (--ops all_to_all_v times gocomm.all_to_all_v, splits on the GPU, against NCCL's
 all_to_all_single with the same splits: the sidecar's NVSHMEM kernel where its transport is
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .bench import _fmt, _free_port, _size
+from .cpu import _fmt, _free_port, _size
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all_single")
 # By --ops only: gocomm.all_to_all_v (splits on the GPU, one row of size/n bytes per rank)
@@ -168,12 +168,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     world = torch.cuda.device_count()
     if world < 1:
-        print("bench_gpu: no GPU", file=sys.stderr)
+        print("gocomm.bench.gpu: no GPU", file=sys.stderr)
         return 2
     sizes = [_size(s) for s in args.sizes.split(",")]
     ops = [o for o in args.ops.split(",") if o]
     if unknown := [o for o in ops if o not in OPS + EXTRA_OPS]:
-        print(f"bench_gpu: unknown ops {unknown}; known: {', '.join(OPS + EXTRA_OPS)}", file=sys.stderr)
+        print(f"gocomm.bench.gpu: unknown ops {unknown}; known: {', '.join(OPS + EXTRA_OPS)}", file=sys.stderr)
         return 2
     q = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_worker, args=(world, _free_port(), sizes, ops, q), nprocs=world)

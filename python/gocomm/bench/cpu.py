@@ -1,6 +1,6 @@
 """CPU benchmark: gocomm against gloo, in one run, on the same ranks and the same tensors.
 
-    python -m gocomm.bench --world 2,3,4 --sizes 4K,...,64M [--json out.json]
+    python -m gocomm.bench.cpu --world 2,3,4 --sizes 4K,...,64M [--json out.json]
 
 For each world size it spawns that many ranks on this machine; each rank joins a gocomm group
 and a gloo group and times all_reduce (float32, SUM) and all_to_all_single (equal splits) on
@@ -42,7 +42,7 @@ def _free_port() -> int:
     """A free TCP port for the benchmark's store, below Linux's ephemeral range (32768 up):
     a port bind(0) hands out is in that range, where any process's outgoing connection
     (the previous run's sidecars, gRPC) may take it as its local port before the store binds
-    it again (bench_gpu failed once with EADDRINUSE right after bench_moe)."""
+    it again (bench.gpu failed once with EADDRINUSE right after bench.moe)."""
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(20000, 32000)
