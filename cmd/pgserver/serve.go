@@ -22,6 +22,7 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
 	"github.com/gocomm/gocomm/collectives/device"
+	"github.com/gocomm/gocomm/config"
 	gonvml "github.com/gocomm/gocomm/internal/nvml"
 	"github.com/gocomm/gocomm/kernels"
 	"github.com/gocomm/gocomm/pg"
@@ -51,6 +52,11 @@ func run(args []string) error {
 		fmt.Println(version)
 		return nil
 	}
+	// Every GOCOMM_* knob, read once; a value the table does not accept stops us here.
+	cfg, deprecated, err := config.FromEnv()
+	if err != nil {
+		return err
+	}
 	if *parentPID > 0 {
 		// Die with the rank that started us: the kernel signals us when it exits, and a
 		// parent that is already gone is caught by the check right after.
@@ -70,6 +76,9 @@ func run(args []string) error {
 		return err
 	}
 	defer closeLog()
+	for _, w := range deprecated {
+		log.Warn(w)
+	}
 
 	host := *advertise
 	if host == "" {
@@ -84,12 +93,13 @@ func run(args []string) error {
 		return err
 	}
 	defer node.Close()
-	chooser, err := sparseChooser(log)
+	chooser, err := sparseChooser(log, cfg.Transport)
 	if err != nil {
 		return err
 	}
 	dev := device.New(log)
 	dev.Spin = *spin
+	dev.A2A = cfg.A2A
 	srv = pg.NewServer(pg.Config{Version: version, Spin: *spin, Device: dev, Sparse: chooser}, node, log)
 
 	ln, err := listenUnix(*socket)
@@ -105,7 +115,7 @@ func run(args []string) error {
 			gs.Stop()
 		})
 	}
-	rpc.NewService(srv, rpc.Host{RuntimeDir: *runtimeDir, LogFile: *logFile}, stop).Register(gs)
+	rpc.NewService(srv, rpc.Host{RuntimeDir: *runtimeDir, LogFile: *logFile, A2A: cfg.A2A}, stop).Register(gs)
 
 	sigs := make(chan os.Signal, 1)
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
@@ -133,17 +143,16 @@ func run(args []string) error {
 }
 
 // sparseChooser reads the node's NVML topology once and returns how each attaching client's
-// sparse all-to-all transport is picked: from that topology, GOCOMM_TRANSPORT and whether
-// the NVSHMEM engine can run for the client (its kernels built into this binary and the host
-// library beside the client's NCCL loadable). Each choice is logged.
-func sparseChooser(log *slog.Logger) (func(func() error) (pg.SparseChoice, error), error) {
+// sparse all-to-all transport is picked: from that topology, override (GOCOMM_TRANSPORT) and
+// whether the NVSHMEM engine can run for the client (its kernels built into this binary and
+// the host library beside the client's NCCL loadable). Each choice is logged.
+func sparseChooser(log *slog.Logger, override string) (func(func() error) (pg.SparseChoice, error), error) {
 	var topo sparse.Topology
 	if t, err := gonvml.Read(nvml.New()); err != nil {
 		log.Info("no GPU topology", "err", err)
 	} else {
 		topo = t
 	}
-	override := os.Getenv("GOCOMM_TRANSPORT")
 	if _, err := sparse.Choose(topo, override, nil); err != nil {
 		return nil, err // a value other than auto, nvshmem or nccl
 	}
