@@ -14,15 +14,17 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/gocomm/gocomm/config"
 	"github.com/gocomm/gocomm/node"
 	"github.com/gocomm/gocomm/pg"
 	v1 "github.com/gocomm/gocomm/proto/gocomm/v1"
 )
 
-// Host describes the sidecar's process, for Info.
+// Host describes the sidecar's process, for Info, and the settings it reports at Attach.
 type Host struct {
 	RuntimeDir string
 	LogFile    string
+	A2A        config.A2A // the sparse all-to-all's, which the client's kernel uses too
 }
 
 // Service implements v1.PGServerServer on a pg.Server.
@@ -109,6 +111,9 @@ func (s *Service) Attach(_ context.Context, req *v1.AttachRequest) (*v1.AttachRe
 		Session: sess.ID, RingPath: sess.RingPath(), RingBytes: uint64(sess.RingBytes()),
 		SparseTransport: sess.Sparse.Transport, SparseReason: sess.Sparse.Reason,
 		Capabilities: capabilities(sess.Capabilities),
+		A2A: &v1.A2AConfig{
+			RecvBytes: uint64(s.host.A2A.RecvBytes), Blocks: uint32(s.host.A2A.Blocks), Threads: uint32(s.host.A2A.Threads),
+		},
 	}, nil
 }
 

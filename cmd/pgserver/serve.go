@@ -22,6 +22,7 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
 	"github.com/gocomm/gocomm/collectives/device"
+	"github.com/gocomm/gocomm/config"
 	gonvml "github.com/gocomm/gocomm/internal/nvml"
 	"github.com/gocomm/gocomm/kernels"
 	gonode "github.com/gocomm/gocomm/node"
@@ -52,6 +53,11 @@ func run(args []string) error {
 		fmt.Println(version)
 		return nil
 	}
+	// Every GOCOMM_* knob, read once; a value the table does not accept stops us here.
+	cfg, deprecated, err := config.FromEnv()
+	if err != nil {
+		return err
+	}
 	if *parentPID > 0 {
 		// Die with the rank that started us: the kernel signals us when it exits, and a
 		// parent that is already gone is caught by the check right after.
@@ -71,6 +77,9 @@ func run(args []string) error {
 		return err
 	}
 	defer closeLog()
+	for _, w := range deprecated {
+		log.Warn(w)
+	}
 
 	host := *advertise
 	if host == "" {
@@ -93,7 +102,7 @@ func run(args []string) error {
 		topo = t
 	}
 	_, kernelsErr := kernels.Cubin("a2av")
-	chooser, err := sparse.NewChooser(topo, os.Getenv("GOCOMM_TRANSPORT"), kernelsErr)
+	chooser, err := sparse.NewChooser(topo, cfg.Transport, kernelsErr)
 	if err != nil {
 		return err
 	}
@@ -102,6 +111,7 @@ func run(args []string) error {
 	hostname, _ := os.Hostname()
 	facts := gonode.Describe(hostname, topo, topoErr, dev)
 	log.Info("node capabilities", "facts", facts)
+	dev.A2A = cfg.A2A
 	srv = pg.NewServer(pg.Config{Version: version, Spin: *spin, Device: dev, Sparse: chooser, Node: facts}, node, log)
 
 	ln, err := listenUnix(*socket)
@@ -117,7 +127,7 @@ func run(args []string) error {
 			gs.Stop()
 		})
 	}
-	rpc.NewService(srv, rpc.Host{RuntimeDir: *runtimeDir, LogFile: *logFile}, stop).Register(gs)
+	rpc.NewService(srv, rpc.Host{RuntimeDir: *runtimeDir, LogFile: *logFile, A2A: cfg.A2A}, stop).Register(gs)
 
 	sigs := make(chan os.Signal, 1)
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/config"
 	"github.com/gocomm/gocomm/internal/cuda"
 	"github.com/gocomm/gocomm/internal/nccl"
 	"github.com/gocomm/gocomm/internal/nvshmem"
@@ -27,7 +28,10 @@ type Engine struct {
 	arch        []int      // each device's compute capability, major*10 + minor
 	// Spin is how long a device worker polls for its next op before sleeping (see
 	// group.spin); zero never spins.
-	Spin    time.Duration
+	Spin time.Duration
+	// A2A sizes and shapes the NVSHMEM all-to-all (config.A2A; cmd/pgserver sets it from
+	// the environment before any client attaches).
+	A2A     config.A2A
 	log     *slog.Logger
 	err     error // why there is no GPU engine, or nil
 	devices []pg.DeviceInfo
@@ -36,7 +40,7 @@ type Engine struct {
 // New loads the driver and lists the devices; a machine without a driver gets an engine
 // whose Info says why and whose every call fails.
 func New(log *slog.Logger) *Engine {
-	e := &Engine{log: log}
+	e := &Engine{log: log, A2A: config.Defaults().A2A}
 	if e.err = cuda.Load(); e.err != nil {
 		return e
 	}
@@ -158,7 +162,7 @@ func (e *Engine) Attach(uuid [16]byte) (pg.DeviceSession, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &session{log: e.log, spin: e.Spin, dev: dev, ctx: ctx, segs: map[uint32]*ipcSeg{}}
+	s := &session{log: e.log, spin: e.Spin, a2a: e.A2A, dev: dev, ctx: ctx, segs: map[uint32]*ipcSeg{}}
 	e.mu.Lock()
 	s.shmem.path = e.nvshmemPath
 	e.mu.Unlock()
@@ -201,6 +205,7 @@ func (e *Engine) Attach(uuid [16]byte) (pg.DeviceSession, error) {
 type session struct {
 	log         *slog.Logger
 	spin        time.Duration
+	a2a         config.A2A
 	dev         cuda.Device
 	ctx         cuda.Context
 	ctl         cuda.Stream

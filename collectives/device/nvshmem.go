@@ -12,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/gocomm/gocomm/config"
 	"github.com/gocomm/gocomm/internal/cuda"
 	"github.com/gocomm/gocomm/internal/nvshmem"
 	"github.com/gocomm/gocomm/kernels"
@@ -56,15 +57,6 @@ type shmemState struct {
 	path string // libnvshmem_host.so.3, found next to the client's NCCL
 }
 
-// recvBytes is the receive buffer each PE keeps in the symmetric heap (GOCOMM_NVSHMEM_RECV_MB,
-// default 512 MiB): the most one all_to_all_v can deliver to a rank.
-func recvBytes() int64 {
-	if v, err := strconv.Atoi(os.Getenv("GOCOMM_NVSHMEM_RECV_MB")); err == nil && v > 0 {
-		return int64(v) << 20
-	}
-	return 512 << 20
-}
-
 // nvshmemPath finds libnvshmem_host.so.3: NVSHMEM_HOME, else the nvidia-nvshmem wheel beside
 // the nvidia-nccl wheel the client's NCCL came from, else the loader's search.
 func nvshmemPath(ncclPath string) string {
@@ -106,14 +98,15 @@ func (s *session) shmemFor(g *group, deadline time.Time) (*shmem, error) {
 // loadShmem sets what NVSHMEM reads from the environment (where the user did not) and loads
 // the library: no NCCL of its own (it would build communicators for its teams), no remote
 // transports (one node), no NVLink SHARP, the loopback interface for the unique-id
-// bootstrap (read when the id is made), and a heap that holds the receive buffer.
-func loadShmem(path string) error {
+// bootstrap (read when the id is made), and a heap that holds the receive buffer of
+// recvBytes (config.A2A.RecvBytes: the most one all_to_all_v can deliver to a rank).
+func loadShmem(path string, recvBytes int64) error {
 	for k, v := range map[string]string{
 		"NVSHMEM_DISABLE_NCCL":              "1",
 		"NVSHMEM_REMOTE_TRANSPORT":          "none",
 		"NVSHMEM_DISABLE_NVLS":              "1",
 		"NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
-		"NVSHMEM_SYMMETRIC_SIZE":            strconv.FormatInt(recvBytes()+(64<<20), 10),
+		"NVSHMEM_SYMMETRIC_SIZE":            strconv.FormatInt(recvBytes+(64<<20), 10),
 	} {
 		if os.Getenv(k) == "" {
 			os.Setenv(k, v)
@@ -132,7 +125,7 @@ func (g *group) ShmemID(id []byte) ([]byte, error) {
 	case g.rank == 0 && len(id) != 0:
 		return nil, fmt.Errorf("%w: rank 0 makes the NVSHMEM unique id, it was sent one", pg.ErrInvalid)
 	case g.rank == 0:
-		if err := loadShmem(g.s.shmem.path); err != nil {
+		if err := loadShmem(g.s.shmem.path, g.s.a2a.RecvBytes); err != nil {
 			return nil, fmt.Errorf("NVSHMEM: %w", err)
 		}
 		var err error
@@ -152,8 +145,8 @@ func (g *group) ShmemID(id []byte) ([]byte, error) {
 
 // initShmem makes this process PE g.rank of g.size (invariants 1-3).
 func (g *group) initShmem(path string, deadline time.Time) (*shmem, error) {
-	rb := recvBytes()
-	if err := loadShmem(path); err != nil {
+	rb := g.s.a2a.RecvBytes
+	if err := loadShmem(path, rb); err != nil {
 		return nil, err
 	}
 	g.mu.Lock()
@@ -165,7 +158,7 @@ func (g *group) initShmem(path string, deadline time.Time) (*shmem, error) {
 	id := *idp
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	sh := &shmem{group: g, recvBytes: rb, shape: a2avShapeOf(g.size)}
+	sh := &shmem{group: g, recvBytes: rb, shape: a2avShapeOf(g.size, g.s.a2a)}
 	cubin, err := kernels.Cubin("a2av")
 	if err != nil {
 		return nil, err
@@ -309,25 +302,18 @@ type a2avShape struct {
 
 // a2avShapeOf is the launch shape for a group of n. Every PE of a group must use the same B
 // (their counts are compared against epoch x B), so it depends on the group size and the
-// environment only, which all ranks share. About 128 blocks in all: one block moved ~25 GB/s
-// over NVLink on H200, and 128 blocks stay resident on any GPU of 16+ SMs.
-// GOCOMM_A2AV_BLOCKS (total), GOCOMM_A2AV_THREADS and GOCOMM_A2AV_DIRECT=0|1 override, for
-// measurements: every rank's sidecar must see the same values (the kernel does not compare
-// B across PEs; a launcher's environment is inherited by all), and all blocks must fit on
-// the GPU at once, or they wait for each other until the timeout. Threads stop at 512: the
-// kernel uses 76 registers per thread (sm_90), too many for a block of 1024.
-func a2avShapeOf(n int) a2avShape {
-	total, threads, direct := 128, 256, 1
-	if v, err := strconv.Atoi(os.Getenv("GOCOMM_A2AV_BLOCKS")); err == nil && v >= n && v <= 1024 {
-		total = v
+// sidecar's settings only (c: GOCOMM_A2AV_BLOCKS in all, GOCOMM_A2AV_THREADS,
+// GOCOMM_A2AV_DIRECT), which every rank's sidecar must share (the kernel does not compare B
+// across PEs; a launcher's environment is inherited by all). About 128 blocks in all by
+// default: one block moved ~25 GB/s over NVLink on H200, and 128 blocks stay resident on any
+// GPU of 16+ SMs; all blocks must fit on the GPU at once, or they wait for each other until
+// the timeout. Fewer blocks than destinations still give each destination one.
+func a2avShapeOf(n int, c config.A2A) a2avShape {
+	direct := int32(0)
+	if c.Direct {
+		direct = 1
 	}
-	if v, err := strconv.Atoi(os.Getenv("GOCOMM_A2AV_THREADS")); err == nil && v >= 32 && v <= 512 && v%32 == 0 {
-		threads = v
-	}
-	if os.Getenv("GOCOMM_A2AV_DIRECT") == "0" {
-		direct = 0
-	}
-	return a2avShape{blocksPer: max(1, total/n), threads: threads, direct: int32(direct)}
+	return a2avShape{blocksPer: max(1, c.Blocks/n), threads: c.Threads, direct: direct}
 }
 
 // Status bits of the a2av kernel (kernels/a2av.cu).

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gocomm/gocomm/config"
 	"github.com/gocomm/gocomm/internal/nvshmem"
 	"github.com/gocomm/gocomm/pg"
 )
@@ -29,7 +30,7 @@ func TestShmemID(t *testing.T) {
 		t.Setenv(k, "") // loadShmem sets its defaults; restored after the test
 	}
 	member := func(rank int) *group {
-		return &group{s: &session{shmem: shmemState{path: path}}, rank: rank, size: 4}
+		return &group{s: &session{a2a: config.Defaults().A2A, shmem: shmemState{path: path}}, rank: rank, size: 4}
 	}
 
 	g1 := member(1)

@@ -13,7 +13,7 @@ slot (FAST_MAX, at decode sizes) moves before the ranks' counts are exchanged, i
 carved from the tail of the receiver's buffer that the receiver copies out.
 
 Setup is collective, at a group's first all_to_all_v of a CUDA tensor on a device: each rank
-allocates its receive buffer (GOCOMM_NVSHMEM_RECV_MB, as the sidecar's, plus 64 KiB of
+allocates its receive buffer (GOCOMM_A2A_RECV_MB, the sidecar's, plus 64 KiB of
 signals) and the ranks map each other's (gocomm/_peers.py). Any rank that cannot take part
 turns the path off for the whole group (the default group then uses the sidecar's NVSHMEM
 kernel, the others NCCL). GOCOMM_A2AV_HERE=0 turns it off (the same on every rank).
@@ -26,11 +26,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import os
 
 import torch
 
-from . import _cuda, _kernels, _peers
+from . import _config, _cuda, _kernels, _peers, _sidecar
 
 log = logging.getLogger("gocomm")
 
@@ -42,21 +41,13 @@ _KERNEL = "gocomm_a2av_ipc"
 MODULE = _kernels.Module("a2av_ipc.cubin", (_KERNEL,))
 
 
-_recv_mb: int | None = None
-
-
 def recv_bytes() -> int:
     """The receive buffer of the sparse all-to-all per rank, this path's and the sidecar's
-    NVSHMEM kernel's (GOCOMM_NVSHMEM_RECV_MB, default 512; read once, as the sidecar reads it
-    once at its start)."""
-    global _recv_mb
-    if _recv_mb is None:
-        try:
-            mb = int(os.environ.get("GOCOMM_NVSHMEM_RECV_MB", "512"))
-        except ValueError:
-            mb = 512
-        _recv_mb = mb if mb > 0 else 512
-    return _recv_mb << 20
+    NVSHMEM kernel's (GOCOMM_A2A_RECV_MB, default 512 MiB), as this process's sidecar read it."""
+    sc = _sidecar.current()
+    if sc is None:
+        raise RuntimeError("gocomm: no sidecar yet: the all-to-all's receive buffer is the sidecar's setting")
+    return sc.a2a.recv_bytes
 
 
 def row_bytes(op: str, inp: torch.Tensor, out_rows: int = 0) -> int:
@@ -73,15 +64,7 @@ def row_bytes(op: str, inp: torch.Tensor, out_rows: int = 0) -> int:
 
 def enabled() -> bool:
     """GOCOMM_A2AV_HERE (default 1): 0 leaves all_to_all_v to the sidecar."""
-    return os.environ.get("GOCOMM_A2AV_HERE", "1").strip() != "0"
-
-
-def _env_int(name: str, default: int, lo: int, hi: int) -> int:
-    try:
-        v = int(os.environ.get(name, ""))
-    except ValueError:
-        return default
-    return v if lo <= v <= hi else default
+    return _config.a2av_here()
 
 
 class _Args(ctypes.Structure):
@@ -112,11 +95,20 @@ class _Args(ctypes.Structure):
 class Path:
     """One group's client-side all_to_all_v on one device (see the module's docstring).
 
-    Launch shape: parts blocks per destination, GOCOMM_A2AV_THREADS threads (default 256);
-    see setup()."""
+    Launch shape: parts blocks per destination, threads per block (GOCOMM_A2AV_THREADS, the
+    sidecar's setting, default 256); see setup()."""
 
     def __init__(
-        self, idx: int, rank: int, n: int, parts: int, cap: int, err: tuple[int, int], maps: list[int], timeout_s: float
+        self,
+        idx: int,
+        rank: int,
+        n: int,
+        parts: int,
+        threads: int,
+        cap: int,
+        err: tuple[int, int],
+        maps: list[int],
+        timeout_s: float,
     ):
         self.idx, self.cap = idx, cap
         a = self._args = _Args()
@@ -129,7 +121,7 @@ class Path:
         a.timeout_ns = int(timeout_s * 1e9)
         a.rank, a.n = rank, n
         a.parts = parts
-        self._threads = _threads()
+        self._threads = threads
         self._grid = n * parts
         self._words = (ctypes.c_uint32 * 3).from_address(err[0])  # late, invalid ops, row-size ops
         self._seen = [0, 0]
@@ -237,18 +229,16 @@ def fast_bytes(cap: int, n: int, parts: int) -> int:
     return min(FAST_MAX, cap // (8 * n)) // unit * unit
 
 
-def _threads() -> int:
-    return _env_int("GOCOMM_A2AV_THREADS", 256, 32, 512) // 32 * 32
-
-
-def setup(pg, idx: int, recv_bytes: int) -> Path | None:
+def setup(pg, idx: int, a2a: _config.A2A) -> Path | None:
     """Collective over pg (every rank calls it at the same all_to_all_v): the path on device
     idx, or None where any rank cannot take part (GOCOMM_A2AV_HERE=0 on any rank, too).
 
-    The launch shape is the same on every rank (share() refuses otherwise): parts blocks per
-    destination, GOCOMM_A2AV_BLOCKS in all (default 128, as the sidecar's kernel), capped at
-    what the GPU holds at once, since the blocks wait for each other."""
-    why, n, parts = "", pg.size(), 0
+    a2a is the sidecar's settings (Sidecar.a2a): the receive buffer's size, and the launch
+    shape, which is the same on every rank (share() refuses otherwise): parts blocks per
+    destination, a2a.blocks in all (GOCOMM_A2AV_BLOCKS, default 128, as the sidecar's kernel;
+    at least one per destination), capped at what the GPU holds at once, since the blocks
+    wait for each other."""
+    why, n, parts, threads, recv_bytes = "", pg.size(), 0, a2a.threads, a2a.recv_bytes
     try:
         if not enabled():
             why = "GOCOMM_A2AV_HERE=0"
@@ -258,15 +248,15 @@ def setup(pg, idx: int, recv_bytes: int) -> Path | None:
             why = MODULE.why_not(idx)
         if not why:
             with _cuda.on_device(idx):
-                room = _cuda.max_resident(MODULE.function(idx, _KERNEL), _threads(), idx)
-            parts = min(MAX_PARTS, max(1, min(_env_int("GOCOMM_A2AV_BLOCKS", 128, n, 1024), room) // n))
+                room = _cuda.max_resident(MODULE.function(idx, _KERNEL), threads, idx)
+            parts = min(MAX_PARTS, max(1, min(a2a.blocks, room) // n))
     except Exception as e:  # noqa: BLE001 - any failure turns the path off for the group
         why = f"{type(e).__name__}: {e}"
-    sh = _peers.share(pg, idx, "all_to_all_v", why, recv_bytes, _HEAD + recv_bytes, (parts << 16) | _threads())
+    sh = _peers.share(pg, idx, "all_to_all_v", why, recv_bytes, _HEAD + recv_bytes, (parts << 16) | threads)
     if sh is None:
         return None
     with _cuda.on_device(idx):
-        path = Path(idx, pg.rank(), n, parts, sh.cap, sh.err, sh.maps, pg._timeout)
+        path = Path(idx, pg.rank(), n, parts, threads, sh.cap, sh.err, sh.maps, pg._timeout)
     log.info(
         "gocomm group %r: all_to_all_v in this process (IPC peers, device %d, %d MiB receive buffer)",
         pg.group_name,

@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import zlib
 
 import torch
 
-from . import _cuda, _kernels, _peers, _wire
+from . import _config, _cuda, _kernels, _peers, _wire
 
 log = logging.getLogger("gocomm")
 
@@ -61,31 +60,20 @@ MODULE = _kernels.Module(
 )
 
 
-def _bytes(env: str, default: int) -> int:
-    v = os.environ.get(env, "").strip().upper()
-    if not v:
-        return default
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(v[-1], 1)
-    return int(float(v.rstrip("KMG")) * mult)
-
-
-_ONESHOT = 256 << 10
-
-
 def _blocks() -> int:
     """GOCOMM_AR_BLOCKS: the most blocks a kernel uses (1 to MAX_BLOCKS)."""
-    return max(1, min(MAX_BLOCKS, int(os.environ.get("GOCOMM_AR_BLOCKS", str(MAX_BLOCKS)))))
+    return min(MAX_BLOCKS, _config.ar_blocks())
 
 
 def configured_max() -> int:
     """GOCOMM_AR_MAX: the largest message (bytes) the path takes (default: no limit); 0
     turns it off."""
-    return _bytes("GOCOMM_AR_MAX", 1 << 62)
+    return _config.ar_max()
 
 
 def configured_stage() -> int:
     """GOCOMM_AR_STAGE: bytes of the message per two-shot round (a multiple of 16)."""
-    return max(16, _bytes("GOCOMM_AR_STAGE", 32 << 20) // 16 * 16)
+    return _config.ar_stage()
 
 
 class _Args(ctypes.Structure):
@@ -116,7 +104,7 @@ class Path:
     ):
         self.idx, self.cap, self.limit = idx, cap, limit
         # one-shot puts every rank's whole message in a half: n slots of it
-        self.oneshot = min(_bytes("GOCOMM_AR_ONESHOT", _ONESHOT), cap // n)
+        self.oneshot = min(_config.ar_oneshot(), cap // n)
         self.blocks = _blocks()
         self._errword = ctypes.c_uint32.from_address(err[0])
         a = self._args = _Args()
@@ -183,7 +171,7 @@ def setup(pg, dev: torch.device) -> Path | None:
         why = MODULE.why_not(idx)
     except Exception as e:  # noqa: BLE001 - any failure turns the path off for the group
         why = f"{type(e).__name__}: {e}"
-    shape = zlib.crc32(f"{_blocks()} {_bytes('GOCOMM_AR_ONESHOT', _ONESHOT)} {limit}".encode())
+    shape = zlib.crc32(f"{_blocks()} {_config.ar_oneshot()} {limit}".encode())
     sh = _peers.share(pg, idx, "all_reduce", why, cap, _HEAD + 2 * _half_bytes(cap), shape)
     if sh is None:
         return None

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import _a2av, _allreduce, _capture, _cuda, _peers, _routes, _sidecar, _wire
+from . import _a2av, _allreduce, _capture, _config, _cuda, _peers, _routes, _sidecar, _wire
 from ._sidecar import SidecarError
 from .v1 import pgserver_pb2 as pb
 
@@ -745,7 +745,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         if path is False:
             if _capture.capturing():
                 _capture.refuse_setup("all_to_all_v / all_to_all_single", self, idx)
-            path = self._a2av[idx] = _a2av.setup(self, idx, _a2av.recv_bytes())
+            path = self._a2av[idx] = _a2av.setup(self, idx, self._sc.a2a)
         if path is not None and path.failed():
             self._routes.fall_back("all_to_all_v", "an earlier all_to_all_v kernel timed out; the group is aborted")
             self._fail_kernel("all_to_all_v")
@@ -1243,10 +1243,6 @@ def _direct_buffers(inputs, outputs) -> list[torch.Tensor] | None:
 # ----- argument checks (before anything is sent) -------------------------------------------------
 
 
-# GOCOMM_CUDA=0 turns the CUDA engine off: CUDA tensors then raise before anything is sent.
-_CUDA_ENGINE = os.environ.get("GOCOMM_CUDA", "1") != "0"
-
-
 def _check(op: str, name: str, t) -> torch.Tensor:
     # Every op's arguments pass here: the checks are ordered and written for host time (a
     # tensor's .device.type alone costs a microsecond; is_cuda a tenth of that).
@@ -1272,7 +1268,7 @@ _refusal: tuple[object, str] = (None, "")  # (the sidecar it was asked of, _cuda
 
 def _cuda_refusal() -> str:
     """Why CUDA tensors cannot be served ("" where they can), remembered per sidecar."""
-    if not _CUDA_ENGINE:
+    if not _config.cuda():  # GOCOMM_CUDA=0: CUDA tensors raise before anything is sent
         return "and gocomm's CUDA engine is turned off (GOCOMM_CUDA=0)"
     global _refusal
     sc = _sidecar.current()

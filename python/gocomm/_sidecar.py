@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from . import _cuda, _ring, _wire
+from . import _config, _cuda, _ring, _wire
 from .v1 import pgserver_pb2 as pb
 from .v1 import pgserver_pb2_grpc as pb_grpc
 
 log = logging.getLogger("gocomm")
-_START_TIMEOUT = float(os.environ.get("GOCOMM_START_TIMEOUT", "30"))
 
 
 class SidecarError(RuntimeError):
@@ -33,7 +32,7 @@ class SidecarError(RuntimeError):
 
 def find_pgserver() -> str:
     """The pgserver binary: $GOCOMM_PGSERVER, then next to this package, then on PATH."""
-    env = os.environ.get("GOCOMM_PGSERVER")
+    env = _config.pgserver()
     if env:
         if not os.access(env, os.X_OK):
             raise SidecarError(f"GOCOMM_PGSERVER={env} is not an executable file")
@@ -69,7 +68,7 @@ def advertise_host() -> str:
     $GOCOMM_ADVERTISE_ADDR wins; otherwise the local address of the route towards MASTER_ADDR
     (the interface torchrun's store is reached over), else 127.0.0.1 for a one-host job.
     """
-    env = os.environ.get("GOCOMM_ADVERTISE_ADDR")
+    env = _config.advertise_addr()
     if env:
         return env
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -162,10 +161,8 @@ class Sidecar:
         self._closed = False
         self._lost: str | None = None
         self._on_lost: list = []
-        address = os.environ.get("GOCOMM_SIDECAR")
+        address = _config.sidecar()  # unix:///path: the table refuses anything else
         if address:
-            if not address.startswith("unix://"):
-                raise SidecarError(f"GOCOMM_SIDECAR={address}: only unix:///path sockets are supported")
             self.socket = address[len("unix://") :]
         else:
             self.socket = self._start(rank)
@@ -184,6 +181,14 @@ class Sidecar:
         self.sparse_reason = resp.sparse_reason
         # the node's and this client's facts, each with its reason (name -> (value, reason))
         self.capabilities = {c.name: (c.value, c.reason) for c in resp.capabilities}
+        # the sparse all-to-all's settings, as the sidecar read them: the shim's kernel uses
+        # the same (one reading of GOCOMM_A2A_RECV_MB, GOCOMM_A2AV_BLOCKS and _THREADS)
+        a2a = _config.A2A.from_attach(resp.a2a)
+        if a2a is None:
+            raise SidecarError(
+                f"pgserver on {self.socket} reported no all-to-all settings at attach: older than this shim?"
+            )
+        self.a2a = a2a
         self.info = self.call("Info", pb.InfoRequest())  # now naming that choice
         self.ring = _ring.Ring(resp.ring_path, resp.ring_bytes)
         self._watch = self.stub.Watch(pb.WatchRequest(session=self.session))
@@ -202,7 +207,7 @@ class Sidecar:
         exe = find_pgserver()
         rdir = runtime_dir()
         sock = os.path.join(rdir, f"pgserver-{os.getpid()}-r{rank}.sock")
-        log_dir = os.environ.get("GOCOMM_LOG_DIR", rdir)
+        log_dir = _config.log_dir() or rdir
         os.makedirs(log_dir, exist_ok=True)
         self.log_file = os.path.join(log_dir, f"pgserver-rank{rank}-{os.getpid()}.log")
         cmd = [
@@ -214,14 +219,16 @@ class Sidecar:
             "--log-file",
             self.log_file,
             "--log-level",
-            os.environ.get("GOCOMM_LOG_LEVEL", "info"),
+            _config.log_level(),
             "--advertise",
             advertise_host(),
             "--parent-pid",
             str(os.getpid()),
         ]
         # GPU hosts have cores to spare: polling the ring saves the sidecar's wake-up on every op
-        spin = os.environ.get("GOCOMM_SPIN", "2ms" if torch.cuda.is_available() else "")
+        spin = _config.spin()
+        if spin is None:
+            spin = "2ms" if torch.cuda.is_available() else ""
         if spin:
             cmd += ["--spin", spin]
         with open(self.log_file, "ab") as log:
@@ -229,7 +236,8 @@ class Sidecar:
         return sock
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + _START_TIMEOUT
+        timeout = _config.start_timeout()
+        deadline = time.monotonic() + timeout
         while True:
             if self.proc is not None and self.proc.poll() is not None:
                 raise SidecarError(f"pgserver exited with status {self.proc.returncode} at start; {self._log_tail()}")
@@ -238,7 +246,7 @@ class Sidecar:
                 return
             except grpc.FutureTimeoutError:
                 if time.monotonic() > deadline:
-                    raise SidecarError(f"pgserver did not answer on {self.socket} within {_START_TIMEOUT}s") from None
+                    raise SidecarError(f"pgserver did not answer on {self.socket} within {timeout}s") from None
 
     def _log_tail(self) -> str:
         if not self.log_file:

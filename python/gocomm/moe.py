@@ -86,7 +86,7 @@ def dispatch(
             what this rank can receive (each token comes at most once per rank). On the
             NVSHMEM path, where nothing learns the counts before the exchange, it sizes the
             receive buffer; without it the buffer is the sidecar's whole receive capacity
-            (GOCOMM_NVSHMEM_RECV_MB). A rank that is sent more raises OverflowError.
+            (GOCOMM_A2A_RECV_MB). A rank that is sent more raises OverflowError.
         padded: no host sync (needs max_tokens_per_rank): recv has its most rows,
             max_tokens_per_rank x group size x k, expert e's tokens at rows
             sum(tokens_per_expert[:e]) onwards and rows past their total undefined, so

@@ -53,7 +53,7 @@ def _output(n, input, out, row, limit):
     if out.shape[0] > limit:
         raise ValueError(
             f"gocomm all_to_all_v: out holds {out.shape[0]} rows, more than the receive buffer "
-            f"({limit} rows of {row} bytes; raise GOCOMM_NVSHMEM_RECV_MB on every rank)"
+            f"({limit} rows of {row} bytes; raise GOCOMM_A2A_RECV_MB on every rank)"
         )
     return out
 
@@ -126,7 +126,7 @@ def all_to_all_v(
         of out's first rows when out is given); out_splits, on in_splits' device with its
         dtype, says how many came from each rank. On the NVSHMEM path the host never learns
         the count: output is the whole out buffer (by default input's rows times the group
-        size, at most the receive buffer, GOCOMM_NVSHMEM_RECV_MB; a given out may be larger
+        size, at most the receive buffer, GOCOMM_A2A_RECV_MB; a given out may be larger
         where the shim's kernel runs: rows that do not fit the receive buffer at once pass
         through it in rounds; the sidecar's kernel refuses it), rows past
         sum(out_splits) are undefined, an overflow shows as sum(out_splits) > len(out) with

@@ -899,7 +899,7 @@ def check_all_to_all_single_here(rk, seed):
 @pytest.mark.parametrize("size", [2, 4])
 def test_all_to_all_single_here(worlds, seed, size):
     _need(size)
-    env = {"GOCOMM_TRANSPORT": "nvshmem", "GOCOMM_NVSHMEM_RECV_MB": "1"}
+    env = {"GOCOMM_TRANSPORT": "nvshmem", "GOCOMM_A2A_RECV_MB": "1"}
     w = worlds.fresh(size, label="a2a-single", env=env)
     try:
         w.run(check_all_to_all_single_here, seed=seed, timeout=RUN_LIMIT_S)

@@ -1,0 +1,161 @@
+// Package config is the sidecar's knob table: every GOCOMM_* variable pgserver reads, with
+// its default, the values it accepts and what it means, in the manner of NCCL's
+// NCCL_PARAM(Name, "ENV", default). cmd/pgserver reads the table once at start (Load) and
+// hands the typed values down; no other package reads GOCOMM_* variables, and a value the
+// table does not accept stops the sidecar with an error naming the variable.
+//
+// Knobs both runtimes need (the sparse all-to-all's receive buffer and launch shape) are
+// read here only: the sidecar reports them in its Attach response and the Python shim takes
+// them from there (python/gocomm/_config.py holds the shim's own table). docs/config.md
+// lists both tables; a test keeps it in step with this one.
+//
+// Environment that is not gocomm's stays where the library that needs it is: NVSHMEM_HOME
+// (internal/nvshmem, collectives/device: where libnvshmem_host is), the NVSHMEM_* variables
+// collectives/device sets for NVSHMEM where the user did not, and XDG_RUNTIME_DIR
+// (cmd/pgserver: the default runtime directory).
+package config
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+)
+
+// Config is the sidecar's settings, as read from the environment.
+type Config struct {
+	// Transport is GOCOMM_TRANSPORT: "auto", "nvshmem" or "nccl".
+	Transport string
+	A2A       A2A
+}
+
+// A2A is how the sparse all-to-all (all_to_all_v with its splits on the GPU) is sized and
+// launched, by the sidecar's NVSHMEM kernel and by the shim's in-process kernel alike.
+type A2A struct {
+	// RecvBytes is the receive buffer per GPU: the most one all_to_all_v delivers to a rank
+	// on the NVSHMEM kernel.
+	RecvBytes int64
+	// Blocks is the kernels' blocks in all, split evenly over the destinations (at least one
+	// each); Threads is their threads per block (a multiple of 32).
+	Blocks, Threads int
+	// Direct: the NVSHMEM kernel writes NVLink peers with its own stores rather than
+	// NVSHMEM's block put.
+	Direct bool
+}
+
+// Param is one knob of the table.
+type Param struct {
+	Env     string   // the variable
+	Aliases []string // older names, still read (with a warning) when Env is unset
+	Default string   // the value taken when the variable is unset or empty
+	Accepts string   // what a value may be, for errors and docs/config.md
+	Doc     string
+	set     func(c *Config, v string) error
+}
+
+// Params is the table, in the order docs/config.md lists it.
+var Params = []Param{
+	{
+		Env: "GOCOMM_TRANSPORT", Default: "auto", Accepts: "auto, nvshmem or nccl",
+		Doc: "the sparse all-to-all transport; auto takes NVSHMEM where every pair of the node's GPUs shares NVLink with peer atomics and the library loads, else NCCL",
+		set: func(c *Config, v string) error {
+			switch v = strings.ToLower(v); v {
+			case "auto", "nvshmem", "nccl":
+				c.Transport = v
+				return nil
+			}
+			return errAccepts
+		},
+	},
+	{
+		Env: "GOCOMM_A2A_RECV_MB", Aliases: []string{"GOCOMM_NVSHMEM_RECV_MB"}, Default: "512",
+		Accepts: "an integer of MiB, 1 to 1048576",
+		Doc:     "the sparse all-to-all's receive buffer per GPU, in MiB: the sidecar's NVSHMEM kernel keeps it in the symmetric heap (the most one all_to_all_v delivers to a rank there), the shim's kernel allocates it per group and GPU",
+		set: func(c *Config, v string) error {
+			n, err := intIn(v, 1, 1<<20)
+			c.A2A.RecvBytes = int64(n) << 20
+			return err
+		},
+	},
+	{
+		Env: "GOCOMM_A2AV_BLOCKS", Default: "128", Accepts: "an integer, 1 to 1024",
+		Doc: "the sparse all-to-all kernels' blocks in all, split evenly over the destinations (at least one each); all must fit on the GPU at once. The same on every rank",
+		set: func(c *Config, v string) (err error) {
+			c.A2A.Blocks, err = intIn(v, 1, 1024)
+			return err
+		},
+	},
+	{
+		Env: "GOCOMM_A2AV_THREADS", Default: "256", Accepts: "a multiple of 32, 32 to 512",
+		Doc: "the sparse all-to-all kernels' threads per block (the NVSHMEM kernel uses 76 registers a thread on sm_90, too many for 1024). The same on every rank",
+		set: func(c *Config, v string) (err error) {
+			c.A2A.Threads, err = intIn(v, 32, 512)
+			if err == nil && c.A2A.Threads%32 != 0 {
+				err = errAccepts
+			}
+			return err
+		},
+	},
+	{
+		Env: "GOCOMM_A2AV_DIRECT", Default: "1", Accepts: "0 or 1",
+		Doc: "1: the sidecar's NVSHMEM kernel writes NVLink peers with its own stores; 0: with NVSHMEM's block put (for measurements). The same on every rank",
+		set: func(c *Config, v string) error {
+			switch v {
+			case "0", "1":
+				c.A2A.Direct = v == "1"
+				return nil
+			}
+			return errAccepts
+		},
+	},
+}
+
+// errAccepts stands for "not one of the values Param.Accepts names"; Load words the error.
+var errAccepts = fmt.Errorf("not accepted")
+
+func intIn(v string, lo, hi int) (int, error) {
+	n, err := strconv.Atoi(v)
+	if err != nil || n < lo || n > hi {
+		return 0, errAccepts
+	}
+	return n, nil
+}
+
+// Load reads every knob through getenv (os.Getenv in pgserver). It returns the settings,
+// one warning for each deprecated name that was read, and an error naming every variable
+// whose value the table does not accept.
+func Load(getenv func(string) string) (Config, []string, error) {
+	var c Config
+	var warnings, bad []string
+	for _, p := range Params {
+		name, v := p.Env, strings.TrimSpace(getenv(p.Env))
+		for _, old := range p.Aliases {
+			if ov := strings.TrimSpace(getenv(old)); v == "" && ov != "" {
+				name, v = old, ov
+				warnings = append(warnings, fmt.Sprintf("%s is deprecated: set %s instead", old, p.Env))
+			}
+		}
+		if v == "" {
+			v = p.Default
+		}
+		if err := p.set(&c, v); err != nil {
+			bad = append(bad, fmt.Sprintf("%s=%q: want %s", name, v, p.Accepts))
+		}
+	}
+	if len(bad) > 0 {
+		return Config{}, warnings, fmt.Errorf("environment: %s", strings.Join(bad, "; "))
+	}
+	return c, warnings, nil
+}
+
+// FromEnv is Load of this process's environment.
+func FromEnv() (Config, []string, error) { return Load(os.Getenv) }
+
+// Defaults is the settings with every variable unset.
+func Defaults() Config {
+	c, _, err := Load(func(string) string { return "" })
+	if err != nil {
+		panic("config: a default is not accepted: " + err.Error())
+	}
+	return c
+}
