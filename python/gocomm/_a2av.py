@@ -16,7 +16,7 @@ Setup is collective, at a group's first all_to_all_v of a CUDA tensor on a devic
 allocates its receive buffer (GOCOMM_A2A_RECV_MB, the sidecar's, plus 64 KiB of
 signals) and the ranks map each other's (gocomm/_peers.py). Any rank that cannot take part
 turns the path off for the whole group (the default group then uses the sidecar's NVSHMEM
-kernel, the others NCCL). GOCOMM_A2AV_HERE=0 turns it off (the same on every rank).
+kernel, the others NCCL). GOCOMM_A2AV_INPROCESS=0 turns it off (the same on every rank).
 
 Failure: a wait gives up after the group's timeout and sets a word in pinned host memory;
 the group's next all_to_all_v raises and aborts the group."""
@@ -63,8 +63,8 @@ def row_bytes(op: str, inp: torch.Tensor, out_rows: int = 0) -> int:
 
 
 def enabled() -> bool:
-    """GOCOMM_A2AV_HERE (default 1): 0 leaves all_to_all_v to the sidecar."""
-    return _config.a2av_here()
+    """GOCOMM_A2AV_INPROCESS (default 1): 0 leaves all_to_all_v to the sidecar."""
+    return _config.a2av_inprocess()
 
 
 class _Args(ctypes.Structure):
@@ -128,10 +128,10 @@ class Path:
         self._fn = MODULE.function(idx, _KERNEL)
         self._params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(a), ctypes.c_void_p))
         self._order = _peers.StreamOrder()
-        self.outputs: list[tuple[int, int]] = []  # receive buffers: (address here, bytes)
+        self.outputs: list[tuple[int, int]] = []  # receive buffers: (address in this process, bytes)
 
     def add_output(self, maps: list[int], nbytes: int) -> int:
-        """Record a receive buffer (every rank's copy, mapped here; maps[rank] is this rank's)
+        """Record a receive buffer (every rank's copy, mapped into this process; maps[rank] is this rank's)
         in the table the kernel reads; its number. Call under the group's CUDA lock, and let
         no rank use it before every rank has (the caller's collective)."""
         if len(self.outputs) >= MAX_OUTS:
@@ -231,7 +231,7 @@ def fast_bytes(cap: int, n: int, parts: int) -> int:
 
 def setup(pg, idx: int, a2a: _config.A2A) -> Path | None:
     """Collective over pg (every rank calls it at the same all_to_all_v): the path on device
-    idx, or None where any rank cannot take part (GOCOMM_A2AV_HERE=0 on any rank, too).
+    idx, or None where any rank cannot take part (GOCOMM_A2AV_INPROCESS=0 on any rank, too).
 
     a2a is the sidecar's settings (Sidecar.a2a): the receive buffer's size, and the launch
     shape, which is the same on every rank (share() refuses otherwise): parts blocks per
@@ -241,7 +241,7 @@ def setup(pg, idx: int, a2a: _config.A2A) -> Path | None:
     why, n, parts, threads, recv_bytes = "", pg.size(), 0, a2a.threads, a2a.recv_bytes
     try:
         if not enabled():
-            why = "GOCOMM_A2AV_HERE=0"
+            why = "GOCOMM_A2AV_INPROCESS=0"
         elif n > MAX_RANKS:
             why = f"more than {MAX_RANKS} ranks"
         else:

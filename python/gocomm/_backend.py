@@ -393,7 +393,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         self._closed = False
         # the in-process kernels of all_reduce (gocomm/_allreduce.py) and all_to_all_v
         # (gocomm/_a2av.py) per device index, where the route table sends those ops: set up at
-        # the first such op on the device (collectively; GOCOMM_A2AV_HERE=0 on a rank turns the
+        # the first such op on the device (collectively; GOCOMM_A2AV_INPROCESS=0 on a rank turns the
         # latter off there, for all ranks)
         self._ar: dict[int, _allreduce.Path | None] = {}
         self._a2av: dict[int, _a2av.Path | None] = {}
@@ -698,8 +698,8 @@ class ProcessGroupGocomm(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         t = _single("all_reduce", "tensor", tensors)
         redop = _redop("all_reduce", opts, t)
-        if self._routes.ar_here and t.is_cuda:
-            w = self._allreduce_here(t, redop)
+        if self._routes.ar_inprocess and t.is_cuda:
+            w = self._allreduce_inprocess(t, redop)
             if w is not None:
                 return w
         return self._submit(
@@ -714,7 +714,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             timeout=_opt_timeout(opts),
         )
 
-    def _allreduce_here(self, t: torch.Tensor, redop: int):
+    def _allreduce_inprocess(self, t: torch.Tensor, redop: int):
         """all_reduce of t by a kernel in this process (gocomm/_allreduce.py), or None where
         that path does not take it. The choice depends only on what every rank of the
         group shares (size, dtype, op, device setup), so the ranks agree."""
@@ -739,7 +739,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
         """The shim's all_to_all_v kernel on device idx (gocomm/_a2av.py; set up, collectively,
         at the group's first call there), or None where the group does not take it. Raises
         (and aborts the group) once one of its kernels gave up waiting for a peer."""
-        if not self._routes.a2a_here or self._closed or self._broken is not None or self._sc.lost:
+        if not self._routes.a2a_inprocess or self._closed or self._broken is not None or self._sc.lost:
             return None  # the other paths raise (destroyed group, the group's error, sidecar lost)
         path = self._a2av.get(idx, False)
         if path is False:
@@ -751,7 +751,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
             self._fail_kernel("all_to_all_v")
         return path
 
-    def _all_to_all_single_here(self, output: torch.Tensor, input: torch.Tensor, ins: list[int]):
+    def _all_to_all_single_inprocess(self, output: torch.Tensor, input: torch.Tensor, ins: list[int]):
         """all_to_all_single of CUDA tensors by the shim's all_to_all_v kernel, one-sided
         over NVLink (gocomm/_a2av.py; the host's splits ride in the launch's arguments: no
         copy, no host sync, capturable once the group's first call on the device ran), or
@@ -1014,7 +1014,7 @@ class ProcessGroupGocomm(dist.ProcessGroup):
                 f"(input_split_sizes) but expects {outs[self._rank]} (output_split_sizes)"
             )
         if input.is_cuda:
-            w = self._all_to_all_single_here(output, input, ins)
+            w = self._all_to_all_single_inprocess(output, input, ins)
             if w is not None:
                 return w
         me = self._rank

@@ -30,7 +30,7 @@ def capturable(pg) -> str:
 
 
 def refuse(op: str, pg, why: str) -> None:
-    """Raise for op on group pg under capture; why says what runs it instead of a kernel here."""
+    """Raise for op on group pg under capture; why says what runs it instead of an in-process kernel."""
     raise RuntimeError(
         f"gocomm {op} cannot be captured in a CUDA graph on group {pg.group_name!r}: {why}, so a replay "
         f"would not run it. Run it outside the capture. This group can capture: {capturable(pg)}."

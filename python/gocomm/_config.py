@@ -173,12 +173,13 @@ KNOBS: tuple[Knob, ...] = (
         "the most blocks the in-process all_reduce kernel uses. The same on every rank",
     ),
     Knob(
-        "GOCOMM_A2AV_HERE",
+        "GOCOMM_A2AV_INPROCESS",
         "1",
         _flag,
         "0 or 1",
-        "0 leaves all_to_all_v with splits on the GPU to the sidecar's NVSHMEM kernel; 1 runs the shim's kernel where it can. "
+        "0 leaves all_to_all_v with splits on the GPU to the sidecar's NVSHMEM kernel; 1 runs the in-process kernel where it can. "
         "The same on every rank",
+        aliases=("GOCOMM_A2AV_HERE",),
     ),
 )
 
@@ -286,8 +287,8 @@ def ar_blocks() -> int:
     return get("GOCOMM_AR_BLOCKS")
 
 
-def a2av_here() -> bool:
-    return get("GOCOMM_A2AV_HERE")
+def a2av_inprocess() -> bool:
+    return get("GOCOMM_A2AV_INPROCESS")
 
 
 @dataclass(frozen=True)

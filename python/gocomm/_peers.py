@@ -24,7 +24,7 @@ _PEER = "a peer cannot take part"
 
 @dataclass
 class Shared:
-    """What share() gives a rank: every rank's buffer mapped here (maps[rank] is its own),
+    """What share() gives a rank: every rank's buffer mapped into this process (maps[rank] is its own),
     the smallest capacity any rank offered, and a zeroed 64-byte word block in pinned host
     memory its kernels report into (host address, device address)."""
 

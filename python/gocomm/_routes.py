@@ -17,7 +17,7 @@ process's knobs (GOCOMM_AR_MAX). The table says, per op class, which engine runs
 
 What depends on a call (dtype, size, a device's setup, a kernel that failed) is decided at the
 call, by the rule the table states; a kernel that failed turns its route to the sidecar. The
-per-op path reads the `ar_here` and `a2a_here` attributes, nothing more.
+per-op path reads the `ar_inprocess` and `a2a_inprocess` attributes, nothing more.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from . import _a2av, _allreduce
 log = logging.getLogger("gocomm")
 
 # engines, as the table names them
-HERE = "in-process kernel"
+INPROCESS = "in-process kernel"
 SIDECAR_NCCL = "sidecar NCCL"
 SIDECAR_NVSHMEM = "sidecar NVSHMEM"
 HOST = "host engine"
@@ -84,8 +84,8 @@ class Routes:
             it and all are on one host (one rank on NCCL would leave the others waiting in a
             kernel for rows that never come; the NVSHMEM path is set up for one node), else
             "nccl".
-        ar_here: all_reduce of CUDA tensors tries the in-process kernel.
-        a2a_here: all_to_all_single, all_to_all_v and moe of CUDA tensors try it.
+        ar_inprocess: all_reduce of CUDA tensors tries the in-process kernel.
+        a2a_inprocess: all_to_all_single, all_to_all_v and moe of CUDA tensors try it.
         splits_on_gpu: all_to_all_v keeps its splits on the GPU (the in-process kernel or
             the sidecar's NVSHMEM kernel), no host count exchange.
     """
@@ -123,26 +123,26 @@ class Routes:
                 ar_why = "GOCOMM_AR_MAX=0"
             if n > _a2av.MAX_RANKS:
                 a2a_why = f"{n} ranks, more than the kernel's {_a2av.MAX_RANKS}"
-        self.ar_here = not ar_why
-        self.a2a_here = not a2a_why
+        self.ar_inprocess = not ar_why
+        self.a2a_inprocess = not a2a_why
         self.all_reduce = (
             Route(
-                HERE,
+                INPROCESS,
                 "the ranks share one NVLink domain; bf16/fp16/fp32 sum/avg of a multiple of 16 bytes up "
                 "to GOCOMM_AR_MAX, the rest (and where the kernel's setup declines) sidecar NCCL",
             )
-            if self.ar_here
+            if self.ar_inprocess
             else Route(SIDECAR_NCCL, ar_why)
         )
         self.all_to_all_single = (
-            Route(HERE, "the ranks share one NVLink domain (sidecar NCCL where the kernel's setup declines)")
-            if self.a2a_here
+            Route(INPROCESS, "the ranks share one NVLink domain (sidecar NCCL where the kernel's setup declines)")
+            if self.a2a_inprocess
             else Route(SIDECAR_NCCL, a2a_why)
         )
-        if self.a2a_here:
+        if self.a2a_inprocess:
             self.all_to_all_v = Route(
-                HERE,
-                "the ranks share one NVLink domain; where the kernel's setup declines (GOCOMM_A2AV_HERE=0 on a "
+                INPROCESS,
+                "the ranks share one NVLink domain; where the kernel's setup declines (GOCOMM_A2AV_INPROCESS=0 on a "
                 "rank), the sidecar's NVSHMEM kernel on the default group, else sidecar NCCL with a host count "
                 "exchange",
             )
@@ -159,7 +159,7 @@ class Routes:
             "as all_to_all_v"
             + (
                 ": the in-process kernels for padded dispatch without fp8 of the shapes they take, else one host sync"
-                if self.a2a_here
+                if self.a2a_inprocess
                 else " (one host sync)"
             ),
         )
@@ -170,10 +170,10 @@ class Routes:
         """Turn op's in-process route ("all_reduce" or "all_to_all_v") to the sidecar for good:
         one of its kernels failed (the group is aborted)."""
         if op == "all_reduce":
-            self.ar_here = False
+            self.ar_inprocess = False
             self.all_reduce = Route(SIDECAR_NCCL, why)
         else:
-            self.a2a_here = False
+            self.a2a_inprocess = False
             self.all_to_all_single = Route(SIDECAR_NCCL, why)
             self.all_to_all_v = Route(SIDECAR_NVSHMEM if self.splits_on_gpu else SIDECAR_NCCL, why)
 
@@ -191,9 +191,9 @@ class Routes:
     def capturable(self) -> str:
         """What a CUDA graph can hold of this group's ops, in words (for error messages)."""
         ops = []
-        if self.ar_here:
+        if self.ar_inprocess:
             ops.append("all_reduce (sum, avg; bf16, fp16, fp32; a multiple of 16 bytes)")
-        if self.a2a_here:
+        if self.a2a_inprocess:
             ops += ["all_to_all_single", "gocomm.all_to_all_v", "gocomm.moe.dispatch(padded=True) and combine"]
         if not ops:
             return "none of its ops (its GPUs do not share NVLink, or its in-process kernels are off)"

@@ -134,17 +134,17 @@ def dispatch(
     w32 = topk_weights.to(device=dev, dtype=torch.float32).contiguous()
     per = num_experts // n
     path = _device_path(g, x)  # collective at the group's first call on x's device
-    here = isinstance(path, _a2av.Path) and not fp8 and _here_takes(x, k, per)
-    if not (here and padded) and x.is_cuda and _capture.capturing():
+    inprocess = isinstance(path, _a2av.Path) and not fp8 and _inprocess_takes(x, k, per)
+    if not (inprocess and padded) and x.is_cuda and _capture.capturing():
         _capture.refuse(
             "moe.dispatch",
             g,
             "without padded=True it reads the counts on the host to size its output"
-            if here
+            if inprocess
             else "on this group (or with fp8, or this shape) its exchange reads the counts on the host",
         )
-    if here:
-        return _dispatch_here(group, g, path, x, idx, w32, num_experts, n, max_tokens_per_rank, padded)
+    if inprocess:
+        return _dispatch_inprocess(group, g, path, x, idx, w32, num_experts, n, max_tokens_per_rank, padded)
     recv, tokens_per_expert, handle = _dispatch(
         group, g, path is not None, x, idx, w32, num_experts, n, fp8, max_tokens_per_rank
     )
@@ -240,7 +240,7 @@ def _dispatch(group, g, nv: bool, x, idx, w32, num_experts: int, n: int, fp8: bo
     return got[0][rows_sorted], tokens_per_expert, handle
 
 
-def _here_takes(x: torch.Tensor, k: int, per: int) -> bool:
+def _inprocess_takes(x: torch.Tensor, k: int, per: int) -> bool:
     """Whether the kernels take dispatch of x (and combine of its dtype) on their own."""
     xbytes = x.shape[1] * x.element_size()
     return (
@@ -255,7 +255,7 @@ def _here_takes(x: torch.Tensor, k: int, per: int) -> bool:
 
 
 @dataclass
-class _Here:
+class _InProcess:
     """dispatch's handle where the exchange runs in this process: combine needs only
     addresses in ws (the routing dispatch made on the GPU) and sizes the host knows."""
 
@@ -333,7 +333,7 @@ def check(device: torch.device | int | None = None, num_experts: int = 0) -> Non
 
 @functools.lru_cache(maxsize=256)
 def _workspace(t: int, n: int, k: int, per: int, cap: int, payload: int, recv: int):
-    """_dispatch_here's two allocations for its shape, made once per shape: (the regions of
+    """_dispatch_inprocess's two allocations for its shape, made once per shape: (the regions of
     the one that lives with the handle, its size, the regions of the one that lives through
     the call, its size)."""
     offs, size = _carve(
@@ -372,7 +372,7 @@ def _flags_of(dev: int) -> _Flags:
     return f
 
 
-def _dispatch_here(group, g, path, x, idx, w32, experts: int, n: int, bound, padded: bool):
+def _dispatch_inprocess(group, g, path, x, idx, w32, experts: int, n: int, bound, padded: bool):
     """dispatch where the exchange is the in-process kernel: five launches (route, pack,
     exchange, group, gather), addresses into one workspace, and no host sync when padded
     (else one, to size the output)."""
@@ -415,7 +415,7 @@ def _dispatch_here(group, g, path, x, idx, w32, experts: int, n: int, bound, pad
         tuple(at[a] for a in ("rows_sorted", "w_sorted", "tpe", "e_idx", "w_e", "e_offs")) + (gmeta, at["csplits"]),
         flag_at,
     )
-    handle = _Here(group, g, path, t, x.dtype, ws, at, 0, cap, send_cap)
+    handle = _InProcess(group, g, path, t, x.dtype, ws, at, 0, cap, send_cap)
     tpe = ws[offs["tpe"] : offs["tpe"] + per * 8].view(torch.int64)
     if padded:
         rows = cap * k
@@ -547,8 +547,8 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
         fp16 or fp32, rows a multiple of 16 bytes), both sums run in gocomm's kernel, in a
         fixed order (the same result every time); elsewhere in torch ops.
     """
-    if isinstance(handle, _Here):
-        return _combine_here(y, handle)
+    if isinstance(handle, _InProcess):
+        return _combine_inprocess(y, handle)
     rows_y = handle.padded_rows or handle.rows.shape[0]
     if y.dim() != 2 or y.shape[0] != rows_y:
         raise ValueError(f"gocomm moe.combine: y must be [{rows_y}, hidden] (dispatch's rows), got {tuple(y.shape)}")
@@ -577,8 +577,8 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
     return out.to(handle.dtype)
 
 
-def _combine_here(y: torch.Tensor, hd: _Here) -> torch.Tensor:
-    """combine after _dispatch_here: three launches (the expert side's weighted sums, the
+def _combine_inprocess(y: torch.Tensor, hd: _InProcess) -> torch.Tensor:
+    """combine after _dispatch_inprocess: three launches (the expert side's weighted sums, the
     exchange back, the token side's sums) from the routing dispatch left on the GPU; no sync."""
     if y.dim() != 2 or y.shape[0] != hd.y_rows:
         raise ValueError(f"gocomm moe.combine: y must be [{hd.y_rows}, hidden] (dispatch's rows), got {tuple(y.shape)}")

@@ -4,12 +4,12 @@ Three paths. Where every rank's sidecar chose NVSHMEM (auto does on a node whose
 share NVLink with peer atomics, when NVSHMEM loads; GOCOMM_TRANSPORT overrides), the rows move
 one-sidedly with the splits on the GPU, no host sync: by the shim's own kernel on the
 caller's stream (gocomm/_a2av.py, any such group), or, where that path cannot be set up or
-GOCOMM_A2AV_HERE=0, by the sidecar's NVSHMEM kernel (the default group only). Everywhere else
+GOCOMM_A2AV_INPROCESS=0, by the sidecar's NVSHMEM kernel (the default group only). Everywhere else
 the counts are exchanged with one all_to_all, read on the host, and the rows moved with
 `all_to_all_single` on the group (NCCL grouped send/recv in the sidecar for CUDA tensors,
 the host engine for CPU tensors): one host sync. (`dist.all_to_all_single` of CUDA tensors,
 splits known on the host, takes the shim's kernel too where it serves the group:
-ProcessGroupGocomm._all_to_all_single_here.)
+ProcessGroupGocomm._all_to_all_single_inprocess.)
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def _output(n, input, out, row, limit):
     return out
 
 
-def _here(g, path, n, input, in_splits, out):
-    """all_to_all_v by the shim's kernel on the caller's stream: nothing here waits for the
+def _inprocess(g, path, n, input, in_splits, out):
+    """all_to_all_v by the in-process kernel on the caller's stream: nothing in it waits for the
     GPU (but for splits on the CPU: they are copied in, and out_splits back), and decode calls
     this once per layer, so it makes as few torch ops as it can (each costs microseconds of
     host time)."""
@@ -75,7 +75,7 @@ def _here(g, path, n, input, in_splits, out):
 
 
 def _nvshmem(g, n, input, in_splits, out):
-    """all_to_all_v in the sidecar's NVSHMEM kernel: nothing here waits for the GPU. Every
+    """all_to_all_v in the sidecar's NVSHMEM kernel: nothing in it waits for the GPU. Every
     torch op and view costs tens of microseconds of host time on a loaded host, and decode
     calls this once per layer: the path makes as few as it can."""
     row = input.element_size() * math.prod(input.shape[1:])
@@ -166,7 +166,7 @@ def all_to_all_v(
             raise ValueError("gocomm all_to_all_v: out must be contiguous")
     path = _device_path(g, input)
     if path is not None and path is not True:
-        return _here(g, path, n, input, in_splits, out)
+        return _inprocess(g, path, n, input, in_splits, out)
     if input.is_cuda and _capture.capturing():
         _capture.refuse(
             "all_to_all_v",

@@ -32,7 +32,7 @@ def test_defaults(fresh):
     assert _config.advertise_addr() is None and _config.spin() is None
     assert _config.log_level() == "info"
     assert _config.start_timeout() == 30.0
-    assert _config.cuda() is True and _config.a2av_here() is True
+    assert _config.cuda() is True and _config.a2av_inprocess() is True
     assert _config.ar_max() == 1 << 62
     assert _config.ar_stage() == 32 << 20
     assert _config.ar_oneshot() == 256 << 10
@@ -77,7 +77,7 @@ def test_values(fresh, name, value, want):
         ("GOCOMM_AR_BLOCKS", "0"),
         ("GOCOMM_AR_BLOCKS", "129"),
         ("GOCOMM_CUDA", "no"),
-        ("GOCOMM_A2AV_HERE", "2"),
+        ("GOCOMM_A2AV_INPROCESS", "2"),
         ("GOCOMM_LOG_LEVEL", "loud"),
         ("GOCOMM_SPIN", "2"),
         ("GOCOMM_START_TIMEOUT", "0"),
@@ -106,6 +106,12 @@ def test_alias():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             _config.load({"GOCOMM_OLD": "x"}, (knob,))
+
+
+def test_a2av_here_is_read_as_inprocess():
+    """GOCOMM_A2AV_HERE, the in-process all_to_all_v's knob before its rename, still turns it off."""
+    with pytest.warns(DeprecationWarning, match="GOCOMM_A2AV_HERE is deprecated: set GOCOMM_A2AV_INPROCESS"):
+        assert _config.load({"GOCOMM_A2AV_HERE": "0"})["GOCOMM_A2AV_INPROCESS"] is False
 
 
 def test_doc_lists_every_knob():

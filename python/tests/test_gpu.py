@@ -359,7 +359,7 @@ def check_killed_sidecar_cuda(rk, seed):
     return f"{type(err).__name__} after {el:.1f}s: {str(err)[:200]}"
 
 
-def check_allreduce_here(rk, seed):
+def check_allreduce_inprocess(rk, seed):
     """all_reduce by the shim's own kernel (gocomm/_allreduce.py) where the GPUs share NVLink:
     one-shot and two-shot sizes and the boundary between them, sum and avg, bf16/fp16/fp32,
     a misaligned view, sizes it leaves to the sidecar, back-to-back ops on alternating streams
@@ -373,8 +373,10 @@ def check_allreduce_here(rk, seed):
     g = dist.group.WORLD
     x0 = torch.ones(8, device=dev)
     dist.all_reduce(x0)  # sets the path up (collective)
-    want_here = g._routes.ar_here
-    ck.expect("path set up where the GPUs share NVLink", (g._ar.get(dev.index) is not None) == want_here, str(g._ar))
+    want_inprocess = g._routes.ar_inprocess
+    ck.expect(
+        "path set up where the GPUs share NVLink", (g._ar.get(dev.index) is not None) == want_inprocess, str(g._ar)
+    )
     ck.expect("setup result", torch.all(x0 == n).item(), str(x0.tolist()))
     path = g._ar.get(dev.index)
     one = path.oneshot if path else 256 << 10
@@ -387,7 +389,7 @@ def check_allreduce_here(rk, seed):
             for opname in ("sum", "avg"):
                 label = f"{d} x{count} {opname}"
                 with ck.case(label):
-                    key = f"here{d}{count}{opname}"
+                    key = f"inprocess{d}{count}{opname}"
                     xs = [_input(seed, key, p, count, dtype, torch.device("cpu")) for p in range(n)]
                     a = xs[r].to(dev)
                     dist.all_reduce(a, op=OPS[opname])
@@ -516,19 +518,19 @@ def test_collectives_vs_nccl(worlds, seed, size):
 
 
 @pytest.mark.parametrize("size", [2, 4])
-def test_allreduce_here(worlds, seed, size):
+def test_allreduce_inprocess(worlds, seed, size):
     _need(size)
-    worlds.get(size).run(check_allreduce_here, seed=seed, timeout=RUN_LIMIT_S)
+    worlds.get(size).run(check_allreduce_inprocess, seed=seed, timeout=RUN_LIMIT_S)
 
 
 @pytest.mark.parametrize("size", [2, 4])
-def test_allreduce_here_rounds(worlds, seed, size):
+def test_allreduce_inprocess_rounds(worlds, seed, size):
     """The same checks with 1 MiB staging rounds: two-shot messages pass in up to 17
     rounds, the last one short, and ops of several rounds follow each other on two streams."""
     _need(size)
     w = worlds.fresh(size, label="ar-rounds", env={"GOCOMM_AR_STAGE": "1M"})
     try:
-        w.run(check_allreduce_here, seed=seed, timeout=RUN_LIMIT_S)
+        w.run(check_allreduce_inprocess, seed=seed, timeout=RUN_LIMIT_S)
     finally:
         w.close()
 
@@ -567,9 +569,9 @@ def test_moe_cuda(worlds, seed, size):
     worlds.get(size).run(check_moe, seed=seed, device="cuda", per=64, timeout=RUN_LIMIT_S)
 
 
-def check_all_to_all_v_nvshmem(rk, seed, here):
+def check_all_to_all_v_nvshmem(rk, seed, inprocess):
     """gocomm.all_to_all_v with splits on the GPU (no host sync), by the shim's kernel
-    (here) or the sidecar's NVSHMEM kernel: the rows and counts equal what every rank
+    (inprocess) or the sidecar's NVSHMEM kernel: the rows and counts equal what every rank
     rebuilds from the seed; an overflow writes nothing and shows in the counts."""
     from test_moe import ROUTINGS
 
@@ -577,10 +579,10 @@ def check_all_to_all_v_nvshmem(rk, seed, here):
 
     dev, _ = _setup(rk)
     n, me = rk.size, rk.rank
-    ck = Checker("all_to_all_v " + ("in this process" if here else "on NVSHMEM"), seed, me)
+    ck = Checker("all_to_all_v " + ("in this process" if inprocess else "on NVSHMEM"), seed, me)
     ck.expect("transport", rk.world.pg._sparse_transport() == "nvshmem", rk.world.pg._sparse_transport())
     path = rk.world.pg._a2av_path(dev.index)
-    ck.expect("path", (path is not None) == here, f"shim's kernel {path}, wanted {here}")
+    ck.expect("path", (path is not None) == inprocess, f"in-process kernel {path}, wanted {inprocess}")
     for label, splits_of in ROUTINGS.items():
         send = splits_of(seed, me, n)
         recv = [splits_of(seed, src, n)[me] for src in range(n)]
@@ -612,17 +614,17 @@ def check_all_to_all_v_nvshmem(rk, seed, here):
     return ck.done()
 
 
-@pytest.mark.parametrize("here", [True, False], ids=["shim", "sidecar"])
+@pytest.mark.parametrize("inprocess", [True, False], ids=["inprocess", "sidecar"])
 @pytest.mark.parametrize("size", [2, 4, 8])
-def test_all_to_all_v_nvshmem(worlds, seed, size, here):
+def test_all_to_all_v_nvshmem(worlds, seed, size, inprocess):
     _need(size)
-    env = {"GOCOMM_TRANSPORT": "nvshmem", "GOCOMM_A2AV_HERE": "1" if here else "0"}
-    w = worlds.fresh(size, label="nvshmem" + ("" if here else "-sidecar"), env=env)
+    env = {"GOCOMM_TRANSPORT": "nvshmem", "GOCOMM_A2AV_INPROCESS": "1" if inprocess else "0"}
+    w = worlds.fresh(size, label="nvshmem" + ("" if inprocess else "-sidecar"), env=env)
     try:
-        w.run(check_all_to_all_v_nvshmem, seed=seed, here=here, timeout=RUN_LIMIT_S)
+        w.run(check_all_to_all_v_nvshmem, seed=seed, inprocess=inprocess, timeout=RUN_LIMIT_S)
         # dispatch/combine on that path (one exchange of tokens with their routing)
         w.run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
-        if here:
+        if inprocess:
             w.run(check_all_to_all_v_graph, seed=seed, timeout=RUN_LIMIT_S)
     finally:
         w.close()
@@ -804,7 +806,7 @@ def check_all_to_all_v_graph(rk, seed):
     return ck.done()
 
 
-def check_all_to_all_single_here(rk, seed):
+def check_all_to_all_single_inprocess(rk, seed):
     """dist.all_to_all_single of CUDA tensors where the group's GPUs share NVLink: the shim's
     one-sided kernel (host splits in its launch arguments), bitwise against torch's NCCL on
     the same inputs: every dtype, uneven, empty, skewed and random splits, rows of several
@@ -897,12 +899,12 @@ def check_all_to_all_single_here(rk, seed):
 
 
 @pytest.mark.parametrize("size", [2, 4])
-def test_all_to_all_single_here(worlds, seed, size):
+def test_all_to_all_single_inprocess(worlds, seed, size):
     _need(size)
     env = {"GOCOMM_TRANSPORT": "nvshmem", "GOCOMM_A2A_RECV_MB": "1"}
     w = worlds.fresh(size, label="a2a-single", env=env)
     try:
-        w.run(check_all_to_all_single_here, seed=seed, timeout=RUN_LIMIT_S)
+        w.run(check_all_to_all_single_inprocess, seed=seed, timeout=RUN_LIMIT_S)
     finally:
         w.close()
 

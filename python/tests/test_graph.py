@@ -70,7 +70,7 @@ def check_captured(rk, seed, shared):
     torch.cuda.set_device(dev)
     pg = dist.group.WORLD
     ck = Checker(f"captured on {n} rank(s){' sharing GPUs' if shared else ''}", seed, me)
-    if pg._routes.ar_here:
+    if pg._routes.ar_inprocess:
         # one-shot (16 KiB), two-shot (2 MiB) and two-shot in rounds (GOCOMM_AR_STAGE is 1 MiB here)
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for numel in (8192 // torch.finfo(dtype).bits * 16, 1 << 20, (3 << 20) + 8):
@@ -93,7 +93,7 @@ def check_captured(rk, seed, shared):
                         t.copy_(xs[me])
                         graph.replay()
                         _sum_close(ck, f"{label} replay after eager", t, xs, avg)
-    if pg._routes.a2a_here:
+    if pg._routes.a2a_inprocess:
         for dtype, row in (
             (torch.bfloat16, (24,)),
             (torch.float32, (5,)),
@@ -199,7 +199,7 @@ def _sidecar_ops(n, me, dev, seed, i):
                 lambda ck: me % 2 == 0 or ck.same("recv", t["recv"].cpu(), x[me - 1]),
             )
         )
-    if not dist.group.WORLD._routes.a2a_here:
+    if not dist.group.WORLD._routes.a2a_inprocess:
         xs = [gen(seed, f"sca{i}", r, (2 * n, 3), torch.float32) for r in range(n)]
         dxs = xs[me].to(dev)
 
@@ -216,7 +216,7 @@ def _sidecar_ops(n, me, dev, seed, i):
                 ),
             )
         )
-    if not dist.group.WORLD._routes.ar_here:
+    if not dist.group.WORLD._routes.ar_inprocess:
         xb = [gen(seed, f"scb{i}", r, (64,), torch.bfloat16, small=True) for r in range(n)]
         dxb = xb[me].to(dev)
 

@@ -162,7 +162,7 @@ def check_moe(rk, seed, device="cpu", per=4):
     ck = Checker(f"moe dispatch/combine on {device}", seed, me)
     # where the exchange runs in the shim's kernel, a padded dispatch's errors are found on
     # the GPU and raised by a combine; elsewhere dispatch raises them (the same on every rank)
-    here = device == "cuda" and isinstance(
+    inprocess = device == "cuda" and isinstance(
         gocomm.sparse._device_path(dist.group.WORLD, torch.empty(0, device=dev)), gocomm._a2av.Path
     )
     hidden = 256
@@ -198,12 +198,12 @@ def check_moe(rk, seed, device="cpu", per=4):
             args = (xs[me].to(dev), idxs[me].to(dev), ws[me].to(dev), experts)
             bounded, _, _ = gocomm.moe.dispatch(*args, max_tokens_per_rank=max(tokens_of))
             ck.same(f"{label} grouped tokens, bounded", bounded.cpu(), want)
-            sent_here = len({(src, t) for src in range(n) for t in range(tokens_of[src]) if _to_me(idxs[src][t])})
+            sent_to_me = len({(src, t) for src in range(n) for t in range(tokens_of[src]) if _to_me(idxs[src][t])})
             try:
                 gocomm.moe.dispatch(*args, max_tokens_per_rank=tokens_of[me])
-                ck.expect(f"{label} too small a bound", sent_here <= tokens_of[me] * n, "no OverflowError")
+                ck.expect(f"{label} too small a bound", sent_to_me <= tokens_of[me] * n, "no OverflowError")
             except OverflowError:
-                ck.expect(f"{label} too small a bound", sent_here > tokens_of[me] * n, "OverflowError")
+                ck.expect(f"{label} too small a bound", sent_to_me > tokens_of[me] * n, "OverflowError")
         with ck.case(f"{label} combine"):
             eid = torch.repeat_interleave(torch.arange(per, device=dev), per_expert) + me * per
             y = (recv.float() * (eid + 1).unsqueeze(1)).to(torch.bfloat16)  # expert e scales by e + 1
@@ -252,18 +252,18 @@ def check_moe(rk, seed, device="cpu", per=4):
             for bound in (tokens_of[me], max(tokens_of)):
                 try:
                     r, _, hd = gocomm.moe.dispatch(*args, max_tokens_per_rank=bound, padded=True)
-                    if here:
+                    if inprocess:
                         gocomm.moe.combine(r, hd)
                 except OverflowError:
                     raised += 1
                 if device == "cuda":
                     torch.cuda.synchronize()
-            if here:
+            if inprocess:
                 try:
                     gocomm.moe.check(dev)  # by here at the latest
                 except OverflowError:
                     raised += 1
-            ck.expect(f"{label} padded overflow raised", raised == (sent_here > tokens_of[me] * n), f"{raised}")
+            ck.expect(f"{label} padded overflow raised", raised == (sent_to_me > tokens_of[me] * n), f"{raised}")
     with ck.case("fp8 dispatch"):
         x = gen(seed, "fp8", me, (6, hidden), torch.bfloat16)
         idx = _routing(seed, me, 6, experts, k, n, "uniform")
@@ -337,13 +337,13 @@ def check_moe(rk, seed, device="cpu", per=4):
                         max_tokens_per_rank=3,
                         padded=True,
                     )
-                    if here:
+                    if inprocess:
                         gocomm.moe.combine(r, hd)
                 except ValueError as e:
                     raised += 1
                     ck.expect("names topk_idx", "topk_idx" in str(e), str(e))
                 torch.cuda.synchronize()
-            if here:
+            if inprocess:
                 try:
                     gocomm.moe.check(dev, experts)
                 except ValueError as e:

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from gocomm import _routes
-from gocomm._routes import HERE, HOST, SIDECAR_NCCL, SIDECAR_NVSHMEM, Facts, Routes
+from gocomm._routes import HOST, INPROCESS, SIDECAR_NCCL, SIDECAR_NVSHMEM, Facts, Routes
 
 BIG = 1 << 62  # GOCOMM_AR_MAX's default: no limit
 
@@ -23,9 +23,9 @@ def facts(n: int, transport: str = "nvshmem", hosts: int = 1, ar_max: int = BIG)
 @pytest.mark.parametrize(
     "desc, f, transport, ar, a2a, a2av, why",
     [
-        ("NVLink node, 4 ranks", facts(4), "nvshmem", HERE, HERE, HERE, ""),
-        ("NVLink node, 8 ranks", facts(8), "nvshmem", HERE, HERE, HERE, ""),
-        ("NVLink node, 1 rank", facts(1), "nvshmem", SIDECAR_NCCL, HERE, HERE, "one rank"),
+        ("NVLink node, 4 ranks", facts(4), "nvshmem", INPROCESS, INPROCESS, INPROCESS, ""),
+        ("NVLink node, 8 ranks", facts(8), "nvshmem", INPROCESS, INPROCESS, INPROCESS, ""),
+        ("NVLink node, 1 rank", facts(1), "nvshmem", SIDECAR_NCCL, INPROCESS, INPROCESS, "one rank"),
         ("PCIe node, 4 ranks", facts(4, "nccl"), "nccl", SIDECAR_NCCL, SIDECAR_NCCL, SIDECAR_NCCL, "NCCL"),
         ("NVLink nodes, 2 hosts", facts(4, hosts=2), "nccl", SIDECAR_NCCL, SIDECAR_NCCL, SIDECAR_NCCL, "2 host(s)"),
         (
@@ -37,7 +37,7 @@ def facts(n: int, transport: str = "nvshmem", hosts: int = 1, ar_max: int = BIG)
             SIDECAR_NCCL,
             "['nccl', 'nvshmem']",
         ),
-        ("GOCOMM_AR_MAX=0", facts(4, ar_max=0), "nvshmem", SIDECAR_NCCL, HERE, HERE, "GOCOMM_AR_MAX=0"),
+        ("GOCOMM_AR_MAX=0", facts(4, ar_max=0), "nvshmem", SIDECAR_NCCL, INPROCESS, INPROCESS, "GOCOMM_AR_MAX=0"),
         ("16 ranks on one node", facts(16), "nvshmem", SIDECAR_NCCL, SIDECAR_NCCL, SIDECAR_NVSHMEM, "16 ranks"),
     ],
 )
@@ -46,24 +46,24 @@ def test_route_table(desc, f, transport, ar, a2a, a2av, why):
     assert r.transport == transport, desc
     assert r.splits_on_gpu == (transport == "nvshmem"), desc
     assert (r.all_reduce.engine, r.all_to_all_single.engine, r.all_to_all_v.engine) == (ar, a2a, a2av), desc
-    assert r.ar_here == (ar == HERE) and r.a2a_here == (a2a == HERE), desc
+    assert r.ar_inprocess == (ar == INPROCESS) and r.a2a_inprocess == (a2a == INPROCESS), desc
     assert r.moe.engine == a2av and r.dense.engine == SIDECAR_NCCL and r.cpu.engine == HOST, desc
     table = r.table()
     assert all(reason for _, reason in table.values()), table
     if why:
         assert any(why in reason for _, reason in table.values()), (desc, table)
-    assert ("all_reduce" in r.capturable()) == r.ar_here, r.capturable()
-    assert ("all_to_all_single" in r.capturable()) == r.a2a_here, r.capturable()
+    assert ("all_reduce" in r.capturable()) == r.ar_inprocess, r.capturable()
+    assert ("all_to_all_single" in r.capturable()) == r.a2a_inprocess, r.capturable()
 
 
 def test_fall_back():
     """A kernel that failed sends its op class to the sidecar for good."""
     r = Routes(facts(4), "g")
     r.fall_back("all_reduce", "timed out")
-    assert not r.ar_here and r.all_reduce == _routes.Route(SIDECAR_NCCL, "timed out")
-    assert r.a2a_here
+    assert not r.ar_inprocess and r.all_reduce == _routes.Route(SIDECAR_NCCL, "timed out")
+    assert r.a2a_inprocess
     r.fall_back("all_to_all_v", "timed out")
-    assert not r.a2a_here and r.all_to_all_v.engine == SIDECAR_NVSHMEM
+    assert not r.a2a_inprocess and r.all_to_all_v.engine == SIDECAR_NVSHMEM
     assert r.capturable().startswith("none")
 
 
