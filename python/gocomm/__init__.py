@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from . import moe
-from ._backend import ProcessGroupGocomm, Work, create
+from ._backend import ProcessGroupGocomm, create
 from ._sidecar import SidecarError, find_pgserver, shutdown
+from ._work import Work
 from .sparse import all_to_all_v, receive_buffer
 
 __all__ = [

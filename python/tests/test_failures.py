@@ -251,7 +251,8 @@ def test_peer_sidecar_dead_before_first_op(worlds, seed):
 
 def _submit_raw(pg, op, desc_fn):
     """Put a hand-made descriptor into the submission ring, the way ProcessGroupGocomm._submit does."""
-    from gocomm._backend import _GRACE, Work, _Pending
+    from gocomm._dispatch import _GRACE, _Pending
+    from gocomm._work import Work
 
     work = Work(op, [], pg._timeout + _GRACE)
     pending = _Pending(work, op, time.monotonic() + pg._timeout + _GRACE)

@@ -150,7 +150,8 @@ def check_reduce_support_agrees(rk, seed):
     import torch.distributed as dist
 
     from gocomm import _wire
-    from gocomm._backend import _GRACE, Work, _Pending
+    from gocomm._dispatch import _GRACE, _Pending
+    from gocomm._work import Work
 
     ck = Checker("reduce support, shim vs sidecar", seed, rk.rank)
 
