@@ -42,6 +42,33 @@ def _direct_buffers(inputs, outputs) -> list[torch.Tensor] | None:
     return bufs or None
 
 
+def _stage(arena, p: _Pending, inputs, outputs, out_for: dict) -> list[tuple[int, int, int]]:
+    """Stage a host op's buffers in the shared arena (as _submit's inputs and outputs say):
+    copy each input's tensors in, and record in p the arena space (freed when the op
+    finishes) and the views each output tensor is copied back from. Returns the buffers as
+    (segment, offset, bytes)."""
+    bufs = []
+    for i, ins in enumerate(inputs):
+        tensors = ins if ins is not None else out_for[i]
+        nbytes = sum(t.nbytes for t in tensors)
+        seg, off, view = arena.alloc(nbytes)
+        p.allocs.append((seg, off, nbytes))
+        bufs.append((seg, off, nbytes))
+        if ins is not None:
+            pos = 0
+            for t in tensors:
+                view[pos : pos + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+                pos += t.nbytes
+    for i, ts in outputs:
+        seg, off, nbytes = bufs[i]
+        view = arena._segs[seg].bytes[off : off + nbytes]
+        pos = 0
+        for t in ts:
+            p.copy_out.append((t, view[pos : pos + t.nbytes].view(t.dtype).view(t.shape)))
+            pos += t.nbytes
+    return bufs
+
+
 class SidecarSubmit:
     """ProcessGroupGocomm's submission plumbing (it holds the group's state: _sc, _disp,
     _handle, _slot, _k, _cuda_lock, _timeout, _closed)."""
@@ -97,27 +124,8 @@ class SidecarSubmit:
             return self._submit_cuda(
                 op, kind, dtype, count, redop, root, tag, inputs, out_for, splits, t_limit, timeout, p
             )
-        bufs = []
-        arena = self._sc.arena
         try:
-            for i, ins in enumerate(inputs):
-                tensors = ins if ins is not None else out_for[i]
-                nbytes = sum(t.nbytes for t in tensors)
-                seg, off, view = arena.alloc(nbytes)
-                p.allocs.append((seg, off, nbytes))
-                bufs.append((seg, off, nbytes))
-                if ins is not None:
-                    pos = 0
-                    for t in tensors:
-                        view[pos : pos + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
-                        pos += t.nbytes
-            for i, ts in outputs:
-                seg, off, nbytes = bufs[i]
-                view = arena._segs[seg].bytes[off : off + nbytes]
-                pos = 0
-                for t in ts:
-                    p.copy_out.append((t, view[pos : pos + t.nbytes].view(t.dtype).view(t.shape)))
-                    pos += t.nbytes
+            bufs = _stage(self._sc.arena, p, inputs, outputs, out_for)
         except BaseException:
             self._disp._release(p)
             raise

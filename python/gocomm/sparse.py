@@ -101,6 +101,42 @@ def _nvshmem(g, n, input, in_splits, out):
     return out, out_splits if native else out_splits.to(device=in_splits.device, dtype=in_splits.dtype)
 
 
+def _host_counts(g, input, in_splits, out):
+    """all_to_all_v where the counts cross the host (NCCL, the host engine): one all_to_all of
+    the counts, read on the host (the sync), then all_to_all_single of the rows."""
+    send = in_splits.tolist()
+    if any(s < 0 for s in send) or sum(send) != input.shape[0]:
+        raise ValueError(
+            f"gocomm all_to_all_v: in_splits {send} must be >= 0 and add up to input's {input.shape[0]} rows"
+        )
+    # The counts travel on the data's device (the group serves both), as int64.
+    counts = torch.tensor(send, dtype=torch.int64, device=input.device)
+    got = torch.full_like(counts, -1)  # an exchange that wrote nothing fails the check below
+    dist.all_to_all_single(got, counts, group=g)
+    recv = got.tolist()
+    me = dist.get_rank(g)
+    if recv[me] != send[me] or min(recv) < 0:
+        # On CUDA a failed exchange lets the stream go on (its error comes with the next op);
+        # counts that cannot be right must not size the data exchange.
+        raise dist.DistBackendError(
+            f"gocomm all_to_all_v: the count exchange returned {recv} but this rank sent itself {send[me]}: "
+            "the exchange failed (the group's next op, or the sidecar's log, says why)"
+        )
+    rows = sum(recv)
+    overflow = out is not None and rows > out.shape[0]
+    if out is not None and not overflow:
+        output = out.narrow(0, 0, rows)
+    else:
+        output = torch.empty((rows, *input.shape[1:]), dtype=input.dtype, device=input.device)
+    dist.all_to_all_single(output, input, recv, send, group=g)
+    if overflow:
+        raise OverflowError(
+            f"gocomm all_to_all_v: this rank receives {rows} rows ({recv} by source rank) but out holds "
+            f"{out.shape[0]}; nothing was written into out"
+        )
+    return output, got.to(device=in_splits.device, dtype=in_splits.dtype)
+
+
 def all_to_all_v(
     input: torch.Tensor,
     in_splits: torch.Tensor,
@@ -127,13 +163,13 @@ def all_to_all_v(
         dtype, says how many came from each rank. On the NVSHMEM path the host never learns
         the count: output is the whole out buffer (by default input's rows times the group
         size, at most the receive buffer, GOCOMM_A2A_RECV_MB; a given out may be larger
-        where the shim's kernel runs: rows that do not fit the receive buffer at once pass
+        where the in-process kernel runs: rows that do not fit the receive buffer at once pass
         through it in rounds; the sidecar's kernel refuses it), rows past
         sum(out_splits) are undefined, an overflow shows as sum(out_splits) > len(out) with
         nothing written instead of an OverflowError (to get the rows, every rank of the
         group repeats the call, with an out that fits where it overflowed: a call made on
         some ranks only shifts every later op), and splits that are negative or exceed
-        the input make this rank send nothing (logged). Where the shim's kernel runs (the
+        the input make this rank send nothing (logged). Where the in-process kernel runs (the
         group's GPUs share NVLink; see the module's docstring) a call can be captured in a
         CUDA graph with its input, splits (on the GPU) and out, once the group's first call
         on that device ran outside the capture (it sets the path up, collectively); replays
@@ -177,37 +213,7 @@ def all_to_all_v(
         )
     if path is True:
         return _nvshmem(g, n, input, in_splits, out)
-    send = in_splits.tolist()
-    if any(s < 0 for s in send) or sum(send) != input.shape[0]:
-        raise ValueError(
-            f"gocomm all_to_all_v: in_splits {send} must be >= 0 and add up to input's {input.shape[0]} rows"
-        )
-    # The counts travel on the data's device (the group serves both), as int64.
-    counts = torch.tensor(send, dtype=torch.int64, device=input.device)
-    got = torch.full_like(counts, -1)  # an exchange that wrote nothing fails the check below
-    dist.all_to_all_single(got, counts, group=g)
-    recv = got.tolist()
-    me = dist.get_rank(g)
-    if recv[me] != send[me] or min(recv) < 0:
-        # On CUDA a failed exchange lets the stream go on (its error comes with the next op);
-        # counts that cannot be right must not size the data exchange.
-        raise dist.DistBackendError(
-            f"gocomm all_to_all_v: the count exchange returned {recv} but this rank sent itself {send[me]}: "
-            "the exchange failed (the group's next op, or the sidecar's log, says why)"
-        )
-    rows = sum(recv)
-    overflow = out is not None and rows > out.shape[0]
-    if out is not None and not overflow:
-        output = out.narrow(0, 0, rows)
-    else:
-        output = torch.empty((rows, *input.shape[1:]), dtype=input.dtype, device=input.device)
-    dist.all_to_all_single(output, input, recv, send, group=g)
-    if overflow:
-        raise OverflowError(
-            f"gocomm all_to_all_v: this rank receives {rows} rows ({recv} by source rank) but out holds "
-            f"{out.shape[0]}; nothing was written into out"
-        )
-    return output, got.to(device=in_splits.device, dtype=in_splits.dtype)
+    return _host_counts(g, input, in_splits, out)
 
 
 def receive_buffer(
