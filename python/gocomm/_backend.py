@@ -395,7 +395,7 @@ class ProcessGroupGocomm(SidecarSubmit, InProcessKernels, dist.ProcessGroup):
                 return w
         me = self._rank
         if input.device.type == "cpu" and n > 1 and ins[me]:
-            # This rank's own block never leaves the process: copy it here and stage only
+            # This rank's own block never leaves the process: copy it directly and stage only
             # the blocks for the peers (one copy instead of three through shared memory).
             def blocks(t, splits):
                 offs = [sum(splits[:j]) for j in range(n)]
@@ -443,7 +443,7 @@ class ProcessGroupGocomm(SidecarSubmit, InProcessKernels, dist.ProcessGroup):
             )
         me = self._rank
         if ins[0].device.type == "cpu" and n > 1:
-            # as in all_to_all_single: the own block is copied here, not staged
+            # as in all_to_all_single: the own block is copied directly, not staged
             outs[me].copy_(ins[me].view(outs[me].shape))
             return self._submit(
                 op,
