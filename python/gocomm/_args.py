@@ -119,6 +119,14 @@ def _root(op: str, opts, size: int) -> int:
     return root
 
 
+def _peer(op: str, name: str, peer, rank: int, size: int) -> None:
+    """Check that peer (a send's dst, a recv's src) is another rank of the group."""
+    if not isinstance(peer, int) or not 0 <= peer < size:
+        raise ValueError(f"gocomm {op}: {name}={peer!r} is not a rank of this group of {size}")
+    if peer == rank:
+        raise ValueError(f"gocomm {op}: {name}={peer} is this rank")
+
+
 def _splits(op: str, name: str, splits, rows: int, n: int) -> list[int]:
     if not splits:
         if rows % n:

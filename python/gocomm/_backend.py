@@ -26,6 +26,7 @@ from ._args import (
     _match_dtype,
     _opt_timeout,
     _output_list,
+    _peer,
     _redop,
     _root,
     _same_dtype,
@@ -521,12 +522,12 @@ class ProcessGroupGocomm(SidecarSubmit, InProcessKernels, dist.ProcessGroup):
 
     def send(self, tensors, dst, tag=0):
         t = _single("send", "tensor", tensors)
-        self._peer("send", "dst", dst)
+        _peer("send", "dst", dst, self._rank, self._size)
         return self._submit("send", _wire.SEND, t.dtype, count=t.numel(), root=dst, tag=tag, inputs=[[t]], result=[t])
 
     def recv(self, tensors, src, tag=0):
         t = _single("recv", "tensor", tensors)
-        self._peer("recv", "src", src)
+        _peer("recv", "src", src, self._rank, self._size)
         return self._submit(
             "recv",
             _wire.RECV,
@@ -554,12 +555,6 @@ class ProcessGroupGocomm(SidecarSubmit, InProcessKernels, dist.ProcessGroup):
             outputs=[(0, [t])],
             result=[t],
         )
-
-    def _peer(self, op: str, name: str, peer) -> None:
-        if not isinstance(peer, int) or not 0 <= peer < self._size:
-            raise ValueError(f"gocomm {op}: {name}={peer!r} is not a rank of this group of {self._size}")
-        if peer == self._rank:
-            raise ValueError(f"gocomm {op}: {name}={peer} is this rank")
 
     # ----- lifetime -------------------------------------------------------------------------
 
