@@ -3,8 +3,9 @@
 Through the sidecar, a small all_reduce costs the shim's submit, the hand-off to pgserver and
 an NCCL launch there, about twice torch's NCCL time at 8 KiB. Where the group's GPUs map each
 other's memory over NVLink (the group's sparse transport is NVSHMEM: every pair NVLink, sm_90),
-the shim instead launches one kernel on the caller's stream that reads the peers' staging
-buffers through CUDA IPC: one-shot (every rank sums every rank's copy) up to
+the shim instead launches one kernel on the caller's stream that pushes its data into the
+peers' staging buffers through CUDA IPC (remote stores post; remote loads would wait a round
+trip): one-shot (every rank sums every rank's copy) up to
 GOCOMM_AR_ONESHOT bytes, two-shot (reduce-scatter then all-gather, both by remote stores)
 above, in rounds of GOCOMM_AR_STAGE bytes (default 32 MiB) through staging of a fixed size,
 up to GOCOMM_AR_MAX bytes (default: any size). Sum and avg of bf16, fp16 and fp32, message
