@@ -6,10 +6,8 @@ import (
 	"sync"
 
 	"github.com/gocomm/gocomm/internal/shm"
+	"github.com/gocomm/gocomm/wire"
 )
-
-// ErrNotFound: a session, group or segment that does not exist (any more).
-var ErrNotFound = errors.New("not found")
 
 // registry holds the shared-memory segments of one session: the host memory that descriptors
 // point into.
@@ -42,7 +40,7 @@ func newRegistry(dir string) *registry {
 func (r *registry) alloc(size uint64) (id uint32, path string, bytes uint64, err error) {
 	const page = 4096
 	if size == 0 || size > 1<<40 {
-		return 0, "", 0, fmt.Errorf("%w: segment of %d bytes", ErrInvalid, size)
+		return 0, "", 0, fmt.Errorf("%w: segment of %d bytes", wire.ErrInvalid, size)
 	}
 	size = (size + page - 1) / page * page
 	mem, err := shm.Create(r.dir, "gocomm-seg", int(size))
@@ -78,19 +76,19 @@ func (r *registry) free(id uint32) error {
 
 // resolve returns the bytes each ref names, holding a reference on their segments until
 // release is called (invariants 1 and 2).
-func (r *registry) resolve(refs []BufRef) (bufs [][]byte, release func(), err error) {
+func (r *registry) resolve(refs []wire.BufRef) (bufs [][]byte, release func(), err error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	bufs = make([][]byte, len(refs))
 	for i, ref := range refs {
 		s := r.segs[ref.Segment]
 		if s == nil || s.freed {
-			return nil, nil, fmt.Errorf("%w: buffer %d: segment %d: %w", ErrInvalid, i, ref.Segment, ErrNotFound)
+			return nil, nil, fmt.Errorf("%w: buffer %d: segment %d: %w", wire.ErrInvalid, i, ref.Segment, ErrNotFound)
 		}
 		size := uint64(len(s.mem.Data))
 		if ref.Offset > size || ref.Length > size-ref.Offset {
 			return nil, nil, fmt.Errorf("%w: buffer %d: bytes [%d, %d+%d) outside segment %d of %d bytes",
-				ErrInvalid, i, ref.Offset, ref.Offset, ref.Length, ref.Segment, size)
+				wire.ErrInvalid, i, ref.Offset, ref.Offset, ref.Length, ref.Segment, size)
 		}
 		bufs[i] = s.mem.Data[ref.Offset : ref.Offset+ref.Length : ref.Offset+ref.Length]
 	}

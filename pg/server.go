@@ -13,11 +13,13 @@ import (
 	"sync"
 	"time"
 
+	"github.com/gocomm/gocomm/gpu"
 	"github.com/gocomm/gocomm/internal/ring"
 	"github.com/gocomm/gocomm/internal/shm"
 	"github.com/gocomm/gocomm/node"
 	"github.com/gocomm/gocomm/sparse"
 	"github.com/gocomm/gocomm/transport"
+	"github.com/gocomm/gocomm/wire"
 )
 
 // Config of a Server.
@@ -32,7 +34,7 @@ type Config struct {
 	// costs a core but saves the wake-up latency (a few microseconds) on busy GPU ranks.
 	Spin time.Duration
 	// Device is the GPU engine, or nil where the sidecar serves CPU tensors only.
-	Device DeviceEngine
+	Device gpu.Engine
 	// Sparse picks a client's sparse all-to-all transport when it attaches (sparse.NewChooser);
 	// it is handed the engine's NVSHMEM loader. An error refuses the client (a transport forced
 	// where it cannot run). Nil: always NCCL.
@@ -80,7 +82,7 @@ func NewServer(cfg Config, node *transport.Node, log *slog.Logger) *Server {
 	if cfg.RingBytes == 0 {
 		cfg.RingBytes = 1 << 20
 	}
-	transport.SetOpNames(func(op uint8) string { return OpKind(op).String() })
+	transport.SetOpNames(func(op uint8) string { return wire.OpKind(op).String() })
 	return &Server{
 		cfg: cfg, node: node, log: log, started: time.Now(),
 		sessions: map[uint64]*Session{}, groups: map[uint32]*Group{},
@@ -144,7 +146,7 @@ func (s *Server) chooseSparse(hasNCCL bool) (SparseChoice, error) {
 }
 
 // Device is the GPU engine (nil without one).
-func (s *Server) Device() DeviceEngine { return s.cfg.Device }
+func (s *Server) Device() gpu.Engine { return s.cfg.Device }
 
 // Attach opens a session for a client process: it creates the ring file the client maps.
 // ncclPath names the NCCL the client loaded ("" when it has none); the sidecar loads the same
@@ -154,7 +156,7 @@ func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath strin
 		ringBytes = s.cfg.RingBytes
 	}
 	if ringBytes > 1<<28 {
-		return nil, fmt.Errorf("%w: ring of %d bytes", ErrInvalid, ringBytes)
+		return nil, fmt.Errorf("%w: ring of %d bytes", wire.ErrInvalid, ringBytes)
 	}
 	mem, err := shm.Create(s.cfg.ShmDir, "gocomm-ring", ring.Size(ringBytes))
 	if err != nil {

@@ -16,11 +16,7 @@ import (
 	"syscall"
 	"time"
 
-	"golang.org/x/sys/unix"
-	"google.golang.org/grpc"
-
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
-
 	"github.com/gocomm/gocomm/collectives/device"
 	"github.com/gocomm/gocomm/config"
 	gonvml "github.com/gocomm/gocomm/internal/nvml"
@@ -30,6 +26,8 @@ import (
 	"github.com/gocomm/gocomm/rpc"
 	"github.com/gocomm/gocomm/sparse"
 	"github.com/gocomm/gocomm/transport"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
 )
 
 // version is set at build time (-ldflags "-X main.version=...").

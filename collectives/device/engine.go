@@ -1,7 +1,7 @@
 // Package device runs collectives on GPUs for the sidecar: NCCL directly on the client's
 // memory (CUDA IPC), ordered against the client's streams by counters in device memory that
 // both processes map.
-// It implements pg.DeviceEngine; cmd/pgserver wires it in where the driver loads.
+// It implements gpu.Engine; cmd/pgserver wires it in where the driver loads.
 package device
 
 import (
@@ -12,13 +12,13 @@ import (
 	"sync"
 	"time"
 
-	"github.com/gocomm/gocomm/collectives/reduce"
 	"github.com/gocomm/gocomm/config"
+	"github.com/gocomm/gocomm/gpu"
 	"github.com/gocomm/gocomm/internal/cuda"
 	"github.com/gocomm/gocomm/internal/nccl"
 	"github.com/gocomm/gocomm/internal/nvshmem"
 	"github.com/gocomm/gocomm/kernels"
-	"github.com/gocomm/gocomm/pg"
+	"github.com/gocomm/gocomm/wire"
 )
 
 // Engine is the sidecar's GPU engine.
@@ -34,7 +34,7 @@ type Engine struct {
 	A2A     config.A2A
 	log     *slog.Logger
 	err     error // why there is no GPU engine, or nil
-	devices []pg.DeviceInfo
+	devices []gpu.Device
 }
 
 // New loads the driver and lists the devices; a machine without a driver gets an engine
@@ -61,7 +61,7 @@ func New(log *slog.Logger) *Engine {
 		}
 		name, _ := d.Name()
 		uuid, _ := d.UUID()
-		e.devices = append(e.devices, pg.DeviceInfo{Index: i, Name: name, UUID: uuid})
+		e.devices = append(e.devices, gpu.Device{Index: i, Name: name, UUID: uuid})
 		major, _ := d.Attribute(cuda.AttrComputeCapabilityMajor)
 		minor, _ := d.Attribute(cuda.AttrComputeCapabilityMinor)
 		e.arch = append(e.arch, major*10+minor)
@@ -69,8 +69,8 @@ func New(log *slog.Logger) *Engine {
 	return e
 }
 
-// Info implements pg.DeviceEngine.
-func (e *Engine) Info() (bool, string, []pg.DeviceInfo) {
+// Info implements gpu.Engine.
+func (e *Engine) Info() (bool, string, []gpu.Device) {
 	if e.err != nil {
 		return false, e.err.Error(), nil
 	}
@@ -102,7 +102,7 @@ func (e *Engine) MPS() (bool, error) {
 	return on != 0, nil
 }
 
-// LoadNCCL implements pg.DeviceEngine.
+// LoadNCCL implements gpu.Engine.
 func (e *Engine) LoadNCCL(path string) error {
 	if e.err != nil {
 		return e.err
@@ -116,7 +116,7 @@ func (e *Engine) LoadNCCL(path string) error {
 	return nil
 }
 
-// LoadNVSHMEM implements pg.DeviceEngine: it checks that the NVSHMEM kernels were built for
+// LoadNVSHMEM implements gpu.Engine: it checks that the NVSHMEM kernels were built for
 // these GPUs and opens the host library (no NVSHMEM init; that waits for the first
 // all_to_all_v, collectively).
 func (e *Engine) LoadNVSHMEM() error {
@@ -146,11 +146,11 @@ func archMatches(arch []int, want int) error {
 	return nil
 }
 
-// Check implements pg.DeviceEngine.
-func (e *Engine) Check(dt reduce.DType, op reduce.Op) error { return Check(dt, op) }
+// Check implements gpu.Engine.
+func (e *Engine) Check(dt wire.DType, op wire.RedOp) error { return Check(dt, op) }
 
-// Attach implements pg.DeviceEngine.
-func (e *Engine) Attach(uuid [16]byte) (pg.DeviceSession, error) {
+// Attach implements gpu.Engine.
+func (e *Engine) Attach(uuid [16]byte) (gpu.Session, error) {
 	if e.err != nil {
 		return nil, e.err
 	}
@@ -170,10 +170,10 @@ func (e *Engine) Attach(uuid [16]byte) (pg.DeviceSession, error) {
 		if s.ctl, err = cuda.NewStream(cuda.StreamNonBlocking); err != nil {
 			return err
 		}
-		if s.counters, err = cuda.Alloc(pg.CounterBytes); err != nil {
+		if s.counters, err = cuda.Alloc(gpu.CounterBytes); err != nil {
 			return err
 		}
-		if err = s.ctl.CopyToDeviceOn(s.counters, make([]byte, pg.CounterBytes)); err != nil {
+		if err = s.ctl.CopyToDeviceOn(s.counters, make([]byte, gpu.CounterBytes)); err != nil {
 			return err
 		}
 		s.countersIPC, err = cuda.ExportIPC(s.counters)
@@ -238,17 +238,17 @@ func (s *session) do(f func() error) error {
 
 func (s *session) Counters() [64]byte { return s.countersIPC }
 
-// Release implements pg.DeviceSession: ready = done = floor + pg.ReleaseAhead on both lanes
+// Release implements gpu.Session: ready = done = floor + gpu.ReleaseAhead on both lanes
 // of the slot, through ctl (invariant 3). The values depend on floor only, so releasing
 // again writes them again (which also undoes done writes that ran after the first release).
 func (s *session) Release(slot int, floor [2]uint32) error {
-	if slot < 0 || slot >= pg.CounterSlots {
+	if slot < 0 || slot >= gpu.CounterSlots {
 		return fmt.Errorf("counter slot %d out of range", slot)
 	}
 	var w [16]byte
 	le := binary.LittleEndian
 	for lane, f := range floor {
-		far := f + pg.ReleaseAhead
+		far := f + gpu.ReleaseAhead
 		le.PutUint32(w[8*lane:], far)
 		le.PutUint32(w[8*lane+4:], far)
 	}
@@ -261,7 +261,7 @@ func (s *session) RegisterIPC(seg uint32, handle [64]byte, size uint64) error {
 	s.mu.Lock()
 	if _, dup := s.segs[seg]; dup {
 		s.mu.Unlock()
-		return fmt.Errorf("%w: CUDA segment %d registered twice", pg.ErrInvalid, seg)
+		return fmt.Errorf("%w: CUDA segment %d registered twice", wire.ErrInvalid, seg)
 	}
 	s.mu.Unlock()
 	var p cuda.Ptr
@@ -283,7 +283,7 @@ func (s *session) DropIPC(seg uint32) error {
 	g := s.segs[seg]
 	if g == nil || g.dropped {
 		s.mu.Unlock()
-		return fmt.Errorf("CUDA segment %d: %w", seg, pg.ErrNotFound)
+		return fmt.Errorf("CUDA segment %d: %w", seg, wire.ErrNotFound)
 	}
 	g.dropped = true
 	unmap := g.refs == 0
@@ -297,7 +297,7 @@ func (s *session) DropIPC(seg uint32) error {
 	return nil
 }
 
-func (s *session) Resolve(refs []pg.BufRef) ([]uint64, func(), error) {
+func (s *session) Resolve(refs []wire.BufRef) ([]uint64, func(), error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ptrs := make([]uint64, len(refs))
@@ -307,11 +307,11 @@ func (s *session) Resolve(refs []pg.BufRef) ([]uint64, func(), error) {
 		}
 		g := s.segs[r.Segment]
 		if g == nil || g.dropped {
-			return nil, nil, fmt.Errorf("%w: buffer %d: CUDA segment %d is not registered", pg.ErrInvalid, i, r.Segment)
+			return nil, nil, fmt.Errorf("%w: buffer %d: CUDA segment %d is not registered", wire.ErrInvalid, i, r.Segment)
 		}
 		if r.Offset > g.size || r.Length > g.size-r.Offset {
 			return nil, nil, fmt.Errorf("%w: buffer %d: bytes [%d, %d+%d) outside CUDA segment %d of %d bytes",
-				pg.ErrInvalid, i, r.Offset, r.Offset, r.Length, r.Segment, g.size)
+				wire.ErrInvalid, i, r.Offset, r.Offset, r.Length, r.Segment, g.size)
 		}
 		ptrs[i] = uint64(g.ptr) + r.Offset
 	}

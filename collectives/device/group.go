@@ -12,10 +12,11 @@ import (
 	"time"
 
 	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/gpu"
 	"github.com/gocomm/gocomm/internal/cuda"
 	"github.com/gocomm/gocomm/internal/nccl"
 	"github.com/gocomm/gocomm/internal/nvshmem"
-	"github.com/gocomm/gocomm/pg"
+	"github.com/gocomm/gocomm/wire"
 )
 
 // Lanes: collectives and point-to-point ops count on separate counters (as torch's NCCL
@@ -62,7 +63,7 @@ type group struct {
 	s          *session
 	rank, size int
 	slot       int
-	link       pg.PeerLink
+	link       gpu.PeerLink
 	ready      [2]cuda.Ptr // device addresses of the counters
 	done       [2]cuda.Ptr
 	scratch    cuda.Ptr // barrier's all_reduce operand
@@ -113,9 +114,9 @@ func (w *worker) lane() int {
 	return laneP2P
 }
 
-// dop is a DeviceOp whose Done runs once.
+// dop is a gpu.Op whose Done runs once.
 type dop struct {
-	pg.DeviceOp
+	gpu.Op
 	once sync.Once
 }
 
@@ -130,8 +131,8 @@ type flight struct {
 	check func(cuda.Stream) error
 }
 
-func (s *session) NewGroup(rank, size, slot int, base [2]uint32, link pg.PeerLink) (pg.DeviceGroup, error) {
-	if slot < 0 || slot >= pg.CounterSlots {
+func (s *session) NewGroup(rank, size, slot int, base [2]uint32, link gpu.PeerLink) (gpu.Group, error) {
+	if slot < 0 || slot >= gpu.CounterSlots {
 		return nil, fmt.Errorf("counter slot %d out of range", slot)
 	}
 	g := &group{s: s, rank: rank, size: size, slot: slot, link: link, pairs: map[pairKey]*worker{},
@@ -160,7 +161,7 @@ func (s *session) NewGroup(rank, size, slot int, base [2]uint32, link pg.PeerLin
 	return g, nil
 }
 
-// releaseFloor is the floor a release counts from (pg.DeviceSession.Release).
+// releaseFloor is the floor a release counts from (gpu.Session.Release).
 func (g *group) releaseFloor() [2]uint32 {
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -192,9 +193,9 @@ func (g *group) start(w *worker) {
 	go g.work(w)
 }
 
-// Enqueue implements pg.DeviceGroup.
-func (g *group) Enqueue(op pg.DeviceOp) {
-	o := &dop{DeviceOp: op}
+// Enqueue implements gpu.Group.
+func (g *group) Enqueue(op gpu.Op) {
+	o := &dop{Op: op}
 	g.mu.Lock()
 	if err := g.broken; err != nil || g.closing {
 		g.mu.Unlock()
@@ -205,8 +206,8 @@ func (g *group) Enqueue(op pg.DeviceOp) {
 		return
 	}
 	w := g.coll
-	if k := op.Desc.Kind; k == pg.OpSend || k == pg.OpRecv {
-		key := pairKey{peer: int(op.Desc.Root), send: k == pg.OpSend}
+	if k := op.Desc.Kind; k == wire.OpSend || k == wire.OpRecv {
+		key := pairKey{peer: int(op.Desc.Root), send: k == wire.OpSend}
 		if w = g.pairs[key]; w == nil {
 			w = &worker{key: key}
 			g.pairs[key] = w
@@ -415,14 +416,14 @@ func (g *group) commOf(w *worker, deadline time.Time) (nccl.Comm, error) {
 			return nccl.Comm{}, errors.New("NCCL communicator init: the group was aborted")
 		default:
 		}
-		return nccl.Comm{}, fmt.Errorf("%w: NCCL communicator init: a peer did not join before the deadline", pg.ErrTimeout)
+		return nccl.Comm{}, fmt.Errorf("%w: NCCL communicator init: a peer did not join before the deadline", gpu.ErrTimeout)
 	}
 }
 
 // launch enqueues one op on w's stream st (design 1-3).
 func (g *group) launch(w *worker, o *dop, st cuda.Stream) error {
 	d := o.Desc
-	if d.Kind == pg.OpAllToAllV {
+	if d.Kind == wire.OpAllToAllV {
 		if err := g.launchA2AV(o, st); err != nil {
 			return err
 		}
@@ -438,7 +439,7 @@ func (g *group) launch(w *worker, o *dop, st cuda.Stream) error {
 	}
 	ns := nccl.Stream(st.Handle())
 	if lane == laneColl {
-		if err := enqueueNCCL(comm, o.DeviceOp, ns, g.rank, g.size, g.scratch); err != nil {
+		if err := enqueueNCCL(comm, o.Op, ns, g.rank, g.size, g.scratch); err != nil {
 			return err
 		}
 		if err := st.WriteValue32(g.done[lane], d.StreamValue); err != nil {
@@ -600,7 +601,7 @@ func (g *group) poll() {
 		g.mu.Unlock()
 		if late != nil {
 			g.Abort(fmt.Errorf("%w: %s was still being enqueued (in NCCL) at its deadline; a peer never posted its side",
-				pg.ErrTimeout, late.Desc.Kind))
+				gpu.ErrTimeout, late.Desc.Kind))
 		}
 		var retired []*flight
 		for _, f := range flights {
@@ -611,7 +612,7 @@ func (g *group) poll() {
 			case done:
 				retired = append(retired, f)
 			case now.After(f.op.Deadline):
-				g.Abort(fmt.Errorf("%w: %s did not finish on the GPU before its deadline", pg.ErrTimeout, f.op.Desc.Kind))
+				g.Abort(fmt.Errorf("%w: %s did not finish on the GPU before its deadline", gpu.ErrTimeout, f.op.Desc.Kind))
 			}
 		}
 		if len(retired) > 0 {
@@ -682,7 +683,7 @@ func (g *group) busyWhere(match func(*dop) bool) *dop {
 	return nil
 }
 
-// Abort implements pg.DeviceGroup (design 6).
+// Abort implements gpu.Group (design 6).
 func (g *group) Abort(cause error) {
 	g.mu.Lock()
 	if g.broken != nil || g.closed {
@@ -732,7 +733,7 @@ func (g *group) Abort(cause error) {
 	}
 }
 
-// Close implements pg.DeviceGroup: it waits for queued work, then frees the communicators.
+// Close implements gpu.Group: it waits for queued work, then frees the communicators.
 func (g *group) Close() error {
 	g.mu.Lock()
 	g.closing = true
@@ -774,50 +775,50 @@ func (g *group) Close() error {
 }
 
 // ncclType maps a dtype (and op) to NCCL's; count is scaled for types NCCL sees as pairs.
-func ncclType(dt reduce.DType, op reduce.Op) (nccl.DataType, nccl.RedOp, int, error) {
-	rop := map[reduce.Op]nccl.RedOp{reduce.Sum: nccl.Sum, reduce.Avg: nccl.Avg, reduce.Product: nccl.Prod,
-		reduce.Min: nccl.Min, reduce.Max: nccl.Max}
+func ncclType(dt wire.DType, op wire.RedOp) (nccl.DataType, nccl.RedOp, int, error) {
+	rop := map[wire.RedOp]nccl.RedOp{wire.Sum: nccl.Sum, wire.Avg: nccl.Avg, wire.Product: nccl.Prod,
+		wire.Min: nccl.Min, wire.Max: nccl.Max}
 	r, ok := rop[op]
 	if !ok {
 		return 0, 0, 0, fmt.Errorf("%w: %s on CUDA tensors (NCCL has no bitwise reductions)", reduce.ErrUnsupported, op)
 	}
 	switch dt {
-	case reduce.Bool:
+	case wire.Bool:
 		// bool as uint8: or for sum/max, and for product/min
-		if op == reduce.Sum || op == reduce.Max {
+		if op == wire.Sum || op == wire.Max {
 			return nccl.Uint8, nccl.Max, 1, nil
 		}
-		if op == reduce.Product || op == reduce.Min {
+		if op == wire.Product || op == wire.Min {
 			return nccl.Uint8, nccl.Min, 1, nil
 		}
-	case reduce.Uint8:
+	case wire.Uint8:
 		return nccl.Uint8, r, 1, nil
-	case reduce.Int8:
+	case wire.Int8:
 		return nccl.Int8, r, 1, nil
-	case reduce.Int32:
+	case wire.Int32:
 		return nccl.Int32, r, 1, nil
-	case reduce.Uint32:
+	case wire.Uint32:
 		return nccl.Uint32, r, 1, nil
-	case reduce.Int64:
+	case wire.Int64:
 		return nccl.Int64, r, 1, nil
-	case reduce.Uint64:
+	case wire.Uint64:
 		return nccl.Uint64, r, 1, nil
-	case reduce.Float16:
+	case wire.Float16:
 		return nccl.Float16, r, 1, nil
-	case reduce.BFloat16:
+	case wire.BFloat16:
 		return nccl.BFloat16, r, 1, nil
-	case reduce.Float32:
+	case wire.Float32:
 		return nccl.Float32, r, 1, nil
-	case reduce.Float64:
+	case wire.Float64:
 		return nccl.Float64, r, 1, nil
-	case reduce.Float8E4M3FN:
+	case wire.Float8E4M3FN:
 		return nccl.Float8E4M3, r, 1, nil
-	case reduce.Float8E5M2:
+	case wire.Float8E5M2:
 		return nccl.Float8E5M2, r, 1, nil
-	case reduce.Complex64, reduce.Complex128:
-		if op == reduce.Sum || op == reduce.Avg {
+	case wire.Complex64, wire.Complex128:
+		if op == wire.Sum || op == wire.Avg {
 			t := nccl.Float32
-			if dt == reduce.Complex128 {
+			if dt == wire.Complex128 {
 				t = nccl.Float64
 			}
 			return t, r, 2, nil
@@ -827,43 +828,43 @@ func ncclType(dt reduce.DType, op reduce.Op) (nccl.DataType, nccl.RedOp, int, er
 }
 
 // Check reports whether a reduction can run on CUDA tensors (what ncclType accepts).
-func Check(dt reduce.DType, op reduce.Op) error {
+func Check(dt wire.DType, op wire.RedOp) error {
 	_, _, _, err := ncclType(dt, op)
 	return err
 }
 
 // enqueueNCCL issues the NCCL calls of one op on stream st.
-func enqueueNCCL(c nccl.Comm, op pg.DeviceOp, st nccl.Stream, rank, size int, scratch cuda.Ptr) error {
+func enqueueNCCL(c nccl.Comm, op gpu.Op, st nccl.Stream, rank, size int, scratch cuda.Ptr) error {
 	d := op.Desc
 	p := op.Ptrs
 	es := d.DType.Size()
 	u := func(x uint64) uintptr { return uintptr(x) }
 	switch d.Kind {
-	case pg.OpAllReduce:
+	case wire.OpAllReduce:
 		t, r, k, err := ncclType(d.DType, d.RedOp)
 		if err != nil {
 			return err
 		}
 		return c.AllReduce(u(p[0]), u(p[0]), int(d.Count)*k, t, r, st)
-	case pg.OpReduce:
+	case wire.OpReduce:
 		t, r, k, err := ncclType(d.DType, d.RedOp)
 		if err != nil {
 			return err
 		}
 		return c.Reduce(u(p[0]), u(p[0]), int(d.Count)*k, t, r, int(d.Root), st)
-	case pg.OpReduceScatter:
+	case wire.OpReduceScatter:
 		t, r, k, err := ncclType(d.DType, d.RedOp)
 		if err != nil {
 			return err
 		}
 		return c.ReduceScatter(u(p[0]), u(p[1]), int(d.Count)*k, t, r, st)
-	case pg.OpBroadcast:
+	case wire.OpBroadcast:
 		return c.Broadcast(u(p[0]), u(p[0]), int(d.Count)*es, nccl.Uint8, int(d.Root), st)
-	case pg.OpAllGather:
+	case wire.OpAllGather:
 		return c.AllGather(u(p[0]), u(p[1]), int(d.Count)*es, nccl.Uint8, st)
-	case pg.OpBarrier:
+	case wire.OpBarrier:
 		return c.AllReduce(uintptr(scratch), uintptr(scratch), 1, nccl.Float32, nccl.Sum, st)
-	case pg.OpAllToAll:
+	case wire.OpAllToAll:
 		return grouped(func() error {
 			var inOff, outOff uint64
 			for j := 0; j < size; j++ {
@@ -878,7 +879,7 @@ func enqueueNCCL(c nccl.Comm, op pg.DeviceOp, st nccl.Stream, rank, size int, sc
 			}
 			return nil
 		})
-	case pg.OpGather:
+	case wire.OpGather:
 		m := int(d.Count) * es
 		return grouped(func() error {
 			if err := c.Send(u(p[0]), m, nccl.Uint8, int(d.Root), st); err != nil {
@@ -893,7 +894,7 @@ func enqueueNCCL(c nccl.Comm, op pg.DeviceOp, st nccl.Stream, rank, size int, sc
 			}
 			return nil
 		})
-	case pg.OpScatter:
+	case wire.OpScatter:
 		m := int(d.Count) * es
 		return grouped(func() error {
 			if rank == int(d.Root) {
@@ -906,7 +907,7 @@ func enqueueNCCL(c nccl.Comm, op pg.DeviceOp, st nccl.Stream, rank, size int, sc
 			return c.Recv(u(p[0]), m, nccl.Uint8, int(d.Root), st)
 		})
 	}
-	return fmt.Errorf("%w: %s on CUDA tensors", pg.ErrInvalid, d.Kind)
+	return fmt.Errorf("%w: %s on CUDA tensors", wire.ErrInvalid, d.Kind)
 }
 
 // grouped runs f between ncclGroupStart and ncclGroupEnd.
