@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"sync"
 
-	"github.com/gocomm/gocomm/internal/shm"
+	"github.com/gocomm/gocomm/shm"
 	"github.com/gocomm/gocomm/wire"
 )
 

@@ -14,9 +14,9 @@ import (
 	"time"
 
 	"github.com/gocomm/gocomm/gpu"
-	"github.com/gocomm/gocomm/internal/ring"
-	"github.com/gocomm/gocomm/internal/shm"
 	"github.com/gocomm/gocomm/node"
+	"github.com/gocomm/gocomm/ring"
+	"github.com/gocomm/gocomm/shm"
 	"github.com/gocomm/gocomm/sparse"
 	"github.com/gocomm/gocomm/transport"
 	"github.com/gocomm/gocomm/wire"

@@ -11,8 +11,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/gocomm/gocomm/internal/ring"
-	"github.com/gocomm/gocomm/internal/shm"
+	"github.com/gocomm/gocomm/ring"
+	"github.com/gocomm/gocomm/shm"
 	"github.com/gocomm/gocomm/transport"
 	"github.com/gocomm/gocomm/wire"
 )

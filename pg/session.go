@@ -11,9 +11,9 @@ import (
 
 	"github.com/gocomm/gocomm/collectives/reduce"
 	"github.com/gocomm/gocomm/gpu"
-	"github.com/gocomm/gocomm/internal/ring"
-	"github.com/gocomm/gocomm/internal/shm"
 	"github.com/gocomm/gocomm/node"
+	"github.com/gocomm/gocomm/ring"
+	"github.com/gocomm/gocomm/shm"
 	"github.com/gocomm/gocomm/wire"
 )
 

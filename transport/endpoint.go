@@ -11,7 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/gocomm/gocomm/internal/shm"
+	"github.com/gocomm/gocomm/shm"
 )
 
 // Errors an op can fail with. They wrap into the error the executor reports.

@@ -9,7 +9,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/gocomm/gocomm/internal/shm"
+	"github.com/gocomm/gocomm/shm"
 )
 
 // refMin: payloads at least this large go by reference on same-host links; below it the

@@ -14,7 +14,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/gocomm/gocomm/internal/shm"
+	"github.com/gocomm/gocomm/shm"
 )
 
 // Node is a sidecar's presence on the network: one TCP listener that peers dial, and the
