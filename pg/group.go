@@ -31,7 +31,7 @@ import (
 //     peers, fails everything pending, and every later op fails at once with the cause. The
 //     executor reports an op's completion only after the endpoint is quiescent, so no reader
 //     writes into an op's memory after the client was told the op ended.
-//  4. An op holds references on its segments until it completes (registry invariant 2).
+//  4. An op holds references on its segments until it completes (package segment, invariant 2).
 type Group struct {
 	Handle      uint32
 	Name        string

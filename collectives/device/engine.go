@@ -18,6 +18,7 @@ import (
 	"github.com/gocomm/gocomm/internal/nccl"
 	"github.com/gocomm/gocomm/internal/nvshmem"
 	"github.com/gocomm/gocomm/kernels"
+	"github.com/gocomm/gocomm/segment"
 	"github.com/gocomm/gocomm/wire"
 )
 
@@ -162,7 +163,7 @@ func (e *Engine) Attach(uuid [16]byte) (gpu.Session, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &session{log: e.log, spin: e.Spin, a2a: e.A2A, dev: dev, ctx: ctx, segs: map[uint32]*ipcSeg{}}
+	s := &session{log: e.log, spin: e.Spin, a2a: e.A2A, dev: dev, ctx: ctx, segs: segment.New[ipcSeg]("CUDA segment")}
 	e.mu.Lock()
 	s.shmem.path = e.nvshmemPath
 	e.mu.Unlock()
@@ -214,17 +215,19 @@ type session struct {
 	relMu       sync.Mutex
 	shmem       shmemState // the NVSHMEM PE, made by the first OpAllToAllV
 
-	mu   sync.Mutex
-	segs map[uint32]*ipcSeg
+	segs *segment.Table[ipcSeg]
 }
 
+// ipcSeg is a client's allocation mapped by CUDA IPC.
 type ipcSeg struct {
-	id      uint32
-	ptr     cuda.Ptr
-	size    uint64
-	refs    int
-	dropped bool
+	s    *session
+	ptr  cuda.Ptr
+	size uint64
 }
+
+func (g ipcSeg) Size() uint64 { return g.size }
+
+func (g ipcSeg) Close() error { return g.s.do(func() error { return cuda.CloseIPC(g.ptr) }) }
 
 // do runs f on a locked thread with the context current (invariant 1).
 func (s *session) do(f func() error) error {
@@ -258,12 +261,9 @@ func (s *session) Release(slot int, floor [2]uint32) error {
 }
 
 func (s *session) RegisterIPC(seg uint32, handle [64]byte, size uint64) error {
-	s.mu.Lock()
-	if _, dup := s.segs[seg]; dup {
-		s.mu.Unlock()
+	if s.segs.Has(seg) {
 		return fmt.Errorf("%w: CUDA segment %d registered twice", wire.ErrInvalid, seg)
 	}
-	s.mu.Unlock()
 	var p cuda.Ptr
 	err := s.do(func() (err error) {
 		p, err = cuda.OpenIPC(cuda.IPCHandle(handle))
@@ -272,82 +272,34 @@ func (s *session) RegisterIPC(seg uint32, handle [64]byte, size uint64) error {
 	if err != nil {
 		return fmt.Errorf("map the client's allocation (segment %d, %d bytes): %w", seg, size, err)
 	}
-	s.mu.Lock()
-	s.segs[seg] = &ipcSeg{id: seg, ptr: p, size: size}
-	s.mu.Unlock()
-	return nil
-}
-
-func (s *session) DropIPC(seg uint32) error {
-	s.mu.Lock()
-	g := s.segs[seg]
-	if g == nil || g.dropped {
-		s.mu.Unlock()
-		return fmt.Errorf("CUDA segment %d: %w", seg, wire.ErrNotFound)
-	}
-	g.dropped = true
-	unmap := g.refs == 0
-	if unmap {
-		delete(s.segs, seg)
-	}
-	s.mu.Unlock()
-	if unmap {
-		return s.do(func() error { return cuda.CloseIPC(g.ptr) })
+	g := ipcSeg{s: s, ptr: p, size: size}
+	if err := s.segs.Add(seg, g); err != nil {
+		g.Close()
+		return err
 	}
 	return nil
 }
 
+func (s *session) DropIPC(seg uint32) error { return s.segs.Drop(seg) }
+
+// Resolve implements gpu.Session: the segment table bounds-checks each buffer; an empty
+// buffer names no memory (NCCL never touches it: ptr 0).
 func (s *session) Resolve(refs []wire.BufRef) ([]uint64, func(), error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
+	segs, release, err := s.segs.Resolve(refs, true)
+	if err != nil {
+		return nil, nil, err
+	}
 	ptrs := make([]uint64, len(refs))
 	for i, r := range refs {
-		if r.Length == 0 {
-			continue // an empty buffer: NCCL never touches it (ptr 0)
-		}
-		g := s.segs[r.Segment]
-		if g == nil || g.dropped {
-			return nil, nil, fmt.Errorf("%w: buffer %d: CUDA segment %d is not registered", wire.ErrInvalid, i, r.Segment)
-		}
-		if r.Offset > g.size || r.Length > g.size-r.Offset {
-			return nil, nil, fmt.Errorf("%w: buffer %d: bytes [%d, %d+%d) outside CUDA segment %d of %d bytes",
-				wire.ErrInvalid, i, r.Offset, r.Offset, r.Length, r.Segment, g.size)
-		}
-		ptrs[i] = uint64(g.ptr) + r.Offset
-	}
-	var held []*ipcSeg
-	for _, r := range refs {
 		if r.Length > 0 {
-			g := s.segs[r.Segment]
-			g.refs++
-			held = append(held, g)
+			ptrs[i] = uint64(segs[i].ptr) + r.Offset
 		}
 	}
-	var once sync.Once
-	return ptrs, func() {
-		once.Do(func() {
-			var unmap []*ipcSeg
-			s.mu.Lock()
-			for _, g := range held {
-				g.refs--
-				if g.refs == 0 && g.dropped {
-					unmap = append(unmap, g)
-					delete(s.segs, g.id)
-				}
-			}
-			s.mu.Unlock()
-			for _, g := range unmap {
-				s.do(func() error { return cuda.CloseIPC(g.ptr) })
-			}
-		})
-	}, nil
+	return ptrs, release, nil
 }
 
 func (s *session) Close() error {
-	s.mu.Lock()
-	segs := s.segs
-	s.segs = map[uint32]*ipcSeg{}
-	s.mu.Unlock()
+	segs := s.segs.Take()
 	return s.do(func() error {
 		for _, g := range segs {
 			cuda.CloseIPC(g.ptr)
