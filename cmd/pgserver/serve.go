@@ -92,25 +92,11 @@ func run(args []string) error {
 		return err
 	}
 	defer node.Close()
-	var topo sparse.Topology
-	t, topoErr := gonvml.Read(nvml.New())
-	if topoErr != nil {
-		log.Info("no GPU topology", "err", topoErr)
-	} else {
-		topo = t
-	}
-	_, kernelsErr := kernels.Cubin("a2av")
-	chooser, err := sparse.NewChooser(topo, cfg.Transport, kernelsErr)
+	pcfg, err := engines(log, cfg, *spin)
 	if err != nil {
 		return err
 	}
-	dev := device.New(log)
-	dev.Spin = *spin
-	hostname, _ := os.Hostname()
-	facts := gonode.Describe(hostname, topo, topoErr, dev)
-	log.Info("node capabilities", "facts", facts)
-	dev.A2A = cfg.A2A
-	srv = pg.NewServer(pg.Config{Version: version, Spin: *spin, Device: dev, Sparse: chooser, Node: facts}, node, log)
+	srv = pg.NewServer(pcfg, node, log)
 
 	ln, err := listenUnix(*socket)
 	if err != nil {
@@ -127,19 +113,7 @@ func run(args []string) error {
 	}
 	rpc.NewService(srv, rpc.Host{RuntimeDir: *runtimeDir, LogFile: *logFile, A2A: cfg.A2A}, stop).Register(gs)
 
-	sigs := make(chan os.Signal, 1)
-	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
-	go func() { stop(fmt.Sprintf("signal %v", <-sigs)) }()
-	// SIGUSR1 logs every goroutine's stack and goes on serving: what a hang is waiting for.
-	dump := make(chan os.Signal, 1)
-	signal.Notify(dump, syscall.SIGUSR1)
-	go func() {
-		for range dump {
-			var b strings.Builder
-			pprof.Lookup("goroutine").WriteTo(&b, 2)
-			log.Warn("goroutine dump (SIGUSR1)", "stacks", b.String())
-		}
-	}()
+	handleSignals(log, stop)
 	if *parentPID > 0 {
 		go watchParent(*parentPID, stop)
 	}
@@ -242,4 +216,47 @@ func watchParent(pid int, stop func(string)) {
 			return
 		}
 	}
+}
+
+// engines wires in this node's implementations: the CUDA engine (where the driver loads),
+// the sparse engine's chooser (from the GPU topology and the embedded a2av kernel) and the
+// node's capabilities with their reasons.
+func engines(log *slog.Logger, cfg config.Config, spin time.Duration) (pg.Config, error) {
+	var topo sparse.Topology
+	t, topoErr := gonvml.Read(nvml.New())
+	if topoErr != nil {
+		log.Info("no GPU topology", "err", topoErr)
+	} else {
+		topo = t
+	}
+	_, kernelsErr := kernels.Cubin("a2av")
+	chooser, err := sparse.NewChooser(topo, cfg.Transport, kernelsErr)
+	if err != nil {
+		return pg.Config{}, err
+	}
+	dev := device.New(log)
+	dev.Spin = spin
+	hostname, _ := os.Hostname()
+	facts := gonode.Describe(hostname, topo, topoErr, dev)
+	log.Info("node capabilities", "facts", facts)
+	dev.A2A = cfg.A2A
+	return pg.Config{Version: version, Spin: spin, Device: dev, Sparse: chooser, Node: facts}, nil
+}
+
+// handleSignals stops on SIGTERM, SIGINT and SIGHUP, and logs every goroutine's stack on
+// SIGUSR1.
+func handleSignals(log *slog.Logger, stop func(reason string)) {
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
+	go func() { stop(fmt.Sprintf("signal %v", <-sigs)) }()
+	// SIGUSR1 logs every goroutine's stack and goes on serving: what a hang is waiting for.
+	dump := make(chan os.Signal, 1)
+	signal.Notify(dump, syscall.SIGUSR1)
+	go func() {
+		for range dump {
+			var b strings.Builder
+			pprof.Lookup("goroutine").WriteTo(&b, 2)
+			log.Warn("goroutine dump (SIGUSR1)", "stacks", b.String())
+		}
+	}()
 }

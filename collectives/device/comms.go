@@ -43,32 +43,9 @@ func (g *group) commOf(w *worker, deadline time.Time) (nccl.Comm, error) {
 		}
 	}
 	start := time.Now()
-	var id nccl.UniqueID
-	if leader == g.rank {
-		var err error
-		if id, err = nccl.NewUniqueID(); err != nil {
-			return nccl.Comm{}, err
-		}
-		peers := []int{w.key.peer}
-		if w.key.peer < 0 {
-			peers = peers[:0]
-			for p := 0; p < g.size; p++ {
-				if p != g.rank {
-					peers = append(peers, p)
-				}
-			}
-		}
-		for _, p := range peers {
-			if err := g.link.Send(ctx, p, tag, id[:]); err != nil {
-				return nccl.Comm{}, fmt.Errorf("send the NCCL id to rank %d: %w", p, err)
-			}
-		}
-	} else {
-		b, err := g.link.Recv(ctx, leader, tag, len(id))
-		if err != nil {
-			return nccl.Comm{}, fmt.Errorf("NCCL id from rank %d: %w", leader, err)
-		}
-		copy(id[:], b)
+	id, err := g.exchangeID(ctx, w.key.peer, leader, tag)
+	if err != nil {
+		return nccl.Comm{}, err
 	}
 	type result struct {
 		c   nccl.Comm
@@ -114,4 +91,37 @@ func (g *group) commOf(w *worker, deadline time.Time) (nccl.Comm, error) {
 		}
 		return nccl.Comm{}, fmt.Errorf("%w: NCCL communicator init: a peer did not join before the deadline", gpu.ErrTimeout)
 	}
+}
+
+// exchangeID gives the communicator's unique id to every rank that joins it: the leader
+// makes it and sends it to the peer (peer >= 0) or to every other rank; the others receive it.
+func (g *group) exchangeID(ctx context.Context, peer, leader, tag int) (nccl.UniqueID, error) {
+	var id nccl.UniqueID
+	if leader == g.rank {
+		var err error
+		if id, err = nccl.NewUniqueID(); err != nil {
+			return id, err
+		}
+		peers := []int{peer}
+		if peer < 0 {
+			peers = peers[:0]
+			for p := 0; p < g.size; p++ {
+				if p != g.rank {
+					peers = append(peers, p)
+				}
+			}
+		}
+		for _, p := range peers {
+			if err := g.link.Send(ctx, p, tag, id[:]); err != nil {
+				return id, fmt.Errorf("send the NCCL id to rank %d: %w", p, err)
+			}
+		}
+	} else {
+		b, err := g.link.Recv(ctx, leader, tag, len(id))
+		if err != nil {
+			return id, fmt.Errorf("NCCL id from rank %d: %w", leader, err)
+		}
+		copy(id[:], b)
+	}
+	return id, nil
 }
