@@ -223,60 +223,74 @@ func (d *Desc) Encode() []byte {
 // the reduce op suits the dtype depends on the engine (host: reduce.Check), and so does
 // whether the device is served: the caller checks both.
 func (d *Desc) Validate(rank, size int) error {
-	bad := func(format string, args ...any) error {
-		return fmt.Errorf("%w: %s: "+format, append([]any{ErrInvalid, d.Kind}, args...)...)
+	if err := d.checkHeader(rank, size); err != nil {
+		return err
 	}
+	return d.checkBufs(rank, size)
+}
+
+func (d *Desc) bad(format string, args ...any) error {
+	return fmt.Errorf("%w: %s: "+format, append([]any{ErrInvalid, d.Kind}, args...)...)
+}
+
+// checkHeader checks the op's kind, device, dtype, reduce op and root or peer.
+func (d *Desc) checkHeader(rank, size int) error {
 	if _, ok := kindNames[d.Kind]; !ok {
 		return fmt.Errorf("%w: unknown op kind %d", ErrInvalid, uint8(d.Kind))
 	}
 	if d.Device != DeviceHost && d.Device != DeviceCUDA {
-		return bad("unknown device %d", d.Device)
+		return d.bad("unknown device %d", d.Device)
 	}
 	for i, b := range d.Bufs {
 		if (b.Segment&CUDASegment != 0) != (d.Device == DeviceCUDA) {
-			return bad("buffer %d is in segment %#x, not a segment of device %d", i, b.Segment, d.Device)
+			return d.bad("buffer %d is in segment %#x, not a segment of device %d", i, b.Segment, d.Device)
 		}
 	}
 	if d.Kind != OpBarrier && !d.DType.Valid() {
-		return bad("unknown dtype %d", uint8(d.DType))
+		return d.bad("unknown dtype %d", uint8(d.DType))
 	}
 	if d.Reduces() {
 		if d.RedOp < Sum || d.RedOp > BXor {
-			return bad("unknown reduce op %d", d.RedOp)
+			return d.bad("unknown reduce op %d", d.RedOp)
 		}
 	} else if d.RedOp != 0 {
-		return bad("reduce op %d on an op that does not reduce", d.RedOp)
+		return d.bad("reduce op %d on an op that does not reduce", d.RedOp)
 	}
 	needsRoot := d.Kind == OpBroadcast || d.Kind == OpReduce || d.Kind == OpGather || d.Kind == OpScatter || d.Kind == OpSend
 	if needsRoot && (d.Root < 0 || int(d.Root) >= size) {
-		return bad("root %d in a group of %d", d.Root, size)
+		return d.bad("root %d in a group of %d", d.Root, size)
 	}
 	if d.Kind == OpRecv && (d.Root < -1 || int(d.Root) >= size) {
-		return bad("peer %d in a group of %d", d.Root, size)
+		return d.bad("peer %d in a group of %d", d.Root, size)
 	}
 	if (d.Kind == OpSend || d.Kind == OpRecv) && int(d.Root) == rank {
-		return bad("peer %d is this rank", d.Root)
+		return d.bad("peer %d is this rank", d.Root)
 	}
+	return nil
+}
+
+// checkBufs checks each buffer's length against the op's count, dtype and group size.
+func (d *Desc) checkBufs(rank, size int) error {
 	es := uint64(d.DType.Size())
 	n := uint64(size)
 	// unit is count elements in bytes; products are checked against overflow.
 	if d.Count > (1<<62)/max(es, 1)/n {
-		return bad("count %d is too large", d.Count)
+		return d.bad("count %d is too large", d.Count)
 	}
 	unit := d.Count * es
 	want := func(lens ...uint64) error {
 		if len(d.Bufs) != len(lens) {
-			return bad("%d buffers, want %d", len(d.Bufs), len(lens))
+			return d.bad("%d buffers, want %d", len(d.Bufs), len(lens))
 		}
 		for i, l := range lens {
 			if d.Bufs[i].Length != l {
-				return bad("buffer %d holds %d bytes, want %d", i, d.Bufs[i].Length, l)
+				return d.bad("buffer %d holds %d bytes, want %d", i, d.Bufs[i].Length, l)
 			}
 		}
 		return nil
 	}
 	if d.Kind != OpAllToAll && len(d.Splits) != 0 {
-		return bad("%d splits on an op without splits", len(d.Splits))
+		return d.bad("%d splits on an op without splits", len(d.Splits))
 	}
 	root := int(d.Root) == rank
 	switch d.Kind {
@@ -299,53 +313,64 @@ func (d *Desc) Validate(rank, size int) error {
 	case OpBarrier:
 		return want()
 	case OpAllToAllV:
-		// input, in_splits (int64 per rank), output (its rows are the capacity), out_splits
-		// (int64 per rank), status (int32); Count is the bytes of one row.
-		if d.Device != DeviceCUDA {
-			return bad("splits on the GPU need CUDA buffers")
-		}
-		if d.Count == 0 {
-			return bad("rows of 0 bytes")
-		}
-		if len(d.Bufs) != 5 {
-			return bad("%d buffers, want 5 (input, in_splits, output, out_splits, status)", len(d.Bufs))
-		}
-		for i, l := range map[int]uint64{1: 8 * n, 3: 8 * n, 4: 4} {
-			if d.Bufs[i].Length != l {
-				return bad("buffer %d holds %d bytes, want %d", i, d.Bufs[i].Length, l)
-			}
-		}
-		for _, i := range []int{0, 2} {
-			if d.Bufs[i].Length%d.Count != 0 {
-				return bad("buffer %d holds %d bytes, not whole rows of %d", i, d.Bufs[i].Length, d.Count)
-			}
-		}
-		return nil
+		return d.checkAllToAllV(n)
 	case OpAllToAll:
-		if len(d.Splits) != 2*size {
-			return bad("%d splits, want %d (input then output counts)", len(d.Splits), 2*size)
+		return d.checkAllToAll(rank, size, es)
+	}
+	return nil
+}
+
+// checkAllToAllV: input, in_splits (int64 per rank), output (its rows are the capacity),
+// out_splits (int64 per rank), status (int32); Count is the bytes of one row.
+func (d *Desc) checkAllToAllV(n uint64) error {
+	if d.Device != DeviceCUDA {
+		return d.bad("splits on the GPU need CUDA buffers")
+	}
+	if d.Count == 0 {
+		return d.bad("rows of 0 bytes")
+	}
+	if len(d.Bufs) != 5 {
+		return d.bad("%d buffers, want 5 (input, in_splits, output, out_splits, status)", len(d.Bufs))
+	}
+	for i, l := range map[int]uint64{1: 8 * n, 3: 8 * n, 4: 4} {
+		if d.Bufs[i].Length != l {
+			return d.bad("buffer %d holds %d bytes, want %d", i, d.Bufs[i].Length, l)
 		}
-		if len(d.Bufs) != 2 {
-			return bad("%d buffers, want 2", len(d.Bufs))
+	}
+	for _, i := range []int{0, 2} {
+		if d.Bufs[i].Length%d.Count != 0 {
+			return d.bad("buffer %d holds %d bytes, not whole rows of %d", i, d.Bufs[i].Length, d.Count)
 		}
-		for half, name := range []string{"input", "output"} {
-			var sum uint64
-			for i, s := range d.Splits[half*size : (half+1)*size] {
-				if s < 0 || uint64(s) > (1<<62)/max(es, 1) {
-					return bad("%s split %d is %d", name, i, s)
-				}
-				sum += uint64(s) * es
-				if sum > 1<<62 {
-					return bad("%s splits overflow", name)
-				}
+	}
+	return nil
+}
+
+// checkAllToAll: the splits are the input then the output counts per rank, and add up to
+// the buffers' lengths.
+func (d *Desc) checkAllToAll(rank, size int, es uint64) error {
+	if len(d.Splits) != 2*size {
+		return d.bad("%d splits, want %d (input then output counts)", len(d.Splits), 2*size)
+	}
+	if len(d.Bufs) != 2 {
+		return d.bad("%d buffers, want 2", len(d.Bufs))
+	}
+	for half, name := range []string{"input", "output"} {
+		var sum uint64
+		for i, s := range d.Splits[half*size : (half+1)*size] {
+			if s < 0 || uint64(s) > (1<<62)/max(es, 1) {
+				return d.bad("%s split %d is %d", name, i, s)
 			}
-			if sum != d.Bufs[half].Length {
-				return bad("%s splits add up to %d bytes, the buffer holds %d", name, sum, d.Bufs[half].Length)
+			sum += uint64(s) * es
+			if sum > 1<<62 {
+				return d.bad("%s splits overflow", name)
 			}
 		}
-		if d.Splits[rank] != d.Splits[size+rank] {
-			return bad("rank %d sends itself %d elements but expects %d", rank, d.Splits[rank], d.Splits[size+rank])
+		if sum != d.Bufs[half].Length {
+			return d.bad("%s splits add up to %d bytes, the buffer holds %d", name, sum, d.Bufs[half].Length)
 		}
+	}
+	if d.Splits[rank] != d.Splits[size+rank] {
+		return d.bad("rank %d sends itself %d elements but expects %d", rank, d.Splits[rank], d.Splits[size+rank])
 	}
 	return nil
 }
