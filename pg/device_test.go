@@ -509,9 +509,9 @@ func TestAttachChoosesSparse(t *testing.T) {
 				case errors.Is(err, forced):
 					return SparseChoice{}, err
 				case err != nil:
-					return SparseChoice{Transport: "nccl", Reason: "NVSHMEM cannot run: " + err.Error()}, nil
+					return SparseChoice{Engine: "nccl", Reason: "NVSHMEM cannot run: " + err.Error()}, nil
 				}
-				return SparseChoice{Transport: "nvshmem", Reason: "all GPUs NVLink-connected"}, nil
+				return SparseChoice{Engine: "nvshmem", Reason: "all GPUs NVLink-connected"}, nil
 			}}
 			if tc.device {
 				cfg.Device = &fakeEngine{nvshmem: tc.lib}
@@ -532,8 +532,8 @@ func TestAttachChoosesSparse(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer sess.Close("test over")
-			if sess.Sparse.Transport != tc.want {
-				t.Errorf("session transport %q (%s), want %q", sess.Sparse.Transport, sess.Sparse.Reason, tc.want)
+			if sess.Sparse.Engine != tc.want {
+				t.Errorf("session transport %q (%s), want %q", sess.Sparse.Engine, sess.Sparse.Reason, tc.want)
 			}
 			if wantCalled := tc.device && tc.nccl != ""; called != wantCalled {
 				t.Errorf("chooser called %v, want %v", called, wantCalled)

@@ -35,8 +35,8 @@ type Config struct {
 	Spin time.Duration
 	// Device is the GPU engine, or nil where the sidecar serves CPU tensors only.
 	Device gpu.Engine
-	// Sparse picks a client's sparse all-to-all transport when it attaches (sparse.NewChooser);
-	// it is handed the engine's NVSHMEM loader. An error refuses the client (a transport forced
+	// Sparse picks a client's sparse all-to-all engine when it attaches (sparse.NewChooser);
+	// it is handed the engine's NVSHMEM loader. An error refuses the client (an engine forced
 	// where it cannot run). Nil: always NCCL.
 	Sparse sparse.Chooser
 	// Node is what the sidecar knows of its node (node.Describe), reported by Info and, with
@@ -44,7 +44,7 @@ type Config struct {
 	Node []node.Fact
 }
 
-// SparseChoice is the transport all_to_all_v of a client's CUDA tensors takes, and why.
+// SparseChoice is the engine all_to_all_v of a client's CUDA tensors takes, and why.
 type SparseChoice = sparse.Choice
 
 // Engine describes one way ops can run (Info).
@@ -98,7 +98,7 @@ func (s *Server) PeerAddress() string { return s.node.Addr() }
 // Uptime since the server was built.
 func (s *Server) Uptime() time.Duration { return time.Since(s.started) }
 
-// Engines available on this sidecar; "sparse" is the transport chosen for the last client
+// Engines available on this sidecar; "sparse" is the engine chosen for the last client
 // that attached.
 func (s *Server) Engines() []Engine {
 	out := []Engine{{Name: "host", Available: true, Detail: "CPU tensors over TCP between sidecars"}}
@@ -114,7 +114,7 @@ func (s *Server) Engines() []Engine {
 	if c == nil {
 		return append(out, Engine{Name: "sparse", Available: true, Detail: "chosen when a client attaches"})
 	}
-	return append(out, Engine{Name: "sparse", Available: true, Detail: c.Transport + ": " + c.Reason})
+	return append(out, Engine{Name: "sparse", Available: true, Detail: c.Engine + ": " + c.Reason})
 }
 
 // Capabilities are the node's facts and those of the last client that attached (Info).
@@ -131,7 +131,7 @@ func (s *Server) Capabilities() []node.Fact {
 	return append(append([]node.Fact(nil), s.cfg.Node...), client...)
 }
 
-// chooseSparse picks the sparse transport of a client attaching with (hasNCCL) or without
+// chooseSparse picks the sparse engine of a client attaching with (hasNCCL) or without
 // its NCCL loaded. A client without it moves no CUDA tensors: NCCL, whatever was asked.
 func (s *Server) chooseSparse(hasNCCL bool) (SparseChoice, error) {
 	switch {
@@ -212,7 +212,7 @@ func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath strin
 	s.sessions[sess.ID] = sess
 	go sess.serve()
 	sess.log.Info("client attached", "pid", clientPID, "ring", mem.Path, "nccl", sess.nccl,
-		"sparse", choice.Transport, "why", choice.Reason)
+		"sparse", choice.Engine, "why", choice.Reason)
 	return sess, nil
 }
 

@@ -109,7 +109,7 @@ func (s *Service) Attach(_ context.Context, req *v1.AttachRequest) (*v1.AttachRe
 	}
 	return &v1.AttachResponse{
 		Session: sess.ID, RingPath: sess.RingPath(), RingBytes: uint64(sess.RingBytes()),
-		SparseTransport: sess.Sparse.Transport, SparseReason: sess.Sparse.Reason,
+		SparseTransport: sess.Sparse.Engine, SparseReason: sess.Sparse.Reason,
 		Capabilities: capabilities(sess.Capabilities),
 		A2A: &v1.A2AConfig{
 			RecvBytes: uint64(s.host.A2A.RecvBytes), Blocks: uint32(s.host.A2A.Blocks), Threads: uint32(s.host.A2A.Threads),
