@@ -33,21 +33,42 @@ import (
 // version is set at build time (-ldflags "-X main.version=...").
 var version = "dev"
 
-func run(args []string) error {
+// options are pgserver's flags.
+type options struct {
+	runtimeDir  string
+	socket      string
+	logFile     string
+	logLevel    string
+	listen      string
+	advertise   string
+	parentPID   int
+	spin        time.Duration
+	showVersion bool
+}
+
+// parseFlags reads args into options.
+func parseFlags(args []string) (options, error) {
+	var o options
 	fs := flag.NewFlagSet("pgserver", flag.ContinueOnError)
-	runtimeDir := fs.String("runtime-dir", defaultRuntimeDir(), "private directory (0700) for the control socket")
-	socket := fs.String("socket", "", "control socket path (default <runtime-dir>/pgserver-<pid>.sock)")
-	logFile := fs.String("log-file", "", "append the log here (default stderr)")
-	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
-	listen := fs.String("listen", ":0", "TCP address peer sidecars connect to")
-	advertise := fs.String("advertise", "", "host name or address peers dial (default: this host's address)")
-	parentPID := fs.Int("parent-pid", 0, "exit when this process exits (the shim passes its own pid)")
-	spin := fs.Duration("spin", 0, "poll the submission ring (and device workers their queues) this long before sleeping")
-	showVersion := fs.Bool("version", false, "print the version and exit")
-	if err := fs.Parse(args); err != nil {
+	fs.StringVar(&o.runtimeDir, "runtime-dir", defaultRuntimeDir(), "private directory (0700) for the control socket")
+	fs.StringVar(&o.socket, "socket", "", "control socket path (default <runtime-dir>/pgserver-<pid>.sock)")
+	fs.StringVar(&o.logFile, "log-file", "", "append the log here (default stderr)")
+	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
+	fs.StringVar(&o.listen, "listen", ":0", "TCP address peer sidecars connect to")
+	fs.StringVar(&o.advertise, "advertise", "", "host name or address peers dial (default: this host's address)")
+	fs.IntVar(&o.parentPID, "parent-pid", 0, "exit when this process exits (the shim passes its own pid)")
+	fs.DurationVar(&o.spin, "spin", 0, "poll the submission ring (and device workers their queues) this long before sleeping")
+	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
+	err := fs.Parse(args)
+	return o, err
+}
+
+func run(args []string) error {
+	o, err := parseFlags(args)
+	if err != nil {
 		return err
 	}
-	if *showVersion {
+	if o.showVersion {
 		fmt.Println(version)
 		return nil
 	}
@@ -56,21 +77,21 @@ func run(args []string) error {
 	if err != nil {
 		return err
 	}
-	if *parentPID > 0 {
+	if o.parentPID > 0 {
 		// Die with the rank that started us: the kernel signals us when it exits, and a
 		// parent that is already gone is caught by the check right after.
 		unix.Prctl(unix.PR_SET_PDEATHSIG, uintptr(unix.SIGTERM), 0, 0, 0)
-		if os.Getppid() != *parentPID {
-			return fmt.Errorf("parent %d is gone", *parentPID)
+		if os.Getppid() != o.parentPID {
+			return fmt.Errorf("parent %d is gone", o.parentPID)
 		}
 	}
-	if err := privateDir(*runtimeDir); err != nil {
+	if err := privateDir(o.runtimeDir); err != nil {
 		return err
 	}
-	if *socket == "" {
-		*socket = filepath.Join(*runtimeDir, fmt.Sprintf("pgserver-%d.sock", os.Getpid()))
+	if o.socket == "" {
+		o.socket = filepath.Join(o.runtimeDir, fmt.Sprintf("pgserver-%d.sock", os.Getpid()))
 	}
-	log, closeLog, err := openLog(*logFile, *logLevel)
+	log, closeLog, err := openLog(o.logFile, o.logLevel)
 	if err != nil {
 		return err
 	}
@@ -79,26 +100,26 @@ func run(args []string) error {
 		log.Warn(w)
 	}
 
-	host := *advertise
+	host := o.advertise
 	if host == "" {
 		host = hostAddress()
 	}
 	var srv *pg.Server // set before any group exists, so before Locate is ever called
 	node, err := transport.Listen(transport.Config{
-		Listen: *listen, Advertise: host, Log: log,
+		Listen: o.listen, Advertise: host, Log: log,
 		Locate: func(b []byte) (int, uint64, uint64, bool) { return srv.Locate(b) },
 	})
 	if err != nil {
 		return err
 	}
 	defer node.Close()
-	pcfg, err := engines(log, cfg, *spin)
+	pcfg, err := engines(log, cfg, o.spin)
 	if err != nil {
 		return err
 	}
 	srv = pg.NewServer(pcfg, node, log)
 
-	ln, err := listenUnix(*socket)
+	ln, err := listenUnix(o.socket)
 	if err != nil {
 		return err
 	}
@@ -111,15 +132,15 @@ func run(args []string) error {
 			gs.Stop()
 		})
 	}
-	rpc.NewService(srv, rpc.Host{RuntimeDir: *runtimeDir, LogFile: *logFile, A2A: cfg.A2A}, stop).Register(gs)
+	rpc.NewService(srv, rpc.Host{RuntimeDir: o.runtimeDir, LogFile: o.logFile, A2A: cfg.A2A}, stop).Register(gs)
 
 	handleSignals(log, stop)
-	if *parentPID > 0 {
-		go watchParent(*parentPID, stop)
+	if o.parentPID > 0 {
+		go watchParent(o.parentPID, stop)
 	}
-	log.Info("serving", "version", version, "socket", *socket, "peers", node.Addr(), "parent", *parentPID)
+	log.Info("serving", "version", version, "socket", o.socket, "peers", node.Addr(), "parent", o.parentPID)
 	err = gs.Serve(ln)
-	os.Remove(*socket)
+	os.Remove(o.socket)
 	if errors.Is(err, grpc.ErrServerStopped) {
 		return nil
 	}
