@@ -24,16 +24,20 @@ PROTOC_GEN_GO_GRPC_VERSION := v1.6.2
 PROTO_SRC := proto/gocomm/v1/pgserver.proto
 GO_GEN    := proto/gocomm/v1/pgserver.pb.go proto/gocomm/v1/pgserver_grpc.pb.go
 PY_GEN    := python/gocomm/v1/pgserver_pb2.py python/gocomm/v1/pgserver_pb2_grpc.py
-GO_SRC    := $(shell find cmd config pg collectives sparse internal transport rpc kernels -name '*.go' -o -name '*.c' -o -name '*.h' 2>/dev/null)
+GO_SRC    := $(shell find cmd config node pg gpu wire ring shm segment collectives sparse internal transport rpc kernels -name '*.go' -o -name '*.c' -o -name '*.h' 2>/dev/null)
 SITE      := $(shell $(PYTHON_BOOT) -c 'import sys; print(f"python{sys.version_info[0]}.{sys.version_info[1]}")')
 
-# kernels/*.cu -> kernels/build/*.cubin (embedded in pgserver): nvcc from the pinned PyPI
-# packages, NVSHMEM's device library from the nvidia-nvshmem wheel torch depends on.
+# kernels/{sidecar,inprocess}/*.cu -> kernels/build/*.cubin, one name space (go:embed in
+# kernels/kernels.go; the in-process ones are also copied next to the Python package): nvcc
+# from the pinned PyPI packages, NVSHMEM's device library from the nvidia-nvshmem wheel torch
+# depends on. kernels/ is on the include path for the headers both runtimes share (sync.cuh).
 NVIDIA    := $(VENV)/lib/$(SITE)/site-packages/nvidia
 NVCC      := $(NVIDIA)/cu13/bin/nvcc
 NVSHMEM   := $(NVIDIA)/nvshmem
 CUDA_ARCH ?= sm_90
-KERNELS   := $(patsubst kernels/%.cu,kernels/build/%.cubin,$(wildcard kernels/*.cu))
+KERNEL_SRC := $(wildcard kernels/sidecar/*.cu kernels/inprocess/*.cu)
+KERNELS   := $(patsubst %.cu,kernels/build/%.cubin,$(notdir $(KERNEL_SRC)))
+vpath %.cu kernels/sidecar kernels/inprocess
 
 .PHONY: all venv tools gen kernels build python test lint test-go test-py test-gpu bench bench-gpu bench-moe soak clean
 
@@ -70,9 +74,9 @@ $(PY_GEN): $(PROTO_SRC) $(VENV)/.stamp
 ## CUDA kernels: relocatable device code, then a device link with NVSHMEM into one cubin.
 ## Objects go to build/_obj, which go:embed skips.
 kernels: $(KERNELS)
-kernels/build/%.cubin: kernels/%.cu $(wildcard kernels/*.cuh) $(VENV)/.stamp
+kernels/build/%.cubin: %.cu $(wildcard kernels/*.cuh kernels/*/*.cuh) $(VENV)/.stamp
 	mkdir -p kernels/build/_obj
-	$(NVCC) -arch=$(CUDA_ARCH) -rdc=true -O3 -I$(NVSHMEM)/include -c $< -o kernels/build/_obj/$*.o
+	$(NVCC) -arch=$(CUDA_ARCH) -rdc=true -O3 -Ikernels -I$(NVSHMEM)/include -c $< -o kernels/build/_obj/$*.o
 	$(NVCC) -arch=$(CUDA_ARCH) -dlink -cubin kernels/build/_obj/$*.o -L$(NVSHMEM)/lib -lnvshmem_device -o $@
 
 ## pgserver; a copy sits next to the Python package, where the shim looks for it
@@ -92,7 +96,7 @@ python: $(PY_GEN) $(VENV)/.stamp
 test: all lint test-go test-py
 
 lint: gen
-	@out=$$(gofmt -l cmd pg collectives sparse internal transport rpc kernels 2>/dev/null); \
+	@out=$$(gofmt -l cmd config node pg gpu wire ring shm segment collectives sparse internal transport rpc kernels 2>/dev/null); \
 	  if [ -n "$$out" ]; then echo "gofmt: files need formatting:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 	cp go.mod /tmp/gocomm-go.mod.$$$$ && cp go.sum /tmp/gocomm-go.sum.$$$$ && $(GO) mod tidy && \

@@ -5,16 +5,17 @@ import (
 	"fmt"
 
 	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/wire"
 )
 
 // AllReduce reduces buf across the group in place; every rank ends with the same bytes. For
-// reduce.Avg it leaves the sum (the caller applies reduce.Finish).
+// wire.Avg it leaves the sum (the caller applies reduce.Finish).
 //
 // Small buffers use a direct exchange (one round; each rank reduces all inputs in rank order).
 // Large ones use a ring: reduce-scatter then all-gather over n chunks, pipelined in slices.
 // Each chunk's value is computed by one rank and copied to the others, so results are
 // identical on every rank in both algorithms.
-func AllReduce(ctx context.Context, c Comm, buf []byte, dt reduce.DType, op reduce.Op) error {
+func AllReduce(ctx context.Context, c Comm, buf []byte, dt wire.DType, op wire.RedOp) error {
 	es := dt.Size()
 	if es == 0 || len(buf)%es != 0 {
 		return fmt.Errorf("all_reduce: %d bytes of %s: %w", len(buf), dt, errSize)
@@ -30,7 +31,7 @@ func AllReduce(ctx context.Context, c Comm, buf []byte, dt reduce.DType, op redu
 	}
 }
 
-func directAllReduce(ctx context.Context, c Comm, buf []byte, dt reduce.DType, op reduce.Op) error {
+func directAllReduce(ctx context.Context, c Comm, buf []byte, dt wire.DType, op wire.RedOp) error {
 	n, r := c.Size(), c.Rank()
 	scratch := make([]byte, len(buf)*n)
 	in := func(j int) []byte { return scratch[j*len(buf) : (j+1)*len(buf)] }
@@ -63,7 +64,7 @@ func directAllReduce(ctx context.Context, c Comm, buf []byte, dt reduce.DType, o
 // ringAllReduce: at step s (0 <= s < 2(n-1)) rank r sends chunk r-s to r+1 and receives chunk
 // r-s-1 from r-1; steps before n-1 reduce what arrives, later steps copy it. Every slice
 // received at step s is forwarded at step s+1, so slices stream around the ring.
-func ringAllReduce(ctx context.Context, c Comm, buf []byte, dt reduce.DType, op reduce.Op) error {
+func ringAllReduce(ctx context.Context, c Comm, buf []byte, dt wire.DType, op wire.RedOp) error {
 	n, r := c.Size(), c.Rank()
 	es := dt.Size()
 	b := bounds(len(buf), n, es)

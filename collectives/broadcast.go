@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/wire"
 )
 
 // Broadcast copies root's buf to every rank's buf. Small buffers go straight from the root to
@@ -57,13 +58,13 @@ func Broadcast(ctx context.Context, c Comm, buf []byte, root int) error {
 }
 
 // Reduce reduces buf across the group into root's buf. Other ranks' buf is used as scratch
-// and left undefined (the shim copies results back on the root only). For reduce.Avg the
+// and left undefined (the shim copies results back on the root only). For wire.Avg the
 // root is left with the sum.
 //
 // Small buffers: each rank sends to the root, which reduces in rank order. Large: a chain
 // towards the root (root+n-1 -> ... -> root+1 -> root), each rank reducing what arrives into
 // its own buffer and passing each slice on as soon as it is reduced.
-func Reduce(ctx context.Context, c Comm, buf []byte, dt reduce.DType, op reduce.Op, root int) error {
+func Reduce(ctx context.Context, c Comm, buf []byte, dt wire.DType, op wire.RedOp, root int) error {
 	n, r := c.Size(), c.Rank()
 	es := dt.Size()
 	if es == 0 || len(buf)%es != 0 {

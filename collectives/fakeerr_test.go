@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/wire"
 )
 
 type fcErrCase struct {
@@ -39,7 +40,7 @@ func fcErrCases(rng *rand.Rand) []fcErrCase {
 				return Broadcast(ctx, c, make([]byte, 10), root)
 			}})
 			add(fcErrCase{desc: fmt.Sprintf("reduce, root %d", root), n: n, run: func(ctx context.Context, c Comm) error {
-				return Reduce(ctx, c, make([]byte, 8), reduce.Float32, reduce.Sum, root)
+				return Reduce(ctx, c, make([]byte, 8), wire.Float32, wire.Sum, root)
 			}})
 			add(fcErrCase{desc: fmt.Sprintf("gather, root %d", root), n: n, run: func(ctx context.Context, c Comm) error {
 				return Gather(ctx, c, make([]byte, 3), make([]byte, 3*n), root)
@@ -50,30 +51,30 @@ func fcErrCases(rng *rand.Rand) []fcErrCase {
 		}
 		for _, size := range []int{7, big + 2} {
 			add(fcErrCase{desc: fmt.Sprintf("all_reduce, %d bytes of float32", size), n: n, is: errSize, run: func(ctx context.Context, c Comm) error {
-				return AllReduce(ctx, c, make([]byte, size), reduce.Float32, reduce.Sum)
+				return AllReduce(ctx, c, make([]byte, size), wire.Float32, wire.Sum)
 			}})
 			add(fcErrCase{desc: fmt.Sprintf("reduce, %d bytes of float32", size), n: n, is: errSize, run: func(ctx context.Context, c Comm) error {
-				return Reduce(ctx, c, make([]byte, size), reduce.Float32, reduce.Sum, 0)
+				return Reduce(ctx, c, make([]byte, size), wire.Float32, wire.Sum, 0)
 			}})
 			add(fcErrCase{desc: fmt.Sprintf("reduce_scatter, out of %d bytes of float32", size), n: n, is: errSize, run: func(ctx context.Context, c Comm) error {
-				return ReduceScatter(ctx, c, make([]byte, n*size), make([]byte, size), reduce.Float32, reduce.Sum)
+				return ReduceScatter(ctx, c, make([]byte, n*size), make([]byte, size), wire.Float32, wire.Sum)
 			}})
 		}
 		add(fcErrCase{desc: "all_reduce, invalid dtype", n: n, is: errSize, run: func(ctx context.Context, c Comm) error {
-			return AllReduce(ctx, c, make([]byte, 8), reduce.Invalid, reduce.Sum)
+			return AllReduce(ctx, c, make([]byte, 8), wire.Invalid, wire.Sum)
 		}})
 		add(fcErrCase{desc: "all_reduce, unknown dtype", n: n, is: errSize, run: func(ctx context.Context, c Comm) error {
-			return AllReduce(ctx, c, make([]byte, 8), reduce.DType(200), reduce.Sum)
+			return AllReduce(ctx, c, make([]byte, 8), wire.DType(200), wire.Sum)
 		}})
 		add(fcErrCase{desc: "reduce, invalid dtype", n: n, is: errSize, run: func(ctx context.Context, c Comm) error {
-			return Reduce(ctx, c, make([]byte, 8), reduce.Invalid, reduce.Max, 0)
+			return Reduce(ctx, c, make([]byte, 8), wire.Invalid, wire.Max, 0)
 		}})
 		add(fcErrCase{desc: "reduce_scatter, invalid dtype", n: n, is: errSize, run: func(ctx context.Context, c Comm) error {
-			return ReduceScatter(ctx, c, make([]byte, 8*n), make([]byte, 8), reduce.Invalid, reduce.Sum)
+			return ReduceScatter(ctx, c, make([]byte, 8*n), make([]byte, 8), wire.Invalid, wire.Sum)
 		}})
 		for _, delta := range []int{-1, 1, 4} {
 			add(fcErrCase{desc: fmt.Sprintf("reduce_scatter, input %+d bytes off n blocks", delta), n: n, is: errSize, run: func(ctx context.Context, c Comm) error {
-				return ReduceScatter(ctx, c, make([]byte, 8*n+delta), make([]byte, 8), reduce.Int32, reduce.Sum)
+				return ReduceScatter(ctx, c, make([]byte, 8*n+delta), make([]byte, 8), wire.Int32, wire.Sum)
 			}})
 			add(fcErrCase{desc: fmt.Sprintf("all_gather, output %+d bytes off n blocks", delta), n: n, is: errSize, run: func(ctx context.Context, c Comm) error {
 				return AllGather(ctx, c, make([]byte, 5), make([]byte, 5*n+delta))
@@ -158,7 +159,7 @@ func fcErrCases(rng *rand.Rand) []fcErrCase {
 			// must report it (small: direct exchange; large: ring).
 			for _, size := range []int{64, big} {
 				add(fcErrCase{desc: fmt.Sprintf("all_reduce, band on %d bytes of float32", size), n: n, is: reduce.ErrUnsupported, run: func(ctx context.Context, c Comm) error {
-					return AllReduce(ctx, c, make([]byte, size), reduce.Float32, reduce.BAnd)
+					return AllReduce(ctx, c, make([]byte, size), wire.Float32, wire.BAnd)
 				}})
 			}
 		}
@@ -231,10 +232,10 @@ func TestRandCancel(t *testing.T) {
 	for _, size := range []int{40, 3 * SliceBytes} {
 		cases = append(cases,
 			cancelCase{fmt.Sprintf("all_reduce %d bytes", size), func(ctx context.Context, c Comm, _ int) error {
-				return AllReduce(ctx, c, make([]byte, size), reduce.Float32, reduce.Sum)
+				return AllReduce(ctx, c, make([]byte, size), wire.Float32, wire.Sum)
 			}, all},
 			cancelCase{fmt.Sprintf("reduce_scatter %d bytes", size), func(ctx context.Context, c Comm, _ int) error {
-				return ReduceScatter(ctx, c, make([]byte, c.Size()*size), make([]byte, size), reduce.Int64, reduce.Max)
+				return ReduceScatter(ctx, c, make([]byte, c.Size()*size), make([]byte, size), wire.Int64, wire.Max)
 			}, all},
 			cancelCase{fmt.Sprintf("all_gather %d bytes", size), func(ctx context.Context, c Comm, _ int) error {
 				return AllGather(ctx, c, make([]byte, size), make([]byte, c.Size()*size))
@@ -243,7 +244,7 @@ func TestRandCancel(t *testing.T) {
 				return Broadcast(ctx, c, make([]byte, size), absent)
 			}, all},
 			cancelCase{fmt.Sprintf("reduce %d bytes", size), func(ctx context.Context, c Comm, absent int) error {
-				return Reduce(ctx, c, make([]byte, size), reduce.Float64, reduce.Sum, (absent+1)%c.Size())
+				return Reduce(ctx, c, make([]byte, size), wire.Float64, wire.Sum, (absent+1)%c.Size())
 			}, root0},
 			cancelCase{fmt.Sprintf("gather %d bytes", size), func(ctx context.Context, c Comm, absent int) error {
 				return Gather(ctx, c, make([]byte, size), make([]byte, c.Size()*size), (absent+1)%c.Size())

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/wire"
 )
 
 // Which dtype/op pairs a size runs for.
@@ -56,7 +57,7 @@ func fcReduceSizes(rng *rand.Rand, n, es, parts int) []fcSize {
 
 // fcBigFor returns the dtypes that run the large sizes in group size number gi: every dtype
 // gets a turn (starting at a random one), larger groups fewer as their buffers are larger.
-func fcBigFor(base int64, gi int) []reduce.DType {
+func fcBigFor(base int64, gi int) []wire.DType {
 	counts := []int{2, 3, 2, 1, 1, 1} // per entry of fcGroupSizes; 10 >= len(fcDTypes)
 	if testing.Short() {
 		counts = []int{1, 1, 1, 0, 0, 0}
@@ -65,7 +66,7 @@ func fcBigFor(base int64, gi int) []reduce.DType {
 	for _, c := range counts[:gi] {
 		start += c
 	}
-	var out []reduce.DType
+	var out []wire.DType
 	for j := range counts[gi] {
 		out = append(out, fcDTypes[(start+j)%len(fcDTypes)])
 	}
@@ -73,8 +74,8 @@ func fcBigFor(base int64, gi int) []reduce.DType {
 }
 
 // fcSupportedOps lists the ops reduce.Check accepts for dt.
-func fcSupportedOps(dt reduce.DType) []reduce.Op {
-	var ops []reduce.Op
+func fcSupportedOps(dt wire.DType) []wire.RedOp {
+	var ops []wire.RedOp
 	for _, op := range fcOps {
 		if reduce.Check(dt, op) == nil {
 			ops = append(ops, op)
@@ -86,8 +87,8 @@ func fcSupportedOps(dt reduce.DType) []reduce.Op {
 // fcReduceCase is one run of a reducing collective.
 type fcReduceCase struct {
 	n     int
-	dt    reduce.DType
-	op    reduce.Op
+	dt    wire.DType
+	op    wire.RedOp
 	size  fcSize
 	index int // position among the cases of its group size, to spread roots
 }
@@ -105,7 +106,7 @@ func fcReduceCases(base int64, rng *rand.Rand, parts func(n int) int) []fcReduce
 		for dti, dt := range fcDTypes {
 			ops := fcSupportedOps(dt)
 			for _, size := range fcReduceSizes(rng, n, dt.Size(), parts(n)) {
-				var run []reduce.Op
+				var run []wire.RedOp
 				switch size.which {
 				case fcEveryOp:
 					run = ops
@@ -113,12 +114,12 @@ func fcReduceCases(base int64, rng *rand.Rand, parts func(n int) int) []fcReduce
 					// -short: three dtypes per group size, so the boundary sizes of every
 					// dtype are still met over the group sizes.
 					if !testing.Short() || (int(uint64(base)%9)+3*gi+len(fcDTypes)-dti)%len(fcDTypes) < 3 {
-						run = []reduce.Op{ops[rng.Intn(len(ops))]}
+						run = []wire.RedOp{ops[rng.Intn(len(ops))]}
 					}
 				case fcBigDTypes:
 					for _, b := range big {
 						if b == dt {
-							run = []reduce.Op{ops[rng.Intn(len(ops))]}
+							run = []wire.RedOp{ops[rng.Intn(len(ops))]}
 						}
 					}
 				}

@@ -16,21 +16,22 @@ import (
 	"unsafe"
 
 	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/wire"
 )
 
-var fcDTypes = []reduce.DType{
-	reduce.Float32, reduce.Float64, reduce.BFloat16, reduce.Float16,
-	reduce.Int32, reduce.Int64, reduce.Uint8, reduce.Int8, reduce.Bool,
+var fcDTypes = []wire.DType{
+	wire.Float32, wire.Float64, wire.BFloat16, wire.Float16,
+	wire.Int32, wire.Int64, wire.Uint8, wire.Int8, wire.Bool,
 }
 
-var fcOps = []reduce.Op{
-	reduce.Sum, reduce.Avg, reduce.Product, reduce.Min, reduce.Max,
-	reduce.BAnd, reduce.BOr, reduce.BXor,
+var fcOps = []wire.RedOp{
+	wire.Sum, wire.Avg, wire.Product, wire.Min, wire.Max,
+	wire.BAnd, wire.BOr, wire.BXor,
 }
 
 type fcCombo struct {
-	dt reduce.DType
-	op reduce.Op
+	dt wire.DType
+	op wire.RedOp
 }
 
 func (c fcCombo) String() string { return c.dt.String() + "/" + c.op.String() }
@@ -48,24 +49,24 @@ func fcCombos() []fcCombo {
 	return out
 }
 
-func fcIsFloat(dt reduce.DType) bool {
+func fcIsFloat(dt wire.DType) bool {
 	switch dt {
-	case reduce.Float32, reduce.Float64, reduce.BFloat16, reduce.Float16:
+	case wire.Float32, wire.Float64, wire.BFloat16, wire.Float16:
 		return true
 	}
 	return false
 }
 
 // fcUnitRoundoff is the relative rounding error of one operation in dt.
-func fcUnitRoundoff(dt reduce.DType) float64 {
+func fcUnitRoundoff(dt wire.DType) float64 {
 	switch dt {
-	case reduce.Float64:
+	case wire.Float64:
 		return 0x1p-53
-	case reduce.Float32:
+	case wire.Float32:
 		return 0x1p-24
-	case reduce.Float16:
+	case wire.Float16:
 		return 0x1p-11
-	case reduce.BFloat16:
+	case wire.BFloat16:
 		return 0x1p-8
 	}
 	panic("not a float dtype")
@@ -118,29 +119,29 @@ func fcBF16Decode(h uint16) float64 { return float64(math.Float32frombits(uint32
 
 func fcBF16Encode(x float64) uint16 { return uint16(math.Float32bits(float32(x)) >> 16) }
 
-func fcGetFloat(dt reduce.DType, b []byte, i int) float64 {
+func fcGetFloat(dt wire.DType, b []byte, i int) float64 {
 	switch dt {
-	case reduce.Float64:
+	case wire.Float64:
 		return math.Float64frombits(binary.NativeEndian.Uint64(b[8*i:]))
-	case reduce.Float32:
+	case wire.Float32:
 		return float64(math.Float32frombits(binary.NativeEndian.Uint32(b[4*i:])))
-	case reduce.Float16:
+	case wire.Float16:
 		return fcF16Decode(binary.NativeEndian.Uint16(b[2*i:]))
-	case reduce.BFloat16:
+	case wire.BFloat16:
 		return fcBF16Decode(binary.NativeEndian.Uint16(b[2*i:]))
 	}
 	panic("not a float dtype")
 }
 
-func fcPutFloat(dt reduce.DType, b []byte, i int, x float64) {
+func fcPutFloat(dt wire.DType, b []byte, i int, x float64) {
 	switch dt {
-	case reduce.Float64:
+	case wire.Float64:
 		binary.NativeEndian.PutUint64(b[8*i:], math.Float64bits(x))
-	case reduce.Float32:
+	case wire.Float32:
 		binary.NativeEndian.PutUint32(b[4*i:], math.Float32bits(float32(x)))
-	case reduce.Float16:
+	case wire.Float16:
 		binary.NativeEndian.PutUint16(b[2*i:], fcF16Encode(x))
-	case reduce.BFloat16:
+	case wire.BFloat16:
 		binary.NativeEndian.PutUint16(b[2*i:], fcBF16Encode(x))
 	default:
 		panic("not a float dtype")
@@ -202,16 +203,16 @@ func fcUnit(u uint64) float64 { return float64(u>>12) * 0x1p-52 }
 // fcGen returns elems random elements of dt, shaped for op: float sums stay far from
 // overflow, products near 1, and min/max see the whole range with ±0, ±Inf and NaN; bool
 // truth values lean towards the op's absorbing value so results are not all one value.
-func fcGen(rng *rand.Rand, dt reduce.DType, op reduce.Op, elems int) []byte {
+func fcGen(rng *rand.Rand, dt wire.DType, op wire.RedOp, elems int) []byte {
 	b := make([]byte, elems*dt.Size())
 	g := fcSplitMix(rng.Uint64())
 	switch dt {
-	case reduce.Bool:
+	case wire.Bool:
 		pTrue := uint64(50)
 		switch op {
-		case reduce.Product, reduce.Min, reduce.BAnd:
+		case wire.Product, wire.Min, wire.BAnd:
 			pTrue = 90
-		case reduce.Sum, reduce.Max, reduce.BOr:
+		case wire.Sum, wire.Max, wire.BOr:
 			pTrue = 10
 		}
 		for i := range b {
@@ -223,7 +224,7 @@ func fcGen(rng *rand.Rand, dt reduce.DType, op reduce.Op, elems int) []byte {
 				}
 			}
 		}
-	case reduce.Int8, reduce.Uint8, reduce.Int32, reduce.Int64:
+	case wire.Int8, wire.Uint8, wire.Int32, wire.Int64:
 		es := dt.Size()
 		for i := 0; i < elems; i++ {
 			u := g.next()
@@ -246,16 +247,16 @@ func fcGen(rng *rand.Rand, dt reduce.DType, op reduce.Op, elems int) []byte {
 		}
 	default:
 		maxExp := 20
-		if dt == reduce.Float16 {
+		if dt == wire.Float16 {
 			maxExp = 15
 		}
 		for i := 0; i < elems; i++ {
 			u, v := g.next(), g.next()
 			var x float64
 			switch op {
-			case reduce.Product:
+			case wire.Product:
 				x = 0.8 + 0.45*fcUnit(v)
-			case reduce.Min, reduce.Max:
+			case wire.Min, wire.Max:
 				switch k := u % 1000; {
 				case k < 20:
 					x = 0
@@ -301,23 +302,23 @@ func (m *fcMismatches) err(total int) error {
 
 // fcCheckReduced compares got with the reference reduction (Finish applied for Avg) of
 // elements first, first+1, ... of ins, one input per rank.
-func fcCheckReduced(dt reduce.DType, op reduce.Op, ins [][]byte, first int, got []byte) error {
+func fcCheckReduced(dt wire.DType, op wire.RedOp, ins [][]byte, first int, got []byte) error {
 	switch dt {
-	case reduce.Int8:
+	case wire.Int8:
 		return fcCheckInts[int8](op, ins, first, got)
-	case reduce.Uint8:
+	case wire.Uint8:
 		return fcCheckInts[uint8](op, ins, first, got)
-	case reduce.Int32:
+	case wire.Int32:
 		return fcCheckInts[int32](op, ins, first, got)
-	case reduce.Int64:
+	case wire.Int64:
 		return fcCheckInts[int64](op, ins, first, got)
-	case reduce.Bool:
+	case wire.Bool:
 		return fcCheckBools(op, ins, first, got)
 	}
 	return fcCheckFloats(dt, op, ins, first, got)
 }
 
-func fcCheckInts[T fcInt](op reduce.Op, ins [][]byte, first int, got []byte) error {
+func fcCheckInts[T fcInt](op wire.RedOp, ins [][]byte, first int, got []byte) error {
 	var z T
 	elems := len(got) / int(unsafe.Sizeof(z))
 	var bad fcMismatches
@@ -326,23 +327,23 @@ func fcCheckInts[T fcInt](op reduce.Op, ins [][]byte, first int, got []byte) err
 		for _, in := range ins[1:] {
 			v := fcGetInt[T](in, first+i)
 			switch op {
-			case reduce.Sum, reduce.Avg:
+			case wire.Sum, wire.Avg:
 				acc += v
-			case reduce.Product:
+			case wire.Product:
 				acc *= v
-			case reduce.Min:
+			case wire.Min:
 				acc = min(acc, v)
-			case reduce.Max:
+			case wire.Max:
 				acc = max(acc, v)
-			case reduce.BAnd:
+			case wire.BAnd:
 				acc &= v
-			case reduce.BOr:
+			case wire.BOr:
 				acc |= v
-			case reduce.BXor:
+			case wire.BXor:
 				acc ^= v
 			}
 		}
-		if op == reduce.Avg {
+		if op == wire.Avg {
 			acc /= T(len(ins)) // truncates toward zero
 		}
 		if g := fcGetInt[T](got, i); g != acc {
@@ -356,18 +357,18 @@ func fcCheckInts[T fcInt](op reduce.Op, ins [][]byte, first int, got []byte) err
 	return bad.err(elems)
 }
 
-func fcCheckBools(op reduce.Op, ins [][]byte, first int, got []byte) error {
+func fcCheckBools(op wire.RedOp, ins [][]byte, first int, got []byte) error {
 	var bad fcMismatches
 	for i := range got {
 		acc := ins[0][first+i] != 0
 		for _, in := range ins[1:] {
 			v := in[first+i] != 0
 			switch op {
-			case reduce.Sum, reduce.Max, reduce.BOr:
+			case wire.Sum, wire.Max, wire.BOr:
 				acc = acc || v
-			case reduce.Product, reduce.Min, reduce.BAnd:
+			case wire.Product, wire.Min, wire.BAnd:
 				acc = acc && v
-			case reduce.BXor:
+			case wire.BXor:
 				acc = acc != v
 			}
 		}
@@ -383,7 +384,7 @@ func fcCheckBools(op reduce.Op, ins [][]byte, first int, got []byte) error {
 	return bad.err(len(got))
 }
 
-func fcCheckFloats(dt reduce.DType, op reduce.Op, ins [][]byte, first int, got []byte) error {
+func fcCheckFloats(dt wire.DType, op wire.RedOp, ins [][]byte, first int, got []byte) error {
 	n := float64(len(ins))
 	// The algorithm rounds to dt (unit roundoff u) at each step; the reference rounds to
 	// float64 at each step. Both errors count.
@@ -397,7 +398,7 @@ func fcCheckFloats(dt reduce.DType, op reduce.Op, ins [][]byte, first int, got [
 		}
 		var want, tol float64
 		switch op {
-		case reduce.Sum, reduce.Avg:
+		case wire.Sum, wire.Avg:
 			var abs float64
 			for _, v := range vals {
 				want += v
@@ -406,24 +407,24 @@ func fcCheckFloats(dt reduce.DType, op reduce.Op, ins [][]byte, first int, got [
 			// n-1 additions, each rounded once (half types add in float32 first): at most
 			// (n-1)·u·Σ|x| in all, plus second-order terms.
 			tol = (n - 1) * u * abs * (1 + 1e-3)
-			if op == reduce.Avg { // and one rounded division
+			if op == wire.Avg { // and one rounded division
 				want /= n
 				tol = tol/n + u*(math.Abs(want)+tol/n)
 			}
-		case reduce.Product:
+		case wire.Product:
 			want = 1
 			for _, v := range vals {
 				want *= v
 			}
 			tol = (n - 1) * u * math.Abs(want) * (1 + 1e-2) // (1+u)^(n-1) - 1, and then some
-		case reduce.Min, reduce.Max:
+		case wire.Min, wire.Max:
 			want = vals[0]
 			for _, v := range vals[1:] {
 				switch {
 				case math.IsNaN(want):
 				case math.IsNaN(v):
 					want = v
-				case op == reduce.Min && v < want, op == reduce.Max && v > want:
+				case op == wire.Min && v < want, op == wire.Max && v > want:
 					want = v
 				}
 			}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/wire"
 )
 
 // AllGather concatenates every rank's in (equal sizes) into out, in rank order. Small inputs
@@ -34,12 +35,12 @@ func AllGather(ctx context.Context, c Comm, in, out []byte) error {
 }
 
 // ReduceScatter reduces in (n equal blocks) across the group and leaves block r of the
-// result in rank r's out. in is used as scratch. For reduce.Avg out holds the sum.
+// result in rank r's out. in is used as scratch. For wire.Avg out holds the sum.
 //
 // Small: each rank sends block j to rank j, which reduces in rank order. Large: a ring in
 // which rank r sends block r-s-1 at step s and reduces block r-s-2 as it arrives, ending with
 // block r complete.
-func ReduceScatter(ctx context.Context, c Comm, in, out []byte, dt reduce.DType, op reduce.Op) error {
+func ReduceScatter(ctx context.Context, c Comm, in, out []byte, dt wire.DType, op wire.RedOp) error {
 	n, r := c.Size(), c.Rank()
 	m := len(out)
 	es := dt.Size()

@@ -4,6 +4,7 @@ import (
 	"io"
 
 	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/wire"
 )
 
 // CopySink writes the payload into Dst.
@@ -24,8 +25,8 @@ func (s CopySink) Take(b []byte) error {
 // ReduceSink combines the payload into Acc: Acc = Acc (op) payload.
 type ReduceSink struct {
 	Acc   []byte
-	DType reduce.DType
-	Op    reduce.Op
+	DType wire.DType
+	Op    wire.RedOp
 }
 
 func (s ReduceSink) Len() int { return len(s.Acc) }

@@ -1,6 +1,8 @@
-// Package kernels holds the sidecar's CUDA device code: kernels/*.cu, compiled by make with
-// nvcc from the pinned PyPI packages and linked with NVSHMEM's device library into one cubin
-// per file (kernels/build, never committed), embedded here. The driver loads a cubin with
+// Package kernels holds gocomm's CUDA device code, grouped by the runtime that launches it:
+// kernels/sidecar/*.cu (pgserver) and kernels/inprocess/*.cu (the training process, which
+// loads the cubins make copies next to the Python package). make compiles each file with nvcc
+// from the pinned PyPI packages and links it with NVSHMEM's device library into one cubin
+// (kernels/build/<name>.cubin, never committed), embedded here. The driver loads a cubin with
 // cuModuleLoadData; NVSHMEM's state in it is set up with nvshmemx_cumodule_init.
 package kernels
 
@@ -15,11 +17,11 @@ import (
 var built embed.FS
 
 // ErrNotBuilt: the binary was built without running make's kernels step.
-var ErrNotBuilt = errors.New("kernel module not built (make compiles kernels/*.cu with the pinned nvcc)")
+var ErrNotBuilt = errors.New("kernel module not built (make compiles kernels/*/*.cu with the pinned nvcc)")
 
-// Modules names each module (kernels/<name>.cu) and the kernels looked up in it: the
-// sidecar's (a2av) and the shim's (a2av_ipc, allreduce and moe, which make also copies next
-// to the Python package).
+// Modules names each module (kernels/<runtime>/<name>.cu) and the kernels looked up in it:
+// the sidecar's (a2av) and the in-process ones (a2av_ipc, allreduce and moe, which make also
+// copies next to the Python package).
 var Modules = map[string][]string{
 	"a2av":     {"gocomm_a2av"},
 	"a2av_ipc": {"gocomm_a2av_ipc"},
@@ -37,7 +39,7 @@ var NVSHMEM = map[string]bool{"a2av": true}
 // Arch is the GPU architecture the modules are compiled for (Makefile's CUDA_ARCH).
 const Arch = 90
 
-// Cubin returns the compiled module kernels/<name>.cu.
+// Cubin returns the compiled module <name>.cu.
 func Cubin(name string) ([]byte, error) {
 	b, err := built.ReadFile("build/" + name + ".cubin")
 	if errors.Is(err, fs.ErrNotExist) {

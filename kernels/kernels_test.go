@@ -9,17 +9,17 @@ import (
 	"testing"
 )
 
-// TestModulesBuilt: every kernels/*.cu is embedded as an sm_90 CUDA ELF holding the kernels
+// TestModulesBuilt: every kernels/*/*.cu is embedded as an sm_90 CUDA ELF holding the kernels
 // looked up in it and, where it uses NVSHMEM, NVSHMEM's device state (what
 // nvshmemx_cumodule_init fills in).
 // make builds them before the tests; no GPU is needed to check them.
 func TestModulesBuilt(t *testing.T) {
-	srcs, err := filepath.Glob("*.cu")
+	srcs, err := filepath.Glob("*/*.cu")
 	if err != nil || len(srcs) == 0 {
 		t.Fatalf("no kernel sources: %v", err)
 	}
 	for _, src := range srcs {
-		name := strings.TrimSuffix(src, ".cu")
+		name := strings.TrimSuffix(filepath.Base(src), ".cu")
 		t.Run(name, func(t *testing.T) {
 			want, ok := Modules[name]
 			if !ok {

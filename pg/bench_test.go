@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/wire"
 )
 
 // BenchmarkAllReduce times all_reduce through n in-process sidecars (sessions, rings,
@@ -27,12 +27,12 @@ func BenchmarkAllReduce(b *testing.B) {
 				for i := 0; i < b.N; i++ {
 					var wg sync.WaitGroup
 					for r := 0; r < n; r++ {
-						clients[r].submit(Desc{Group: groups[r].Handle, Kind: OpAllReduce, DType: reduce.Float32,
-							RedOp: reduce.Sum, Count: size / 4, Bufs: []BufRef{{Segment: segs[r], Length: size}}})
+						clients[r].submit(wire.Desc{Group: groups[r].Handle, Kind: wire.OpAllReduce, DType: wire.Float32,
+							RedOp: wire.Sum, Count: size / 4, Bufs: []wire.BufRef{{Segment: segs[r], Length: size}}})
 						wg.Add(1)
 						go func(r int) {
 							defer wg.Done()
-							if d := clients[r].next(time.Minute); d.status != StatusOK {
+							if d := clients[r].next(time.Minute); d.status != wire.StatusOK {
 								b.Error(d.msg)
 							}
 						}(r)

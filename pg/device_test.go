@@ -14,7 +14,9 @@ import (
 	"time"
 
 	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/gpu"
 	"github.com/gocomm/gocomm/transport"
+	"github.com/gocomm/gocomm/wire"
 )
 
 // fakeEngine stands in for the CUDA/NCCL engine: segments are bookkeeping only, and ops
@@ -28,7 +30,7 @@ type fakeEngine struct {
 	nvshmem error // LoadNVSHMEM's answer
 }
 
-func (e *fakeEngine) Info() (bool, string, []DeviceInfo) { return true, "fake", nil }
+func (e *fakeEngine) Info() (bool, string, []gpu.Device) { return true, "fake", nil }
 func (e *fakeEngine) LoadNCCL(string) error              { return nil }
 func (e *fakeEngine) LoadNVSHMEM() error                 { return e.nvshmem }
 func (e *fakeEngine) NewUniqueID() ([]byte, error) {
@@ -36,13 +38,13 @@ func (e *fakeEngine) NewUniqueID() ([]byte, error) {
 	_, err := rand.Read(id)
 	return id, err
 }
-func (e *fakeEngine) Check(dt reduce.DType, op reduce.Op) error {
-	if op >= reduce.BAnd {
+func (e *fakeEngine) Check(dt wire.DType, op wire.RedOp) error {
+	if op >= wire.BAnd {
 		return fmt.Errorf("%w: %s on CUDA tensors", reduce.ErrUnsupported, op)
 	}
 	return nil
 }
-func (e *fakeEngine) Attach([16]byte) (DeviceSession, error) {
+func (e *fakeEngine) Attach([16]byte) (gpu.Session, error) {
 	return &fakeDevSession{e: e, segs: map[uint32]uint64{}}, nil
 }
 
@@ -90,17 +92,17 @@ func (s *fakeDevSession) DropIPC(seg uint32) error {
 	delete(s.segs, seg)
 	return nil
 }
-func (s *fakeDevSession) Resolve(refs []BufRef) ([]uint64, func(), error) {
+func (s *fakeDevSession) Resolve(refs []wire.BufRef) ([]uint64, func(), error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ptrs := make([]uint64, len(refs))
 	for i, r := range refs {
 		size, ok := s.segs[r.Segment]
 		if !ok {
-			return nil, nil, fmt.Errorf("%w: CUDA segment %#x is not registered", ErrInvalid, r.Segment)
+			return nil, nil, fmt.Errorf("%w: CUDA segment %#x is not registered", wire.ErrInvalid, r.Segment)
 		}
 		if r.Offset+r.Length > size {
-			return nil, nil, fmt.Errorf("%w: outside CUDA segment", ErrInvalid)
+			return nil, nil, fmt.Errorf("%w: outside CUDA segment", wire.ErrInvalid)
 		}
 		ptrs[i] = 0x1000 + r.Offset
 	}
@@ -109,7 +111,7 @@ func (s *fakeDevSession) Resolve(refs []BufRef) ([]uint64, func(), error) {
 
 // NewGroup exchanges a random id from rank 0 over link, as the real engine does for its
 // communicators; the group's ops complete only once it arrived.
-func (s *fakeDevSession) NewGroup(rank, size, slot int, base [2]uint32, link PeerLink) (DeviceGroup, error) {
+func (s *fakeDevSession) NewGroup(rank, size, slot int, base [2]uint32, link gpu.PeerLink) (gpu.Group, error) {
 	s.e.mu.Lock()
 	defer s.e.mu.Unlock()
 	if s.e.noNew != nil {
@@ -143,16 +145,16 @@ type fakeDevGroup struct {
 	fail    error
 	slot    int
 	base    [2]uint32 // where the slot's counters stood (NewGroup)
-	pending []DeviceOp
+	pending []gpu.Op
 	broken  error
 	ran     []uint32 // stream values, in the order ops ran
 	joined  chan struct{}
-	id      []byte // rank 0's, over the PeerLink
+	id      []byte // rank 0's, over the gpu.PeerLink
 	idErr   error
 	shmemID []byte // what ShmemID was handed
 }
 
-func (g *fakeDevGroup) Enqueue(op DeviceOp) {
+func (g *fakeDevGroup) Enqueue(op gpu.Op) {
 	g.mu.Lock()
 	if g.broken != nil {
 		err := g.broken
@@ -257,17 +259,17 @@ func deviceCluster(t *testing.T, n int, timeout time.Duration, eng *fakeEngine) 
 	return clients, groups
 }
 
-// registerIPC sends a RecIPC record for segment seg of size bytes.
+// registerIPC sends a wire.RecIPC record for segment seg of size bytes.
 func (c *client) registerIPC(seg uint32, size uint64) {
 	b := make([]byte, 80)
 	binary.LittleEndian.PutUint32(b, seg)
 	binary.LittleEndian.PutUint64(b[8:], size)
-	c.raw(RecIPC, b)
+	c.raw(wire.RecIPC, b)
 }
 
-func cudaAllReduce(g *Group, seg uint32, count, value uint64) Desc {
-	return Desc{Group: g.Handle, Kind: OpAllReduce, DType: reduce.Float32, RedOp: reduce.Sum, Device: DeviceCUDA,
-		Count: count, StreamValue: uint32(value), Bufs: []BufRef{{Segment: seg, Length: count * 4}}}
+func cudaAllReduce(g *Group, seg uint32, count, value uint64) wire.Desc {
+	return wire.Desc{Group: g.Handle, Kind: wire.OpAllReduce, DType: wire.Float32, RedOp: wire.Sum, Device: wire.DeviceCUDA,
+		Count: count, StreamValue: uint32(value), Bufs: []wire.BufRef{{Segment: seg, Length: count * 4}}}
 }
 
 // TestDeviceOps: CUDA descriptors reach the device engine in order, with their stream
@@ -275,7 +277,7 @@ func cudaAllReduce(g *Group, seg uint32, count, value uint64) Desc {
 func TestDeviceOps(t *testing.T) {
 	eng := &fakeEngine{}
 	clients, groups := deviceCluster(t, 2, 5*time.Second, eng)
-	seg := uint32(CUDASegment | 1)
+	seg := uint32(wire.CUDASegment | 1)
 	for r := range clients {
 		clients[r].registerIPC(seg, 1<<20)
 	}
@@ -284,7 +286,7 @@ func TestDeviceOps(t *testing.T) {
 			clients[r].submit(cudaAllReduce(groups[r], seg, 1000, k))
 		}
 		for r := range clients {
-			if d := clients[r].next(5 * time.Second); d.status != StatusOK {
+			if d := clients[r].next(5 * time.Second); d.status != wire.StatusOK {
 				t.Fatalf("rank %d op %d: %+v", r, k, d)
 			}
 		}
@@ -295,32 +297,32 @@ func TestDeviceOps(t *testing.T) {
 		}
 	}
 	if a, b := eng.group(0).id, eng.group(1).id; len(a) != 128 || !bytes.Equal(a, b) {
-		t.Fatalf("the id rank 0 sent over the PeerLink did not arrive: %x vs %x", a[:8], b[:min(8, len(b))])
+		t.Fatalf("the id rank 0 sent over the gpu.PeerLink did not arrive: %x vs %x", a[:8], b[:min(8, len(b))])
 	}
 	c, g := clients[0], groups[0]
 	for _, tc := range []struct {
 		desc string
-		d    Desc
+		d    wire.Desc
 		want string
 	}{
-		{"unregistered segment", cudaAllReduce(g, CUDASegment|9, 10, 6), "not registered"},
+		{"unregistered segment", cudaAllReduce(g, wire.CUDASegment|9, 10, 6), "not registered"},
 		{"past the end of the allocation", cudaAllReduce(g, seg, 1<<19, 6), "outside CUDA segment"},
-		{"bitwise op", func() Desc { d := cudaAllReduce(g, seg, 10, 6); d.RedOp = reduce.BXor; return d }(), "bxor"},
-		{"recv from any rank", Desc{Group: g.Handle, Kind: OpRecv, DType: reduce.Float32, Device: DeviceCUDA, Root: -1, Count: 1,
-			StreamValue: 1, Bufs: []BufRef{{Segment: seg, Length: 4}}}, "any rank"},
+		{"bitwise op", func() wire.Desc { d := cudaAllReduce(g, seg, 10, 6); d.RedOp = wire.BXor; return d }(), "bxor"},
+		{"recv from any rank", wire.Desc{Group: g.Handle, Kind: wire.OpRecv, DType: wire.Float32, Device: wire.DeviceCUDA, Root: -1, Count: 1,
+			StreamValue: 1, Bufs: []wire.BufRef{{Segment: seg, Length: 4}}}, "any rank"},
 	} {
 		t.Run(tc.desc, func(t *testing.T) {
 			c.submit(tc.d)
-			if d := c.next(5 * time.Second); d.status != StatusInvalid || !strings.Contains(d.msg, tc.want) {
+			if d := c.next(5 * time.Second); d.status != wire.StatusInvalid || !strings.Contains(d.msg, tc.want) {
 				t.Fatalf("completion %+v, want invalid containing %q", d, tc.want)
 			}
 		})
 	}
 	// a segment the engine could not map: the op names why
-	c.registerIPC(CUDASegment|7, 7)
-	c.submit(Desc{Group: g.Handle, Kind: OpSend, DType: reduce.Uint8, Device: DeviceCUDA, Root: 1, Count: 4,
-		StreamValue: 1, Bufs: []BufRef{{Segment: CUDASegment | 7, Length: 4}}})
-	if d := c.next(5 * time.Second); d.status != StatusInvalid || !strings.Contains(d.msg, "CUDA_ERROR_INVALID_VALUE") {
+	c.registerIPC(wire.CUDASegment|7, 7)
+	c.submit(wire.Desc{Group: g.Handle, Kind: wire.OpSend, DType: wire.Uint8, Device: wire.DeviceCUDA, Root: 1, Count: 4,
+		StreamValue: 1, Bufs: []wire.BufRef{{Segment: wire.CUDASegment | 7, Length: 4}}})
+	if d := c.next(5 * time.Second); d.status != wire.StatusInvalid || !strings.Contains(d.msg, "CUDA_ERROR_INVALID_VALUE") {
 		t.Fatalf("op on an unmapped segment: %+v", d)
 	}
 	// a refused CUDA op breaks the group (the client's counter already counted it)
@@ -343,23 +345,23 @@ func TestRefusedFirstCUDAOpReleasesStream(t *testing.T) {
 		want  string
 	}{
 		{"no device group", errors.New("cuStreamCreate: out of memory"), func(c *client, g *Group) {
-			c.registerIPC(CUDASegment|1, 1<<20)
-			c.submit(cudaAllReduce(g, CUDASegment|1, 10, 1))
+			c.registerIPC(wire.CUDASegment|1, 1<<20)
+			c.submit(cudaAllReduce(g, wire.CUDASegment|1, 10, 1))
 		}, "out of memory"},
-		{"unregistered segment", nil, func(c *client, g *Group) { c.submit(cudaAllReduce(g, CUDASegment|9, 10, 1)) }, "not registered"},
+		{"unregistered segment", nil, func(c *client, g *Group) { c.submit(cudaAllReduce(g, wire.CUDASegment|9, 10, 1)) }, "not registered"},
 		{"undecodable descriptor", nil, func(c *client, g *Group) {
-			d := cudaAllReduce(g, CUDASegment|1, 1, 1)
-			d.Bufs = make([]BufRef, maxBufs+1)
+			d := cudaAllReduce(g, wire.CUDASegment|1, 1, 1)
+			d.Bufs = make([]wire.BufRef, 9)
 			c.seq++
 			d.Seq = c.seq
-			c.raw(RecOp, d.Encode())
+			c.raw(wire.RecOp, d.Encode())
 		}, "buffers"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			clients, groups := deviceCluster(t, 2, 5*time.Second, &fakeEngine{noNew: tc.noNew})
 			c, g := clients[0], groups[0]
 			tc.send(c, g)
-			if d := c.next(5 * time.Second); d.status == StatusOK || !strings.Contains(d.msg, tc.want) {
+			if d := c.next(5 * time.Second); d.status == wire.StatusOK || !strings.Contains(d.msg, tc.want) {
 				t.Fatalf("completion %+v, want invalid containing %q", d, tc.want)
 			}
 			ds := c.sess.deviceSession().(*fakeDevSession)
@@ -380,7 +382,7 @@ func TestRefusedFirstCUDAOpReleasesStream(t *testing.T) {
 func TestReusedSlotCountsOn(t *testing.T) {
 	eng := &fakeEngine{}
 	clients, groups := deviceCluster(t, 2, 5*time.Second, eng)
-	seg := uint32(CUDASegment | 1)
+	seg := uint32(wire.CUDASegment | 1)
 	for k := uint64(1); k <= 3; k++ {
 		for r := range clients {
 			if k == 1 {
@@ -389,7 +391,7 @@ func TestReusedSlotCountsOn(t *testing.T) {
 			clients[r].submit(cudaAllReduce(groups[r], seg, 10, k))
 		}
 		for r := range clients {
-			if d := clients[r].next(5 * time.Second); d.status != StatusOK {
+			if d := clients[r].next(5 * time.Second); d.status != wire.StatusOK {
 				t.Fatalf("rank %d op %d: %+v", r, k, d)
 			}
 		}
@@ -430,7 +432,7 @@ func TestReusedSlotCountsOn(t *testing.T) {
 		c.submit(cudaAllReduce(again[r], seg, 10, uint64(again[r].Base[0])+1))
 	}
 	for r, c := range clients {
-		if d := c.next(5 * time.Second); d.status != StatusOK {
+		if d := c.next(5 * time.Second); d.status != wire.StatusOK {
 			t.Fatalf("rank %d, first op of the second group: %+v", r, d)
 		}
 	}
@@ -444,7 +446,7 @@ func TestReusedSlotCountsOn(t *testing.T) {
 func TestDeviceFailureBreaksEveryRank(t *testing.T) {
 	eng := &fakeEngine{hang: true}
 	clients, groups := deviceCluster(t, 2, 20*time.Second, eng)
-	seg := uint32(CUDASegment | 1)
+	seg := uint32(wire.CUDASegment | 1)
 	for r := range clients {
 		clients[r].registerIPC(seg, 1<<20)
 	}
@@ -459,10 +461,10 @@ func TestDeviceFailureBreaksEveryRank(t *testing.T) {
 	clients[0].submit(cudaAllReduce(groups[0], seg, 100, 1))
 	d0 := clients[0].next(5 * time.Second)
 	d1 := clients[1].next(5 * time.Second)
-	if d0.status != StatusTimeout {
+	if d0.status != wire.StatusTimeout {
 		t.Fatalf("rank 0: %+v, want a timeout", d0)
 	}
-	if d1.status == StatusOK || !strings.Contains(d1.msg, "rank 0") {
+	if d1.status == wire.StatusOK || !strings.Contains(d1.msg, "rank 0") {
 		t.Fatalf("rank 1: %+v, want a failure naming rank 0", d1)
 	}
 	if el := time.Since(start); el > 3*time.Second {
@@ -507,9 +509,9 @@ func TestAttachChoosesSparse(t *testing.T) {
 				case errors.Is(err, forced):
 					return SparseChoice{}, err
 				case err != nil:
-					return SparseChoice{Transport: "nccl", Reason: "NVSHMEM cannot run: " + err.Error()}, nil
+					return SparseChoice{Engine: "nccl", Reason: "NVSHMEM cannot run: " + err.Error()}, nil
 				}
-				return SparseChoice{Transport: "nvshmem", Reason: "all GPUs NVLink-connected"}, nil
+				return SparseChoice{Engine: "nvshmem", Reason: "all GPUs NVLink-connected"}, nil
 			}}
 			if tc.device {
 				cfg.Device = &fakeEngine{nvshmem: tc.lib}
@@ -530,8 +532,8 @@ func TestAttachChoosesSparse(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer sess.Close("test over")
-			if sess.Sparse.Transport != tc.want {
-				t.Errorf("session transport %q (%s), want %q", sess.Sparse.Transport, sess.Sparse.Reason, tc.want)
+			if sess.Sparse.Engine != tc.want {
+				t.Errorf("session transport %q (%s), want %q", sess.Sparse.Engine, sess.Sparse.Reason, tc.want)
 			}
 			if wantCalled := tc.device && tc.nccl != ""; called != wantCalled {
 				t.Errorf("chooser called %v, want %v", called, wantCalled)
@@ -571,13 +573,13 @@ func TestShmemIDReachesTheDeviceGroup(t *testing.T) {
 			t.Fatalf("device group %d holds id %q", i, got)
 		}
 	}
-	seg := uint32(CUDASegment | 1)
+	seg := uint32(wire.CUDASegment | 1)
 	for r := range clients {
 		clients[r].registerIPC(seg, 1<<20)
 		clients[r].submit(cudaAllReduce(groups[r], seg, 1000, 1))
 	}
 	for r := range clients {
-		if d := clients[r].next(5 * time.Second); d.status != StatusOK {
+		if d := clients[r].next(5 * time.Second); d.status != wire.StatusOK {
 			t.Fatalf("rank %d's op after ShmemID: %+v", r, d)
 		}
 	}

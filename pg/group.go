@@ -12,7 +12,9 @@ import (
 
 	"github.com/gocomm/gocomm/collectives"
 	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/gpu"
 	"github.com/gocomm/gocomm/transport"
+	"github.com/gocomm/gocomm/wire"
 )
 
 // Group is this rank's member of one process group, and the executor of its ops.
@@ -29,7 +31,7 @@ import (
 //     peers, fails everything pending, and every later op fails at once with the cause. The
 //     executor reports an op's completion only after the endpoint is quiescent, so no reader
 //     writes into an op's memory after the client was told the op ended.
-//  4. An op holds references on its segments until it completes (registry invariant 2).
+//  4. An op holds references on its segments until it completes (package segment, invariant 2).
 type Group struct {
 	Handle      uint32
 	Name        string
@@ -57,7 +59,7 @@ type Group struct {
 	seq     uint64
 	running sync.WaitGroup // the executor, point-to-point ops, device ops in flight
 	stats   Stats
-	dev     DeviceGroup // created by the first CUDA op
+	dev     gpu.Group // created by the first CUDA op
 }
 
 // Stats are a group's counters.
@@ -70,7 +72,7 @@ type Stats struct {
 }
 
 type op struct {
-	desc     Desc
+	desc     wire.Desc
 	bufs     [][]byte
 	release  func()
 	deadline time.Time
@@ -91,7 +93,7 @@ func (g *Group) connect(ep *transport.Endpoint) error {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.ep != nil {
-		return fmt.Errorf("%w: group %d is already connected", ErrInvalid, g.Handle)
+		return fmt.Errorf("%w: group %d is already connected", wire.ErrInvalid, g.Handle)
 	}
 	if g.closing != "" {
 		return fmt.Errorf("group %d: %w", g.Handle, ErrNotFound)
@@ -150,7 +152,7 @@ func (g *Group) Abort(reason string) {
 func (g *Group) floor() [2]uint32 { return [2]uint32{g.last[0].Load(), g.last[1].Load()} }
 
 // releaseStreams lets the client's streams waiting on the group's counters go on (see
-// DeviceSession.Release).
+// gpu.Session.Release).
 func (g *Group) releaseStreams(why string) {
 	ds := g.sess.deviceSession()
 	if ds == nil || g.Slot < 0 {
@@ -163,7 +165,7 @@ func (g *Group) releaseStreams(why string) {
 
 // noteStream records a CUDA op's stream value (its client already wrote it as ready, or
 // will): the next group on the slot counts on from past it. Only the serve goroutine calls it.
-func (g *Group) noteStream(d *Desc) {
+func (g *Group) noteStream(d *wire.Desc) {
 	lane := 0 // collectives count on the first pair of counters, send/recv on the second
 	if !d.Kind.Collective() {
 		lane = 1
@@ -173,18 +175,18 @@ func (g *Group) noteStream(d *Desc) {
 	}
 }
 
-func (g *Group) reject(d Desc, err error) {
+func (g *Group) reject(d wire.Desc, err error) {
 	// Break and release first: when the client sees the failure, both have happened.
-	defer g.sess.complete(d.Seq, StatusInvalid, -1, err.Error())
+	defer g.sess.complete(d.Seq, wire.StatusInvalid, -1, err.Error())
 	g.count(d.Kind, true)
-	if d.Kind.Collective() || d.Device == DeviceCUDA {
+	if d.Kind.Collective() || d.Device == wire.DeviceCUDA {
 		g.mu.Lock()
 		ep, dev := g.ep, g.dev
 		g.mu.Unlock()
 		if ep != nil {
 			ep.Break(fmt.Errorf("%w: rank %d refused its %s: %v", transport.ErrAborted, g.Rank, d.Kind, err))
 		}
-		if d.Device == DeviceCUDA && (dev == nil || ep == nil) {
+		if d.Device == wire.DeviceCUDA && (dev == nil || ep == nil) {
 			// The client's stream waits for this op's done count. A device group releases
 			// its streams when the break aborts it; without one, release them here.
 			g.releaseStreams("a refused op")
@@ -200,7 +202,7 @@ func (g *Group) submit(o *op) {
 			why = g.closing
 		}
 		g.mu.Unlock()
-		g.finish(o, StatusAborted, -1, fmt.Sprintf("%s on group %q: %s", o.desc.Kind, g.Name, why))
+		g.finish(o, wire.StatusAborted, -1, fmt.Sprintf("%s on group %q: %s", o.desc.Kind, g.Name, why))
 		return
 	}
 	if !o.desc.Kind.Collective() {
@@ -233,7 +235,7 @@ func (g *Group) close(reason string) {
 		ep.Break(fmt.Errorf("%w: %s", transport.ErrClosed, reason))
 	}
 	for _, o := range q {
-		g.finish(o, StatusAborted, -1, fmt.Sprintf("%s on group %q: %s", o.desc.Kind, g.Name, reason))
+		g.finish(o, wire.StatusAborted, -1, fmt.Sprintf("%s on group %q: %s", o.desc.Kind, g.Name, reason))
 	}
 	idle := make(chan struct{})
 	go func() { g.running.Wait(); close(idle) }()
@@ -256,11 +258,11 @@ func (g *Group) close(reason string) {
 	g.log.Info("group closed", "reason", reason)
 }
 
-// ctlTagBase puts the device engine's control messages (PeerLink) in a tag space of their
+// ctlTagBase puts the device engine's control messages (gpu.PeerLink) in a tag space of their
 // own: client tags are 32-bit.
 const ctlTagBase = int64(1) << 40
 
-// peerLink is the device engine's PeerLink over the group's host links.
+// peerLink is the device engine's gpu.PeerLink over the group's host links.
 type peerLink struct{ ep *transport.Endpoint }
 
 func (l peerLink) Send(ctx context.Context, peer, tag int, b []byte) error {
@@ -278,7 +280,7 @@ func (l peerLink) Recv(ctx context.Context, peer, tag, n int) ([]byte, error) {
 // submitDevice hands a resolved CUDA op to the group's device engine, creating the device
 // group on first use. A device op's failure breaks the whole group (design 3), and a broken
 // group aborts its device work, so peers on either engine fail instead of hanging.
-func (g *Group) submitDevice(ds DeviceSession, o *op, ptrs []uint64) {
+func (g *Group) submitDevice(ds gpu.Session, o *op, ptrs []uint64) {
 	g.mu.Lock()
 	if g.ep == nil || g.closing != "" {
 		why := cmp.Or(g.closing, "group is not connected")
@@ -287,12 +289,12 @@ func (g *Group) submitDevice(ds DeviceSession, o *op, ptrs []uint64) {
 		if !closing { // a closing group's streams are released when it is destroyed
 			g.releaseStreams("an op on a group that is not connected")
 		}
-		g.finish(o, StatusAborted, -1, fmt.Sprintf("%s on group %q: %s", o.desc.Kind, g.Name, why))
+		g.finish(o, wire.StatusAborted, -1, fmt.Sprintf("%s on group %q: %s", o.desc.Kind, g.Name, why))
 		return
 	}
 	if g.Slot < 0 {
 		g.mu.Unlock()
-		g.finish(o, StatusInvalid, -1, fmt.Sprintf("%s on group %q: more than %d groups use CUDA tensors in this process", o.desc.Kind, g.Name, CounterSlots))
+		g.finish(o, wire.StatusInvalid, -1, fmt.Sprintf("%s on group %q: more than %d groups use CUDA tensors in this process", o.desc.Kind, g.Name, gpu.CounterSlots))
 		return
 	}
 	if err := g.makeDevice(ds); err != nil {
@@ -300,17 +302,17 @@ func (g *Group) submitDevice(ds DeviceSession, o *op, ptrs []uint64) {
 		g.mu.Unlock()
 		msg := fmt.Sprintf("%s on group %q: %v", o.desc.Kind, g.Name, err)
 		g.deviceFailed(ep, msg)
-		g.finish(o, StatusInternal, -1, msg)
+		g.finish(o, wire.StatusInternal, -1, msg)
 		return
 	}
 	dev, ep := g.dev, g.ep
 	g.running.Add(1)
 	g.mu.Unlock()
 	d := &o.desc
-	dev.Enqueue(DeviceOp{Desc: d, Ptrs: ptrs, Deadline: o.deadline, Done: func(err error) {
+	dev.Enqueue(gpu.Op{Desc: d, Ptrs: ptrs, Deadline: o.deadline, Done: func(err error) {
 		defer g.running.Done()
 		if err == nil {
-			g.finish(o, StatusOK, -1, "")
+			g.finish(o, wire.StatusOK, -1, "")
 			return
 		}
 		status, msg := g.failure(context.Background(), d, uint64(d.StreamValue), o.timeout, err)
@@ -322,7 +324,7 @@ func (g *Group) submitDevice(ds DeviceSession, o *op, ptrs []uint64) {
 // makeDevice makes the group's device member if it has none (g.mu held, the group
 // connected, with a counter slot). After a failure the caller unlocks g.mu and calls
 // deviceFailed.
-func (g *Group) makeDevice(ds DeviceSession) error {
+func (g *Group) makeDevice(ds gpu.Session) error {
 	if g.dev != nil {
 		return nil
 	}
@@ -348,17 +350,17 @@ func (g *Group) deviceFailed(ep *transport.Endpoint, msg string) {
 	g.releaseStreams("a failed device group")
 }
 
-// shmemID hands the group's NVSHMEM unique id to its device member (DeviceGroup.ShmemID),
+// shmemID hands the group's NVSHMEM unique id to its device member (gpu.Group.ShmemID),
 // making the member first if no CUDA op has yet.
-func (g *Group) shmemID(ds DeviceSession, id []byte) ([]byte, error) {
+func (g *Group) shmemID(ds gpu.Session, id []byte) ([]byte, error) {
 	g.mu.Lock()
 	switch {
 	case g.ep == nil || g.closing != "":
 		g.mu.Unlock()
-		return nil, fmt.Errorf("%w: group %q: %s", ErrInvalid, g.Name, cmp.Or(g.closing, "not connected"))
+		return nil, fmt.Errorf("%w: group %q: %s", wire.ErrInvalid, g.Name, cmp.Or(g.closing, "not connected"))
 	case g.Slot < 0:
 		g.mu.Unlock()
-		return nil, fmt.Errorf("%w: group %q: more than %d groups use CUDA tensors in this process", ErrInvalid, g.Name, CounterSlots)
+		return nil, fmt.Errorf("%w: group %q: more than %d groups use CUDA tensors in this process", wire.ErrInvalid, g.Name, gpu.CounterSlots)
 	}
 	if err := g.makeDevice(ds); err != nil {
 		ep := g.ep
@@ -397,19 +399,19 @@ func (g *Group) execute() {
 func (g *Group) runCollective(ep *transport.Endpoint, seq uint64, o *op) {
 	d := &o.desc
 	if err := ep.Broken(); err != nil {
-		g.finish(o, StatusBroken, -1, fmt.Sprintf("%s #%d on group %q: the group is broken: %v", d.Kind, seq, g.Name, err))
+		g.finish(o, wire.StatusBroken, -1, fmt.Sprintf("%s #%d on group %q: the group is broken: %v", d.Kind, seq, g.Name, err))
 		return
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), o.deadline)
 	defer cancel()
 	sig := transport.Signature{Op: uint8(d.Kind), DType: d.DType, RedOp: d.RedOp, Count: d.Count, OpName: d.Kind.String()}
 	switch d.Kind {
-	case OpBroadcast, OpReduce, OpGather, OpScatter:
+	case wire.OpBroadcast, wire.OpReduce, wire.OpGather, wire.OpScatter:
 		sig.Root = d.Root
-	case OpAllToAll:
+	case wire.OpAllToAll:
 		sig.Count = 0 // splits differ per rank; the transport checks each pair's length
 	}
-	err := runHost(ctx, ep.Op(seq, sig), d, o.bufs)
+	err := runHost(ctx, hostComm{ep.Op(seq, sig)}, d, o.bufs)
 	if err != nil {
 		status, msg := g.failure(ctx, d, seq, o.timeout, err)
 		ep.Break(errors.New(msg))
@@ -417,7 +419,7 @@ func (g *Group) runCollective(ep *transport.Endpoint, seq uint64, o *op) {
 		g.finish(o, status, -1, msg)
 		return
 	}
-	g.finish(o, StatusOK, -1, "")
+	g.finish(o, wire.StatusOK, -1, "")
 }
 
 // p2pReq is a posted send or receive.
@@ -428,7 +430,7 @@ type p2pReq interface {
 
 func (g *Group) postP2P(ep *transport.Endpoint, o *op) p2pReq {
 	d := &o.desc
-	if d.Kind == OpSend {
+	if d.Kind == wire.OpSend {
 		return ep.SendP2P(int(d.Root), int64(d.Tag), o.bufs[0])
 	}
 	return ep.RecvP2P(int(d.Root), int64(d.Tag), collectives.CopySink{Dst: o.bufs[0]})
@@ -446,10 +448,10 @@ func (g *Group) p2p(o *op, req p2pReq) {
 	err := req.Wait(ctx)
 	switch {
 	case err == nil:
-		g.finish(o, StatusOK, req.Source(), "")
+		g.finish(o, wire.StatusOK, req.Source(), "")
 	case errors.Is(err, transport.ErrMismatch) && ctx.Err() == nil:
 		// the message was the wrong size: it was consumed, nothing stays posted
-		g.finish(o, StatusMismatch, -1, fmt.Sprintf("%s on group %q: %v", d.Kind, g.Name, err))
+		g.finish(o, wire.StatusMismatch, -1, fmt.Sprintf("%s on group %q: %v", d.Kind, g.Name, err))
 	default:
 		status, msg := g.failure(ctx, d, 0, o.timeout, err)
 		ep.Break(errors.New(msg))
@@ -459,7 +461,7 @@ func (g *Group) p2p(o *op, req p2pReq) {
 }
 
 // failure names what went wrong for the client and picks the status.
-func (g *Group) failure(ctx context.Context, d *Desc, seq uint64, timeout time.Duration, err error) (int32, string) {
+func (g *Group) failure(ctx context.Context, d *wire.Desc, seq uint64, timeout time.Duration, err error) (int32, string) {
 	what := fmt.Sprintf("%s #%d", d.Kind, seq)
 	if !d.Kind.Collective() {
 		what = fmt.Sprintf("%s (peer %d, tag %d)", d.Kind, d.Root, d.Tag)
@@ -467,30 +469,30 @@ func (g *Group) failure(ctx context.Context, d *Desc, seq uint64, timeout time.D
 	where := fmt.Sprintf("on group %q (rank %d of %d)", g.Name, g.Rank, g.Size)
 	switch {
 	case ctx.Err() != nil && errors.Is(err, context.DeadlineExceeded), errors.Is(err, ErrTimeout):
-		return StatusTimeout, fmt.Sprintf("%s %s timed out after %v: %v", what, where, timeout, err)
+		return wire.StatusTimeout, fmt.Sprintf("%s %s timed out after %v: %v", what, where, timeout, err)
 	case errors.Is(err, transport.ErrMismatch):
-		return StatusMismatch, fmt.Sprintf("%s %s: %v", what, where, err)
+		return wire.StatusMismatch, fmt.Sprintf("%s %s: %v", what, where, err)
 	case errors.Is(err, transport.ErrPeerLost):
-		return StatusPeerLost, fmt.Sprintf("%s %s: %v", what, where, err)
+		return wire.StatusPeerLost, fmt.Sprintf("%s %s: %v", what, where, err)
 	case errors.Is(err, transport.ErrAborted), errors.Is(err, transport.ErrClosed):
-		return StatusAborted, fmt.Sprintf("%s %s: %v", what, where, err)
+		return wire.StatusAborted, fmt.Sprintf("%s %s: %v", what, where, err)
 	case errors.Is(err, reduce.ErrUnsupported):
-		return StatusInvalid, fmt.Sprintf("%s %s: %v", what, where, err)
+		return wire.StatusInvalid, fmt.Sprintf("%s %s: %v", what, where, err)
 	default:
-		return StatusInternal, fmt.Sprintf("%s %s: %v", what, where, err)
+		return wire.StatusInternal, fmt.Sprintf("%s %s: %v", what, where, err)
 	}
 }
 
 func (g *Group) finish(o *op, status int32, source int, msg string) {
 	o.release()
-	g.count(o.desc.Kind, status != StatusOK)
-	if status != StatusOK && status != StatusAborted {
+	g.count(o.desc.Kind, status != wire.StatusOK)
+	if status != wire.StatusOK && status != wire.StatusAborted {
 		g.log.Warn("op failed", "seq", o.desc.Seq, "status", status, "err", msg)
 	}
 	g.sess.complete(o.desc.Seq, status, source, msg)
 }
 
-func (g *Group) count(k OpKind, failed bool) {
+func (g *Group) count(k wire.OpKind, failed bool) {
 	g.mu.Lock()
 	g.stats.Ops[k.String()]++
 	if failed {
@@ -499,33 +501,33 @@ func (g *Group) count(k OpKind, failed bool) {
 	g.mu.Unlock()
 }
 
-// runHost runs a validated host-memory collective. bufs follow Desc.Validate's roles.
-func runHost(ctx context.Context, c collectives.Comm, d *Desc, bufs [][]byte) error {
+// runHost runs a validated host-memory collective. bufs follow wire.Desc.Validate's roles.
+func runHost(ctx context.Context, c collectives.Comm, d *wire.Desc, bufs [][]byte) error {
 	root := int(d.Root)
 	n := c.Size()
 	isRoot := c.Rank() == root
 	finish := func(b []byte) error { return reduce.Finish(d.DType, d.RedOp, b, n) }
 	switch d.Kind {
-	case OpAllReduce:
+	case wire.OpAllReduce:
 		if err := collectives.AllReduce(ctx, c, bufs[0], d.DType, d.RedOp); err != nil {
 			return err
 		}
 		return finish(bufs[0])
-	case OpBroadcast:
+	case wire.OpBroadcast:
 		return collectives.Broadcast(ctx, c, bufs[0], root)
-	case OpReduce:
+	case wire.OpReduce:
 		if err := collectives.Reduce(ctx, c, bufs[0], d.DType, d.RedOp, root); err != nil || !isRoot {
 			return err
 		}
 		return finish(bufs[0])
-	case OpAllGather:
+	case wire.OpAllGather:
 		return collectives.AllGather(ctx, c, bufs[0], bufs[1])
-	case OpReduceScatter:
+	case wire.OpReduceScatter:
 		if err := collectives.ReduceScatter(ctx, c, bufs[0], bufs[1], d.DType, d.RedOp); err != nil {
 			return err
 		}
 		return finish(bufs[1])
-	case OpAllToAll:
+	case wire.OpAllToAll:
 		es := int64(d.DType.Size())
 		in := make([]int, n)
 		out := make([]int, n)
@@ -533,20 +535,20 @@ func runHost(ctx context.Context, c collectives.Comm, d *Desc, bufs [][]byte) er
 			in[i], out[i] = int(d.Splits[i]*es), int(d.Splits[n+i]*es)
 		}
 		return collectives.AllToAll(ctx, c, bufs[0], in, bufs[1], out)
-	case OpGather:
+	case wire.OpGather:
 		var out []byte
 		if isRoot {
 			out = bufs[1]
 		}
 		return collectives.Gather(ctx, c, bufs[0], out, root)
-	case OpScatter:
+	case wire.OpScatter:
 		var in []byte
 		if isRoot {
 			in = bufs[1]
 		}
 		return collectives.Scatter(ctx, c, in, bufs[0], root)
-	case OpBarrier:
+	case wire.OpBarrier:
 		return collectives.Barrier(ctx, c)
 	}
-	return fmt.Errorf("%w: %s is not a collective", ErrInvalid, d.Kind)
+	return fmt.Errorf("%w: %s is not a collective", wire.ErrInvalid, d.Kind)
 }

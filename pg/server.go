@@ -13,11 +13,13 @@ import (
 	"sync"
 	"time"
 
-	"github.com/gocomm/gocomm/internal/ring"
-	"github.com/gocomm/gocomm/internal/shm"
+	"github.com/gocomm/gocomm/gpu"
 	"github.com/gocomm/gocomm/node"
+	"github.com/gocomm/gocomm/ring"
+	"github.com/gocomm/gocomm/shm"
 	"github.com/gocomm/gocomm/sparse"
 	"github.com/gocomm/gocomm/transport"
+	"github.com/gocomm/gocomm/wire"
 )
 
 // Config of a Server.
@@ -32,9 +34,9 @@ type Config struct {
 	// costs a core but saves the wake-up latency (a few microseconds) on busy GPU ranks.
 	Spin time.Duration
 	// Device is the GPU engine, or nil where the sidecar serves CPU tensors only.
-	Device DeviceEngine
-	// Sparse picks a client's sparse all-to-all transport when it attaches (sparse.NewChooser);
-	// it is handed the engine's NVSHMEM loader. An error refuses the client (a transport forced
+	Device gpu.Engine
+	// Sparse picks a client's sparse all-to-all engine when it attaches (sparse.NewChooser);
+	// it is handed the engine's NVSHMEM loader. An error refuses the client (an engine forced
 	// where it cannot run). Nil: always NCCL.
 	Sparse sparse.Chooser
 	// Node is what the sidecar knows of its node (node.Describe), reported by Info and, with
@@ -42,7 +44,7 @@ type Config struct {
 	Node []node.Fact
 }
 
-// SparseChoice is the transport all_to_all_v of a client's CUDA tensors takes, and why.
+// SparseChoice is the engine all_to_all_v of a client's CUDA tensors takes, and why.
 type SparseChoice = sparse.Choice
 
 // Engine describes one way ops can run (Info).
@@ -80,7 +82,7 @@ func NewServer(cfg Config, node *transport.Node, log *slog.Logger) *Server {
 	if cfg.RingBytes == 0 {
 		cfg.RingBytes = 1 << 20
 	}
-	transport.SetOpNames(func(op uint8) string { return OpKind(op).String() })
+	transport.SetOpNames(func(op uint8) string { return wire.OpKind(op).String() })
 	return &Server{
 		cfg: cfg, node: node, log: log, started: time.Now(),
 		sessions: map[uint64]*Session{}, groups: map[uint32]*Group{},
@@ -96,7 +98,7 @@ func (s *Server) PeerAddress() string { return s.node.Addr() }
 // Uptime since the server was built.
 func (s *Server) Uptime() time.Duration { return time.Since(s.started) }
 
-// Engines available on this sidecar; "sparse" is the transport chosen for the last client
+// Engines available on this sidecar; "sparse" is the engine chosen for the last client
 // that attached.
 func (s *Server) Engines() []Engine {
 	out := []Engine{{Name: "host", Available: true, Detail: "CPU tensors over TCP between sidecars"}}
@@ -112,7 +114,7 @@ func (s *Server) Engines() []Engine {
 	if c == nil {
 		return append(out, Engine{Name: "sparse", Available: true, Detail: "chosen when a client attaches"})
 	}
-	return append(out, Engine{Name: "sparse", Available: true, Detail: c.Transport + ": " + c.Reason})
+	return append(out, Engine{Name: "sparse", Available: true, Detail: c.Engine + ": " + c.Reason})
 }
 
 // Capabilities are the node's facts and those of the last client that attached (Info).
@@ -129,7 +131,7 @@ func (s *Server) Capabilities() []node.Fact {
 	return append(append([]node.Fact(nil), s.cfg.Node...), client...)
 }
 
-// chooseSparse picks the sparse transport of a client attaching with (hasNCCL) or without
+// chooseSparse picks the sparse engine of a client attaching with (hasNCCL) or without
 // its NCCL loaded. A client without it moves no CUDA tensors: NCCL, whatever was asked.
 func (s *Server) chooseSparse(hasNCCL bool) (SparseChoice, error) {
 	switch {
@@ -144,7 +146,7 @@ func (s *Server) chooseSparse(hasNCCL bool) (SparseChoice, error) {
 }
 
 // Device is the GPU engine (nil without one).
-func (s *Server) Device() DeviceEngine { return s.cfg.Device }
+func (s *Server) Device() gpu.Engine { return s.cfg.Device }
 
 // Attach opens a session for a client process: it creates the ring file the client maps.
 // ncclPath names the NCCL the client loaded ("" when it has none); the sidecar loads the same
@@ -154,7 +156,7 @@ func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath strin
 		ringBytes = s.cfg.RingBytes
 	}
 	if ringBytes > 1<<28 {
-		return nil, fmt.Errorf("%w: ring of %d bytes", ErrInvalid, ringBytes)
+		return nil, fmt.Errorf("%w: ring of %d bytes", wire.ErrInvalid, ringBytes)
 	}
 	mem, err := shm.Create(s.cfg.ShmDir, "gocomm-ring", ring.Size(ringBytes))
 	if err != nil {
@@ -210,7 +212,7 @@ func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath strin
 	s.sessions[sess.ID] = sess
 	go sess.serve()
 	sess.log.Info("client attached", "pid", clientPID, "ring", mem.Path, "nccl", sess.nccl,
-		"sparse", choice.Transport, "why", choice.Reason)
+		"sparse", choice.Engine, "why", choice.Reason)
 	return sess, nil
 }
 

@@ -11,10 +11,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/gocomm/gocomm/collectives/reduce"
-	"github.com/gocomm/gocomm/internal/ring"
-	"github.com/gocomm/gocomm/internal/shm"
+	"github.com/gocomm/gocomm/ring"
+	"github.com/gocomm/gocomm/shm"
 	"github.com/gocomm/gocomm/transport"
+	"github.com/gocomm/gocomm/wire"
 )
 
 func quietLog() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
@@ -68,10 +68,10 @@ func (c *client) segment(bytes uint64) (uint32, []byte) {
 	return id, mem.Data
 }
 
-func (c *client) submit(d Desc) uint64 {
+func (c *client) submit(d wire.Desc) uint64 {
 	c.seq++
 	d.Seq = c.seq
-	if err := c.prod.Write(time.Now().Add(5*time.Second), time.Microsecond, RecOp, 0, d.Encode()); err != nil {
+	if err := c.prod.Write(time.Now().Add(5*time.Second), time.Microsecond, wire.RecOp, 0, d.Encode()); err != nil {
 		c.t.Fatal(err)
 	}
 	return d.Seq
@@ -171,12 +171,12 @@ func TestAllReduceThroughSessions(t *testing.T) {
 			v[i] = float32(r*count + i)
 		}
 		putF32s(mem, v)
-		clients[r].submit(Desc{Group: groups[r].Handle, Kind: OpAllReduce, DType: reduce.Float32, RedOp: reduce.Avg,
-			Count: count, Bufs: []BufRef{{Segment: seg, Length: count * 4}}})
+		clients[r].submit(wire.Desc{Group: groups[r].Handle, Kind: wire.OpAllReduce, DType: wire.Float32, RedOp: wire.Avg,
+			Count: count, Bufs: []wire.BufRef{{Segment: seg, Length: count * 4}}})
 		wg.Add(1)
 		go func(r int) {
 			defer wg.Done()
-			if d := clients[r].next(10 * time.Second); d.status != StatusOK {
+			if d := clients[r].next(10 * time.Second); d.status != wire.StatusOK {
 				t.Errorf("rank %d: status %d: %s", r, d.status, d.msg)
 			}
 			got := f32s(mem[:count*4])
@@ -208,41 +208,41 @@ func TestMalformedDescriptors(t *testing.T) {
 		send func()
 		want string
 	}{
-		{"garbage bytes", func() { c.raw(RecOp, []byte{9, 0, 0, 0, 0, 0, 0, 0, 1, 2, 3}) }, "header"},
+		{"garbage bytes", func() { c.raw(wire.RecOp, []byte{9, 0, 0, 0, 0, 0, 0, 0, 1, 2, 3}) }, "header"},
 		{"unknown record type", func() { c.raw(99, make([]byte, 8)) }, "record type 99"},
 		{"unknown group", func() {
-			c.submit(Desc{Group: 999, Kind: OpBarrier})
+			c.submit(wire.Desc{Group: 999, Kind: wire.OpBarrier})
 		}, "group 999"},
 		{"buffer outside its segment", func() {
-			c.submit(Desc{Group: g.Handle, Kind: OpAllReduce, DType: reduce.Float32, RedOp: reduce.Sum, Count: 4,
-				Bufs: []BufRef{{Segment: seg, Offset: 4090, Length: 16}}})
+			c.submit(wire.Desc{Group: g.Handle, Kind: wire.OpAllReduce, DType: wire.Float32, RedOp: wire.Sum, Count: 4,
+				Bufs: []wire.BufRef{{Segment: seg, Offset: 4090, Length: 16}}})
 		}, "outside segment"},
 		{"offset overflow", func() {
-			c.submit(Desc{Group: g.Handle, Kind: OpAllReduce, DType: reduce.Float32, RedOp: reduce.Sum, Count: 4,
-				Bufs: []BufRef{{Segment: seg, Offset: math.MaxUint64 - 4, Length: 16}}})
+			c.submit(wire.Desc{Group: g.Handle, Kind: wire.OpAllReduce, DType: wire.Float32, RedOp: wire.Sum, Count: 4,
+				Bufs: []wire.BufRef{{Segment: seg, Offset: math.MaxUint64 - 4, Length: 16}}})
 		}, "outside segment"},
 		{"unknown segment", func() {
-			c.submit(Desc{Group: g.Handle, Kind: OpAllReduce, DType: reduce.Float32, RedOp: reduce.Sum, Count: 1,
-				Bufs: []BufRef{{Segment: 77, Length: 4}}})
+			c.submit(wire.Desc{Group: g.Handle, Kind: wire.OpAllReduce, DType: wire.Float32, RedOp: wire.Sum, Count: 1,
+				Bufs: []wire.BufRef{{Segment: 77, Length: 4}}})
 		}, "segment 77"},
 		{"max on complex (host engine)", func() {
-			c.submit(Desc{Group: g.Handle, Kind: OpAllReduce, DType: reduce.Complex64, RedOp: reduce.Max, Count: 1,
-				Bufs: []BufRef{{Segment: seg, Length: 8}}})
+			c.submit(wire.Desc{Group: g.Handle, Kind: wire.OpAllReduce, DType: wire.Complex64, RedOp: wire.Max, Count: 1,
+				Bufs: []wire.BufRef{{Segment: seg, Length: 8}}})
 		}, "complex64"},
 		{"cuda op without a device", func() {
-			c.submit(Desc{Group: g.Handle, Kind: OpAllReduce, DType: reduce.Float32, RedOp: reduce.Sum, Device: DeviceCUDA,
-				Count: 1, Bufs: []BufRef{{Segment: CUDASegment | 1, Length: 4}}})
+			c.submit(wire.Desc{Group: g.Handle, Kind: wire.OpAllReduce, DType: wire.Float32, RedOp: wire.Sum, Device: wire.DeviceCUDA,
+				Count: 1, Bufs: []wire.BufRef{{Segment: wire.CUDASegment | 1, Length: 4}}})
 		}, "never attached its GPU"},
 		{"length that does not match the count", func() {
-			c.submit(Desc{Group: g.Handle, Kind: OpAllReduce, DType: reduce.Float32, RedOp: reduce.Sum, Count: 2,
-				Bufs: []BufRef{{Segment: seg, Length: 4}}})
+			c.submit(wire.Desc{Group: g.Handle, Kind: wire.OpAllReduce, DType: wire.Float32, RedOp: wire.Sum, Count: 2,
+				Bufs: []wire.BufRef{{Segment: seg, Length: 4}}})
 		}, "want 8"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.desc, func(t *testing.T) {
 			tc.send()
 			d := c.next(5 * time.Second)
-			if d.status != StatusInvalid || !strings.Contains(d.msg, tc.want) {
+			if d.status != wire.StatusInvalid || !strings.Contains(d.msg, tc.want) {
 				t.Fatalf("completion %+v, want invalid containing %q", d, tc.want)
 			}
 		})
@@ -256,9 +256,9 @@ func TestMalformedDescriptors(t *testing.T) {
 	if _, err := c.sess.ConnectGroup(g2.Handle, [][]byte{blob}, []byte("another secret of enough bytes!!")); err != nil {
 		t.Fatal(err)
 	}
-	seq := c.submit(Desc{Group: g2.Handle, Kind: OpAllReduce, DType: reduce.Float32, RedOp: reduce.Sum, Count: 1,
-		Bufs: []BufRef{{Segment: seg, Length: 4}}})
-	if d := c.next(5 * time.Second); d.seq != seq || d.status != StatusOK {
+	seq := c.submit(wire.Desc{Group: g2.Handle, Kind: wire.OpAllReduce, DType: wire.Float32, RedOp: wire.Sum, Count: 1,
+		Bufs: []wire.BufRef{{Segment: seg, Length: 4}}})
+	if d := c.next(5 * time.Second); d.seq != seq || d.status != wire.StatusOK {
 		t.Fatalf("valid op after bad ones: %+v", d)
 	}
 }
@@ -276,12 +276,12 @@ func TestMismatchFailsEveryRank(t *testing.T) {
 			count = 12
 		}
 		seg, _ := clients[r].segment(4096)
-		clients[r].submit(Desc{Group: groups[r].Handle, Kind: OpAllReduce, DType: reduce.Float32, RedOp: reduce.Sum,
-			Count: count, Bufs: []BufRef{{Segment: seg, Length: count * 4}}})
+		clients[r].submit(wire.Desc{Group: groups[r].Handle, Kind: wire.OpAllReduce, DType: wire.Float32, RedOp: wire.Sum,
+			Count: count, Bufs: []wire.BufRef{{Segment: seg, Length: count * 4}}})
 	}
 	for r := 0; r < n; r++ {
 		d := clients[r].next(timeout)
-		if d.status == StatusOK {
+		if d.status == wire.StatusOK {
 			t.Errorf("rank %d: mismatched all_reduce succeeded", r)
 		}
 		t.Logf("rank %d: status %d: %s", r, d.status, d.msg)
@@ -296,14 +296,14 @@ func TestMismatchFailsEveryRank(t *testing.T) {
 func TestTimeout(t *testing.T) {
 	clients, groups := cluster(t, 2, 500*time.Millisecond)
 	seg, _ := clients[0].segment(4096)
-	clients[0].submit(Desc{Group: groups[0].Handle, Kind: OpBarrier})
+	clients[0].submit(wire.Desc{Group: groups[0].Handle, Kind: wire.OpBarrier})
 	d := clients[0].next(5 * time.Second)
-	if d.status != StatusTimeout || !strings.Contains(d.msg, "rank 1") {
+	if d.status != wire.StatusTimeout || !strings.Contains(d.msg, "rank 1") {
 		t.Fatalf("completion %+v, want a timeout naming rank 1", d)
 	}
-	clients[0].submit(Desc{Group: groups[0].Handle, Kind: OpAllReduce, DType: reduce.Float32, RedOp: reduce.Sum,
-		Count: 1, Bufs: []BufRef{{Segment: seg, Length: 4}}})
-	if d := clients[0].next(time.Second); d.status != StatusBroken {
+	clients[0].submit(wire.Desc{Group: groups[0].Handle, Kind: wire.OpAllReduce, DType: wire.Float32, RedOp: wire.Sum,
+		Count: 1, Bufs: []wire.BufRef{{Segment: seg, Length: 4}}})
+	if d := clients[0].next(time.Second); d.status != wire.StatusBroken {
 		t.Fatalf("op after a timeout: %+v, want broken", d)
 	}
 	if err := groups[0].Broken(); err == nil {
@@ -322,30 +322,30 @@ func TestRegistryBounds(t *testing.T) {
 	}
 	for _, tc := range []struct {
 		desc string
-		ref  BufRef
+		ref  wire.BufRef
 		ok   bool
 	}{
-		{"whole segment", BufRef{id, 0, size}, true},
-		{"empty at the end", BufRef{id, size, 0}, true},
-		{"one past the end", BufRef{id, 1, size}, false},
-		{"offset past the end", BufRef{id, size + 1, 0}, false},
-		{"wrapping length", BufRef{id, 8, math.MaxUint64 - 4}, false},
-		{"unknown segment", BufRef{id + 1, 0, 1}, false},
+		{"whole segment", wire.BufRef{Segment: id, Offset: 0, Length: size}, true},
+		{"empty at the end", wire.BufRef{Segment: id, Offset: size, Length: 0}, true},
+		{"one past the end", wire.BufRef{Segment: id, Offset: 1, Length: size}, false},
+		{"offset past the end", wire.BufRef{Segment: id, Offset: size + 1, Length: 0}, false},
+		{"wrapping length", wire.BufRef{Segment: id, Offset: 8, Length: math.MaxUint64 - 4}, false},
+		{"unknown segment", wire.BufRef{Segment: id + 1, Offset: 0, Length: 1}, false},
 	} {
 		t.Run(tc.desc, func(t *testing.T) {
-			_, release, err := r.resolve([]BufRef{tc.ref})
+			_, release, err := r.resolve([]wire.BufRef{tc.ref})
 			if tc.ok != (err == nil) {
 				t.Fatalf("resolve = %v, want ok=%v", err, tc.ok)
 			}
 			if err == nil {
 				release()
-			} else if !errors.Is(err, ErrInvalid) {
-				t.Fatalf("error %v is not ErrInvalid", err)
+			} else if !errors.Is(err, wire.ErrInvalid) {
+				t.Fatalf("error %v is not wire.ErrInvalid", err)
 			}
 		})
 	}
 	// a segment freed while an op holds it stays mapped until the op releases it
-	bufs, release, err := r.resolve([]BufRef{{id, 0, 8}})
+	bufs, release, err := r.resolve([]wire.BufRef{{Segment: id, Offset: 0, Length: 8}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -353,7 +353,7 @@ func TestRegistryBounds(t *testing.T) {
 		t.Fatal(err)
 	}
 	bufs[0][0] = 1 // would fault if unmapped
-	if _, _, err := r.resolve([]BufRef{{id, 0, 8}}); err == nil {
+	if _, _, err := r.resolve([]wire.BufRef{{Segment: id, Offset: 0, Length: 8}}); err == nil {
 		t.Fatal("resolved a freed segment")
 	}
 	release()

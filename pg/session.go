@@ -10,9 +10,11 @@ import (
 	"time"
 
 	"github.com/gocomm/gocomm/collectives/reduce"
-	"github.com/gocomm/gocomm/internal/ring"
-	"github.com/gocomm/gocomm/internal/shm"
+	"github.com/gocomm/gocomm/gpu"
 	"github.com/gocomm/gocomm/node"
+	"github.com/gocomm/gocomm/ring"
+	"github.com/gocomm/gocomm/shm"
+	"github.com/gocomm/gocomm/wire"
 )
 
 // Session is one attached client process: its rings, its segments and its groups.
@@ -43,19 +45,19 @@ type Session struct {
 	Sparse SparseChoice
 	// Capabilities are the node's facts and this client's (its NCCL, NVSHMEM), for Attach.
 	Capabilities []node.Fact
-	device       DeviceSession // set by AttachDevice
+	device       gpu.Session // set by AttachDevice
 	ipcErr       map[uint32]error
-	slots        [CounterSlots]bool
+	slots        [gpu.CounterSlots]bool
 	// slotBase is where each slot's counters stand for its next group, per lane. Counters
 	// never go back: a group counts on from past where the slot's last group and its releases
 	// left them, so a stream wait of the new group cannot be satisfied by an old value, and a
 	// late wait of the old group is still satisfied by the new ones.
-	slotBase [CounterSlots][2]uint32
+	slotBase [gpu.CounterSlots][2]uint32
 	devLock  sync.Mutex
 }
 
 // AttachDevice binds the session to the client's GPU (by UUID) and returns the IPC handle of
-// the groups' stream counters (DeviceSession.Counters).
+// the groups' stream counters (gpu.Session.Counters).
 func (sess *Session) AttachDevice(uuid [16]byte) ([64]byte, error) {
 	var none [64]byte
 	dev := sess.srv.cfg.Device
@@ -81,13 +83,13 @@ func (sess *Session) AttachDevice(uuid [16]byte) ([64]byte, error) {
 	return sess.device.Counters(), nil
 }
 
-func (sess *Session) deviceSession() DeviceSession {
+func (sess *Session) deviceSession() gpu.Session {
 	sess.devLock.Lock()
 	defer sess.devLock.Unlock()
 	return sess.device
 }
 
-// registerIPC maps a client allocation (RecIPC). A failure is remembered and reported by the
+// registerIPC maps a client allocation (wire.RecIPC). A failure is remembered and reported by the
 // first op that names the segment.
 func (sess *Session) registerIPC(p []byte) {
 	if len(p) != 80 {
@@ -99,10 +101,10 @@ func (sess *Session) registerIPC(p []byte) {
 	var h [64]byte
 	copy(h[:], p[16:80])
 	ds := sess.deviceSession()
-	err := fmt.Errorf("%w: segment %#x registered before the device was attached", ErrInvalid, seg)
+	err := fmt.Errorf("%w: segment %#x registered before the device was attached", wire.ErrInvalid, seg)
 	if ds != nil {
-		if seg&CUDASegment == 0 {
-			err = fmt.Errorf("%w: CUDA segment id %#x lacks the CUDA bit", ErrInvalid, seg)
+		if seg&wire.CUDASegment == 0 {
+			err = fmt.Errorf("%w: CUDA segment id %#x lacks the CUDA bit", wire.ErrInvalid, seg)
 		} else {
 			start := time.Now()
 			err = ds.RegisterIPC(seg, h, size)
@@ -157,10 +159,10 @@ func (sess *Session) FreeSegment(id uint32) error { return sess.reg.free(id) }
 // CreateGroup creates this rank's member of a group. It is not usable until ConnectGroup.
 func (sess *Session) CreateGroup(name string, rank, size int, globalRanks []int, timeout time.Duration) (*Group, []byte, error) {
 	if size < 1 || rank < 0 || rank >= size {
-		return nil, nil, fmt.Errorf("%w: rank %d in a group of %d", ErrInvalid, rank, size)
+		return nil, nil, fmt.Errorf("%w: rank %d in a group of %d", wire.ErrInvalid, rank, size)
 	}
 	if len(globalRanks) != 0 && len(globalRanks) != size {
-		return nil, nil, fmt.Errorf("%w: %d global ranks for a group of %d", ErrInvalid, len(globalRanks), size)
+		return nil, nil, fmt.Errorf("%w: %d global ranks for a group of %d", wire.ErrInvalid, len(globalRanks), size)
 	}
 	if timeout <= 0 {
 		timeout = 30 * time.Minute
@@ -196,19 +198,19 @@ func (sess *Session) ConnectGroup(handle uint32, blobs [][]byte, secret []byte) 
 		return "", err
 	}
 	if len(blobs) != g.Size {
-		return "", fmt.Errorf("%w: %d bootstrap blobs for a group of %d", ErrInvalid, len(blobs), g.Size)
+		return "", fmt.Errorf("%w: %d bootstrap blobs for a group of %d", wire.ErrInvalid, len(blobs), g.Size)
 	}
 	peers := make([]string, len(blobs))
 	for i, b := range blobs {
 		var bs bootstrap
 		if err := json.Unmarshal(b, &bs); err != nil || bs.Addr == "" {
-			return "", fmt.Errorf("%w: bootstrap blob of rank %d: %v", ErrInvalid, i, err)
+			return "", fmt.Errorf("%w: bootstrap blob of rank %d: %v", wire.ErrInvalid, i, err)
 		}
 		peers[i] = bs.Addr
 	}
 	ep, err := sess.srv.node.Join(secret, g.Rank, peers)
 	if err != nil {
-		return "", fmt.Errorf("%w: %v", ErrInvalid, err)
+		return "", fmt.Errorf("%w: %v", wire.ErrInvalid, err)
 	}
 	if err := g.connect(ep); err != nil {
 		ep.Close()
@@ -221,7 +223,7 @@ func (sess *Session) ConnectGroup(handle uint32, blobs [][]byte, secret []byte) 
 	return "tcp", nil
 }
 
-// ShmemID hands a group's NVSHMEM unique id over (DeviceGroup.ShmemID): the client carries
+// ShmemID hands a group's NVSHMEM unique id over (gpu.Group.ShmemID): the client carries
 // it from rank 0 to the other ranks through the torch Store.
 func (sess *Session) ShmemID(handle uint32, id []byte) ([]byte, error) {
 	g, err := sess.Group(handle)
@@ -346,7 +348,7 @@ func (sess *Session) serve() {
 		rec, ok, err := sess.cons.Next()
 		if err != nil {
 			sess.log.Error("submission ring corrupt; no more ops from this client", "err", err)
-			sess.complete(^uint64(0), StatusInternal, -1, err.Error())
+			sess.complete(^uint64(0), wire.StatusInternal, -1, err.Error())
 			for !sess.isClosed() {
 				time.Sleep(100 * time.Millisecond)
 			}
@@ -357,18 +359,18 @@ func (sess *Session) serve() {
 			continue
 		}
 		switch rec.Type {
-		case RecOp:
+		case wire.RecOp:
 			sess.submit(rec.Payload)
-		case RecIPC:
+		case wire.RecIPC:
 			sess.registerIPC(rec.Payload)
-		case RecIPCDrop:
+		case wire.RecIPCDrop:
 			sess.dropIPC(rec.Payload)
 		default:
 			seq := uint64(0)
 			if len(rec.Payload) >= 8 {
 				seq = binary.LittleEndian.Uint64(rec.Payload)
 			}
-			sess.complete(seq, StatusInvalid, -1, fmt.Sprintf("unknown record type %d", rec.Type))
+			sess.complete(seq, wire.StatusInvalid, -1, fmt.Sprintf("unknown record type %d", rec.Type))
 		}
 		sess.cons.Release()
 	}
@@ -377,17 +379,17 @@ func (sess *Session) serve() {
 // submit validates one descriptor and hands it to its group. Nothing in the descriptor is
 // trusted: a bad one is answered with an invalid completion and the loop goes on.
 func (sess *Session) submit(payload []byte) {
-	d, err := DecodeDesc(payload)
-	if err != nil && (d.Device != DeviceCUDA || len(payload) < descHeader) {
-		sess.complete(d.Seq, StatusInvalid, -1, err.Error())
+	d, err := wire.DecodeDesc(payload)
+	if err != nil && (d.Device != wire.DeviceCUDA || len(payload) < wire.DescHeader) {
+		sess.complete(d.Seq, wire.StatusInvalid, -1, err.Error())
 		return
 	}
 	g, gerr := sess.Group(d.Group)
 	if gerr != nil {
-		sess.complete(d.Seq, StatusInvalid, -1, fmt.Sprintf("%v: %v", ErrInvalid, gerr))
+		sess.complete(d.Seq, wire.StatusInvalid, -1, fmt.Sprintf("%v: %v", wire.ErrInvalid, gerr))
 		return
 	}
-	if d.Device == DeviceCUDA {
+	if d.Device == wire.DeviceCUDA {
 		g.noteStream(&d)
 	}
 	if err == nil {
@@ -402,13 +404,13 @@ func (sess *Session) submit(payload []byte) {
 		timeout = time.Duration(d.TimeoutMS) * time.Millisecond
 	}
 	deadline := time.Now().Add(timeout)
-	if d.Device == DeviceCUDA {
+	if d.Device == wire.DeviceCUDA {
 		sess.submitDevice(g, d, deadline, timeout)
 		return
 	}
 	if d.Reduces() {
 		if err := reduce.Check(d.DType, d.RedOp); err != nil {
-			g.reject(d, fmt.Errorf("%w: %v", ErrInvalid, err))
+			g.reject(d, fmt.Errorf("%w: %v", wire.ErrInvalid, err))
 			return
 		}
 	}
@@ -421,20 +423,20 @@ func (sess *Session) submit(payload []byte) {
 }
 
 // submitDevice checks a CUDA op against the device engine and hands it to the group.
-func (sess *Session) submitDevice(g *Group, d Desc, deadline time.Time, timeout time.Duration) {
+func (sess *Session) submitDevice(g *Group, d wire.Desc, deadline time.Time, timeout time.Duration) {
 	ds := sess.deviceSession()
 	if ds == nil {
-		g.reject(d, fmt.Errorf("%w: %w: the client never attached its GPU", ErrInvalid, ErrNoDevice))
+		g.reject(d, fmt.Errorf("%w: %w: the client never attached its GPU", wire.ErrInvalid, ErrNoDevice))
 		return
 	}
 	if d.Reduces() {
 		if err := sess.srv.cfg.Device.Check(d.DType, d.RedOp); err != nil {
-			g.reject(d, fmt.Errorf("%w: %v", ErrInvalid, err))
+			g.reject(d, fmt.Errorf("%w: %v", wire.ErrInvalid, err))
 			return
 		}
 	}
-	if d.Kind == OpRecv && d.Root < 0 {
-		g.reject(d, fmt.Errorf("%w: recv from any rank is not supported for CUDA tensors (NCCL has no wildcard receive)", ErrInvalid))
+	if d.Kind == wire.OpRecv && d.Root < 0 {
+		g.reject(d, fmt.Errorf("%w: recv from any rank is not supported for CUDA tensors (NCCL has no wildcard receive)", wire.ErrInvalid))
 		return
 	}
 	ptrs, release, err := ds.Resolve(d.Bufs)
@@ -442,7 +444,7 @@ func (sess *Session) submitDevice(g *Group, d Desc, deadline time.Time, timeout 
 		sess.devLock.Lock()
 		for _, b := range d.Bufs {
 			if why := sess.ipcErr[b.Segment]; why != nil {
-				err = fmt.Errorf("%w: %v", ErrInvalid, why)
+				err = fmt.Errorf("%w: %v", wire.ErrInvalid, why)
 			}
 		}
 		sess.devLock.Unlock()
@@ -459,7 +461,7 @@ func (sess *Session) complete(seq uint64, status int32, source int, msg string) 
 	if len(msg) > maxMsg {
 		msg = msg[:maxMsg]
 	}
-	payload := encodeDone(seq, status, int32(source), msg)
+	payload := wire.EncodeDone(seq, status, int32(source), msg)
 	// A client usually submits its next op soon after one completes. If serve stopped
 	// spinning while this op ran (an op longer than Spin), wake it now, so that it spins
 	// again by then: woken by the submission itself, a sleeping loop costs the op its wake-up
@@ -470,7 +472,7 @@ func (sess *Session) complete(seq uint64, status int32, source int, msg string) 
 	sess.cmpMu.Lock()
 	defer sess.cmpMu.Unlock()
 	for sess.prod != nil {
-		err := sess.prod.Write(time.Now().Add(time.Second), 20*time.Microsecond, RecDone, 0, payload)
+		err := sess.prod.Write(time.Now().Add(time.Second), 20*time.Microsecond, wire.RecDone, 0, payload)
 		if err == nil {
 			return
 		}

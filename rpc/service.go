@@ -10,14 +10,14 @@ import (
 	"os"
 	"time"
 
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
-
 	"github.com/gocomm/gocomm/config"
 	"github.com/gocomm/gocomm/node"
 	"github.com/gocomm/gocomm/pg"
 	v1 "github.com/gocomm/gocomm/proto/gocomm/v1"
+	"github.com/gocomm/gocomm/wire"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
 // Host describes the sidecar's process, for Info, and the settings it reports at Attach.
@@ -49,9 +49,9 @@ func toStatus(err error) error {
 		return nil
 	}
 	switch {
-	case errors.Is(err, pg.ErrNotFound):
+	case errors.Is(err, wire.ErrNotFound):
 		return status.Error(codes.NotFound, err.Error())
-	case errors.Is(err, pg.ErrInvalid):
+	case errors.Is(err, wire.ErrInvalid):
 		return status.Error(codes.InvalidArgument, err.Error())
 	case errors.Is(err, pg.ErrShutdown):
 		return status.Error(codes.Unavailable, err.Error())
@@ -109,7 +109,7 @@ func (s *Service) Attach(_ context.Context, req *v1.AttachRequest) (*v1.AttachRe
 	}
 	return &v1.AttachResponse{
 		Session: sess.ID, RingPath: sess.RingPath(), RingBytes: uint64(sess.RingBytes()),
-		SparseTransport: sess.Sparse.Transport, SparseReason: sess.Sparse.Reason,
+		SparseTransport: sess.Sparse.Engine, SparseReason: sess.Sparse.Reason,
 		Capabilities: capabilities(sess.Capabilities),
 		A2A: &v1.A2AConfig{
 			RecvBytes: uint64(s.host.A2A.RecvBytes), Blocks: uint32(s.host.A2A.Blocks), Threads: uint32(s.host.A2A.Threads),

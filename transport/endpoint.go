@@ -10,8 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/gocomm/gocomm/collectives"
-	"github.com/gocomm/gocomm/internal/shm"
+	"github.com/gocomm/gocomm/shm"
 )
 
 // Errors an op can fail with. They wrap into the error the executor reports.
@@ -64,11 +63,11 @@ type Endpoint struct {
 	out       []*outLink
 	in        []net.Conn
 	left      []bool // peer said bye
-	posted    map[collKey]*request
+	posted    map[collKey]*Request
 	early     map[collKey]*early
 	lastSeq   []uint64 // per peer: highest seq+1 seen in a collective frame
-	p2pPosted map[p2pKey][]*request
-	anyPosted map[int64][]*request
+	p2pPosted map[p2pKey][]*Request
+	anyPosted map[int64][]*Request
 	p2pEarly  map[p2pKey][]*early
 	postCount uint64 // orders posted p2p receives (MPI matching order)
 	arrivals  uint64 // orders early p2p frames (any-source matching order)
@@ -80,7 +79,7 @@ type Endpoint struct {
 	writers   sync.WaitGroup
 	ctx       context.Context // canceled by Close: stops dials in progress
 	cancel    context.CancelFunc
-	acks      map[ackKey]*request // sends by reference waiting for their ack (invariant 6)
+	acks      map[ackKey]*Request // sends by reference waiting for their ack (invariant 6)
 	onBreak   []func(error)
 	refID     uint64
 	peerMaps  map[mapKey][]byte // peers' segments mapped here (invariant 6)
@@ -123,7 +122,7 @@ type early struct {
 }
 
 // take hands an early frame's bytes to a sink and releases them.
-func (e *early) take(s collectives.Sink) error {
+func (e *early) take(s Sink) error {
 	err := s.Take(e.data)
 	e.release()
 	return err
@@ -137,24 +136,24 @@ func (e *early) release() {
 	}
 }
 
-// request is a posted receive or a queued send.
-type request struct {
+// Request is a posted receive or a queued send.
+type Request struct {
 	done  chan struct{}
 	err   error
 	state atomic.Bool // finished
 	peer  int
 	what  string // for errors: "step 3 slice 0 of all_reduce #12"
-	sink  collectives.Sink
+	sink  Sink
 	sig   Signature
 	post  uint64
 	src   int // p2p: the rank the data came from
 }
 
-func newRequest(peer int, what string) *request {
-	return &request{done: make(chan struct{}), peer: peer, what: what, src: -1}
+func newRequest(peer int, what string) *Request {
+	return &Request{done: make(chan struct{}), peer: peer, what: what, src: -1}
 }
 
-func (r *request) finish(err error) {
+func (r *Request) finish(err error) {
 	if r.state.CompareAndSwap(false, true) {
 		r.err = err
 		close(r.done)
@@ -162,7 +161,7 @@ func (r *request) finish(err error) {
 }
 
 // Wait blocks until the request finishes or ctx ends.
-func (r *request) Wait(ctx context.Context) error {
+func (r *Request) Wait(ctx context.Context) error {
 	select {
 	case <-r.done:
 		return r.err
@@ -172,7 +171,7 @@ func (r *request) Wait(ctx context.Context) error {
 }
 
 // Source is the rank a finished p2p receive got its data from.
-func (r *request) Source() int { return r.src }
+func (r *Request) Source() int { return r.src }
 
 // Rank of this member; Size of the group.
 func (ep *Endpoint) Rank() int { return ep.rank }
@@ -224,94 +223,6 @@ func (ep *Endpoint) lost(peer int, err error) error {
 	return ep.Broken()
 }
 
-// Op binds a collective's sequence number and signature to the endpoint, giving the Comm
-// its algorithm runs on.
-func (ep *Endpoint) Op(seq uint64, sig Signature) collectives.Comm {
-	return &opComm{ep: ep, seq: seq, sig: sig}
-}
-
-type opComm struct {
-	ep  *Endpoint
-	seq uint64
-	sig Signature
-}
-
-func (c *opComm) Rank() int { return c.ep.rank }
-func (c *opComm) Size() int { return c.ep.size }
-
-func (c *opComm) what(t collectives.Tag) string {
-	return fmt.Sprintf("%s #%d step %d slice %d", c.sig.OpName, c.seq, t.Step, t.Slice)
-}
-
-func (c *opComm) Send(to int, t collectives.Tag, data []byte) collectives.Request {
-	f := frame{kind: kindColl, sig: c.sig, seq: c.seq, step: t.Step, slice: t.Slice, length: uint64(len(data))}
-	return c.ep.send(to, f, data, c.what(t))
-}
-
-func (c *opComm) Recv(from int, t collectives.Tag, s collectives.Sink) collectives.Request {
-	ep := c.ep
-	r := newRequest(from, c.what(t))
-	r.sink, r.sig = s, c.sig
-	if from < 0 || from >= ep.size || from == ep.rank {
-		r.finish(fmt.Errorf("recv from rank %d in a group of %d", from, ep.size))
-		return r
-	}
-	key := collKey{src: from, seq: c.seq, step: t.Step, slice: t.Slice}
-	ep.mu.Lock()
-	if ep.broken != nil {
-		err := ep.broken
-		ep.mu.Unlock()
-		r.finish(err)
-		return r
-	}
-	if e := ep.early[key]; e != nil {
-		delete(ep.early, key)
-		ep.mu.Unlock()
-		r.finish(takeColl(r, from, e))
-		return r
-	}
-	if ep.lastSeq[from] > c.seq+1 {
-		ep.mu.Unlock()
-		r.finish(fmt.Errorf("%w: rank %d moved past %s without sending its part", ErrMismatch, from, c.sig.OpName))
-		return r
-	}
-	if ep.left[from] {
-		ep.mu.Unlock()
-		r.finish(fmt.Errorf("%w: rank %d left the group", ErrPeerLost, from))
-		return r
-	}
-	ep.posted[key] = r
-	ep.mu.Unlock()
-	return r
-}
-
-// checkColl compares an arriving frame with the receive it matched.
-func checkColl(r *request, from int, f *frame) error {
-	if !f.sig.equal(r.sig) {
-		theirs := f.sig
-		if theirs.Op == r.sig.Op {
-			theirs.OpName = r.sig.OpName
-		} else if opName != nil {
-			theirs.OpName = opName(theirs.Op)
-		}
-		return fmt.Errorf("%w: rank %d called %s, this rank called %s", ErrMismatch, from,
-			describe(theirs), describe(r.sig))
-	}
-	if f.length != uint64(r.sink.Len()) {
-		return fmt.Errorf("%w: rank %d sent %d bytes for %s, this rank expects %d", ErrMismatch, from,
-			f.length, r.what, r.sink.Len())
-	}
-	return nil
-}
-
-func takeColl(r *request, from int, e *early) error {
-	if err := checkColl(r, from, &e.f); err != nil {
-		e.release()
-		return err
-	}
-	return e.take(r.sink)
-}
-
 // opName names op codes in errors about a peer's signature; SetOpNames installs it.
 var opName func(op uint8) string
 
@@ -328,13 +239,13 @@ func describe(s Signature) string {
 }
 
 // SendP2P queues a point-to-point message for rank to under tag.
-func (ep *Endpoint) SendP2P(to int, tag int64, data []byte) *request {
+func (ep *Endpoint) SendP2P(to int, tag int64, data []byte) *Request {
 	f := frame{kind: kindP2P, seq: uint64(tag), length: uint64(len(data))}
 	return ep.send(to, f, data, fmt.Sprintf("send tag %d", tag))
 }
 
 // RecvP2P posts a point-to-point receive from rank from (or any rank when from < 0).
-func (ep *Endpoint) RecvP2P(from int, tag int64, s collectives.Sink) *request {
+func (ep *Endpoint) RecvP2P(from int, tag int64, s Sink) *Request {
 	r := newRequest(from, fmt.Sprintf("recv tag %d", tag))
 	r.sink = s
 	if from >= ep.size || from == ep.rank {
@@ -389,7 +300,7 @@ func (ep *Endpoint) RecvP2P(from int, tag int64, s collectives.Sink) *request {
 	return r
 }
 
-func takeP2P(r *request, e *early) error {
+func takeP2P(r *Request, e *early) error {
 	r.src = e.src
 	if e.f.length != uint64(r.sink.Len()) {
 		e.release()
@@ -400,7 +311,7 @@ func takeP2P(r *request, e *early) error {
 }
 
 // send queues a frame on the link to rank to.
-func (ep *Endpoint) send(to int, f frame, data []byte, what string) *request {
+func (ep *Endpoint) send(to int, f frame, data []byte, what string) *Request {
 	r := newRequest(to, what)
 	if to < 0 || to >= ep.size || to == ep.rank {
 		r.finish(fmt.Errorf("send to rank %d in a group of %d", to, ep.size))
@@ -470,7 +381,7 @@ func (ep *Endpoint) Break(cause error) {
 	}
 	ep.broken = cause
 	close(ep.brokenC)
-	var reqs []*request
+	var reqs []*Request
 	for k, r := range ep.posted {
 		reqs = append(reqs, r)
 		delete(ep.posted, k)

@@ -11,7 +11,7 @@ import (
 	"fmt"
 	"io"
 
-	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/wire"
 )
 
 // Frame kinds.
@@ -41,8 +41,8 @@ const (
 // Signature identifies a collective call; ranks of a group must agree on it.
 type Signature struct {
 	Op     uint8
-	DType  reduce.DType
-	RedOp  reduce.Op
+	DType  wire.DType
+	RedOp  wire.RedOp
 	Root   int32
 	Count  uint64
 	OpName string // for messages only; not on the wire
@@ -96,7 +96,7 @@ func readFrame(r io.Reader, buf []byte) (frame, error) {
 	f := frame{
 		kind: buf[4],
 		sig: Signature{
-			Op: buf[5], DType: reduce.DType(buf[6]), RedOp: reduce.Op(buf[7]),
+			Op: buf[5], DType: wire.DType(buf[6]), RedOp: wire.RedOp(buf[7]),
 			Root: int32(le.Uint32(buf[24:])), Count: le.Uint64(buf[32:]),
 		},
 		seq:    le.Uint64(buf[8:]),

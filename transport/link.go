@@ -9,7 +9,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/gocomm/gocomm/internal/shm"
+	"github.com/gocomm/gocomm/shm"
 )
 
 // refMin: payloads at least this large go by reference on same-host links; below it the
@@ -146,7 +146,7 @@ func (ep *Endpoint) resolveRef(from int, f *frame, conn io.Reader, trailer []byt
 // failPostedFrom fails the receives that wait on a peer that left.
 func (ep *Endpoint) failPostedFrom(from int) {
 	ep.mu.Lock()
-	var reqs []*request
+	var reqs []*Request
 	for k, r := range ep.posted {
 		if k.src == from {
 			reqs = append(reqs, r)
@@ -174,7 +174,7 @@ func (ep *Endpoint) deliverColl(from int, f *frame, p payload, scratch []byte) e
 		ep.mu.Unlock()
 		return p.discard(f.length)
 	}
-	var stale []*request
+	var stale []*Request
 	if f.seq+1 > ep.lastSeq[from] {
 		ep.lastSeq[from] = f.seq + 1
 		for k, r := range ep.posted { // invariant 3
@@ -256,7 +256,7 @@ func (ep *Endpoint) deliverP2P(from int, f *frame, p payload) error {
 		e.release()
 		return nil
 	}
-	var r *request
+	var r *Request
 	sq, aq := ep.p2pPosted[k], ep.anyPosted[tag]
 	switch {
 	case len(sq) > 0 && (len(aq) == 0 || sq[0].post < aq[0].post):
@@ -280,7 +280,7 @@ func (ep *Endpoint) deliverP2P(from int, f *frame, p payload) error {
 type outMsg struct {
 	f    frame
 	data []byte
-	req  *request
+	req  *Request
 }
 
 // outLink is the one-way link to a peer (invariant 1). Its writer dials on first use.

@@ -14,7 +14,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/gocomm/gocomm/internal/shm"
+	"github.com/gocomm/gocomm/shm"
 )
 
 // Node is a sidecar's presence on the network: one TCP listener that peers dial, and the
@@ -159,13 +159,13 @@ func (n *Node) Join(secret []byte, rank int, peers []string) (*Endpoint, error) 
 		out:       make([]*outLink, size),
 		in:        make([]net.Conn, size),
 		left:      make([]bool, size),
-		posted:    map[collKey]*request{},
+		posted:    map[collKey]*Request{},
 		early:     map[collKey]*early{},
 		lastSeq:   make([]uint64, size),
-		p2pPosted: map[p2pKey][]*request{},
-		anyPosted: map[int64][]*request{},
+		p2pPosted: map[p2pKey][]*Request{},
+		anyPosted: map[int64][]*Request{},
 		p2pEarly:  map[p2pKey][]*early{},
-		acks:      map[ackKey]*request{},
+		acks:      map[ackKey]*Request{},
 		peerMaps:  map[mapKey][]byte{},
 		brokenC:   make(chan struct{}),
 		inEnded:   make([]chan struct{}, size),

@@ -12,8 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/gocomm/gocomm/collectives"
-	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/wire"
 )
 
 func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
@@ -56,7 +55,7 @@ func ctxT(t *testing.T) context.Context {
 	return ctx
 }
 
-var sigF32 = Signature{Op: 1, DType: reduce.Float32, RedOp: reduce.Sum, Count: 4, OpName: "all_reduce"}
+var sigF32 = Signature{Op: 1, DType: wire.Float32, RedOp: wire.Sum, Count: 4, OpName: "all_reduce"}
 
 func TestCollectiveFrames(t *testing.T) {
 	_, eps := group(t, 2, "a secret of at least sixteen bytes")
@@ -64,17 +63,17 @@ func TestCollectiveFrames(t *testing.T) {
 	a, b := eps[0].Op(0, sigF32), eps[1].Op(0, sigF32)
 	// one receive posted before its frame, one after (early path)
 	got1 := make([]byte, 16)
-	r1 := b.Recv(0, collectives.Tag{Step: 0}, collectives.CopySink{Dst: got1})
-	s1 := a.Send(1, collectives.Tag{Step: 0}, bytes.Repeat([]byte{1}, 16))
-	s2 := a.Send(1, collectives.Tag{Step: 1}, bytes.Repeat([]byte{2}, 16))
-	for _, r := range []collectives.Request{r1, s1, s2} {
+	r1 := b.Recv(0, Tag{Step: 0}, copySink{Dst: got1})
+	s1 := a.Send(1, Tag{Step: 0}, bytes.Repeat([]byte{1}, 16))
+	s2 := a.Send(1, Tag{Step: 1}, bytes.Repeat([]byte{2}, 16))
+	for _, r := range []*Request{r1, s1, s2} {
 		if err := r.Wait(ctx); err != nil {
 			t.Fatal(err)
 		}
 	}
 	time.Sleep(50 * time.Millisecond) // let step 1 arrive before its receive
 	got2 := make([]byte, 16)
-	if err := b.Recv(0, collectives.Tag{Step: 1}, collectives.CopySink{Dst: got2}).Wait(ctx); err != nil {
+	if err := b.Recv(0, Tag{Step: 1}, copySink{Dst: got2}).Wait(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if !bytes.Equal(got1, bytes.Repeat([]byte{1}, 16)) || !bytes.Equal(got2, bytes.Repeat([]byte{2}, 16)) {
@@ -90,8 +89,8 @@ func TestSignatureMismatch(t *testing.T) {
 	ctx := ctxT(t)
 	other := sigF32
 	other.Count = 5
-	eps[0].Op(0, other).Send(1, collectives.Tag{}, make([]byte, 20))
-	err := eps[1].Op(0, sigF32).Recv(0, collectives.Tag{}, collectives.CopySink{Dst: make([]byte, 16)}).Wait(ctx)
+	eps[0].Op(0, other).Send(1, Tag{}, make([]byte, 20))
+	err := eps[1].Op(0, sigF32).Recv(0, Tag{}, copySink{Dst: make([]byte, 16)}).Wait(ctx)
 	if !errors.Is(err, ErrMismatch) || !strings.Contains(err.Error(), "count=5") {
 		t.Fatalf("Wait = %v, want a mismatch naming count=5", err)
 	}
@@ -105,8 +104,8 @@ func TestSignatureMismatch(t *testing.T) {
 func TestMovedOn(t *testing.T) {
 	_, eps := group(t, 2, "a secret of at least sixteen bytes")
 	ctx := ctxT(t)
-	r := eps[1].Op(0, sigF32).Recv(0, collectives.Tag{}, collectives.CopySink{Dst: make([]byte, 16)})
-	eps[0].Op(1, sigF32).Send(1, collectives.Tag{}, make([]byte, 16))
+	r := eps[1].Op(0, sigF32).Recv(0, Tag{}, copySink{Dst: make([]byte, 16)})
+	eps[0].Op(1, sigF32).Send(1, Tag{}, make([]byte, 16))
 	if err := r.Wait(ctx); !errors.Is(err, ErrMismatch) {
 		t.Fatalf("Wait = %v, want ErrMismatch", err)
 	}
@@ -119,7 +118,7 @@ func TestWrongSecretIsRejected(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer impostor.Close()
-	err = impostor.Op(0, sigF32).Send(1, collectives.Tag{}, make([]byte, 16)).Wait(ctxT(t))
+	err = impostor.Op(0, sigF32).Send(1, Tag{}, make([]byte, 16)).Wait(ctxT(t))
 	if !errors.Is(err, ErrPeerLost) {
 		t.Fatalf("send with a wrong secret = %v, want the link refused", err)
 	}
@@ -149,23 +148,23 @@ func TestPointToPoint(t *testing.T) {
 	eps[0].SendP2P(2, 7, msg(2))
 	for _, want := range []byte{1, 2} {
 		got := make([]byte, 8)
-		if err := eps[2].RecvP2P(0, 7, collectives.CopySink{Dst: got}).Wait(ctx); err != nil || got[0] != want {
+		if err := eps[2].RecvP2P(0, 7, copySink{Dst: got}).Wait(ctx); err != nil || got[0] != want {
 			t.Fatalf("tag 7: got %v (%v), want %d", got, err, want)
 		}
 	}
 	got := make([]byte, 8)
-	if err := eps[2].RecvP2P(0, 9, collectives.CopySink{Dst: got}).Wait(ctx); err != nil || got[0] != 9 {
+	if err := eps[2].RecvP2P(0, 9, copySink{Dst: got}).Wait(ctx); err != nil || got[0] != 9 {
 		t.Fatalf("tag 9: got %v (%v)", got, err)
 	}
 	// any source: the receive reports who sent
-	r := eps[2].RecvP2P(-1, 3, collectives.CopySink{Dst: got})
+	r := eps[2].RecvP2P(-1, 3, copySink{Dst: got})
 	eps[1].SendP2P(2, 3, msg(5))
 	if err := r.Wait(ctx); err != nil || r.Source() != 1 || got[0] != 5 {
 		t.Fatalf("any source: %v from %d (%v)", got, r.Source(), err)
 	}
 	// wrong size fails the receive only
 	eps[1].SendP2P(2, 4, make([]byte, 3))
-	if err := eps[2].RecvP2P(1, 4, collectives.CopySink{Dst: got}).Wait(ctx); !errors.Is(err, ErrMismatch) {
+	if err := eps[2].RecvP2P(1, 4, copySink{Dst: got}).Wait(ctx); !errors.Is(err, ErrMismatch) {
 		t.Fatalf("short message = %v, want ErrMismatch", err)
 	}
 	if eps[2].Broken() != nil {
@@ -178,13 +177,13 @@ func TestPeerLoss(t *testing.T) {
 	nodes, eps := group(t, 2, "a secret of at least sixteen bytes")
 	ctx := ctxT(t)
 	// establish the link from 1 to 0, then kill rank 1's side abruptly
-	if err := eps[1].Op(0, sigF32).Send(0, collectives.Tag{}, make([]byte, 16)).Wait(ctx); err != nil {
+	if err := eps[1].Op(0, sigF32).Send(0, Tag{}, make([]byte, 16)).Wait(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := eps[0].Op(0, sigF32).Recv(1, collectives.Tag{}, collectives.CopySink{Dst: make([]byte, 16)}).Wait(ctx); err != nil {
+	if err := eps[0].Op(0, sigF32).Recv(1, Tag{}, copySink{Dst: make([]byte, 16)}).Wait(ctx); err != nil {
 		t.Fatal(err)
 	}
-	r := eps[0].Op(1, sigF32).Recv(1, collectives.Tag{}, collectives.CopySink{Dst: make([]byte, 16)})
+	r := eps[0].Op(1, sigF32).Recv(1, Tag{}, copySink{Dst: make([]byte, 16)})
 	nodes[1].Close()
 	eps[1].mu.Lock()
 	for _, l := range eps[1].out {
@@ -213,11 +212,11 @@ func TestCloseSaysBye(t *testing.T) {
 	if err := eps[1].SendP2P(0, 1, nil).Wait(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := eps[0].RecvP2P(1, 1, collectives.CopySink{}).Wait(ctx); err != nil {
+	if err := eps[0].RecvP2P(1, 1, copySink{}).Wait(ctx); err != nil {
 		t.Fatal(err)
 	}
 	eps[1].Close()
-	err := eps[0].RecvP2P(1, 2, collectives.CopySink{}).Wait(ctx)
+	err := eps[0].RecvP2P(1, 2, copySink{}).Wait(ctx)
 	if !errors.Is(err, ErrPeerLost) || !strings.Contains(err.Error(), "left") {
 		t.Fatalf("recv from a departed peer = %v", err)
 	}
@@ -256,7 +255,7 @@ func TestAbortReachesLateJoiner(t *testing.T) {
 	t.Cleanup(ep.Close)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	err = ep.Op(0, sigF32).Recv(0, collectives.Tag{}, collectives.CopySink{Dst: make([]byte, 16)}).Wait(ctx)
+	err = ep.Op(0, sigF32).Recv(0, Tag{}, copySink{Dst: make([]byte, 16)}).Wait(ctx)
 	if !errors.Is(err, ErrAborted) || !strings.Contains(err.Error(), "rank 0 saw a mismatch") {
 		t.Fatalf("late joiner's receive = %v, want rank 0's abort", err)
 	}
@@ -299,7 +298,7 @@ func TestLateDialerIsToldTheAbort(t *testing.T) {
 			}
 			t.Cleanup(ep1.Close)
 			ep1.Connect()
-			err = ep1.Op(0, sigF32).Recv(0, collectives.Tag{}, collectives.CopySink{Dst: make([]byte, 16)}).Wait(ctxT(t))
+			err = ep1.Op(0, sigF32).Recv(0, Tag{}, copySink{Dst: make([]byte, 16)}).Wait(ctxT(t))
 			if !errors.Is(err, ErrAborted) || errors.Is(err, ErrPeerLost) ||
 				!strings.Contains(err.Error(), "by rank 0: collective mismatch: rank 0 called all_reduce, rank 2 called all_gather") {
 				t.Fatalf("late joiner's receive = %v, want rank 0's abort naming the mismatch", err)
@@ -383,7 +382,7 @@ func TestLinkFailureWaitsForTheAbort(t *testing.T) {
 			if tc.ownLink {
 				own = peer.link(addrs[0])
 			}
-			r := ep.Op(0, sigF32).Recv(0, collectives.Tag{}, collectives.CopySink{Dst: make([]byte, 16)})
+			r := ep.Op(0, sigF32).Recv(0, Tag{}, copySink{Dst: make([]byte, 16)})
 			start := time.Now()
 			ep.Connect()
 			peer.refuseLink()
@@ -409,4 +408,19 @@ func TestLinkFailureWaitsForTheAbort(t *testing.T) {
 			}
 		})
 	}
+}
+
+// copySink writes the payload into Dst.
+type copySink struct{ Dst []byte }
+
+func (s copySink) Len() int { return len(s.Dst) }
+
+func (s copySink) Fill(r io.Reader, _ []byte) error {
+	_, err := io.ReadFull(r, s.Dst)
+	return err
+}
+
+func (s copySink) Take(b []byte) error {
+	copy(s.Dst, b)
+	return nil
 }

@@ -16,11 +16,7 @@ import (
 	"syscall"
 	"time"
 
-	"golang.org/x/sys/unix"
-	"google.golang.org/grpc"
-
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
-
 	"github.com/gocomm/gocomm/collectives/device"
 	"github.com/gocomm/gocomm/config"
 	gonvml "github.com/gocomm/gocomm/internal/nvml"
@@ -30,26 +26,49 @@ import (
 	"github.com/gocomm/gocomm/rpc"
 	"github.com/gocomm/gocomm/sparse"
 	"github.com/gocomm/gocomm/transport"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
 )
 
 // version is set at build time (-ldflags "-X main.version=...").
 var version = "dev"
 
-func run(args []string) error {
+// options are pgserver's flags.
+type options struct {
+	runtimeDir  string
+	socket      string
+	logFile     string
+	logLevel    string
+	listen      string
+	advertise   string
+	parentPID   int
+	spin        time.Duration
+	showVersion bool
+}
+
+// parseFlags reads args into options.
+func parseFlags(args []string) (options, error) {
+	var o options
 	fs := flag.NewFlagSet("pgserver", flag.ContinueOnError)
-	runtimeDir := fs.String("runtime-dir", defaultRuntimeDir(), "private directory (0700) for the control socket")
-	socket := fs.String("socket", "", "control socket path (default <runtime-dir>/pgserver-<pid>.sock)")
-	logFile := fs.String("log-file", "", "append the log here (default stderr)")
-	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
-	listen := fs.String("listen", ":0", "TCP address peer sidecars connect to")
-	advertise := fs.String("advertise", "", "host name or address peers dial (default: this host's address)")
-	parentPID := fs.Int("parent-pid", 0, "exit when this process exits (the shim passes its own pid)")
-	spin := fs.Duration("spin", 0, "poll the submission ring (and device workers their queues) this long before sleeping")
-	showVersion := fs.Bool("version", false, "print the version and exit")
-	if err := fs.Parse(args); err != nil {
+	fs.StringVar(&o.runtimeDir, "runtime-dir", defaultRuntimeDir(), "private directory (0700) for the control socket")
+	fs.StringVar(&o.socket, "socket", "", "control socket path (default <runtime-dir>/pgserver-<pid>.sock)")
+	fs.StringVar(&o.logFile, "log-file", "", "append the log here (default stderr)")
+	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
+	fs.StringVar(&o.listen, "listen", ":0", "TCP address peer sidecars connect to")
+	fs.StringVar(&o.advertise, "advertise", "", "host name or address peers dial (default: this host's address)")
+	fs.IntVar(&o.parentPID, "parent-pid", 0, "exit when this process exits (the shim passes its own pid)")
+	fs.DurationVar(&o.spin, "spin", 0, "poll the submission ring (and device workers their queues) this long before sleeping")
+	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
+	err := fs.Parse(args)
+	return o, err
+}
+
+func run(args []string) error {
+	o, err := parseFlags(args)
+	if err != nil {
 		return err
 	}
-	if *showVersion {
+	if o.showVersion {
 		fmt.Println(version)
 		return nil
 	}
@@ -58,21 +77,21 @@ func run(args []string) error {
 	if err != nil {
 		return err
 	}
-	if *parentPID > 0 {
+	if o.parentPID > 0 {
 		// Die with the rank that started us: the kernel signals us when it exits, and a
 		// parent that is already gone is caught by the check right after.
 		unix.Prctl(unix.PR_SET_PDEATHSIG, uintptr(unix.SIGTERM), 0, 0, 0)
-		if os.Getppid() != *parentPID {
-			return fmt.Errorf("parent %d is gone", *parentPID)
+		if os.Getppid() != o.parentPID {
+			return fmt.Errorf("parent %d is gone", o.parentPID)
 		}
 	}
-	if err := privateDir(*runtimeDir); err != nil {
+	if err := privateDir(o.runtimeDir); err != nil {
 		return err
 	}
-	if *socket == "" {
-		*socket = filepath.Join(*runtimeDir, fmt.Sprintf("pgserver-%d.sock", os.Getpid()))
+	if o.socket == "" {
+		o.socket = filepath.Join(o.runtimeDir, fmt.Sprintf("pgserver-%d.sock", os.Getpid()))
 	}
-	log, closeLog, err := openLog(*logFile, *logLevel)
+	log, closeLog, err := openLog(o.logFile, o.logLevel)
 	if err != nil {
 		return err
 	}
@@ -81,40 +100,26 @@ func run(args []string) error {
 		log.Warn(w)
 	}
 
-	host := *advertise
+	host := o.advertise
 	if host == "" {
 		host = hostAddress()
 	}
 	var srv *pg.Server // set before any group exists, so before Locate is ever called
 	node, err := transport.Listen(transport.Config{
-		Listen: *listen, Advertise: host, Log: log,
+		Listen: o.listen, Advertise: host, Log: log,
 		Locate: func(b []byte) (int, uint64, uint64, bool) { return srv.Locate(b) },
 	})
 	if err != nil {
 		return err
 	}
 	defer node.Close()
-	var topo sparse.Topology
-	t, topoErr := gonvml.Read(nvml.New())
-	if topoErr != nil {
-		log.Info("no GPU topology", "err", topoErr)
-	} else {
-		topo = t
-	}
-	_, kernelsErr := kernels.Cubin("a2av")
-	chooser, err := sparse.NewChooser(topo, cfg.Transport, kernelsErr)
+	pcfg, err := engines(log, cfg, o.spin)
 	if err != nil {
 		return err
 	}
-	dev := device.New(log)
-	dev.Spin = *spin
-	hostname, _ := os.Hostname()
-	facts := gonode.Describe(hostname, topo, topoErr, dev)
-	log.Info("node capabilities", "facts", facts)
-	dev.A2A = cfg.A2A
-	srv = pg.NewServer(pg.Config{Version: version, Spin: *spin, Device: dev, Sparse: chooser, Node: facts}, node, log)
+	srv = pg.NewServer(pcfg, node, log)
 
-	ln, err := listenUnix(*socket)
+	ln, err := listenUnix(o.socket)
 	if err != nil {
 		return err
 	}
@@ -127,27 +132,15 @@ func run(args []string) error {
 			gs.Stop()
 		})
 	}
-	rpc.NewService(srv, rpc.Host{RuntimeDir: *runtimeDir, LogFile: *logFile, A2A: cfg.A2A}, stop).Register(gs)
+	rpc.NewService(srv, rpc.Host{RuntimeDir: o.runtimeDir, LogFile: o.logFile, A2A: cfg.A2A}, stop).Register(gs)
 
-	sigs := make(chan os.Signal, 1)
-	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
-	go func() { stop(fmt.Sprintf("signal %v", <-sigs)) }()
-	// SIGUSR1 logs every goroutine's stack and goes on serving: what a hang is waiting for.
-	dump := make(chan os.Signal, 1)
-	signal.Notify(dump, syscall.SIGUSR1)
-	go func() {
-		for range dump {
-			var b strings.Builder
-			pprof.Lookup("goroutine").WriteTo(&b, 2)
-			log.Warn("goroutine dump (SIGUSR1)", "stacks", b.String())
-		}
-	}()
-	if *parentPID > 0 {
-		go watchParent(*parentPID, stop)
+	handleSignals(log, stop)
+	if o.parentPID > 0 {
+		go watchParent(o.parentPID, stop)
 	}
-	log.Info("serving", "version", version, "socket", *socket, "peers", node.Addr(), "parent", *parentPID)
+	log.Info("serving", "version", version, "socket", o.socket, "peers", node.Addr(), "parent", o.parentPID)
 	err = gs.Serve(ln)
-	os.Remove(*socket)
+	os.Remove(o.socket)
 	if errors.Is(err, grpc.ErrServerStopped) {
 		return nil
 	}
@@ -244,4 +237,47 @@ func watchParent(pid int, stop func(string)) {
 			return
 		}
 	}
+}
+
+// engines wires in this node's implementations: the CUDA engine (where the driver loads),
+// the sparse engine's chooser (from the GPU topology and the embedded a2av kernel) and the
+// node's capabilities with their reasons.
+func engines(log *slog.Logger, cfg config.Config, spin time.Duration) (pg.Config, error) {
+	var topo sparse.Topology
+	t, topoErr := gonvml.Read(nvml.New())
+	if topoErr != nil {
+		log.Info("no GPU topology", "err", topoErr)
+	} else {
+		topo = t
+	}
+	_, kernelsErr := kernels.Cubin("a2av")
+	chooser, err := sparse.NewChooser(topo, cfg.Transport, kernelsErr)
+	if err != nil {
+		return pg.Config{}, err
+	}
+	dev := device.New(log)
+	dev.Spin = spin
+	hostname, _ := os.Hostname()
+	facts := gonode.Describe(hostname, topo, topoErr, dev)
+	log.Info("node capabilities", "facts", facts)
+	dev.A2A = cfg.A2A
+	return pg.Config{Version: version, Spin: spin, Device: dev, Sparse: chooser, Node: facts}, nil
+}
+
+// handleSignals stops on SIGTERM, SIGINT and SIGHUP, and logs every goroutine's stack on
+// SIGUSR1.
+func handleSignals(log *slog.Logger, stop func(reason string)) {
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
+	go func() { stop(fmt.Sprintf("signal %v", <-sigs)) }()
+	// SIGUSR1 logs every goroutine's stack and goes on serving: what a hang is waiting for.
+	dump := make(chan os.Signal, 1)
+	signal.Notify(dump, syscall.SIGUSR1)
+	go func() {
+		for range dump {
+			var b strings.Builder
+			pprof.Lookup("goroutine").WriteTo(&b, 2)
+			log.Warn("goroutine dump (SIGUSR1)", "stacks", b.String())
+		}
+	}()
 }

@@ -1,7 +1,7 @@
 // Package device runs collectives on GPUs for the sidecar: NCCL directly on the client's
 // memory (CUDA IPC), ordered against the client's streams by counters in device memory that
 // both processes map.
-// It implements pg.DeviceEngine; cmd/pgserver wires it in where the driver loads.
+// It implements gpu.Engine; cmd/pgserver wires it in where the driver loads.
 package device
 
 import (
@@ -12,13 +12,14 @@ import (
 	"sync"
 	"time"
 
-	"github.com/gocomm/gocomm/collectives/reduce"
 	"github.com/gocomm/gocomm/config"
+	"github.com/gocomm/gocomm/gpu"
 	"github.com/gocomm/gocomm/internal/cuda"
 	"github.com/gocomm/gocomm/internal/nccl"
 	"github.com/gocomm/gocomm/internal/nvshmem"
 	"github.com/gocomm/gocomm/kernels"
-	"github.com/gocomm/gocomm/pg"
+	"github.com/gocomm/gocomm/segment"
+	"github.com/gocomm/gocomm/wire"
 )
 
 // Engine is the sidecar's GPU engine.
@@ -34,7 +35,7 @@ type Engine struct {
 	A2A     config.A2A
 	log     *slog.Logger
 	err     error // why there is no GPU engine, or nil
-	devices []pg.DeviceInfo
+	devices []gpu.Device
 }
 
 // New loads the driver and lists the devices; a machine without a driver gets an engine
@@ -61,7 +62,7 @@ func New(log *slog.Logger) *Engine {
 		}
 		name, _ := d.Name()
 		uuid, _ := d.UUID()
-		e.devices = append(e.devices, pg.DeviceInfo{Index: i, Name: name, UUID: uuid})
+		e.devices = append(e.devices, gpu.Device{Index: i, Name: name, UUID: uuid})
 		major, _ := d.Attribute(cuda.AttrComputeCapabilityMajor)
 		minor, _ := d.Attribute(cuda.AttrComputeCapabilityMinor)
 		e.arch = append(e.arch, major*10+minor)
@@ -69,8 +70,8 @@ func New(log *slog.Logger) *Engine {
 	return e
 }
 
-// Info implements pg.DeviceEngine.
-func (e *Engine) Info() (bool, string, []pg.DeviceInfo) {
+// Info implements gpu.Engine.
+func (e *Engine) Info() (bool, string, []gpu.Device) {
 	if e.err != nil {
 		return false, e.err.Error(), nil
 	}
@@ -102,7 +103,7 @@ func (e *Engine) MPS() (bool, error) {
 	return on != 0, nil
 }
 
-// LoadNCCL implements pg.DeviceEngine.
+// LoadNCCL implements gpu.Engine.
 func (e *Engine) LoadNCCL(path string) error {
 	if e.err != nil {
 		return e.err
@@ -116,7 +117,7 @@ func (e *Engine) LoadNCCL(path string) error {
 	return nil
 }
 
-// LoadNVSHMEM implements pg.DeviceEngine: it checks that the NVSHMEM kernels were built for
+// LoadNVSHMEM implements gpu.Engine: it checks that the NVSHMEM kernels were built for
 // these GPUs and opens the host library (no NVSHMEM init; that waits for the first
 // all_to_all_v, collectively).
 func (e *Engine) LoadNVSHMEM() error {
@@ -146,11 +147,11 @@ func archMatches(arch []int, want int) error {
 	return nil
 }
 
-// Check implements pg.DeviceEngine.
-func (e *Engine) Check(dt reduce.DType, op reduce.Op) error { return Check(dt, op) }
+// Check implements gpu.Engine.
+func (e *Engine) Check(dt wire.DType, op wire.RedOp) error { return Check(dt, op) }
 
-// Attach implements pg.DeviceEngine.
-func (e *Engine) Attach(uuid [16]byte) (pg.DeviceSession, error) {
+// Attach implements gpu.Engine.
+func (e *Engine) Attach(uuid [16]byte) (gpu.Session, error) {
 	if e.err != nil {
 		return nil, e.err
 	}
@@ -162,7 +163,7 @@ func (e *Engine) Attach(uuid [16]byte) (pg.DeviceSession, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &session{log: e.log, spin: e.Spin, a2a: e.A2A, dev: dev, ctx: ctx, segs: map[uint32]*ipcSeg{}}
+	s := &session{log: e.log, spin: e.Spin, a2a: e.A2A, dev: dev, ctx: ctx, segs: segment.New[ipcSeg]("CUDA segment")}
 	e.mu.Lock()
 	s.shmem.path = e.nvshmemPath
 	e.mu.Unlock()
@@ -170,10 +171,10 @@ func (e *Engine) Attach(uuid [16]byte) (pg.DeviceSession, error) {
 		if s.ctl, err = cuda.NewStream(cuda.StreamNonBlocking); err != nil {
 			return err
 		}
-		if s.counters, err = cuda.Alloc(pg.CounterBytes); err != nil {
+		if s.counters, err = cuda.Alloc(gpu.CounterBytes); err != nil {
 			return err
 		}
-		if err = s.ctl.CopyToDeviceOn(s.counters, make([]byte, pg.CounterBytes)); err != nil {
+		if err = s.ctl.CopyToDeviceOn(s.counters, make([]byte, gpu.CounterBytes)); err != nil {
 			return err
 		}
 		s.countersIPC, err = cuda.ExportIPC(s.counters)
@@ -214,17 +215,19 @@ type session struct {
 	relMu       sync.Mutex
 	shmem       shmemState // the NVSHMEM PE, made by the first OpAllToAllV
 
-	mu   sync.Mutex
-	segs map[uint32]*ipcSeg
+	segs *segment.Table[ipcSeg]
 }
 
+// ipcSeg is a client's allocation mapped by CUDA IPC.
 type ipcSeg struct {
-	id      uint32
-	ptr     cuda.Ptr
-	size    uint64
-	refs    int
-	dropped bool
+	s    *session
+	ptr  cuda.Ptr
+	size uint64
 }
+
+func (g ipcSeg) Size() uint64 { return g.size }
+
+func (g ipcSeg) Close() error { return g.s.do(func() error { return cuda.CloseIPC(g.ptr) }) }
 
 // do runs f on a locked thread with the context current (invariant 1).
 func (s *session) do(f func() error) error {
@@ -238,17 +241,17 @@ func (s *session) do(f func() error) error {
 
 func (s *session) Counters() [64]byte { return s.countersIPC }
 
-// Release implements pg.DeviceSession: ready = done = floor + pg.ReleaseAhead on both lanes
+// Release implements gpu.Session: ready = done = floor + gpu.ReleaseAhead on both lanes
 // of the slot, through ctl (invariant 3). The values depend on floor only, so releasing
 // again writes them again (which also undoes done writes that ran after the first release).
 func (s *session) Release(slot int, floor [2]uint32) error {
-	if slot < 0 || slot >= pg.CounterSlots {
+	if slot < 0 || slot >= gpu.CounterSlots {
 		return fmt.Errorf("counter slot %d out of range", slot)
 	}
 	var w [16]byte
 	le := binary.LittleEndian
 	for lane, f := range floor {
-		far := f + pg.ReleaseAhead
+		far := f + gpu.ReleaseAhead
 		le.PutUint32(w[8*lane:], far)
 		le.PutUint32(w[8*lane+4:], far)
 	}
@@ -258,12 +261,9 @@ func (s *session) Release(slot int, floor [2]uint32) error {
 }
 
 func (s *session) RegisterIPC(seg uint32, handle [64]byte, size uint64) error {
-	s.mu.Lock()
-	if _, dup := s.segs[seg]; dup {
-		s.mu.Unlock()
-		return fmt.Errorf("%w: CUDA segment %d registered twice", pg.ErrInvalid, seg)
+	if s.segs.Has(seg) {
+		return fmt.Errorf("%w: CUDA segment %d registered twice", wire.ErrInvalid, seg)
 	}
-	s.mu.Unlock()
 	var p cuda.Ptr
 	err := s.do(func() (err error) {
 		p, err = cuda.OpenIPC(cuda.IPCHandle(handle))
@@ -272,82 +272,34 @@ func (s *session) RegisterIPC(seg uint32, handle [64]byte, size uint64) error {
 	if err != nil {
 		return fmt.Errorf("map the client's allocation (segment %d, %d bytes): %w", seg, size, err)
 	}
-	s.mu.Lock()
-	s.segs[seg] = &ipcSeg{id: seg, ptr: p, size: size}
-	s.mu.Unlock()
-	return nil
-}
-
-func (s *session) DropIPC(seg uint32) error {
-	s.mu.Lock()
-	g := s.segs[seg]
-	if g == nil || g.dropped {
-		s.mu.Unlock()
-		return fmt.Errorf("CUDA segment %d: %w", seg, pg.ErrNotFound)
-	}
-	g.dropped = true
-	unmap := g.refs == 0
-	if unmap {
-		delete(s.segs, seg)
-	}
-	s.mu.Unlock()
-	if unmap {
-		return s.do(func() error { return cuda.CloseIPC(g.ptr) })
+	g := ipcSeg{s: s, ptr: p, size: size}
+	if err := s.segs.Add(seg, g); err != nil {
+		g.Close()
+		return err
 	}
 	return nil
 }
 
-func (s *session) Resolve(refs []pg.BufRef) ([]uint64, func(), error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
+func (s *session) DropIPC(seg uint32) error { return s.segs.Drop(seg) }
+
+// Resolve implements gpu.Session: the segment table bounds-checks each buffer; an empty
+// buffer names no memory (NCCL never touches it: ptr 0).
+func (s *session) Resolve(refs []wire.BufRef) ([]uint64, func(), error) {
+	segs, release, err := s.segs.Resolve(refs, true)
+	if err != nil {
+		return nil, nil, err
+	}
 	ptrs := make([]uint64, len(refs))
 	for i, r := range refs {
-		if r.Length == 0 {
-			continue // an empty buffer: NCCL never touches it (ptr 0)
-		}
-		g := s.segs[r.Segment]
-		if g == nil || g.dropped {
-			return nil, nil, fmt.Errorf("%w: buffer %d: CUDA segment %d is not registered", pg.ErrInvalid, i, r.Segment)
-		}
-		if r.Offset > g.size || r.Length > g.size-r.Offset {
-			return nil, nil, fmt.Errorf("%w: buffer %d: bytes [%d, %d+%d) outside CUDA segment %d of %d bytes",
-				pg.ErrInvalid, i, r.Offset, r.Offset, r.Length, r.Segment, g.size)
-		}
-		ptrs[i] = uint64(g.ptr) + r.Offset
-	}
-	var held []*ipcSeg
-	for _, r := range refs {
 		if r.Length > 0 {
-			g := s.segs[r.Segment]
-			g.refs++
-			held = append(held, g)
+			ptrs[i] = uint64(segs[i].ptr) + r.Offset
 		}
 	}
-	var once sync.Once
-	return ptrs, func() {
-		once.Do(func() {
-			var unmap []*ipcSeg
-			s.mu.Lock()
-			for _, g := range held {
-				g.refs--
-				if g.refs == 0 && g.dropped {
-					unmap = append(unmap, g)
-					delete(s.segs, g.id)
-				}
-			}
-			s.mu.Unlock()
-			for _, g := range unmap {
-				s.do(func() error { return cuda.CloseIPC(g.ptr) })
-			}
-		})
-	}, nil
+	return ptrs, release, nil
 }
 
 func (s *session) Close() error {
-	s.mu.Lock()
-	segs := s.segs
-	s.segs = map[uint32]*ipcSeg{}
-	s.mu.Unlock()
+	segs := s.segs.Take()
 	return s.do(func() error {
 		for _, g := range segs {
 			cuda.CloseIPC(g.ptr)

@@ -9,30 +9,31 @@ import (
 
 	"github.com/gocomm/gocomm/collectives/reduce"
 	"github.com/gocomm/gocomm/internal/nccl"
+	"github.com/gocomm/gocomm/wire"
 )
 
 // TestNCCLTypes: which reductions run on CUDA tensors, and how they map to NCCL.
 func TestNCCLTypes(t *testing.T) {
 	for _, tc := range []struct {
 		desc  string
-		dt    reduce.DType
-		op    reduce.Op
+		dt    wire.DType
+		op    wire.RedOp
 		ok    bool
 		t     nccl.DataType
 		r     nccl.RedOp
 		scale int
 	}{
-		{"float32 sum", reduce.Float32, reduce.Sum, true, nccl.Float32, nccl.Sum, 1},
-		{"bfloat16 avg", reduce.BFloat16, reduce.Avg, true, nccl.BFloat16, nccl.Avg, 1},
-		{"fp8 e4m3 max", reduce.Float8E4M3FN, reduce.Max, true, nccl.Float8E4M3, nccl.Max, 1},
-		{"bool sum is or (max of 0/1)", reduce.Bool, reduce.Sum, true, nccl.Uint8, nccl.Max, 1},
-		{"bool product is and (min of 0/1)", reduce.Bool, reduce.Product, true, nccl.Uint8, nccl.Min, 1},
-		{"complex64 sum as float pairs", reduce.Complex64, reduce.Sum, true, nccl.Float32, nccl.Sum, 2},
-		{"complex128 avg", reduce.Complex128, reduce.Avg, true, nccl.Float64, nccl.Avg, 2},
-		{"complex product", reduce.Complex64, reduce.Product, false, 0, 0, 0},
-		{"int16 (no NCCL type)", reduce.Int16, reduce.Sum, false, 0, 0, 0},
-		{"bitwise and", reduce.Int32, reduce.BAnd, false, 0, 0, 0},
-		{"bool avg", reduce.Bool, reduce.Avg, false, 0, 0, 0},
+		{"float32 sum", wire.Float32, wire.Sum, true, nccl.Float32, nccl.Sum, 1},
+		{"bfloat16 avg", wire.BFloat16, wire.Avg, true, nccl.BFloat16, nccl.Avg, 1},
+		{"fp8 e4m3 max", wire.Float8E4M3FN, wire.Max, true, nccl.Float8E4M3, nccl.Max, 1},
+		{"bool sum is or (max of 0/1)", wire.Bool, wire.Sum, true, nccl.Uint8, nccl.Max, 1},
+		{"bool product is and (min of 0/1)", wire.Bool, wire.Product, true, nccl.Uint8, nccl.Min, 1},
+		{"complex64 sum as float pairs", wire.Complex64, wire.Sum, true, nccl.Float32, nccl.Sum, 2},
+		{"complex128 avg", wire.Complex128, wire.Avg, true, nccl.Float64, nccl.Avg, 2},
+		{"complex product", wire.Complex64, wire.Product, false, 0, 0, 0},
+		{"int16 (no NCCL type)", wire.Int16, wire.Sum, false, 0, 0, 0},
+		{"bitwise and", wire.Int32, wire.BAnd, false, 0, 0, 0},
+		{"bool avg", wire.Bool, wire.Avg, false, 0, 0, 0},
 	} {
 		t.Run(tc.desc, func(t *testing.T) {
 			typ, r, k, err := ncclType(tc.dt, tc.op)

@@ -13,10 +13,11 @@ import (
 	"time"
 
 	"github.com/gocomm/gocomm/config"
+	"github.com/gocomm/gocomm/gpu"
 	"github.com/gocomm/gocomm/internal/cuda"
 	"github.com/gocomm/gocomm/internal/nvshmem"
 	"github.com/gocomm/gocomm/kernels"
-	"github.com/gocomm/gocomm/pg"
+	"github.com/gocomm/gocomm/wire"
 )
 
 // Status: passes the GPU suite on 2 and 4 H200s; the sidecar picks it when its client
@@ -76,7 +77,7 @@ func (s *session) shmemFor(g *group, deadline time.Time) (*shmem, error) {
 	defer st.mu.Unlock()
 	if st.sh != nil {
 		if st.sh.group != g {
-			return nil, fmt.Errorf("%w: NVSHMEM serves one group per process and another group already uses it", pg.ErrInvalid)
+			return nil, fmt.Errorf("%w: NVSHMEM serves one group per process and another group already uses it", wire.ErrInvalid)
 		}
 		if st.sh.broken != nil {
 			return nil, st.sh.broken
@@ -115,7 +116,7 @@ func loadShmem(path string, recvBytes int64) error {
 	return nvshmem.Load(path)
 }
 
-// ShmemID implements pg.DeviceGroup: the unique id of the group's NVSHMEM bootstrap, which
+// ShmemID implements gpu.Group: the unique id of the group's NVSHMEM bootstrap, which
 // the client carries from rank 0 to the others through the torch Store. Rank 0 makes it
 // (its process is the bootstrap's root) and every other rank hands rank 0's in; initShmem
 // uses it.
@@ -123,7 +124,7 @@ func (g *group) ShmemID(id []byte) ([]byte, error) {
 	var u nvshmem.UniqueID
 	switch {
 	case g.rank == 0 && len(id) != 0:
-		return nil, fmt.Errorf("%w: rank 0 makes the NVSHMEM unique id, it was sent one", pg.ErrInvalid)
+		return nil, fmt.Errorf("%w: rank 0 makes the NVSHMEM unique id, it was sent one", wire.ErrInvalid)
 	case g.rank == 0:
 		if err := loadShmem(g.s.shmem.path, g.s.a2a.RecvBytes); err != nil {
 			return nil, fmt.Errorf("NVSHMEM: %w", err)
@@ -133,7 +134,7 @@ func (g *group) ShmemID(id []byte) ([]byte, error) {
 			return nil, fmt.Errorf("NVSHMEM: %w", err)
 		}
 	case len(id) != len(u):
-		return nil, fmt.Errorf("%w: an NVSHMEM unique id of %d bytes, want %d", pg.ErrInvalid, len(id), len(u))
+		return nil, fmt.Errorf("%w: an NVSHMEM unique id of %d bytes, want %d", wire.ErrInvalid, len(id), len(u))
 	default:
 		copy(u[:], id)
 	}
@@ -153,7 +154,7 @@ func (g *group) initShmem(path string, deadline time.Time) (*shmem, error) {
 	idp := g.shmemID
 	g.mu.Unlock()
 	if idp == nil {
-		return nil, fmt.Errorf("%w: no unique id for this group's bootstrap (the client hands it over, ShmemID, before the first all_to_all_v)", pg.ErrInvalid)
+		return nil, fmt.Errorf("%w: no unique id for this group's bootstrap (the client hands it over, ShmemID, before the first all_to_all_v)", wire.ErrInvalid)
 	}
 	id := *idp
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
@@ -185,7 +186,7 @@ func (g *group) initShmem(path string, deadline time.Time) (*shmem, error) {
 			return nil, err
 		}
 	case <-ctx.Done():
-		return nil, fmt.Errorf("%w: NVSHMEM init: a peer did not join before the deadline", pg.ErrTimeout)
+		return nil, fmt.Errorf("%w: NVSHMEM init: a peer did not join before the deadline", gpu.ErrTimeout)
 	}
 	var local error
 	if pe, n := nvshmem.MyPE(), nvshmem.NPEs(); pe != g.rank || n != g.size {
@@ -336,10 +337,10 @@ func (g *group) checkA2AV(o *dop, st cuda.Stream) error {
 	if s&a2avLate != 0 {
 		g.s.shmem.mu.Lock()
 		if sh := g.s.shmem.sh; sh != nil {
-			sh.broken = fmt.Errorf("%w: an NVSHMEM all_to_all_v gave up waiting for a peer", pg.ErrTimeout)
+			sh.broken = fmt.Errorf("%w: an NVSHMEM all_to_all_v gave up waiting for a peer", gpu.ErrTimeout)
 		}
 		g.s.shmem.mu.Unlock()
-		return fmt.Errorf("%w: all_to_all_v: a peer did not take part before the deadline", pg.ErrTimeout)
+		return fmt.Errorf("%w: all_to_all_v: a peer did not take part before the deadline", gpu.ErrTimeout)
 	}
 	if s != 0 {
 		g.s.log.Warn("all_to_all_v reported", "overflow", s&a2avOverflow != 0, "invalid_splits", s&a2avInvalid != 0,

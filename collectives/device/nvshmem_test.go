@@ -12,7 +12,7 @@ import (
 
 	"github.com/gocomm/gocomm/config"
 	"github.com/gocomm/gocomm/internal/nvshmem"
-	"github.com/gocomm/gocomm/pg"
+	"github.com/gocomm/gocomm/wire"
 )
 
 // TestShmemID runs without a GPU: rank 0's sidecar makes the group's NVSHMEM unique id (it
@@ -34,12 +34,12 @@ func TestShmemID(t *testing.T) {
 	}
 
 	g1 := member(1)
-	if _, err := g1.initShmem(path, time.Now().Add(time.Minute)); !errors.Is(err, pg.ErrInvalid) || !strings.Contains(err.Error(), "ShmemID") {
+	if _, err := g1.initShmem(path, time.Now().Add(time.Minute)); !errors.Is(err, wire.ErrInvalid) || !strings.Contains(err.Error(), "ShmemID") {
 		t.Fatalf("initShmem with no id: %v, want an ErrInvalid naming ShmemID", err)
 	}
 
 	root := member(0)
-	if _, err := root.ShmemID([]byte{1, 2, 3}); !errors.Is(err, pg.ErrInvalid) {
+	if _, err := root.ShmemID([]byte{1, 2, 3}); !errors.Is(err, wire.ErrInvalid) {
 		t.Fatalf("rank 0 handed an id: %v, want ErrInvalid", err)
 	}
 	id, err := root.ShmemID(nil)
@@ -56,7 +56,7 @@ func TestShmemID(t *testing.T) {
 		t.Fatalf("the id was made with NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=%q, want lo", got)
 	}
 
-	if _, err := g1.ShmemID(id[:7]); !errors.Is(err, pg.ErrInvalid) {
+	if _, err := g1.ShmemID(id[:7]); !errors.Is(err, wire.ErrInvalid) {
 		t.Fatalf("a short id: %v, want ErrInvalid", err)
 	}
 	if g1.shmemID != nil {

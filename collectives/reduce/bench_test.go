@@ -6,22 +6,23 @@ import (
 	"testing"
 
 	"github.com/gocomm/gocomm/internal/hostreduce"
+	"github.com/gocomm/gocomm/wire"
 )
 
-// BenchmarkSum measures Into(dtype, Sum) on buffers of 16 MiB (larger than
+// BenchmarkSum measures Into(dtype, wire.Sum) on buffers of 16 MiB (larger than
 // the L2 cache, so bound by memory/L3 bandwidth), 64 KiB (cache resident)
 // and 256 B (dominated by the fixed cost of a call, mostly the cgo
 // transition). The reported throughput is bytes of dst per second.
 func BenchmarkSum(b *testing.B) {
 	b.Logf("kernels: %s", hostreduce.CPULevel())
-	for _, d := range []DType{Float32, BFloat16, Float16, Int64} {
+	for _, d := range []wire.DType{wire.Float32, wire.BFloat16, wire.Float16, wire.Int64} {
 		for _, size := range []int{16 << 20, 64 << 10, 256} {
 			b.Run(fmt.Sprintf("%s/%s", d, sizeName(size)), func(b *testing.B) {
 				dst, src := benchInputs(d, size)
 				b.SetBytes(int64(len(dst)))
 				b.ResetTimer()
 				for b.Loop() {
-					if err := Into(d, Sum, dst, src); err != nil {
+					if err := Into(d, wire.Sum, dst, src); err != nil {
 						b.Fatal(err)
 					}
 				}
@@ -42,19 +43,19 @@ func sizeName(n int) string {
 
 // benchInputs fills both buffers with ordinary finite values (no NaN or
 // subnormals, which can be slow on some CPUs) of type d.
-func benchInputs(d DType, size int) (dst, src []byte) {
+func benchInputs(d wire.DType, size int) (dst, src []byte) {
 	dst, src = make([]byte, size), make([]byte, size)
 	n := size / d.Size()
 	for i := range n {
 		v := 1 + float64(i%1000)/1000
 		switch d {
-		case Float32:
+		case wire.Float32:
 			ne.PutUint32(dst[4*i:], math.Float32bits(float32(v)))
 			ne.PutUint32(src[4*i:], math.Float32bits(float32(-v/3)))
-		case BFloat16, Float16:
-			ne.PutUint16(dst[2*i:], d.half().round(float64(float32(v))))
-			ne.PutUint16(src[2*i:], d.half().round(float64(float32(-v/3))))
-		case Int64:
+		case wire.BFloat16, wire.Float16:
+			ne.PutUint16(dst[2*i:], halfOf(d).round(float64(float32(v))))
+			ne.PutUint16(src[2*i:], halfOf(d).round(float64(float32(-v/3))))
+		case wire.Int64:
 			ne.PutUint64(dst[8*i:], uint64(i))
 			ne.PutUint64(src[8*i:], uint64(3*i))
 		}

@@ -11,41 +11,43 @@ import (
 	"math"
 	"sort"
 	"unsafe"
+
+	"github.com/gocomm/gocomm/wire"
 )
 
 type integer interface {
 	~int8 | ~int16 | ~int32 | ~int64 | ~uint8 | ~uint16 | ~uint32 | ~uint64
 }
 
-func intOp[T integer](o Op, x, y T) T {
+func intOp[T integer](o wire.RedOp, x, y T) T {
 	switch o {
-	case Sum, Avg:
+	case wire.Sum, wire.Avg:
 		return x + y
-	case Product:
+	case wire.Product:
 		return x * y
-	case Min:
+	case wire.Min:
 		return min(x, y)
-	case Max:
+	case wire.Max:
 		return max(x, y)
-	case BAnd:
+	case wire.BAnd:
 		return x & y
-	case BOr:
+	case wire.BOr:
 		return x | y
-	case BXor:
+	case wire.BXor:
 		return x ^ y
 	}
 	panic("bad op")
 }
 
-func boolOp(o Op, a, b byte) byte {
+func boolOp(o wire.RedOp, a, b byte) byte {
 	x, y := a != 0, b != 0
 	var r bool
 	switch o {
-	case Sum, Max, BOr:
+	case wire.Sum, wire.Max, wire.BOr:
 		r = x || y
-	case Product, Min, BAnd:
+	case wire.Product, wire.Min, wire.BAnd:
 		r = x && y
-	case BXor:
+	case wire.BXor:
 		r = x != y
 	default:
 		panic("bad op")
@@ -59,14 +61,14 @@ func boolOp(o Op, a, b byte) byte {
 // floatOp applies o in float64 to two values of a type with at most 24
 // mantissa bits and rounds with round. Rounding a float64 sum, product or
 // quotient of two float32 values to float32 gives the correctly rounded
-// float32 result (53 >= 2*24+2). Min/Max: NaN wins, and ties keep x.
-func floatOp(o Op, x, y float64, round func(float64) float64) float64 {
+// float32 result (53 >= 2*24+2). wire.Min/wire.Max: NaN wins, and ties keep x.
+func floatOp(o wire.RedOp, x, y float64, round func(float64) float64) float64 {
 	switch o {
-	case Sum, Avg:
+	case wire.Sum, wire.Avg:
 		return round(x + y)
-	case Product:
+	case wire.Product:
 		return round(x * y)
-	case Min:
+	case wire.Min:
 		switch {
 		case x != x:
 			return x
@@ -74,7 +76,7 @@ func floatOp(o Op, x, y float64, round func(float64) float64) float64 {
 			return y
 		}
 		return x
-	case Max:
+	case wire.Max:
 		switch {
 		case x != x:
 			return x
@@ -198,7 +200,7 @@ func (f *half16) roundF32(x float64) uint16 {
 
 // op computes one torch CPU step on 16-bit floats: widen to float32, apply
 // the op in float32, round back.
-func (f *half16) op(o Op, a, b uint16) uint16 {
+func (f *half16) op(o wire.RedOp, a, b uint16) uint16 {
 	x, y := f.decode(a), f.decode(b) // exactly representable in float32
 	return f.roundF32(floatOp(o, x, y, to32))
 }
@@ -207,11 +209,11 @@ func (f *half16) div(a uint16, n int) uint16 {
 	return f.roundF32(to32(f.decode(a) / float64(n)))
 }
 
-func (d DType) half() *half16 {
+func halfOf(d wire.DType) *half16 {
 	switch d {
-	case Float16:
+	case wire.Float16:
 		return refF16
-	case BFloat16:
+	case wire.BFloat16:
 		return refBF16
 	}
 	return nil
@@ -219,7 +221,7 @@ func (d DType) half() *half16 {
 
 // refInto computes Into(d, o, dst, src) element by element and returns the
 // expected dst.
-func refInto(d DType, o Op, dst, src []byte) []byte {
+func refInto(d wire.DType, o wire.RedOp, dst, src []byte) []byte {
 	out := make([]byte, len(dst))
 	size := d.Size()
 	for i := 0; i+size <= len(dst); i += size {
@@ -230,39 +232,39 @@ func refInto(d DType, o Op, dst, src []byte) []byte {
 
 var ne = binary.NativeEndian
 
-func refElem(d DType, o Op, out, a, b []byte) {
+func refElem(d wire.DType, o wire.RedOp, out, a, b []byte) {
 	switch d {
-	case Bool:
+	case wire.Bool:
 		out[0] = boolOp(o, a[0], b[0])
-	case Uint8:
+	case wire.Uint8:
 		out[0] = intOp(o, a[0], b[0])
-	case Int8:
+	case wire.Int8:
 		out[0] = byte(intOp(o, int8(a[0]), int8(b[0])))
-	case Int16:
+	case wire.Int16:
 		ne.PutUint16(out, uint16(intOp(o, int16(ne.Uint16(a)), int16(ne.Uint16(b)))))
-	case Uint16:
+	case wire.Uint16:
 		ne.PutUint16(out, intOp(o, ne.Uint16(a), ne.Uint16(b)))
-	case Int32:
+	case wire.Int32:
 		ne.PutUint32(out, uint32(intOp(o, int32(ne.Uint32(a)), int32(ne.Uint32(b)))))
-	case Uint32:
+	case wire.Uint32:
 		ne.PutUint32(out, intOp(o, ne.Uint32(a), ne.Uint32(b)))
-	case Int64:
+	case wire.Int64:
 		ne.PutUint64(out, uint64(intOp(o, int64(ne.Uint64(a)), int64(ne.Uint64(b)))))
-	case Uint64:
+	case wire.Uint64:
 		ne.PutUint64(out, intOp(o, ne.Uint64(a), ne.Uint64(b)))
-	case Float16, BFloat16:
-		ne.PutUint16(out, d.half().op(o, ne.Uint16(a), ne.Uint16(b)))
-	case Float32:
+	case wire.Float16, wire.BFloat16:
+		ne.PutUint16(out, halfOf(d).op(o, ne.Uint16(a), ne.Uint16(b)))
+	case wire.Float32:
 		r := floatOp(o, f32At(a, 0), f32At(b, 0), to32)
 		ne.PutUint32(out, math.Float32bits(float32(r)))
-	case Float64:
+	case wire.Float64:
 		r := floatOp(o, f64At(a, 0), f64At(b, 0), to64)
 		ne.PutUint64(out, math.Float64bits(r))
-	case Complex64:
+	case wire.Complex64:
 		re, im := complexOp(o, f32At(a, 0), f32At(a, 4), f32At(b, 0), f32At(b, 4), to32)
 		ne.PutUint32(out, math.Float32bits(float32(re)))
 		ne.PutUint32(out[4:], math.Float32bits(float32(im)))
-	case Complex128:
+	case wire.Complex128:
 		re, im := complexOp(o, f64At(a, 0), f64At(a, 8), f64At(b, 0), f64At(b, 8), to64)
 		ne.PutUint64(out, math.Float64bits(re))
 		ne.PutUint64(out[8:], math.Float64bits(im))
@@ -275,11 +277,11 @@ func refElem(d DType, o Op, out, a, b []byte) {
 // part type (c10::complex, no FMA). For float32 parts the products are
 // exact in float64 and then rounded. For float64 parts the explicit
 // float64() conversions stop the Go compiler from fusing them into an FMA.
-func complexOp(o Op, ar, ai, br, bi float64, round func(float64) float64) (float64, float64) {
+func complexOp(o wire.RedOp, ar, ai, br, bi float64, round func(float64) float64) (float64, float64) {
 	switch o {
-	case Sum, Avg:
+	case wire.Sum, wire.Avg:
 		return round(ar + br), round(ai + bi)
-	case Product:
+	case wire.Product:
 		p1, p2 := round(float64(ar*br)), round(float64(ai*bi))
 		p3, p4 := round(float64(ar*bi)), round(float64(ai*br))
 		return round(p1 - p2), round(p3 + p4)
@@ -295,37 +297,37 @@ func f64At(b []byte, off int) float64 {
 	return math.Float64frombits(ne.Uint64(b[off:]))
 }
 
-// refFinish returns buf with every element divided by n as Finish(Avg)
+// refFinish returns buf with every element divided by n as Finish(wire.Avg)
 // defines it.
-func refFinish(d DType, buf []byte, n int) []byte {
+func refFinish(d wire.DType, buf []byte, n int) []byte {
 	out := append([]byte(nil), buf...)
 	size := d.Size()
 	for i := 0; i+size <= len(out); i += size {
 		e := out[i : i+size]
 		switch d {
-		case Uint8:
+		case wire.Uint8:
 			e[0] = byte(uint64(e[0]) / uint64(n))
-		case Int8:
+		case wire.Int8:
 			e[0] = byte(int8(int64(int8(e[0])) / int64(n)))
-		case Int16:
+		case wire.Int16:
 			ne.PutUint16(e, uint16(int16(int64(int16(ne.Uint16(e)))/int64(n))))
-		case Uint16:
+		case wire.Uint16:
 			ne.PutUint16(e, uint16(uint64(ne.Uint16(e))/uint64(n)))
-		case Int32:
+		case wire.Int32:
 			ne.PutUint32(e, uint32(int32(int64(int32(ne.Uint32(e)))/int64(n))))
-		case Uint32:
+		case wire.Uint32:
 			ne.PutUint32(e, uint32(uint64(ne.Uint32(e))/uint64(n)))
-		case Int64:
+		case wire.Int64:
 			ne.PutUint64(e, uint64(int64(ne.Uint64(e))/int64(n)))
-		case Uint64:
+		case wire.Uint64:
 			ne.PutUint64(e, ne.Uint64(e)/uint64(n))
-		case Float16, BFloat16:
-			ne.PutUint16(e, d.half().div(ne.Uint16(e), n))
-		case Float32, Complex64:
+		case wire.Float16, wire.BFloat16:
+			ne.PutUint16(e, halfOf(d).div(ne.Uint16(e), n))
+		case wire.Float32, wire.Complex64:
 			for j := 0; j < size; j += 4 {
 				ne.PutUint32(e[j:], math.Float32bits(float32(f32At(e, j)/float64(n))))
 			}
-		case Float64, Complex128:
+		case wire.Float64, wire.Complex128:
 			for j := 0; j < size; j += 8 {
 				ne.PutUint64(e[j:], math.Float64bits(f64At(e, j)/float64(n)))
 			}
@@ -337,12 +339,12 @@ func refFinish(d DType, buf []byte, n int) []byte {
 }
 
 // sameElem compares one element, treating any two NaNs as equal.
-func sameElem(d DType, a, b []byte) bool {
+func sameElem(d wire.DType, a, b []byte) bool {
 	switch d {
-	case Float16, BFloat16:
+	case wire.Float16, wire.BFloat16:
 		x, y := ne.Uint16(a), ne.Uint16(b)
-		return x == y || d.half().isNaN(x) && d.half().isNaN(y)
-	case Float32, Complex64:
+		return x == y || halfOf(d).isNaN(x) && halfOf(d).isNaN(y)
+	case wire.Float32, wire.Complex64:
 		for j := 0; j < len(a); j += 4 {
 			x, y := f32At(a, j), f32At(b, j)
 			if ne.Uint32(a[j:]) != ne.Uint32(b[j:]) && !(x != x && y != y) {
@@ -350,7 +352,7 @@ func sameElem(d DType, a, b []byte) bool {
 			}
 		}
 		return true
-	case Float64, Complex128:
+	case wire.Float64, wire.Complex128:
 		for j := 0; j < len(a); j += 8 {
 			x, y := f64At(a, j), f64At(b, j)
 			if ne.Uint64(a[j:]) != ne.Uint64(b[j:]) && !(x != x && y != y) {

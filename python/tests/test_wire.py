@@ -13,8 +13,8 @@ import pytest
 from ranklib import Checker
 
 ROOT = Path(__file__).resolve().parents[2]
-DESCRIPTOR_GO = ROOT / "pg" / "descriptor.go"
-REDUCE_GO = ROOT / "collectives" / "reduce" / "reduce.go"
+DESCRIPTOR_GO = ROOT / "wire" / "descriptor.go"
+DTYPE_GO = ROOT / "wire" / "dtype.go"
 
 
 def _go_consts(path: Path, typ: str) -> dict[str, int]:
@@ -65,14 +65,14 @@ def test_record_types_and_devices_match_go(wire):
 
 
 def test_dtypes_match_go(wire):
-    codes = _go_consts(REDUCE_GO, "DType")
-    text = REDUCE_GO.read_text()
+    codes = _go_consts(DTYPE_GO, "DType")
+    text = DTYPE_GO.read_text()
     table = {
         m.group(1): (m.group(2), int(m.group(3)))
         for m in re.finditer(r'^\s*(\w+):\s*\{"(\w+)",\s*(\d+)', text, re.MULTILINE)
     }
     by_torch_name = {tname: (codes[go], size) for go, (tname, size) in table.items()}
-    assert by_torch_name, f"no dtype table found in {REDUCE_GO}"
+    assert by_torch_name, f"no dtype table found in {DTYPE_GO}"
     for dtype, code in wire.DTYPES.items():
         name = str(dtype).removeprefix("torch.")
         assert name in by_torch_name, f"{name} is in _wire.DTYPES but not in the Go dtype table"
@@ -83,7 +83,7 @@ def test_dtypes_match_go(wire):
 
 
 def test_reduce_ops_match_go(wire):
-    go = _go_consts(REDUCE_GO, "Op")
+    go = _go_consts(DTYPE_GO, "RedOp")
     names = {
         "Sum": "SUM",
         "Avg": "AVG",
@@ -97,9 +97,9 @@ def test_reduce_ops_match_go(wire):
 
 
 def test_descriptor_layout(wire):
-    """encode_desc puts each field at the offset the table in pg/descriptor.go gives."""
+    """encode_desc puts each field at the offset the table in wire/descriptor.go gives."""
     text = DESCRIPTOR_GO.read_text()
-    assert re.search(r"descHeader\s*=\s*56", text) and re.search(r"bufRefSize\s*=\s*24", text)
+    assert re.search(r"DescHeader\s*=\s*56", text) and re.search(r"bufRefSize\s*=\s*24", text)
     b = wire.encode_desc(
         0x0102030405060708,
         7,

@@ -1,11 +1,12 @@
-package pg
+// Package wire holds what both sides of the sidecar's seams agree on: dtype and
+// reduce-op codes, op kinds, and the op descriptor the client writes into its ring.
+// Values are fixed by the protocol (python/gocomm/_wire.py mirrors them).
+package wire
 
 import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-
-	"github.com/gocomm/gocomm/collectives/reduce"
 )
 
 // Ring record types of the gocomm protocol (the ring reserves types below 16).
@@ -45,7 +46,7 @@ const (
 	OpAllToAllV OpKind = 12
 )
 
-var opNames = map[OpKind]string{
+var kindNames = map[OpKind]string{
 	OpAllReduce: "all_reduce", OpBroadcast: "broadcast", OpReduce: "reduce",
 	OpAllGather: "all_gather", OpReduceScatter: "reduce_scatter", OpAllToAll: "all_to_all",
 	OpGather: "gather", OpScatter: "scatter", OpSend: "send", OpRecv: "recv", OpBarrier: "barrier",
@@ -53,7 +54,7 @@ var opNames = map[OpKind]string{
 }
 
 func (k OpKind) String() string {
-	if s, ok := opNames[k]; ok {
+	if s, ok := kindNames[k]; ok {
 		return s
 	}
 	return fmt.Sprintf("op(%d)", uint8(k))
@@ -76,8 +77,8 @@ const (
 //	 0 u64 seq         client's op id; echoed in the completion
 //	 8 u32 group       handle from CreateGroup
 //	12 u8  kind        OpKind
-//	13 u8  dtype       reduce.DType
-//	14 u8  redop       reduce.Op (0 when the op does not reduce)
+//	13 u8  dtype       DType
+//	14 u8  redop       RedOp (0 when the op does not reduce)
 //	15 u8  device      DeviceHost or DeviceCUDA
 //	16 i32 root        root rank; peer rank for send/recv (-1: recv from any rank)
 //	20 i32 tag         send/recv tag
@@ -95,8 +96,8 @@ type Desc struct {
 	Seq       uint64
 	Group     uint32
 	Kind      OpKind
-	DType     reduce.DType
-	RedOp     reduce.Op
+	DType     DType
+	RedOp     RedOp
 	Device    uint8
 	Root      int32
 	Tag       int32
@@ -116,14 +117,20 @@ type BufRef struct {
 }
 
 const (
-	descHeader = 56
+	// DescHeader is the size of a descriptor without its buffers and splits.
+	DescHeader = 56
 	bufRefSize = 24
-	maxBufs    = 8 // all_to_all_v has the most: 5
+	maxBufs    = 8 // all_to_all_v has the most: 5 (pg/device_test.go sends 9)
 	maxSplits  = 1 << 20
 )
 
-// ErrInvalid marks a descriptor the sidecar refuses.
-var ErrInvalid = errors.New("invalid op descriptor")
+// Errors both sides of the sidecar's seams test for.
+var (
+	// ErrInvalid marks a descriptor the sidecar refuses.
+	ErrInvalid = errors.New("invalid op descriptor")
+	// ErrNotFound: a session, group or segment that does not exist (any more).
+	ErrNotFound = errors.New("not found")
+)
 
 // DecodeDesc parses a RecOp payload. It checks the structure only; Validate checks meaning.
 // When the payload holds at least a seq, the returned Desc carries it even on error, so the
@@ -134,13 +141,13 @@ func DecodeDesc(b []byte) (Desc, error) {
 	if len(b) >= 8 {
 		d.Seq = le.Uint64(b)
 	}
-	if len(b) < descHeader {
-		return d, fmt.Errorf("%w: %d bytes, the header alone is %d", ErrInvalid, len(b), descHeader)
+	if len(b) < DescHeader {
+		return d, fmt.Errorf("%w: %d bytes, the header alone is %d", ErrInvalid, len(b), DescHeader)
 	}
 	d.Group = le.Uint32(b[8:])
 	d.Kind = OpKind(b[12])
-	d.DType = reduce.DType(b[13])
-	d.RedOp = reduce.Op(b[14])
+	d.DType = DType(b[13])
+	d.RedOp = RedOp(b[14])
 	d.Device = b[15]
 	d.Root = int32(le.Uint32(b[16:]))
 	d.Tag = int32(le.Uint32(b[20:]))
@@ -152,10 +159,10 @@ func DecodeDesc(b []byte) (Desc, error) {
 	if nbufs > maxBufs || nsplits > maxSplits {
 		return d, fmt.Errorf("%w: %d buffers and %d splits", ErrInvalid, nbufs, nsplits)
 	}
-	if want := descHeader + nbufs*bufRefSize + nsplits*8; len(b) != want {
+	if want := DescHeader + nbufs*bufRefSize + nsplits*8; len(b) != want {
 		return d, fmt.Errorf("%w: %d bytes for %d buffers and %d splits, want %d", ErrInvalid, len(b), nbufs, nsplits, want)
 	}
-	at := descHeader
+	at := DescHeader
 	for i := 0; i < nbufs; i++ {
 		d.Bufs = append(d.Bufs, BufRef{
 			Segment: le.Uint32(b[at:]),
@@ -174,7 +181,7 @@ func DecodeDesc(b []byte) (Desc, error) {
 // Encode is DecodeDesc's inverse (tests, and Go clients).
 func (d *Desc) Encode() []byte {
 	le := binary.LittleEndian
-	b := make([]byte, descHeader+len(d.Bufs)*bufRefSize+len(d.Splits)*8)
+	b := make([]byte, DescHeader+len(d.Bufs)*bufRefSize+len(d.Splits)*8)
 	le.PutUint64(b, d.Seq)
 	le.PutUint32(b[8:], d.Group)
 	b[12], b[13], b[14], b[15] = uint8(d.Kind), uint8(d.DType), uint8(d.RedOp), d.Device
@@ -185,7 +192,7 @@ func (d *Desc) Encode() []byte {
 	le.PutUint16(b[40:], uint16(len(d.Bufs)))
 	le.PutUint32(b[44:], uint32(len(d.Splits)))
 	le.PutUint32(b[48:], d.StreamValue)
-	at := descHeader
+	at := DescHeader
 	for _, r := range d.Bufs {
 		le.PutUint32(b[at:], r.Segment)
 		le.PutUint64(b[at+8:], r.Offset)
@@ -216,60 +223,74 @@ func (d *Desc) Encode() []byte {
 // the reduce op suits the dtype depends on the engine (host: reduce.Check), and so does
 // whether the device is served: the caller checks both.
 func (d *Desc) Validate(rank, size int) error {
-	bad := func(format string, args ...any) error {
-		return fmt.Errorf("%w: %s: "+format, append([]any{ErrInvalid, d.Kind}, args...)...)
+	if err := d.checkHeader(rank, size); err != nil {
+		return err
 	}
-	if _, ok := opNames[d.Kind]; !ok {
+	return d.checkBufs(rank, size)
+}
+
+func (d *Desc) bad(format string, args ...any) error {
+	return fmt.Errorf("%w: %s: "+format, append([]any{ErrInvalid, d.Kind}, args...)...)
+}
+
+// checkHeader checks the op's kind, device, dtype, reduce op and root or peer.
+func (d *Desc) checkHeader(rank, size int) error {
+	if _, ok := kindNames[d.Kind]; !ok {
 		return fmt.Errorf("%w: unknown op kind %d", ErrInvalid, uint8(d.Kind))
 	}
 	if d.Device != DeviceHost && d.Device != DeviceCUDA {
-		return bad("unknown device %d", d.Device)
+		return d.bad("unknown device %d", d.Device)
 	}
 	for i, b := range d.Bufs {
 		if (b.Segment&CUDASegment != 0) != (d.Device == DeviceCUDA) {
-			return bad("buffer %d is in segment %#x, not a segment of device %d", i, b.Segment, d.Device)
+			return d.bad("buffer %d is in segment %#x, not a segment of device %d", i, b.Segment, d.Device)
 		}
 	}
 	if d.Kind != OpBarrier && !d.DType.Valid() {
-		return bad("unknown dtype %d", uint8(d.DType))
+		return d.bad("unknown dtype %d", uint8(d.DType))
 	}
 	if d.Reduces() {
-		if d.RedOp < reduce.Sum || d.RedOp > reduce.BXor {
-			return bad("unknown reduce op %d", d.RedOp)
+		if d.RedOp < Sum || d.RedOp > BXor {
+			return d.bad("unknown reduce op %d", d.RedOp)
 		}
 	} else if d.RedOp != 0 {
-		return bad("reduce op %d on an op that does not reduce", d.RedOp)
+		return d.bad("reduce op %d on an op that does not reduce", d.RedOp)
 	}
 	needsRoot := d.Kind == OpBroadcast || d.Kind == OpReduce || d.Kind == OpGather || d.Kind == OpScatter || d.Kind == OpSend
 	if needsRoot && (d.Root < 0 || int(d.Root) >= size) {
-		return bad("root %d in a group of %d", d.Root, size)
+		return d.bad("root %d in a group of %d", d.Root, size)
 	}
 	if d.Kind == OpRecv && (d.Root < -1 || int(d.Root) >= size) {
-		return bad("peer %d in a group of %d", d.Root, size)
+		return d.bad("peer %d in a group of %d", d.Root, size)
 	}
 	if (d.Kind == OpSend || d.Kind == OpRecv) && int(d.Root) == rank {
-		return bad("peer %d is this rank", d.Root)
+		return d.bad("peer %d is this rank", d.Root)
 	}
+	return nil
+}
+
+// checkBufs checks each buffer's length against the op's count, dtype and group size.
+func (d *Desc) checkBufs(rank, size int) error {
 	es := uint64(d.DType.Size())
 	n := uint64(size)
 	// unit is count elements in bytes; products are checked against overflow.
 	if d.Count > (1<<62)/max(es, 1)/n {
-		return bad("count %d is too large", d.Count)
+		return d.bad("count %d is too large", d.Count)
 	}
 	unit := d.Count * es
 	want := func(lens ...uint64) error {
 		if len(d.Bufs) != len(lens) {
-			return bad("%d buffers, want %d", len(d.Bufs), len(lens))
+			return d.bad("%d buffers, want %d", len(d.Bufs), len(lens))
 		}
 		for i, l := range lens {
 			if d.Bufs[i].Length != l {
-				return bad("buffer %d holds %d bytes, want %d", i, d.Bufs[i].Length, l)
+				return d.bad("buffer %d holds %d bytes, want %d", i, d.Bufs[i].Length, l)
 			}
 		}
 		return nil
 	}
 	if d.Kind != OpAllToAll && len(d.Splits) != 0 {
-		return bad("%d splits on an op without splits", len(d.Splits))
+		return d.bad("%d splits on an op without splits", len(d.Splits))
 	}
 	root := int(d.Root) == rank
 	switch d.Kind {
@@ -292,53 +313,64 @@ func (d *Desc) Validate(rank, size int) error {
 	case OpBarrier:
 		return want()
 	case OpAllToAllV:
-		// input, in_splits (int64 per rank), output (its rows are the capacity), out_splits
-		// (int64 per rank), status (int32); Count is the bytes of one row.
-		if d.Device != DeviceCUDA {
-			return bad("splits on the GPU need CUDA buffers")
-		}
-		if d.Count == 0 {
-			return bad("rows of 0 bytes")
-		}
-		if len(d.Bufs) != 5 {
-			return bad("%d buffers, want 5 (input, in_splits, output, out_splits, status)", len(d.Bufs))
-		}
-		for i, l := range map[int]uint64{1: 8 * n, 3: 8 * n, 4: 4} {
-			if d.Bufs[i].Length != l {
-				return bad("buffer %d holds %d bytes, want %d", i, d.Bufs[i].Length, l)
-			}
-		}
-		for _, i := range []int{0, 2} {
-			if d.Bufs[i].Length%d.Count != 0 {
-				return bad("buffer %d holds %d bytes, not whole rows of %d", i, d.Bufs[i].Length, d.Count)
-			}
-		}
-		return nil
+		return d.checkAllToAllV(n)
 	case OpAllToAll:
-		if len(d.Splits) != 2*size {
-			return bad("%d splits, want %d (input then output counts)", len(d.Splits), 2*size)
+		return d.checkAllToAll(rank, size, es)
+	}
+	return nil
+}
+
+// checkAllToAllV: input, in_splits (int64 per rank), output (its rows are the capacity),
+// out_splits (int64 per rank), status (int32); Count is the bytes of one row.
+func (d *Desc) checkAllToAllV(n uint64) error {
+	if d.Device != DeviceCUDA {
+		return d.bad("splits on the GPU need CUDA buffers")
+	}
+	if d.Count == 0 {
+		return d.bad("rows of 0 bytes")
+	}
+	if len(d.Bufs) != 5 {
+		return d.bad("%d buffers, want 5 (input, in_splits, output, out_splits, status)", len(d.Bufs))
+	}
+	for i, l := range map[int]uint64{1: 8 * n, 3: 8 * n, 4: 4} {
+		if d.Bufs[i].Length != l {
+			return d.bad("buffer %d holds %d bytes, want %d", i, d.Bufs[i].Length, l)
 		}
-		if len(d.Bufs) != 2 {
-			return bad("%d buffers, want 2", len(d.Bufs))
+	}
+	for _, i := range []int{0, 2} {
+		if d.Bufs[i].Length%d.Count != 0 {
+			return d.bad("buffer %d holds %d bytes, not whole rows of %d", i, d.Bufs[i].Length, d.Count)
 		}
-		for half, name := range []string{"input", "output"} {
-			var sum uint64
-			for i, s := range d.Splits[half*size : (half+1)*size] {
-				if s < 0 || uint64(s) > (1<<62)/max(es, 1) {
-					return bad("%s split %d is %d", name, i, s)
-				}
-				sum += uint64(s) * es
-				if sum > 1<<62 {
-					return bad("%s splits overflow", name)
-				}
+	}
+	return nil
+}
+
+// checkAllToAll: the splits are the input then the output counts per rank, and add up to
+// the buffers' lengths.
+func (d *Desc) checkAllToAll(rank, size int, es uint64) error {
+	if len(d.Splits) != 2*size {
+		return d.bad("%d splits, want %d (input then output counts)", len(d.Splits), 2*size)
+	}
+	if len(d.Bufs) != 2 {
+		return d.bad("%d buffers, want 2", len(d.Bufs))
+	}
+	for half, name := range []string{"input", "output"} {
+		var sum uint64
+		for i, s := range d.Splits[half*size : (half+1)*size] {
+			if s < 0 || uint64(s) > (1<<62)/max(es, 1) {
+				return d.bad("%s split %d is %d", name, i, s)
 			}
-			if sum != d.Bufs[half].Length {
-				return bad("%s splits add up to %d bytes, the buffer holds %d", name, sum, d.Bufs[half].Length)
+			sum += uint64(s) * es
+			if sum > 1<<62 {
+				return d.bad("%s splits overflow", name)
 			}
 		}
-		if d.Splits[rank] != d.Splits[size+rank] {
-			return bad("rank %d sends itself %d elements but expects %d", rank, d.Splits[rank], d.Splits[size+rank])
+		if sum != d.Bufs[half].Length {
+			return d.bad("%s splits add up to %d bytes, the buffer holds %d", name, sum, d.Bufs[half].Length)
 		}
+	}
+	if d.Splits[rank] != d.Splits[size+rank] {
+		return d.bad("rank %d sends itself %d elements but expects %d", rank, d.Splits[rank], d.Splits[size+rank])
 	}
 	return nil
 }
@@ -361,10 +393,10 @@ const (
 	StatusInternal    int32 = 8
 )
 
-// encodeDone builds a RecDone payload:
+// EncodeDone builds a RecDone payload:
 //
 //	0 u64 seq   8 i32 status   12 i32 source rank (recv from any rank; else -1)   16 message
-func encodeDone(seq uint64, status int32, source int32, msg string) []byte {
+func EncodeDone(seq uint64, status int32, source int32, msg string) []byte {
 	b := make([]byte, 16+len(msg))
 	le := binary.LittleEndian
 	le.PutUint64(b, seq)

@@ -1,39 +1,41 @@
-package pg
+// Package gpu is the seam between the sidecar's sessions (pg) and its GPU engine
+// (collectives/device): what pg asks of the engine and the types both pass across.
+package gpu
 
 import (
 	"context"
 	"errors"
 	"time"
 
-	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/wire"
 )
 
-// DeviceEngine is the GPU half of the sidecar. Package collectives/device implements it
+// Engine is the GPU half of the sidecar. Package collectives/device implements it
 // with the CUDA driver and NCCL; cmd/pgserver wires it in where the driver loads, and pg
 // runs without one (CPU tensors only) everywhere else, tests included.
-type DeviceEngine interface {
+type Engine interface {
 	// Info says whether GPUs can be used, and if not why; and which devices there are.
-	Info() (available bool, detail string, devices []DeviceInfo)
+	Info() (available bool, detail string, devices []Device)
 	// LoadNCCL loads the NCCL library the client uses (its path; "" for the default).
 	LoadNCCL(path string) error
 	// LoadNVSHMEM loads the NVSHMEM host library that goes with the client's NCCL (the
 	// nvidia-nvshmem wheel beside it, or NVSHMEM_HOME); nil when the NVSHMEM engine can run.
 	LoadNVSHMEM() error
 	// Check says whether a reduction of dtype by op can run on the device.
-	Check(dt reduce.DType, op reduce.Op) error
+	Check(dt wire.DType, op wire.RedOp) error
 	// Attach binds a session to the device with this UUID.
-	Attach(uuid [16]byte) (DeviceSession, error)
+	Attach(uuid [16]byte) (Session, error)
 }
 
-// DeviceInfo describes one GPU.
-type DeviceInfo struct {
+// Device describes one GPU.
+type Device struct {
 	Index int
 	Name  string
 	UUID  [16]byte
 }
 
-// DeviceSession is one client's use of its device.
-type DeviceSession interface {
+// Session is one client's use of its device.
+type Session interface {
 	// Counters is the CUDA IPC handle of the session's counter memory (CounterBytes of device
 	// memory the engine allocated, zeroed): the client maps it to order its streams against
 	// the engine's (see NewGroup).
@@ -44,7 +46,7 @@ type DeviceSession interface {
 	DropIPC(seg uint32) error
 	// Resolve bounds-checks each (seg, offset, length) and returns the device addresses,
 	// holding the segments mapped until release is called.
-	Resolve(refs []BufRef) (ptrs []uint64, release func(), err error)
+	Resolve(refs []wire.BufRef) (ptrs []uint64, release func(), err error)
 	// NewGroup makes this rank's member of a group on the device. slot names the group's
 	// counters (see CounterSlots): before its k-th collective the client's stream writes
 	// ready = k; the engine's stream waits for that, runs the op and writes done = k, and the
@@ -53,7 +55,7 @@ type DeviceSession interface {
 	// ranks (communicator ids), over the group's host links.
 	// base is where the slot's counters stand, per lane: the client's first op of a lane
 	// has value base+1.
-	NewGroup(rank, size, slot int, base [2]uint32, link PeerLink) (DeviceGroup, error)
+	NewGroup(rank, size, slot int, base [2]uint32, link PeerLink) (Group, error)
 	// Release lets every stream waiting on slot's counters go on: it writes ready = done =
 	// floor + ReleaseAhead on both lanes, floor being the last stream value the group saw per
 	// lane (or its base). Writing from the floor, not from what the counters hold, makes a
@@ -73,22 +75,22 @@ type PeerLink interface {
 	Recv(ctx context.Context, peer, tag, n int) ([]byte, error)
 }
 
-// DeviceOp is one op for the device engine: a validated descriptor and its buffers'
-// device addresses (Desc.Validate's roles).
-type DeviceOp struct {
-	Desc     *Desc
+// Op is one op for the device engine: a validated descriptor and its buffers'
+// device addresses (wire.Desc.Validate's roles).
+type Op struct {
+	Desc     *wire.Desc
 	Ptrs     []uint64
 	Deadline time.Time
 	// Done is called once, when the op finished on the GPU or failed.
 	Done func(err error)
 }
 
-// DeviceGroup runs one group's device ops in submission order on its own streams.
-type DeviceGroup interface {
-	Enqueue(op DeviceOp)
+// Group runs one group's device ops in submission order on its own streams.
+type Group interface {
+	Enqueue(op Op)
 	// ShmemID takes the group's NVSHMEM unique id, which the client carries between the
 	// ranks through the torch Store: rank 0 gets a new one (id empty), every other rank hands
-	// in rank 0's. The group's NVSHMEM PE is made with it at its first OpAllToAllV.
+	// in rank 0's. The group's NVSHMEM PE is made with it at its first wire.OpAllToAllV.
 	ShmemID(id []byte) ([]byte, error)
 	// Abort fails everything pending, cancels what runs (ncclCommAbort) and releases the
 	// client's waiting streams; the group stays broken.
@@ -115,8 +117,4 @@ const (
 	// counters: 2^30, plus 2^24 for ready values a client wrote that the sidecar never read
 	// (descriptors still in the ring when their group went away).
 	ReleaseAhead = 1<<30 + 1<<24
-	// slotAdvance is how far past the last group's floor the next group on a slot starts:
-	// beyond anything a release of the last group wrote, and within 2^31 of the last group's
-	// values, so its late stream waits still read as done.
-	slotAdvance = ReleaseAhead + 1<<24
 )

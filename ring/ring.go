@@ -47,7 +47,7 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/gocomm/gocomm/internal/shm"
+	"github.com/gocomm/gocomm/shm"
 )
 
 // Record types. Types below 16 are the ring's own; the rest belong to the protocol on top.

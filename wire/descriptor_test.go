@@ -1,18 +1,16 @@
-package pg
+package wire
 
 import (
 	"errors"
 	"strings"
 	"testing"
-
-	"github.com/gocomm/gocomm/collectives/reduce"
 )
 
 func buf(n uint64) BufRef { return BufRef{Segment: 1, Offset: 0, Length: n} }
 
 func TestDescRoundTrip(t *testing.T) {
 	d := Desc{
-		Seq: 7, Group: 3, Kind: OpAllToAll, DType: reduce.BFloat16, Device: DeviceHost, Root: -1, Tag: 42,
+		Seq: 7, Group: 3, Kind: OpAllToAll, DType: BFloat16, Device: DeviceHost, Root: -1, Tag: 42,
 		Count: 9, TimeoutMS: 1500, StreamValue: 99, Bufs: []BufRef{{1, 64, 12}, {2, 0, 8}}, Splits: []int64{1, 5, 2, 2},
 	}
 	got, err := DecodeDesc(d.Encode())
@@ -27,7 +25,7 @@ func TestDescRoundTrip(t *testing.T) {
 }
 
 func TestDecodeRejects(t *testing.T) {
-	good := (&Desc{Seq: 5, Kind: OpAllReduce, DType: reduce.Float32, RedOp: reduce.Sum, Count: 1, Bufs: []BufRef{buf(4)}}).Encode()
+	good := (&Desc{Seq: 5, Kind: OpAllReduce, DType: Float32, RedOp: Sum, Count: 1, Bufs: []BufRef{buf(4)}}).Encode()
 	for _, tc := range []struct {
 		desc string
 		b    []byte
@@ -51,23 +49,23 @@ func TestDecodeRejects(t *testing.T) {
 }
 
 func TestValidate(t *testing.T) {
-	const f32 = reduce.Float32
+	const f32 = Float32
 	for _, tc := range []struct {
 		desc       string
 		d          Desc
 		rank, size int
 		bad        string // substring of the error; "" means valid
 	}{
-		{"all_reduce", Desc{Kind: OpAllReduce, DType: f32, RedOp: reduce.Sum, Count: 3, Bufs: []BufRef{buf(12)}}, 0, 2, ""},
-		{"all_reduce empty", Desc{Kind: OpAllReduce, DType: f32, RedOp: reduce.Sum, Count: 0, Bufs: []BufRef{buf(0)}}, 0, 2, ""},
-		{"all_reduce short buffer", Desc{Kind: OpAllReduce, DType: f32, RedOp: reduce.Sum, Count: 3, Bufs: []BufRef{buf(8)}}, 0, 2, "holds 8 bytes, want 12"},
+		{"all_reduce", Desc{Kind: OpAllReduce, DType: f32, RedOp: Sum, Count: 3, Bufs: []BufRef{buf(12)}}, 0, 2, ""},
+		{"all_reduce empty", Desc{Kind: OpAllReduce, DType: f32, RedOp: Sum, Count: 0, Bufs: []BufRef{buf(0)}}, 0, 2, ""},
+		{"all_reduce short buffer", Desc{Kind: OpAllReduce, DType: f32, RedOp: Sum, Count: 3, Bufs: []BufRef{buf(8)}}, 0, 2, "holds 8 bytes, want 12"},
 		{"all_reduce no op", Desc{Kind: OpAllReduce, DType: f32, Count: 3, Bufs: []BufRef{buf(12)}}, 0, 2, "invalid"},
 		{"unknown reduce op", Desc{Kind: OpAllReduce, DType: f32, RedOp: 9, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "unknown reduce op 9"},
 		{"cuda op on a host segment", Desc{Kind: OpBroadcast, DType: f32, Device: DeviceCUDA, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "not a segment of device 1"},
 		{"host op on a cuda segment", Desc{Kind: OpBroadcast, DType: f32, Count: 1, Bufs: []BufRef{{Segment: CUDASegment | 3, Length: 4}}}, 0, 2, "not a segment of device 0"},
-		{"cuda all_reduce", Desc{Kind: OpAllReduce, DType: f32, RedOp: reduce.Sum, Device: DeviceCUDA, Count: 1, StreamValue: 7, Bufs: []BufRef{{Segment: CUDASegment | 1, Length: 4}}}, 0, 2, ""},
+		{"cuda all_reduce", Desc{Kind: OpAllReduce, DType: f32, RedOp: Sum, Device: DeviceCUDA, Count: 1, StreamValue: 7, Bufs: []BufRef{{Segment: CUDASegment | 1, Length: 4}}}, 0, 2, ""},
 		{"unknown device", Desc{Kind: OpBroadcast, DType: f32, Device: 5, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "unknown device 5"},
-		{"broadcast with a reduce op", Desc{Kind: OpBroadcast, DType: f32, RedOp: reduce.Sum, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "does not reduce"},
+		{"broadcast with a reduce op", Desc{Kind: OpBroadcast, DType: f32, RedOp: Sum, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "does not reduce"},
 		{"unknown dtype", Desc{Kind: OpBroadcast, DType: 99, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "unknown dtype"},
 		{"unknown kind", Desc{Kind: 77, DType: f32}, 0, 2, "unknown op kind"},
 		{"broadcast root out of range", Desc{Kind: OpBroadcast, DType: f32, Root: 2, Count: 1, Bufs: []BufRef{buf(4)}}, 0, 2, "root 2"},
@@ -79,7 +77,7 @@ func TestValidate(t *testing.T) {
 		{"all_to_all_v status missing", func() Desc { d := a2av(16, 48, 32, 64, 32, 4); d.Bufs = d.Bufs[:4]; return d }(), 0, 4, "want 5"},
 		{"all_gather", Desc{Kind: OpAllGather, DType: f32, Count: 2, Bufs: []BufRef{buf(8), buf(24)}}, 1, 3, ""},
 		{"all_gather output short", Desc{Kind: OpAllGather, DType: f32, Count: 2, Bufs: []BufRef{buf(8), buf(16)}}, 1, 3, "want 24"},
-		{"reduce_scatter", Desc{Kind: OpReduceScatter, DType: f32, RedOp: reduce.Max, Count: 2, Bufs: []BufRef{buf(24), buf(8)}}, 2, 3, ""},
+		{"reduce_scatter", Desc{Kind: OpReduceScatter, DType: f32, RedOp: Max, Count: 2, Bufs: []BufRef{buf(24), buf(8)}}, 2, 3, ""},
 		{"gather at root", Desc{Kind: OpGather, DType: f32, Root: 1, Count: 2, Bufs: []BufRef{buf(8), buf(16)}}, 1, 2, ""},
 		{"gather elsewhere", Desc{Kind: OpGather, DType: f32, Root: 1, Count: 2, Bufs: []BufRef{buf(8)}}, 0, 2, ""},
 		{"gather elsewhere with output", Desc{Kind: OpGather, DType: f32, Root: 1, Count: 2, Bufs: []BufRef{buf(8), buf(16)}}, 0, 2, "2 buffers, want 1"},
@@ -96,8 +94,8 @@ func TestValidate(t *testing.T) {
 		{"all_to_all negative", Desc{Kind: OpAllToAll, DType: f32, Bufs: []BufRef{buf(4), buf(4)}, Splits: []int64{2, -1, 1, 0}}, 0, 2, "is -1"},
 		{"all_to_all self", Desc{Kind: OpAllToAll, DType: f32, Bufs: []BufRef{buf(8), buf(8)}, Splits: []int64{2, 0, 1, 1}}, 0, 2, "sends itself 2"},
 		{"all_to_all split count", Desc{Kind: OpAllToAll, DType: f32, Bufs: []BufRef{buf(8), buf(8)}, Splits: []int64{2, 2}}, 0, 2, "2 splits, want 4"},
-		{"splits on all_reduce", Desc{Kind: OpAllReduce, DType: f32, RedOp: reduce.Sum, Count: 1, Bufs: []BufRef{buf(4)}, Splits: []int64{1}}, 0, 2, "without splits"},
-		{"count overflow", Desc{Kind: OpAllGather, DType: reduce.Float64, Count: 1 << 61, Bufs: []BufRef{buf(8), buf(16)}}, 0, 2, "too large"},
+		{"splits on all_reduce", Desc{Kind: OpAllReduce, DType: f32, RedOp: Sum, Count: 1, Bufs: []BufRef{buf(4)}, Splits: []int64{1}}, 0, 2, "without splits"},
+		{"count overflow", Desc{Kind: OpAllGather, DType: Float64, Count: 1 << 61, Bufs: []BufRef{buf(8), buf(16)}}, 0, 2, "too large"},
 	} {
 		t.Run(tc.desc, func(t *testing.T) {
 			err := tc.d.Validate(tc.rank, tc.size)
@@ -122,8 +120,8 @@ func TestValidate(t *testing.T) {
 // FuzzDesc: no byte string makes decoding or validation panic, and whatever validates
 // keeps its promises (buffer lengths add up).
 func FuzzDesc(f *testing.F) {
-	f.Add((&Desc{Kind: OpAllReduce, DType: reduce.Float32, RedOp: reduce.Sum, Count: 1, Bufs: []BufRef{buf(4)}}).Encode())
-	f.Add((&Desc{Kind: OpAllToAll, DType: reduce.Int8, Bufs: []BufRef{buf(3), buf(3)}, Splits: []int64{1, 2, 1, 2}}).Encode())
+	f.Add((&Desc{Kind: OpAllReduce, DType: Float32, RedOp: Sum, Count: 1, Bufs: []BufRef{buf(4)}}).Encode())
+	f.Add((&Desc{Kind: OpAllToAll, DType: Int8, Bufs: []BufRef{buf(3), buf(3)}, Splits: []int64{1, 2, 1, 2}}).Encode())
 	f.Fuzz(func(t *testing.T, b []byte) {
 		d, err := DecodeDesc(b)
 		if err != nil {
@@ -146,6 +144,6 @@ func FuzzDesc(f *testing.F) {
 // a2av is an OpAllToAllV descriptor with rows of row bytes and buffers of these sizes.
 func a2av(row, in, inSplits, out, outSplits, status uint64) Desc {
 	cb := func(seg uint32, n uint64) BufRef { return BufRef{Segment: CUDASegment | seg, Length: n} }
-	return Desc{Kind: OpAllToAllV, DType: reduce.Uint8, Device: DeviceCUDA, Count: row, StreamValue: 1,
+	return Desc{Kind: OpAllToAllV, DType: Uint8, Device: DeviceCUDA, Count: row, StreamValue: 1,
 		Bufs: []BufRef{cb(1, in), cb(2, inSplits), cb(3, out), cb(4, outSplits), cb(5, status)}}
 }

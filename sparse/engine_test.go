@@ -74,7 +74,7 @@ func TestChoose(t *testing.T) {
 				}
 				return
 			}
-			if err != nil || c.Transport != tc.want || !strings.Contains(c.Reason, tc.reason) {
+			if err != nil || c.Engine != tc.want || !strings.Contains(c.Reason, tc.reason) {
 				t.Fatalf("Choose = %+v, %v; want %s because %q", c, err, tc.want, tc.reason)
 			}
 		})
@@ -109,7 +109,7 @@ func TestNewChooser(t *testing.T) {
 			}
 			loaded := false
 			c, err := choose(func() error { loaded = true; return tc.lib })
-			if err != nil || c.Transport != tc.want || loaded != tc.loaded || c.NVSHMEM.Value != tc.nvshmem || c.NVSHMEM.Reason == "" {
+			if err != nil || c.Engine != tc.want || loaded != tc.loaded || c.NVSHMEM.Value != tc.nvshmem || c.NVSHMEM.Reason == "" {
 				t.Fatalf("choice %+v, %v, loaded %v; want %s, loaded %v, nvshmem %s", c, err, loaded, tc.want, tc.loaded, tc.nvshmem)
 			}
 		})

@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/gocomm/gocomm/internal/shm"
+	"github.com/gocomm/gocomm/shm"
 )
 
 func newRing(t *testing.T, queue int) (mem []byte, sub, cmp *Queue) {

@@ -1,6 +1,7 @@
-// Package sparse holds the sparse all-to-all of Mixture-of-Experts layers: which transport
-// moves the tokens (this file), and, as it lands, the planner that turns routing into
-// one-sided transfers.
+// Package sparse holds the sparse all-to-all of Mixture-of-Experts layers: which engine
+// moves the tokens (this file; the public names, GOCOMM_TRANSPORT and the proto fields, call
+// it the sparse transport), and, as it lands, the planner that turns routing into one-sided
+// transfers.
 package sparse
 
 import (
@@ -11,7 +12,7 @@ import (
 	gonode "github.com/gocomm/gocomm/node"
 )
 
-// Transports of the sparse all-to-all.
+// Engines of the sparse all-to-all.
 const (
 	// NVSHMEM: one-sided puts and signals between GPUs of one NVLink domain, device-side
 	// splits, no host sync.
@@ -23,10 +24,10 @@ const (
 // Topology is what the choice needs to know about this node's GPUs (gonode.Topology).
 type Topology = gonode.Topology
 
-// Choice is the transport picked, and why (logged by the sidecar, shown by its Info).
+// Choice is the engine picked, and why (logged by the sidecar, shown by its Info).
 type Choice struct {
-	Transport string
-	Reason    string
+	Engine string
+	Reason string
 	// NVSHMEM is whether the NVSHMEM engine can run for the client (gonode.NVSHMEM), as the
 	// chooser found it.
 	NVSHMEM gonode.Fact
@@ -36,7 +37,7 @@ type Choice struct {
 // NVSHMEM where it cannot run.
 var ErrOverride = errors.New("GOCOMM_TRANSPORT")
 
-// Choose picks the sparse transport for a node. override is GOCOMM_TRANSPORT ("" or "auto",
+// Choose picks the sparse engine for a node. override is GOCOMM_TRANSPORT ("" or "auto",
 // "nvshmem", "nccl"); nvshmem is nil when the NVSHMEM engine can run here, else why not.
 //
 // auto gives NVSHMEM only when every pair of the node's GPUs is NVLink-connected with peer
@@ -45,33 +46,33 @@ func Choose(t Topology, override string, nvshmem error) (Choice, error) {
 	switch strings.ToLower(strings.TrimSpace(override)) {
 	case "", "auto":
 	case NCCL:
-		return Choice{Transport: NCCL, Reason: "forced by GOCOMM_TRANSPORT=nccl"}, nil
+		return Choice{Engine: NCCL, Reason: "forced by GOCOMM_TRANSPORT=nccl"}, nil
 	case NVSHMEM:
 		if nvshmem != nil {
 			return Choice{}, fmt.Errorf("%w=nvshmem, but NVSHMEM cannot run here: %v", ErrOverride, nvshmem)
 		}
 		if d := gonode.InNVLinkDomain(t); !d.Holds() {
-			return Choice{Transport: NVSHMEM, Reason: "forced by GOCOMM_TRANSPORT=nvshmem, although " + d.Reason}, nil
+			return Choice{Engine: NVSHMEM, Reason: "forced by GOCOMM_TRANSPORT=nvshmem, although " + d.Reason}, nil
 		}
-		return Choice{Transport: NVSHMEM, Reason: "forced by GOCOMM_TRANSPORT=nvshmem"}, nil
+		return Choice{Engine: NVSHMEM, Reason: "forced by GOCOMM_TRANSPORT=nvshmem"}, nil
 	default:
 		return Choice{}, fmt.Errorf("%w=%q: want auto, nvshmem or nccl", ErrOverride, override)
 	}
 	d := gonode.InNVLinkDomain(t)
 	if !d.Holds() {
-		return Choice{Transport: NCCL, Reason: d.Reason}, nil
+		return Choice{Engine: NCCL, Reason: d.Reason}, nil
 	}
 	if nvshmem != nil {
-		return Choice{Transport: NCCL, Reason: fmt.Sprintf("the %d GPUs share NVLink with peer atomics, but NVSHMEM cannot run: %v", t.Devices(), nvshmem)}, nil
+		return Choice{Engine: NCCL, Reason: fmt.Sprintf("the %d GPUs share NVLink with peer atomics, but NVSHMEM cannot run: %v", t.Devices(), nvshmem)}, nil
 	}
-	return Choice{Transport: NVSHMEM, Reason: d.Reason}, nil
+	return Choice{Engine: NVSHMEM, Reason: d.Reason}, nil
 }
 
-// Chooser picks an attaching client's transport; nvshmem loads the NVSHMEM host library for
+// Chooser picks an attaching client's sparse engine; nvshmem loads the NVSHMEM host library for
 // that client (nil: it can run).
 type Chooser func(nvshmem func() error) (Choice, error)
 
-// NewChooser returns how each attaching client's transport is picked on a node of topology t
+// NewChooser returns how each attaching client's sparse engine is picked on a node of topology t
 // (nil: none could be read): from t, override (GOCOMM_TRANSPORT) and whether the NVSHMEM
 // engine can run for the client: kernels is nil when its kernels are built into this binary,
 // else why not; the host library beside the client's NCCL is loaded only where NVSHMEM may
@@ -105,5 +106,5 @@ func NewChooser(t Topology, override string, kernels error) (Chooser, error) {
 // Default is the choice where no chooser runs (no GPU engine, or a client without NCCL):
 // NCCL, because why.
 func Default(why string) Choice {
-	return Choice{Transport: NCCL, Reason: why, NVSHMEM: gonode.Fact{Name: gonode.NVSHMEM, Value: gonode.No, Reason: why}}
+	return Choice{Engine: NCCL, Reason: why, NVSHMEM: gonode.Fact{Name: gonode.NVSHMEM, Value: gonode.No, Reason: why}}
 }

@@ -1,0 +1,156 @@
+// The workers: each takes its ops in submission order and enqueues them on its stream
+// (group design 1 and 2), spinning between ops where the host asked for it.
+
+package device
+
+import (
+	"fmt"
+	"runtime"
+	"time"
+
+	"github.com/gocomm/gocomm/internal/cuda"
+	"github.com/gocomm/gocomm/internal/nccl"
+	"github.com/gocomm/gocomm/wire"
+)
+
+// work is a worker's goroutine (design 1, 2).
+func (g *group) work(w *worker) {
+	defer g.wg.Done()
+	defer func() {
+		g.mu.Lock()
+		g.workers--
+		g.cond.Broadcast()
+		g.mu.Unlock()
+	}()
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	st, err := func() (cuda.Stream, error) {
+		if err := g.s.ctx.SetCurrent(); err != nil {
+			return cuda.Stream{}, err
+		}
+		return cuda.NewStream(cuda.StreamNonBlocking)
+	}()
+	if err != nil {
+		g.Abort(fmt.Errorf("device stream: %w", err))
+		return
+	}
+	defer func() {
+		st.Synchronize()
+		st.Destroy()
+		g.mu.Lock()
+		broken := g.broken != nil
+		g.mu.Unlock()
+		if broken {
+			// done writes that were queued behind the abort ran when the streams drained
+			// and may have set done below what Abort released: release again.
+			g.seqStream.Synchronize()
+			if err := g.s.Release(g.slot, g.releaseFloor()); err != nil {
+				g.s.log.Error("could not release the streams of an aborted group", "err", err)
+			}
+		}
+	}()
+	for {
+		g.spin(w)
+		g.mu.Lock()
+		retired := g.retired
+		for len(w.queue) == 0 && !g.closing && g.broken == nil && (g.s.spin <= 0 || g.retired == retired) {
+			g.cond.Wait()
+		}
+		if len(w.queue) == 0 {
+			stop := g.closing || g.broken != nil
+			g.mu.Unlock()
+			if stop {
+				return
+			}
+			continue // an op retired: spin for the client's next one (see spin)
+		}
+		o := w.queue[0]
+		w.queue = w.queue[1:]
+		w.queued.Add(-1)
+		broken := g.broken
+		if broken == nil {
+			w.busy = o
+			g.cond.Broadcast() // the watchdog watches busy ops
+		}
+		g.mu.Unlock()
+		if broken != nil {
+			o.finish(broken)
+			continue
+		}
+		err := g.launch(w, o, st)
+		g.mu.Lock()
+		w.busy = nil
+		g.mu.Unlock()
+		if err != nil {
+			err = fmt.Errorf("%s: %w", o.Desc.Kind, err)
+			o.finish(err)
+			g.Abort(err)
+		}
+	}
+}
+
+// spin polls for w's next op for a while before the worker sleeps: waking a goroutine locked
+// to its thread takes the scheduler tens of microseconds, more than a whole small op on the
+// GPU. Only on hosts that asked for spinning (Engine.Spin, the sidecar's --spin). A worker
+// that went to sleep while a long op ran spins again once the poller retires an op: the
+// client's next op usually follows a completion.
+func (g *group) spin(w *worker) {
+	if g.s.spin <= 0 {
+		return
+	}
+	end := time.Now().Add(g.s.spin)
+	for i := 0; w.queued.Load() == 0; i++ {
+		if i&63 == 63 {
+			if time.Now().After(end) {
+				return
+			}
+			runtime.Gosched()
+		}
+	}
+}
+
+// launch enqueues one op on w's stream st (design 1-3).
+func (g *group) launch(w *worker, o *dop, st cuda.Stream) error {
+	d := o.Desc
+	if d.Kind == wire.OpAllToAllV {
+		if err := g.launchA2AV(o, st); err != nil {
+			return err
+		}
+		return g.record(o, st, func(ps cuda.Stream) error { return g.checkA2AV(o, ps) })
+	}
+	comm, err := g.commOf(w, o.Deadline)
+	if err != nil {
+		return err
+	}
+	lane := w.lane()
+	if err := st.WaitValue32(g.ready[lane], d.StreamValue, cuda.WaitGEQ); err != nil {
+		return err
+	}
+	ns := nccl.Stream(st.Handle())
+	if lane == laneColl {
+		if err := enqueueNCCL(comm, o.Op, ns, g.rank, g.size, g.scratch); err != nil {
+			return err
+		}
+		if err := st.WriteValue32(g.done[lane], d.StreamValue); err != nil {
+			return err
+		}
+	} else {
+		n := int(d.Count) * d.DType.Size()
+		if w.key.send {
+			err = comm.Send(uintptr(o.Ptrs[0]), n, nccl.Uint8, 1, ns)
+		} else {
+			err = comm.Recv(uintptr(o.Ptrs[0]), n, nccl.Uint8, 0, ns)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	if lane == laneP2P {
+		f, err := g.recorded(o, st, nil)
+		if err != nil {
+			return err
+		}
+		return g.sequence(f)
+	}
+	return g.record(o, st, nil)
+}

@@ -1,0 +1,80 @@
+package segment
+
+import (
+	"errors"
+	"math"
+	"strings"
+	"testing"
+
+	"github.com/gocomm/gocomm/wire"
+)
+
+type fakeMem struct {
+	size   uint64
+	closed *int
+}
+
+func (m fakeMem) Size() uint64 { return m.size }
+func (m fakeMem) Close() error { *m.closed++; return nil }
+
+// TestBothKinds: host segments (every buffer names one) and CUDA segments (empty buffers
+// name none) share one bounds-check and one lifetime rule.
+func TestBothKinds(t *testing.T) {
+	for _, kind := range []string{"segment", "CUDA segment"} {
+		t.Run(kind, func(t *testing.T) {
+			skipEmpty := kind == "CUDA segment"
+			closed := 0
+			tab := New[fakeMem](kind)
+			if err := tab.Add(1, fakeMem{64, &closed}); err != nil {
+				t.Fatal(err)
+			}
+			if err := tab.Add(1, fakeMem{64, &closed}); !errors.Is(err, wire.ErrInvalid) {
+				t.Fatalf("second Add of one id: %v", err)
+			}
+			for _, c := range []struct {
+				name string
+				ref  wire.BufRef
+				want string // "" when it resolves
+			}{
+				{"whole segment", wire.BufRef{Segment: 1, Length: 64}, ""},
+				{"empty at the end", wire.BufRef{Segment: 1, Offset: 64}, ""},
+				{"one past the end", wire.BufRef{Segment: 1, Offset: 1, Length: 64}, "outside " + kind},
+				{"offset past the end", wire.BufRef{Segment: 1, Offset: 65, Length: 1}, "outside " + kind},
+				{"wrapping length", wire.BufRef{Segment: 1, Offset: 8, Length: math.MaxUint64 - 4}, "outside " + kind},
+				{"unknown segment", wire.BufRef{Segment: 2, Length: 1}, kind + " 2 is not registered"},
+			} {
+				_, release, err := tab.Resolve([]wire.BufRef{c.ref}, skipEmpty)
+				if c.want == "" && err != nil || c.want != "" && (err == nil || !strings.Contains(err.Error(), c.want)) {
+					t.Errorf("%s: %v, want %q", c.name, err, c.want)
+				}
+				if err == nil {
+					release()
+				}
+			}
+			_, _, err := tab.Resolve([]wire.BufRef{{Segment: 7}}, skipEmpty)
+			if skipEmpty != (err == nil) {
+				t.Errorf("empty buffer of no segment: %v", err)
+			}
+
+			// A dropped segment stays mapped while an op holds it.
+			mems, release, err := tab.Resolve([]wire.BufRef{{Segment: 1, Length: 8}}, skipEmpty)
+			if err != nil || mems[0].size != 64 {
+				t.Fatal(mems, err)
+			}
+			if err := tab.Drop(1); err != nil || closed != 0 {
+				t.Fatalf("drop while held: %v, closed %d", err, closed)
+			}
+			if _, _, err := tab.Resolve([]wire.BufRef{{Segment: 1, Length: 8}}, skipEmpty); err == nil {
+				t.Fatal("a dropped segment resolved")
+			}
+			release()
+			release()
+			if closed != 1 {
+				t.Fatalf("closed %d times after the last release, want 1", closed)
+			}
+			if err := tab.Drop(1); !errors.Is(err, wire.ErrNotFound) {
+				t.Fatalf("second drop: %v", err)
+			}
+		})
+	}
+}
