@@ -3,7 +3,7 @@
 // this module and launches gocomm_a2av_ipc on the caller's stream: one kernel launch and no
 // hand-off to the sidecar, no host sync, and no host-side state that changes per op (the op
 // counter lives on the GPU), so a call can be captured in a CUDA graph and replayed.
-// The protocol is the sidecar's NVSHMEM kernel's (kernels/a2av.cu) with CUDA IPC mappings in
+// The protocol is the sidecar's NVSHMEM kernel's (kernels/sidecar/a2av.cu) with CUDA IPC mappings in
 // place of the symmetric heap, and meta words that carry their epoch in place of a signal.
 //
 // Every rank owns one buffer (cuMemAlloc'd by the shim, zeroed, mapped into every peer by

@@ -1,4 +1,4 @@
-"""all_to_all_v in the training process (kernels/a2av_ipc.cu).
+"""all_to_all_v in the training process (kernels/inprocess/a2av_ipc.cu).
 
 Through the sidecar, all_to_all_v costs the shim's submit (a descriptor, a stream write, a
 stream wait) and the hand-off to pgserver before its NVSHMEM kernel starts: about 70 us of
@@ -34,8 +34,8 @@ from . import _config, _cuda, _kernels, _peers, _sidecar
 log = logging.getLogger("gocomm")
 
 MAX_RANKS, MAX_PARTS, MAX_OUTS = 8, 128, 16
-_HEAD = 64 << 10  # kernels/a2av_ipc.cu's A2_HEAD: signals before it, the receive buffer after
-_TABLE = 9920  # kernels/a2av_ipc.cu's A2_TABLE: u64 [MAX_OUTS][MAX_RANKS], the receive buffers
+_HEAD = 64 << 10  # kernels/inprocess/a2av_ipc.cu's A2_HEAD: signals before it, the receive buffer after
+_TABLE = 9920  # kernels/inprocess/a2av_ipc.cu's A2_TABLE: u64 [MAX_OUTS][MAX_RANKS], the receive buffers
 _INT31 = (1 << 31) - 1  # the largest value a meta word carries
 _KERNEL = "gocomm_a2av_ipc"
 MODULE = _kernels.Module("a2av_ipc.cubin", (_KERNEL,))
@@ -68,7 +68,7 @@ def enabled() -> bool:
 
 
 class _Args(ctypes.Structure):
-    # kernels/a2av_ipc.cu's A2Args, field for field
+    # kernels/inprocess/a2av_ipc.cu's A2Args, field for field
     _fields_ = [
         ("base", ctypes.c_uint64 * MAX_RANKS),
         ("inp", ctypes.c_uint64),
@@ -115,7 +115,7 @@ class Path:
         for p, base in enumerate(maps):
             a.base[p] = base
         a.err = err[1]
-        # the tail of recv holds two fast slots per sender (kernels/a2av_ipc.cu, invariant 6)
+        # the tail of recv holds two fast slots per sender (kernels/inprocess/a2av_ipc.cu, invariant 6)
         a.fast_bytes = fast_bytes(cap, n, parts)
         a.stage_bytes = cap - 2 * n * a.fast_bytes
         a.timeout_ns = int(timeout_s * 1e9)
@@ -204,13 +204,13 @@ class Path:
         """run by addresses: splits 0 takes the host splits run set in the arguments."""
         a, idx = self._args, self.idx
         stream = _cuda.current_stream(idx)
-        # graph replays are ordered by the caller (kernels/a2av_ipc.cu, invariant 1)
+        # graph replays are ordered by the caller (kernels/inprocess/a2av_ipc.cu, invariant 1)
         capturing = torch.cuda.is_current_stream_capturing()
         if not capturing:
             self._order.before(stream)
         a.splits, a.splits32 = splits, 1 if splits and splits32 else 0
         a.inp, a.out, a.out_splits = inp, out, out_splits
-        # meta words carry 32-bit values (kernels/a2av_ipc.cu): more rows than that never fit
+        # meta words carry 32-bit values (kernels/inprocess/a2av_ipc.cu): more rows than that never fit
         a.capacity, a.row_bytes, a.in_rows = min(out_rows, _INT31), row, in_rows
         a.out_id, a.out_off = self._output_of(out, out_rows * row)
         _cuda.launch(self._fn, self._grid, self._threads, stream, self._params)

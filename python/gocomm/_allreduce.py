@@ -1,4 +1,4 @@
-"""all_reduce in the training process for small and medium messages (kernels/allreduce.cu).
+"""all_reduce in the training process for small and medium messages (kernels/inprocess/allreduce.cu).
 
 Through the sidecar, a small all_reduce costs the shim's submit, the hand-off to pgserver and
 an NCCL launch there, about twice torch's NCCL time at 8 KiB. Where the group's GPUs map each
@@ -23,7 +23,7 @@ Failure: a kernel wait gives up after the group's timeout and sets a word in pin
 memory; the group's next all_reduce raises and aborts the group. The op itself, like any
 CUDA op, returned before it ran.
 
-The op's epoch lives on the GPU (kernels/allreduce.cu), so a call can be captured in a CUDA
+The op's epoch lives on the GPU (kernels/inprocess/allreduce.cu), so a call can be captured in a CUDA
 graph and replayed, once the group's first all_reduce on that device ran outside the
 capture (it sets the path up, collectively); replays and eager calls of a group are ordered
 by the caller, as with torch's NCCL."""
@@ -42,7 +42,7 @@ log = logging.getLogger("gocomm")
 
 MAX_RANKS, MAX_BLOCKS = 8, 128
 _FLAG_BYTES = 2 * MAX_BLOCKS * MAX_RANKS * 8  # u64 [2 phases][blocks][ranks]
-_CTL = _FLAG_BYTES  # kernels/allreduce.cu's ctl words (the last epoch, the done count): 16 bytes
+_CTL = _FLAG_BYTES  # kernels/inprocess/allreduce.cu's ctl words (the last epoch, the done count): 16 bytes
 _HEAD = 64 << 10  # flags and ctl at the start of the staging allocation, halves after
 assert _CTL + 16 <= _HEAD
 _SLACK = 256  # two-shot's n slots of ceil(vectors / n) may pass the message by (n - 1) vectors
@@ -78,7 +78,7 @@ def configured_stage() -> int:
 
 
 class _Args(ctypes.Structure):
-    # kernels/allreduce.cu's ArArgs, field for field
+    # kernels/inprocess/allreduce.cu's ArArgs, field for field
     _fields_ = [
         ("stage", ctypes.c_uint64 * MAX_RANKS),
         ("flags", ctypes.c_uint64 * MAX_RANKS),
@@ -146,7 +146,7 @@ class Path:
         a, idx = self._args, self.idx
         stream = _cuda.current_stream(idx)
         # the halves and flags assume one op after another; graph replays are ordered by the
-        # caller (kernels/allreduce.cu)
+        # caller (kernels/inprocess/allreduce.cu)
         capturing = torch.cuda.is_current_stream_capturing()
         if not capturing:
             self._order.before(stream)

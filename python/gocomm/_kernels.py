@@ -1,4 +1,4 @@
-"""The shim's own CUDA kernels (kernels/moe.cu, built by make into gocomm/bin/moe.cubin),
+"""The shim's own CUDA kernels (kernels/inprocess/moe.cu, built by make into gocomm/bin/moe.cubin),
 loaded into this process with the driver API and launched on the caller's current stream
 (Module loads the shim's other cubins the same way: gocomm/_allreduce.py's).
 Where the module is missing (a build without make's kernels step), or a tensor does not fit
@@ -119,7 +119,7 @@ class _Launcher:
             _cuda.launch(self.fn, grid, block, stream, self.params, smem)
 
 
-# kernels/moe.cu's kernels and their arguments, a letter each: P an address, q an int64, i an int32
+# kernels/inprocess/moe.cu's kernels and their arguments, a letter each: P an address, q an int64, i an int32
 _MOE_SIGS = {
     **dict.fromkeys(_WSUM.values(), "PPPPPqPq"),
     "gocomm_moe_route_count": "PqiqiiPP",
@@ -276,7 +276,7 @@ def gather_at(dev: int, out: int, src: int, rows: int, count: int, cap: int, str
 
 
 def route_pack(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: int, n: int):
-    """dispatch's routing and packing on the GPU (kernels/moe.cu, two launches, no sync):
+    """dispatch's routing and packing on the GPU (kernels/inprocess/moe.cu, two launches, no sync):
     (payload [T*n, row] uint8 whose first meta[n] rows are filled, meta int64 [n+2] = rows
     per rank, their sum, 1 if an id was out of range; send_order int64 [T*n], the token of
     each row; t_idx, t_offs: token t's rows are t_idx[t_offs[t]:t_offs[t+1]]). None where
@@ -346,7 +346,7 @@ def route_at(
     bcount: int,
     flag: int,
 ) -> None:
-    """gocomm_moe_route_count and _place by addresses (kernels/moe.cu says what each holds;
+    """gocomm_moe_route_count and _place by addresses (kernels/inprocess/moe.cu says what each holds;
     mask is t bytes, bcount route_blocks(t)[0] x (n + 2) int64; flag 0 or a host word).
     n is at most ROUTE_MAX_RANKS."""
     if n > ROUTE_MAX_RANKS:

@@ -1,4 +1,4 @@
-"""Client half of the shared-memory rings (layout and invariants: internal/ring/ring.go).
+"""Client half of the shared-memory rings (layout and invariants: ring/ring.go).
 
 The client produces on the submission queue and consumes the completion queue. It relies on
 x86-64's ordered stores (a record's bytes are written before the tail that publishes them)

@@ -1,6 +1,6 @@
 """The data-plane wire format shared with pgserver.
 
-Every number here mirrors a Go constant (pg/descriptor.go, collectives/reduce); the Go
+Every number here mirrors a Go constant (wire/descriptor.go, wire/dtype.go); the Go
 tests and python/tests/test_wire.py pin both sides to the same values.
 """
 
@@ -11,7 +11,7 @@ import struct
 import torch
 import torch.distributed as dist
 
-# Ring record types (internal/ring reserves types below 16).
+# Ring record types (the ring package reserves types below 16).
 REC_PAD = 0
 REC_OP = 16
 REC_DONE = 17
@@ -49,7 +49,7 @@ OP_NAMES = {
 DEVICE_HOST = 0
 DEVICE_CUDA = 1
 
-# Element types (collectives/reduce.DType).
+# Element types (wire.DType).
 DTYPES: dict[torch.dtype, int] = {
     torch.bool: 1,
     torch.uint8: 2,
@@ -70,7 +70,7 @@ DTYPES: dict[torch.dtype, int] = {
     torch.uint64: 17,
 }
 
-# Reduce ops (collectives/reduce.Op).
+# Reduce ops (wire.RedOp).
 SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR = range(1, 9)
 REDUCE_OPS = [
     (dist.ReduceOp.SUM, SUM, "sum"),
@@ -151,7 +151,7 @@ STATUS_NAMES = {
     STATUS_INTERNAL: "internal error",
 }
 
-# Descriptor: see pg/descriptor.go for the field table.
+# Descriptor: see wire/descriptor.go for the field table.
 DESC = struct.Struct("<QIBBBBiiQQHHIII")
 BUFREF = struct.Struct("<IIQQ")
 DONE = struct.Struct("<Qii")

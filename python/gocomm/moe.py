@@ -13,7 +13,7 @@ does), and appears on the receiving rank once per local expert it chose. topk_id
 
 Each token travels once per destination rank with its routing (local expert ids and weights)
 in the same row: one `gocomm.all_to_all_v` per dispatch, one per combine. On CUDA, gocomm's
-own kernels (kernels/moe.cu, launched on the caller's stream) route and pack the tokens, group
+own kernels (kernels/inprocess/moe.cu, launched on the caller's stream) route and pack the tokens, group
 what arrives by expert, and do combine's weighted sums; elsewhere, and for fp8, torch ops do.
 
 Where the group's exchange is the in-process kernel (gocomm/_a2av.py: GPUs that share

@@ -934,7 +934,7 @@ def test_moe_cuda_nccl_forced(worlds, seed, size):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_moe_wsum_kernel(seed, dtype):
-    """combine's kernel (kernels/moe.cu) against a float64 sum of the same terms: random
+    """combine's kernel (kernels/inprocess/moe.cu) against a float64 sum of the same terms: random
     segments, empty ones among them, weighted and not; rows it cannot take fall back."""
     from gocomm import _kernels
 
