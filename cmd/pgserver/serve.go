@@ -77,21 +77,7 @@ func run(args []string) error {
 	if err != nil {
 		return err
 	}
-	if o.parentPID > 0 {
-		// Die with the rank that started us: the kernel signals us when it exits, and a
-		// parent that is already gone is caught by the check right after.
-		unix.Prctl(unix.PR_SET_PDEATHSIG, uintptr(unix.SIGTERM), 0, 0, 0)
-		if os.Getppid() != o.parentPID {
-			return fmt.Errorf("parent %d is gone", o.parentPID)
-		}
-	}
-	if err := privateDir(o.runtimeDir); err != nil {
-		return err
-	}
-	if o.socket == "" {
-		o.socket = filepath.Join(o.runtimeDir, fmt.Sprintf("pgserver-%d.sock", os.Getpid()))
-	}
-	log, closeLog, err := openLog(o.logFile, o.logLevel)
+	log, closeLog, err := prepare(&o)
 	if err != nil {
 		return err
 	}
@@ -145,6 +131,26 @@ func run(args []string) error {
 		return nil
 	}
 	return err
+}
+
+// prepare ties the process to its parent rank (if any), makes the runtime directory, names
+// the control socket and opens the log.
+func prepare(o *options) (*slog.Logger, func(), error) {
+	if o.parentPID > 0 {
+		// Die with the rank that started us: the kernel signals us when it exits, and a
+		// parent that is already gone is caught by the check right after.
+		unix.Prctl(unix.PR_SET_PDEATHSIG, uintptr(unix.SIGTERM), 0, 0, 0)
+		if os.Getppid() != o.parentPID {
+			return nil, nil, fmt.Errorf("parent %d is gone", o.parentPID)
+		}
+	}
+	if err := privateDir(o.runtimeDir); err != nil {
+		return nil, nil, err
+	}
+	if o.socket == "" {
+		o.socket = filepath.Join(o.runtimeDir, fmt.Sprintf("pgserver-%d.sock", os.Getpid()))
+	}
+	return openLog(o.logFile, o.logLevel)
 }
 
 // defaultRuntimeDir is $XDG_RUNTIME_DIR/gocomm, else /tmp/gocomm-<uid>.
