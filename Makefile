@@ -128,18 +128,18 @@ test-gpu:
 
 bench-gpu:
 	@if [ "$(MPS)" = 1 ]; then PYTHONPATH=python $(GPU_PY) -c 'import os, gocomm.launch as l; print("MPS started:", l.start_mps(dict(os.environ)))'; fi
-	$(GPU_ENV) PYTHONPATH=python $(GPU_PY) -m gocomm.bench.gpu --json bench_gpu.json --png bench_gpu.png; rc=$$?; \
+	$(GPU_ENV) PYTHONPATH=python $(GPU_PY) -m gocomm.bench.gpu --json bench_gpu.json --png bench_gpu.png --perf docs/perf.md; rc=$$?; \
 	  if [ "$(MPS)" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi; exit $$rc
 
 # MoE all-to-all (issue 4's shapes): gocomm's ranks under MPS when MPS=1, torch's baselines
 # in their own processes without it; TRANSPORT=auto|nccl|nvshmem picks gocomm's sparse path.
 bench-moe:
 	@if [ "$(MPS)" = 1 ]; then PYTHONPATH=python $(GPU_PY) -c 'import os, gocomm.launch as l; print("MPS started:", l.start_mps(dict(os.environ)))'; fi
-	$(GPU_ENV) PYTHONPATH=python $(GPU_PY) -m gocomm.bench.moe --transport $(TRANSPORT) --json bench_moe.json --png bench_moe.png; rc=$$?; \
+	$(GPU_ENV) PYTHONPATH=python $(GPU_PY) -m gocomm.bench.moe --transport $(TRANSPORT) --json bench_moe.json --png bench_moe.png --perf docs/perf.md; rc=$$?; \
 	  if [ "$(MPS)" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi; exit $$rc
 
 bench: all
-	$(PY) -m gocomm.bench.cpu --world 2,3,4
+	$(PY) -m gocomm.bench.cpu --world 2,3,4 --perf docs/perf.md
 
 # 3 ranks call different collectives (all_reduce vs all_gather) on a fresh group per run;
 # fails unless every rank of every run gets an error naming the mismatch and both calls.

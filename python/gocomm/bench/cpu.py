@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import _perf
+
 
 def _size(s: str) -> int:
     s = s.strip().upper()
@@ -111,6 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--world", default="2,3,4", help="comma-separated world sizes")
     ap.add_argument("--sizes", default="4K,64K,1M,16M,64M", help="comma-separated message sizes")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--perf", help="record the table in this file's section for this machine (docs/perf.md)")
     args = ap.parse_args(argv)
     worlds = [int(w) for w in args.world.split(",")]
     sizes = [_size(s) for s in args.sizes.split(",")]
@@ -120,15 +123,18 @@ def main(argv=None) -> int:
         q = ctx.SimpleQueue()
         mp.start_processes(_worker, args=(world, _free_port(), sizes, q), nprocs=world, start_method="spawn")
         results.extend(q.get())
-    print(f"gocomm vs gloo, CPU tensors (float32), {os.cpu_count()} cores, torch {torch.__version__}")
-    print("time: median over trials of the slowest rank; busbw as in nccl-tests")
-    hdr = f"{'op':18s} {'ranks':>5s} {'size':>6s} {'gocomm us':>11s} {'gloo us':>11s} {'gocomm/gloo':>11s} {'busbw GB/s':>11s}"
-    print(hdr)
-    print("-" * len(hdr))
-    for r in results:
-        g, b = r["gocomm"] * 1e6, r["gloo"] * 1e6
-        bw = r["bytes"] / r["gocomm"] / 1e9 * _busbw(r["op"], r["world"])
-        print(f"{r['op']:18s} {r['world']:5d} {_fmt(r['bytes']):>6s} {g:11.1f} {b:11.1f} {g / b:11.2f} {bw:11.2f}")
+    with _perf.tee() as printed:
+        print(f"gocomm vs gloo, CPU tensors (float32), {os.cpu_count()} cores, torch {torch.__version__}")
+        print("time: median over trials of the slowest rank; busbw as in nccl-tests")
+        hdr = f"{'op':18s} {'ranks':>5s} {'size':>6s} {'gocomm us':>11s} {'gloo us':>11s} {'gocomm/gloo':>11s} {'busbw GB/s':>11s}"
+        print(hdr)
+        print("-" * len(hdr))
+        for r in results:
+            g, b = r["gocomm"] * 1e6, r["gloo"] * 1e6
+            bw = r["bytes"] / r["gocomm"] / 1e9 * _busbw(r["op"], r["world"])
+            print(f"{r['op']:18s} {r['world']:5d} {_fmt(r['bytes']):>6s} {g:11.1f} {b:11.1f} {g / b:11.2f} {bw:11.2f}")
+    if args.perf:
+        _perf.record(args.perf, f"bench.cpu: {os.cpu_count()} cores", printed[0])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import _perf
 from .cpu import _fmt, _free_port, _size
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all_single")
@@ -165,6 +166,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--json")
     ap.add_argument("--png")
+    ap.add_argument("--perf", help="record the table in this file's section for this machine (docs/perf.md)")
     args = ap.parse_args(argv)
     world = torch.cuda.device_count()
     if world < 1:
@@ -179,6 +181,19 @@ def main(argv=None) -> int:
     mp.spawn(_worker, args=(world, _free_port(), sizes, ops, q), nprocs=world)
     rows = q.get()
     mps = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "(default pipe dir)"
+    with _perf.tee() as printed:
+        _print_table(rows, world, mps)
+    if args.perf:
+        _perf.record(args.perf, f"bench.gpu: {world}x {torch.cuda.get_device_name(0)}", printed[0])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.png:
+        _plot(rows, args.png)
+    return 0
+
+
+def _print_table(rows, world, mps) -> None:
     print(
         f"gocomm vs torch NCCL, {world}x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
         f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, MPS pipe {mps}"
@@ -200,12 +215,6 @@ def main(argv=None) -> int:
             f"{gb['alone'] / nb['alone']:6.2f} {bw(gb['alone']):7.1f} | {nb['loop']:9.1f} {gb['loop']:11.1f} "
             f"{gb['loop'] / nb['loop']:6.2f} {bw(gb['loop']):7.1f}"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    if args.png:
-        _plot(rows, args.png)
-    return 0
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import _perf
 from .cpu import _free_port
 from .gpu import _alone, _loop
 
@@ -389,6 +390,7 @@ def main(argv=None) -> int:
     ap.add_argument("--verbose", action="store_true", help="each rank says which variant it starts")
     ap.add_argument("--json")
     ap.add_argument("--png")
+    ap.add_argument("--perf", help="record the table in this file's section for this machine (docs/perf.md)")
     args = ap.parse_args(argv)
     args.tokens = [int(t) for t in args.tokens.split(",") if t]
     world = torch.cuda.device_count()
@@ -419,12 +421,16 @@ def main(argv=None) -> int:
         for k, v in t.items():
             if k != "tokens":
                 r["torch " + k] = v
-    print(
-        f"MoE all-to-all, {world}x {torch.cuda.get_device_name(0)}, hidden {args.hidden} bf16, "
-        f"gocomm transport {rows[0].get('transport', '?')}, "
-        f"top-{args.topk} of {args.experts} experts, torch {torch.__version__}"
-    )
-    _table(rows)
+    with _perf.tee() as printed:
+        print(
+            f"MoE all-to-all, {world}x {torch.cuda.get_device_name(0)}, hidden {args.hidden} bf16, "
+            f"gocomm transport {rows[0].get('transport', '?')}, "
+            f"top-{args.topk} of {args.experts} experts, torch {torch.__version__}"
+        )
+        _table(rows)
+    if args.perf:
+        key = f"bench.moe: {world}x {torch.cuda.get_device_name(0)}, transport {rows[0].get('transport', '?')}"
+        _perf.record(args.perf, key, printed[0])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
