@@ -1,7 +1,7 @@
 // Package sparse holds the sparse all-to-all of Mixture-of-Experts layers: which engine
 // moves the tokens (this file; the public names, GOCOMM_TRANSPORT and the proto fields, call
-// it the sparse transport), and, as it lands, the planner that turns routing into one-sided
-// transfers.
+// it the sparse transport; the NVSHMEM engine itself is sparse/nvshmem), and, as it lands,
+// the planner that turns routing into one-sided transfers.
 package sparse
 
 import (

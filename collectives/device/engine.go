@@ -16,16 +16,16 @@ import (
 	"github.com/gocomm/gocomm/gpu"
 	"github.com/gocomm/gocomm/internal/cuda"
 	"github.com/gocomm/gocomm/internal/nccl"
-	"github.com/gocomm/gocomm/internal/nvshmem"
 	"github.com/gocomm/gocomm/kernels"
 	"github.com/gocomm/gocomm/segment"
+	"github.com/gocomm/gocomm/sparse/nvshmem"
 	"github.com/gocomm/gocomm/wire"
 )
 
 // Engine is the sidecar's GPU engine.
 type Engine struct {
 	mu          sync.Mutex // guards nvshmemPath: clients attach concurrently
-	nvshmemPath string     // libnvshmem_host.so.3 (see nvshmemPath), set by LoadNCCL
+	nvshmemPath string     // libnvshmem_host.so.3 (nvshmem.Path), set by LoadNCCL
 	arch        []int      // each device's compute capability, major*10 + minor
 	// Spin is how long a device worker polls for its next op before sleeping (see
 	// group.spin); zero never spins.
@@ -112,7 +112,7 @@ func (e *Engine) LoadNCCL(path string) error {
 		return err
 	}
 	e.mu.Lock()
-	e.nvshmemPath = nvshmemPath(path)
+	e.nvshmemPath = nvshmem.Path(path)
 	e.mu.Unlock()
 	return nil
 }
@@ -130,10 +130,7 @@ func (e *Engine) LoadNVSHMEM() error {
 	e.mu.Lock()
 	path := e.nvshmemPath
 	e.mu.Unlock()
-	if path == "" {
-		path = nvshmem.Find()
-	}
-	return nvshmem.Load(path)
+	return nvshmem.Open(path)
 }
 
 // archMatches says why kernels compiled for sm_<want> cannot run on every device of arch
@@ -165,7 +162,7 @@ func (e *Engine) Attach(uuid [16]byte) (gpu.Session, error) {
 	}
 	s := &session{log: e.log, spin: e.Spin, a2a: e.A2A, dev: dev, ctx: ctx, segs: segment.New[ipcSeg]("CUDA segment")}
 	e.mu.Lock()
-	s.shmem.path = e.nvshmemPath
+	s.shmem = nvshmem.New(s, e.log, e.A2A, e.nvshmemPath)
 	e.mu.Unlock()
 	err = s.do(func() (err error) {
 		if s.ctl, err = cuda.NewStream(cuda.StreamNonBlocking); err != nil {
@@ -213,7 +210,7 @@ type session struct {
 	counters    cuda.Ptr
 	countersIPC cuda.IPCHandle
 	relMu       sync.Mutex
-	shmem       shmemState // the NVSHMEM PE, made by the first OpAllToAllV
+	shmem       *nvshmem.Engine // the sparse engine: the NVSHMEM PE, made by the first OpAllToAllV
 
 	segs *segment.Table[ipcSeg]
 }
@@ -228,6 +225,9 @@ type ipcSeg struct {
 func (g ipcSeg) Size() uint64 { return g.size }
 
 func (g ipcSeg) Close() error { return g.s.do(func() error { return cuda.CloseIPC(g.ptr) }) }
+
+// Do implements nvshmem.Session (do).
+func (s *session) Do(f func() error) error { return s.do(f) }
 
 // do runs f on a locked thread with the context current (invariant 1).
 func (s *session) do(f func() error) error {

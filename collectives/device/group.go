@@ -11,7 +11,7 @@ import (
 	"github.com/gocomm/gocomm/gpu"
 	"github.com/gocomm/gocomm/internal/cuda"
 	"github.com/gocomm/gocomm/internal/nccl"
-	"github.com/gocomm/gocomm/internal/nvshmem"
+	"github.com/gocomm/gocomm/sparse/nvshmem"
 	"github.com/gocomm/gocomm/wire"
 )
 
@@ -80,13 +80,23 @@ type group struct {
 
 	floor [2]uint32 // per lane, the last stream value enqueued (the base before any): what a release counts from (mu)
 
-	shmemID *nvshmem.UniqueID // handed over by the client (ShmemID) before the first OpAllToAllV (mu)
+	shm *nvshmem.Member // the group's side of the sparse engine (OpAllToAllV)
 
 	seqMu     sync.Mutex // the p2p done sequencer (design 3)
 	seqStream cuda.Stream
 	seqNext   uint32
 	seqWait   map[uint32]*flight // launched, waiting for their turn
 }
+
+// ShmemID implements gpu.Group (nvshmem.Member.ShmemID).
+func (g *group) ShmemID(id []byte) ([]byte, error) { return g.shm.ShmemID(id) }
+
+// Rank, Size and Link implement nvshmem.Group.
+func (g *group) Rank() int { return g.rank }
+
+func (g *group) Size() int { return g.size }
+
+func (g *group) Link() gpu.PeerLink { return g.link }
 
 type pairKey struct {
 	peer int
@@ -138,6 +148,7 @@ func (s *session) NewGroup(rank, size, slot int, base [2]uint32, link gpu.PeerLi
 		g.ready[lane] = s.counters + cuda.Ptr(off)
 		g.done[lane] = s.counters + cuda.Ptr(off+4)
 	}
+	g.shm = s.shmem.Member(g)
 	g.cond = sync.NewCond(&g.mu)
 	err := s.do(func() (err error) {
 		if g.seqStream, err = cuda.NewStream(cuda.StreamNonBlocking); err != nil {

@@ -113,10 +113,11 @@ func (g *group) spin(w *worker) {
 func (g *group) launch(w *worker, o *dop, st cuda.Stream) error {
 	d := o.Desc
 	if d.Kind == wire.OpAllToAllV {
-		if err := g.launchA2AV(o, st); err != nil {
+		// The sparse engine's op, on the collective worker's stream and counters.
+		if err := g.shm.Launch(&o.Op, st, g.ready[laneColl], g.done[laneColl]); err != nil {
 			return err
 		}
-		return g.record(o, st, func(ps cuda.Stream) error { return g.checkA2AV(o, ps) })
+		return g.record(o, st, func(ps cuda.Stream) error { return g.shm.Check(&o.Op, ps) })
 	}
 	comm, err := g.commOf(w, o.Deadline)
 	if err != nil {

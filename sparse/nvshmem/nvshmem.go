@@ -1,13 +1,19 @@
-package device
+// Package nvshmem is the sidecar's sparse engine: the all_to_all_v of Mixture-of-Experts
+// layers over NVSHMEM (kernels/sidecar/a2av.cu), one-sided puts and signals between the GPUs
+// of one NVLink domain. It holds the process's PE, its bootstrap (the unique id, init once
+// every rank agrees) and the kernel's launch and checks; the CUDA engine
+// (collectives/device) owns the device, the streams and the op queue and hands it an
+// all_to_all_v through Session and Group.
+package nvshmem
 
 import (
 	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strconv"
 	"sync"
 	"time"
@@ -15,7 +21,7 @@ import (
 	"github.com/gocomm/gocomm/config"
 	"github.com/gocomm/gocomm/gpu"
 	"github.com/gocomm/gocomm/internal/cuda"
-	"github.com/gocomm/gocomm/internal/nvshmem"
+	lib "github.com/gocomm/gocomm/internal/nvshmem"
 	"github.com/gocomm/gocomm/kernels"
 	"github.com/gocomm/gocomm/wire"
 )
@@ -27,7 +33,50 @@ import (
 // the heap. (The unique id travels through the torch Store: ShmemID.)
 const tagShmemOK = 3
 
-// shmem is this process's NVSHMEM PE and what the a2av kernels need (kernels/a2av.cu
+// Session is what the engine needs of the CUDA engine's session (one client's device).
+type Session interface {
+	// Do runs f on a locked OS thread with the device's context current.
+	Do(f func() error) error
+}
+
+// Group is what the engine needs of one of the CUDA engine's groups.
+type Group interface {
+	Rank() int
+	Size() int
+	// Link is the group's host link (agree's exchange).
+	Link() gpu.PeerLink
+}
+
+// Engine is a session's NVSHMEM PE, made once, by the first group that runs an all_to_all_v.
+type Engine struct {
+	s    Session
+	log  *slog.Logger
+	a2a  config.A2A
+	path string // libnvshmem_host.so.3, found next to the client's NCCL (Path)
+
+	mu  sync.Mutex
+	sh  *shmem
+	err error
+}
+
+// New is the engine of session s: path is the library (Path), a2a the sidecar's settings.
+func New(s Session, log *slog.Logger, a2a config.A2A, path string) *Engine {
+	return &Engine{s: s, log: log, a2a: a2a, path: path}
+}
+
+// Member is one group's side of the engine: the unique id its client handed over.
+type Member struct {
+	e *Engine
+	g Group
+
+	mu sync.Mutex
+	id *lib.UniqueID // handed over by the client (ShmemID) before the first OpAllToAllV (mu)
+}
+
+// Member is g's side of the engine.
+func (e *Engine) Member(g Group) *Member { return &Member{e: e, g: g} }
+
+// shmem is this process's NVSHMEM PE and what the a2av kernels need (kernels/sidecar/a2av.cu
 // documents the symmetric layout).
 //
 // Invariants:
@@ -37,7 +86,7 @@ const tagShmemOK = 3
 //  3. The signal words start at 0 on every PE before any PE can signal (zeroed, then a
 //     barrier), and epochs start at 1.
 type shmem struct {
-	group      *group
+	member     *Member
 	mod        cuda.Module
 	a2av       cuda.Function
 	meta, msig uintptr
@@ -50,49 +99,50 @@ type shmem struct {
 	broken     error     // a launch failed or a kernel gave up: epochs may disagree
 }
 
-// shmemState is the session's NVSHMEM PE, made once.
-type shmemState struct {
-	mu   sync.Mutex
-	sh   *shmem
-	err  error
-	path string // libnvshmem_host.so.3, found next to the client's NCCL
-}
-
-// nvshmemPath finds libnvshmem_host.so.3: NVSHMEM_HOME, else the nvidia-nvshmem wheel beside
-// the nvidia-nccl wheel the client's NCCL came from, else the loader's search.
-func nvshmemPath(ncclPath string) string {
+// Path finds libnvshmem_host.so.3: NVSHMEM_HOME, else the nvidia-nvshmem wheel beside
+// the nvidia-nccl wheel the client's NCCL (ncclPath) came from, else the loader's search.
+func Path(ncclPath string) string {
 	if os.Getenv("NVSHMEM_HOME") == "" && ncclPath != "" {
 		// .../site-packages/nvidia/nccl/lib/libnccl.so.2 -> .../site-packages
 		sp := filepath.Dir(filepath.Dir(filepath.Dir(filepath.Dir(ncclPath))))
-		return nvshmem.Find(sp)
+		return lib.Find(sp)
 	}
-	return nvshmem.Find()
+	return lib.Find()
 }
 
-// shmemFor returns the session's PE, making it with g's ranks on first use (collective:
-// every rank of g calls it from its first OpAllToAllV, on its collective worker's thread).
-func (s *session) shmemFor(g *group, deadline time.Time) (*shmem, error) {
-	st := &s.shmem
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if st.sh != nil {
-		if st.sh.group != g {
+// Open opens the host library at path (Path; "": the loader's search), without NVSHMEM's
+// environment or init: that waits for the first all_to_all_v, collectively.
+func Open(path string) error {
+	if path == "" {
+		path = lib.Find()
+	}
+	return lib.Load(path)
+}
+
+// shmemFor returns the session's PE, making it with m's ranks on first use (collective:
+// every rank of the group calls it from its first OpAllToAllV, on its collective worker's
+// thread).
+func (e *Engine) shmemFor(m *Member, deadline time.Time) (*shmem, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.sh != nil {
+		if e.sh.member != m {
 			return nil, fmt.Errorf("%w: NVSHMEM serves one group per process and another group already uses it", wire.ErrInvalid)
 		}
-		if st.sh.broken != nil {
-			return nil, st.sh.broken
+		if e.sh.broken != nil {
+			return nil, e.sh.broken
 		}
-		return st.sh, nil
+		return e.sh, nil
 	}
-	if st.err != nil {
-		return nil, st.err
+	if e.err != nil {
+		return nil, e.err
 	}
-	sh, err := g.initShmem(st.path, deadline)
+	sh, err := m.initShmem(e.path, deadline)
 	if err != nil {
-		st.err = fmt.Errorf("NVSHMEM: %w", err)
-		return nil, st.err
+		e.err = fmt.Errorf("NVSHMEM: %w", err)
+		return nil, e.err
 	}
-	st.sh = sh
+	e.sh = sh
 	return sh, nil
 }
 
@@ -113,24 +163,25 @@ func loadShmem(path string, recvBytes int64) error {
 			os.Setenv(k, v)
 		}
 	}
-	return nvshmem.Load(path)
+	return lib.Load(path)
 }
 
-// ShmemID implements gpu.Group: the unique id of the group's NVSHMEM bootstrap, which
+// ShmemID is gpu.Group's ShmemID: the unique id of the group's NVSHMEM bootstrap, which
 // the client carries from rank 0 to the others through the torch Store. Rank 0 makes it
 // (its process is the bootstrap's root) and every other rank hands rank 0's in; initShmem
 // uses it.
-func (g *group) ShmemID(id []byte) ([]byte, error) {
-	var u nvshmem.UniqueID
+func (m *Member) ShmemID(id []byte) ([]byte, error) {
+	var u lib.UniqueID
+	rank := m.g.Rank()
 	switch {
-	case g.rank == 0 && len(id) != 0:
+	case rank == 0 && len(id) != 0:
 		return nil, fmt.Errorf("%w: rank 0 makes the NVSHMEM unique id, it was sent one", wire.ErrInvalid)
-	case g.rank == 0:
-		if err := loadShmem(g.s.shmem.path, g.s.a2a.RecvBytes); err != nil {
+	case rank == 0:
+		if err := loadShmem(m.e.path, m.e.a2a.RecvBytes); err != nil {
 			return nil, fmt.Errorf("NVSHMEM: %w", err)
 		}
 		var err error
-		if u, err = nvshmem.NewUniqueID(); err != nil {
+		if u, err = lib.NewUniqueID(); err != nil {
 			return nil, fmt.Errorf("NVSHMEM: %w", err)
 		}
 	case len(id) != len(u):
@@ -138,28 +189,29 @@ func (g *group) ShmemID(id []byte) ([]byte, error) {
 	default:
 		copy(u[:], id)
 	}
-	g.mu.Lock()
-	g.shmemID = &u
-	g.mu.Unlock()
+	m.mu.Lock()
+	m.id = &u
+	m.mu.Unlock()
 	return u[:], nil
 }
 
-// initShmem makes this process PE g.rank of g.size (invariants 1-3).
-func (g *group) initShmem(path string, deadline time.Time) (*shmem, error) {
-	rb := g.s.a2a.RecvBytes
+// initShmem makes this process PE rank of the group's size (invariants 1-3).
+func (m *Member) initShmem(path string, deadline time.Time) (*shmem, error) {
+	rb := m.e.a2a.RecvBytes
+	rank, size := m.g.Rank(), m.g.Size()
 	if err := loadShmem(path, rb); err != nil {
 		return nil, err
 	}
-	g.mu.Lock()
-	idp := g.shmemID
-	g.mu.Unlock()
+	m.mu.Lock()
+	idp := m.id
+	m.mu.Unlock()
 	if idp == nil {
 		return nil, fmt.Errorf("%w: no unique id for this group's bootstrap (the client hands it over, ShmemID, before the first all_to_all_v)", wire.ErrInvalid)
 	}
 	id := *idp
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	sh := &shmem{group: g, recvBytes: rb, shape: a2avShapeOf(g.size, g.s.a2a)}
+	sh := &shmem{member: m, recvBytes: rb, shape: a2avShapeOf(size, m.e.a2a)}
 	cubin, err := kernels.Cubin("a2av")
 	if err != nil {
 		return nil, err
@@ -172,13 +224,7 @@ func (g *group) initShmem(path string, deadline time.Time) (*shmem, error) {
 	}
 	done := make(chan error, 1)
 	go func() { // init is collective and has no deadline of its own
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
-		if err := g.s.ctx.SetCurrent(); err != nil {
-			done <- err
-			return
-		}
-		done <- nvshmem.Init(id, g.rank, g.size)
+		done <- m.e.s.Do(func() error { return lib.Init(id, rank, size) })
 	}()
 	select {
 	case err := <-done:
@@ -189,26 +235,26 @@ func (g *group) initShmem(path string, deadline time.Time) (*shmem, error) {
 		return nil, fmt.Errorf("%w: NVSHMEM init: a peer did not join before the deadline", gpu.ErrTimeout)
 	}
 	var local error
-	if pe, n := nvshmem.MyPE(), nvshmem.NPEs(); pe != g.rank || n != g.size {
-		local = fmt.Errorf("init made PE %d of %d, want %d of %d", pe, n, g.rank, g.size)
+	if pe, n := lib.MyPE(), lib.NPEs(); pe != rank || n != size {
+		local = fmt.Errorf("init made PE %d of %d, want %d of %d", pe, n, rank, size)
 	} else {
-		local = nvshmem.ModuleInit(sh.mod.Handle())
+		local = lib.ModuleInit(sh.mod.Handle())
 	}
 	// The heap calls below are collective with no deadline: go on only if every PE got here.
-	if err := g.agree(ctx, local); err != nil {
+	if err := agree(ctx, m.g, local); err != nil {
 		return nil, err
 	}
-	n := int64(g.size)
+	n := int64(size)
 	small := []struct {
 		p     *uintptr
 		bytes int64
 	}{{&sh.meta, 2 * n * (n + 2) * 8}, {&sh.msig, 2 * n * 8}, {&sh.dsig, n * 8}, {&sh.over, n * 8}, {&sh.local, 2 * 8}}
 	for _, a := range small {
-		if *a.p, err = nvshmem.Malloc(int(a.bytes)); err != nil {
+		if *a.p, err = lib.Malloc(int(a.bytes)); err != nil {
 			return nil, err
 		}
 	}
-	if sh.recv, err = nvshmem.Malloc(int(rb)); err != nil {
+	if sh.recv, err = lib.Malloc(int(rb)); err != nil {
 		return nil, err
 	}
 	zs, err := cuda.NewStream(cuda.StreamNonBlocking)
@@ -221,23 +267,24 @@ func (g *group) initShmem(path string, deadline time.Time) (*shmem, error) {
 			return nil, err
 		}
 	}
-	if err := nvshmem.BarrierAll(); err != nil {
+	if err := lib.BarrierAll(); err != nil {
 		return nil, err
 	}
-	g.s.log.Info("NVSHMEM ready", "pe", g.rank, "pes", g.size, "recv_bytes", rb)
+	m.e.log.Info("NVSHMEM ready", "pe", rank, "pes", size, "recv_bytes", rb)
 	return sh, nil
 }
 
-// agree tells every rank whether this one is ready (local == nil) and returns an error
+// agree tells every rank of g whether this one is ready (local == nil) and returns an error
 // unless all are.
-func (g *group) agree(ctx context.Context, local error) error {
+func agree(ctx context.Context, g Group, local error) error {
+	rank, size, link := g.Rank(), g.Size(), g.Link()
 	ok := []byte{1}
 	if local != nil {
 		ok[0] = 0
 	}
-	for p := 0; p < g.size; p++ {
-		if p != g.rank {
-			if err := g.link.Send(ctx, p, tagShmemOK, ok); err != nil {
+	for p := 0; p < size; p++ {
+		if p != rank {
+			if err := link.Send(ctx, p, tagShmemOK, ok); err != nil {
 				return errors.Join(local, err)
 			}
 		}
@@ -245,11 +292,11 @@ func (g *group) agree(ctx context.Context, local error) error {
 	if local != nil {
 		return local
 	}
-	for p := 0; p < g.size; p++ {
-		if p == g.rank {
+	for p := 0; p < size; p++ {
+		if p == rank {
 			continue
 		}
-		b, err := g.link.Recv(ctx, p, tagShmemOK, 1)
+		b, err := link.Recv(ctx, p, tagShmemOK, 1)
 		if err != nil {
 			return err
 		}
@@ -260,17 +307,19 @@ func (g *group) agree(ctx context.Context, local error) error {
 	return nil
 }
 
-// launchA2AV enqueues an OpAllToAllV on st (the collective worker's stream), after the
-// client's ready counter: one kernel that exchanges the rows and writes the client's output.
-func (g *group) launchA2AV(o *dop, st cuda.Stream) error {
+// Launch enqueues an OpAllToAllV on st (the collective worker's stream), after the
+// client's ready counter reaches the op's stream value, and has st write it to done then:
+// one kernel that exchanges the rows and writes the client's output. It runs on the
+// collective worker's thread (the device's context current).
+func (m *Member) Launch(o *gpu.Op, st cuda.Stream, ready, done cuda.Ptr) error {
 	d := o.Desc
-	sh, err := g.s.shmemFor(g, o.Deadline)
+	sh, err := m.e.shmemFor(m, o.Deadline)
 	if err != nil {
 		return err
 	}
 	row := int64(d.Count)
 	capacity := min(int64(d.Bufs[2].Length), sh.recvBytes) / row
-	if err := st.WaitValue32(g.ready[laneColl], d.StreamValue, cuda.WaitGEQ); err != nil {
+	if err := st.WaitValue32(ready, d.StreamValue, cuda.WaitGEQ); err != nil {
 		return err
 	}
 	epoch := sh.epoch + 1
@@ -284,13 +333,13 @@ func (g *group) launchA2AV(o *dop, st cuda.Stream) error {
 	shape := sh.shape
 	args := new(cuda.Args).Ptr(p[0]).Ptr(p[1]).Ptr(p[2]).Ptr(p[3]).Ptr(p[4]).Struct(sym[:]).I64(capacity).I64(row).
 		I64(inRows).Ptr(epoch).Ptr(uint64(timeout.Nanoseconds())).I32(shape.direct)
-	err = sh.a2av.Launch([3]int{g.size * shape.blocksPer, 1, 1}, [3]int{shape.threads, 1, 1}, 0, st, args)
+	err = sh.a2av.Launch([3]int{m.g.Size() * shape.blocksPer, 1, 1}, [3]int{shape.threads, 1, 1}, 0, st, args)
 	if err != nil {
 		sh.broken = fmt.Errorf("NVSHMEM all_to_all_v launch failed, the PEs' epochs may disagree: %w", err)
 		return err
 	}
 	sh.epoch = epoch
-	return st.WriteValue32(g.done[laneColl], d.StreamValue)
+	return st.WriteValue32(done, d.StreamValue)
 }
 
 // a2avShape is how gocomm_a2av is launched: B blocks per destination (blocksPer), threads
@@ -317,7 +366,7 @@ func a2avShapeOf(n int, c config.A2A) a2avShape {
 	return a2avShape{blocksPer: max(1, c.Blocks/n), threads: c.Threads, direct: direct}
 }
 
-// Status bits of the a2av kernel (kernels/a2av.cu).
+// Status bits of the a2av kernel (kernels/sidecar/a2av.cu).
 const (
 	a2avOverflow = 1
 	a2avInvalid  = 2
@@ -325,25 +374,25 @@ const (
 	a2avLate     = 8
 )
 
-// checkA2AV reads a finished OpAllToAllV's status word. A kernel that gave up waiting breaks
-// the group (and the PE: epochs disagree now); the other reports are the caller's to see in
-// out_splits and are only logged here.
-func (g *group) checkA2AV(o *dop, st cuda.Stream) error {
+// Check reads a finished OpAllToAllV's status word on st. A kernel that gave up waiting
+// breaks the group (and the PE: epochs disagree now); the other reports are the caller's to
+// see in out_splits and are only logged here.
+func (m *Member) Check(o *gpu.Op, st cuda.Stream) error {
 	var b [4]byte
 	if err := st.CopyToHostOn(b[:], cuda.Ptr(o.Ptrs[4])); err != nil {
 		return err
 	}
 	s := binary.LittleEndian.Uint32(b[:])
 	if s&a2avLate != 0 {
-		g.s.shmem.mu.Lock()
-		if sh := g.s.shmem.sh; sh != nil {
+		m.e.mu.Lock()
+		if sh := m.e.sh; sh != nil {
 			sh.broken = fmt.Errorf("%w: an NVSHMEM all_to_all_v gave up waiting for a peer", gpu.ErrTimeout)
 		}
-		g.s.shmem.mu.Unlock()
+		m.e.mu.Unlock()
 		return fmt.Errorf("%w: all_to_all_v: a peer did not take part before the deadline", gpu.ErrTimeout)
 	}
 	if s != 0 {
-		g.s.log.Warn("all_to_all_v reported", "overflow", s&a2avOverflow != 0, "invalid_splits", s&a2avInvalid != 0,
+		m.e.log.Warn("all_to_all_v reported", "overflow", s&a2avOverflow != 0, "invalid_splits", s&a2avInvalid != 0,
 			"row_size_mismatch", s&a2avRowSize != 0)
 	}
 	return nil
