@@ -32,6 +32,10 @@ class InProcessKernels:
             if _capture.capturing():
                 _capture.refuse_setup("all_reduce", self, idx)
             path = self._ar[idx] = _allreduce.setup(self, t.device)
+            if path is None:
+                self._routes.fall_back(
+                    "all_reduce", f"the in-process kernel's setup declined on cuda:{idx} (logged why)"
+                )
         if path is None or not path.fits(t, redop):
             return None
         if path.failed():
@@ -52,6 +56,9 @@ class InProcessKernels:
             if _capture.capturing():
                 _capture.refuse_setup("all_to_all_v / all_to_all_single", self, idx)
             path = self._a2av[idx] = _a2av.setup(self, idx, self._sc.a2a)
+            if path is None:
+                why = f"the in-process kernel's setup declined on cuda:{idx} (logged why)"
+                self._routes.fall_back("all_to_all_v", why)
         if path is not None and path.failed():
             self._routes.fall_back("all_to_all_v", "an earlier all_to_all_v kernel timed out; the group is aborted")
             self._fail_kernel("all_to_all_v")

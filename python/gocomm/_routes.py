@@ -168,7 +168,8 @@ class Routes:
 
     def fall_back(self, op: str, why: str) -> None:
         """Turn op's in-process route ("all_reduce" or "all_to_all_v") to the sidecar for good:
-        one of its kernels failed (the group is aborted)."""
+        its kernel's collective setup declined (every rank agrees), or one of its kernels
+        failed (the group is aborted). all_to_all_v takes all_to_all_single and moe along."""
         if op == "all_reduce":
             self.ar_inprocess = False
             self.all_reduce = Route(SIDECAR_NCCL, why)
@@ -176,6 +177,7 @@ class Routes:
             self.a2a_inprocess = False
             self.all_to_all_single = Route(SIDECAR_NCCL, why)
             self.all_to_all_v = Route(SIDECAR_NVSHMEM if self.splits_on_gpu else SIDECAR_NCCL, why)
+            self.moe = Route(self.all_to_all_v.engine, f"as all_to_all_v (one host sync): {why}")
 
     def table(self) -> dict[str, tuple[str, str]]:
         """The table as {op class: (engine, reason)}, for gocomm.info()."""

@@ -64,6 +64,7 @@ def test_fall_back():
     assert r.a2a_inprocess
     r.fall_back("all_to_all_v", "timed out")
     assert not r.a2a_inprocess and r.all_to_all_v.engine == SIDECAR_NVSHMEM
+    assert r.moe.engine == SIDECAR_NVSHMEM and "timed out" in r.moe.reason
     assert r.capturable().startswith("none")
 
 
