@@ -59,11 +59,7 @@ func (c *OpComm) Recv(from int, t Tag, s Sink) *Request {
 		return r
 	}
 	key := collKey{src: from, seq: c.seq, step: t.Step, slice: t.Slice}
-	ep.mu.Lock()
-	if ep.broken != nil {
-		err := ep.broken
-		ep.mu.Unlock()
-		r.finish(err)
+	if !ep.lockOpen(r) {
 		return r
 	}
 	if e := ep.early[key]; e != nil {

@@ -252,11 +252,7 @@ func (ep *Endpoint) RecvP2P(from int, tag int64, s Sink) *Request {
 		r.finish(fmt.Errorf("recv from rank %d in a group of %d", from, ep.size))
 		return r
 	}
-	ep.mu.Lock()
-	if ep.broken != nil {
-		err := ep.broken
-		ep.mu.Unlock()
-		r.finish(err)
+	if !ep.lockOpen(r) {
 		return r
 	}
 	var e *early
@@ -310,6 +306,19 @@ func takeP2P(r *Request, e *early) error {
 	return e.take(r.sink)
 }
 
+// lockOpen locks ep for matching or queueing r; where the endpoint is broken it finishes r
+// with the cause instead and returns false, ep unlocked.
+func (ep *Endpoint) lockOpen(r *Request) bool {
+	ep.mu.Lock()
+	if ep.broken != nil {
+		err := ep.broken
+		ep.mu.Unlock()
+		r.finish(err)
+		return false
+	}
+	return true
+}
+
 // send queues a frame on the link to rank to.
 func (ep *Endpoint) send(to int, f frame, data []byte, what string) *Request {
 	r := newRequest(to, what)
@@ -317,11 +326,7 @@ func (ep *Endpoint) send(to int, f frame, data []byte, what string) *Request {
 		r.finish(fmt.Errorf("send to rank %d in a group of %d", to, ep.size))
 		return r
 	}
-	ep.mu.Lock()
-	if ep.broken != nil {
-		err := ep.broken
-		ep.mu.Unlock()
-		r.finish(err)
+	if !ep.lockOpen(r) {
 		return r
 	}
 	l := ep.linkLocked(to)

@@ -456,14 +456,11 @@ func (l *outLink) write(conn net.Conn, hdr []byte, m *outMsg, refs bool) error {
 // final writes the closing frame (abort with its reason, or bye), best effort.
 func (l *outLink) final(conn net.Conn, hdr []byte, stop string, why error) {
 	conn.SetWriteDeadline(time.Now().Add(2 * time.Second))
-	f := frame{kind: kindBye}
-	var msg []byte
 	if stop == "abort" {
-		f.kind = kindAbort
-		msg = []byte(why.Error())
-		f.length = uint64(len(msg))
+		writeAbort(conn, why.Error())
+		return
 	}
+	f := frame{kind: kindBye}
 	f.encode(hdr)
-	bufs := net.Buffers{hdr[:frameHeader], msg}
-	bufs.WriteTo(conn)
+	conn.Write(hdr[:frameHeader])
 }
