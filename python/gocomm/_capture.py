@@ -37,7 +37,9 @@ def refuse(op: str, pg, why: str) -> None:
     )
 
 
+# what runs an op that refuse() names, where it is the sidecar
 SIDECAR = "it runs in the sidecar (NCCL), which is handed each call on the host"
+SIDECAR_NVSHMEM = "it runs in the sidecar's NVSHMEM kernel, which is handed each call on the host"
 
 
 def refuse_setup(op: str, pg, device: int) -> None:

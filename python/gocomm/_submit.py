@@ -195,7 +195,7 @@ class SidecarSubmit:
         if self._closed:
             raise ValueError(f"gocomm {op}: the process group was destroyed")
         if _capture.capturing():
-            _capture.refuse(op, self, "it runs in the sidecar's NVSHMEM kernel, which is handed each call on the host")
+            _capture.refuse(op, self, _capture.SIDECAR_NVSHMEM)
         self._need_slot(op)
         p = _Pending(None, op, time.monotonic() + self._timeout + _GRACE, group=self)
         p.keep = keep

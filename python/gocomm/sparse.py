@@ -207,7 +207,7 @@ def all_to_all_v(
         _capture.refuse(
             "all_to_all_v",
             g,
-            "it runs in the sidecar's NVSHMEM kernel, which is handed each call on the host"
+            _capture.SIDECAR_NVSHMEM
             if path is True
             else "its counts are read on the host to size the exchange (the group's transport is NCCL)",
         )

@@ -104,19 +104,27 @@ def _op(op: str, n: int, world: int, dev, g):
     return lambda: dist.all_to_all_single(out, x, group=g)
 
 
-def _worker(rank: int, world: int, port: int, sizes: list[int], ops: list[str], q) -> None:
+def _join(rank: int, world: int, port: int):
+    """A benchmark rank's setup: its GPU, the gocomm default group, an NCCL group over the
+    same ranks, and a barrier through NCCL (so both backends start from the same point).
+    Returns (device, nccl group, barrier)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
-    import gocomm  # noqa: F401
+    import gocomm  # noqa: F401  (registers the backend)
 
     dist.init_process_group("gocomm", rank=rank, world_size=world)
     nccl = dist.new_group(backend="nccl", device_id=dev)
     gsync = torch.zeros(1, device=dev)
 
-    def sync():  # a barrier through NCCL, so both backends start from the same point
+    def sync():
         dist.all_reduce(gsync, group=nccl)
 
+    return dev, nccl, sync
+
+
+def _worker(rank: int, world: int, port: int, sizes: list[int], ops: list[str], q) -> None:
+    dev, nccl, sync = _join(rank, world, port)
     rows = []
     for op in ops:
         for nbytes in sizes:

@@ -57,7 +57,7 @@ import torch.multiprocessing as mp
 
 from . import _perf
 from .cpu import _free_port
-from .gpu import _alone, _loop
+from .gpu import _alone, _join, _loop
 
 
 def routing(rank: int, world: int, tokens: int, topk: int, experts: int, seed: int = 0) -> torch.Tensor:
@@ -102,18 +102,7 @@ def _splits(rank, world, tokens, args) -> tuple[list[int], list[int], torch.Tens
 
 def _worker(rank, world, port, args, q):
     faulthandler.enable()  # a crash in a rank names its Python stack
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dev = torch.device("cuda", rank)
-    torch.cuda.set_device(dev)
-    import gocomm  # noqa: F401  (registers the backend)
-
-    dist.init_process_group("gocomm", rank=rank, world_size=world)
-    nccl = dist.new_group(backend="nccl", device_id=dev)
-    gsync = torch.zeros(1, device=dev)
-
-    def sync():
-        dist.all_reduce(gsync, group=nccl)
-
+    dev, nccl, sync = _join(rank, world, port)
     rows = [_measure(rank, world, dev, nccl, sync, args, tokens) for tokens in args.tokens]
     if rank == 0:
         q.put(rows)
