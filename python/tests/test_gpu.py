@@ -366,14 +366,15 @@ def check_allreduce_inprocess(rk, seed):
     with no user sync; results against a float64 sum of every rank's input (rebuilt from the
     seed), and the same bits on every rank."""
     from gocomm import _allreduce
+    from gocomm._backend import state
 
     dev, nccl = _setup(rk)
     ck = Checker("all_reduce in the shim", seed, rk.rank)
     n, r = rk.size, rk.rank
-    g = dist.group.WORLD
+    g = state(dist.group.WORLD)
     x0 = torch.ones(8, device=dev)
     dist.all_reduce(x0)  # sets the path up (collective)
-    want_inprocess = g._routes.ar_inprocess
+    want_inprocess = state(g)._routes.ar_inprocess
     ck.expect(
         "path set up where the GPUs share NVLink", (g._ar.get(dev.index) is not None) == want_inprocess, str(g._ar)
     )
