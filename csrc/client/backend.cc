@@ -361,7 +361,32 @@ uint8_t Backend::redop(const char* op, const c10d::ReduceOp& want, const at::Ten
   return code;
 }
 
+void Backend::startCoalescing() {
+  std::lock_guard<std::mutex> lock(coalesce_mu_);
+  coalescing_ = true;
+  coalesced_.clear();
+}
+
+intrusive_ptr<c10d::Work> Backend::endCoalescing() {
+  std::vector<intrusive_ptr<Work>> works;
+  {
+    std::lock_guard<std::mutex> lock(coalesce_mu_);
+    coalescing_ = false;
+    works.swap(coalesced_);
+  }
+  return BatchWork::make("coalesced", std::move(works), {});
+}
+
 intrusive_ptr<Work> Backend::submit(Op& op) {
+  intrusive_ptr<Work> w = submit_op(op);
+  std::lock_guard<std::mutex> lock(coalesce_mu_);
+  if (coalescing_) {
+    coalesced_.push_back(w);
+  }
+  return w;
+}
+
+intrusive_ptr<Work> Backend::submit_op(Op& op) {
   if (closed_) {
     value_error("gocomm " + op.name + ": the process group was destroyed");
   }

@@ -62,7 +62,12 @@ class Backend : public c10d::Backend {
 
   const std::string getBackendName() const override { return "gocomm"; }
   bool supportsSplitting() const override { return false; }
+  // batch_isend_irecv hands each op over on its own (the sidecar orders p2p per peer and
+  // direction, docs/decisions/0004); startCoalescing/endCoalescing still serve
+  // _coalescing_manager(device=...): the ops between run as they come, one Work for all.
   bool supportsCoalescing() const override { return false; }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -134,7 +139,8 @@ class Backend : public c10d::Backend {
   struct Op;  // one descriptor's worth of an op (backend.cc)
 
  private:
-  c10::intrusive_ptr<Work> submit(Op& op);
+  c10::intrusive_ptr<Work> submit(Op& op);  // submit_op, and remembered while coalescing
+  c10::intrusive_ptr<Work> submit_op(Op& op);
   c10::intrusive_ptr<Work> submit_cuda(Op& op, double t_limit, bool timeout_given);
   uint8_t redop(const char* op, const c10d::ReduceOp& want, const at::Tensor& t);
   void need_slot(const std::string& op);
@@ -145,6 +151,9 @@ class Backend : public c10d::Backend {
   std::atomic<bool> closed_{false};
   std::mutex cuda_mu_;  // keeps a lane's value, its stream write and its descriptor in step
   std::array<uint32_t, 2> k_;
+  std::mutex coalesce_mu_;
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<Work>> coalesced_;
 };
 
 }  // namespace gocomm

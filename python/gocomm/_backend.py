@@ -157,6 +157,11 @@ class _Group(InProcessKernels):
         if b is not None:
             b.abort()
 
+    def _sparse_transport(self) -> str:
+        """This group's sparse all-to-all transport ("nvshmem" or "nccl"): NVSHMEM where every
+        member's sidecar chose it when its client attached, and all are on one host."""
+        return self._routes.transport
+
     def _need_slot(self, op: str) -> None:
         """Raise unless this group has stream counters in the sidecar (CUDA ops need them)."""
         if self._slot < 0:

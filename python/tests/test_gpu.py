@@ -15,6 +15,13 @@ import torch.distributed as dist
 from ranklib import Checker, gen, seeded_int
 from test_moe import check_all_to_all_v, check_moe
 
+
+def _state(pg):
+    from gocomm._backend import state
+
+    return state(pg)
+
+
 pytestmark = pytest.mark.gpu
 
 # The CUDA engine is on unless GOCOMM_CUDA=0; these tests need it. Set at import, before any
@@ -581,7 +588,9 @@ def check_all_to_all_v_nvshmem(rk, seed, inprocess):
     dev, _ = _setup(rk)
     n, me = rk.size, rk.rank
     ck = Checker("all_to_all_v " + ("in this process" if inprocess else "on NVSHMEM"), seed, me)
-    ck.expect("transport", rk.world.pg._sparse_transport() == "nvshmem", rk.world.pg._sparse_transport())
+    ck.expect(
+        "transport", _state(rk.world.pg)._sparse_transport() == "nvshmem", _state(rk.world.pg)._sparse_transport()
+    )
     path = rk.world.pg._a2av_path(dev.index)
     ck.expect("path", (path is not None) == inprocess, f"in-process kernel {path}, wanted {inprocess}")
     for label, splits_of in ROUTINGS.items():
@@ -912,7 +921,7 @@ def test_all_to_all_single_inprocess(worlds, seed, size):
 
 def check_transport(rk, want):
     """The sidecar's sparse transport, as the shim reads it."""
-    got = rk.world.pg._sparse_transport()
+    got = _state(rk.world.pg)._sparse_transport()
     if got != want:
         raise AssertionError(f"rank {rk.rank}: sparse transport {got}, want {want}")
     return got

@@ -1,0 +1,66 @@
+"""The import-time check of the compiled client (gocomm/_client.py): an extension built for
+another torch (version, C++ ABI, CUDA variant, as the build recorded them in lib/build.json)
+or not built at all is refused at `import gocomm`, with the command that rebuilds it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gocomm")
+
+
+def _copy_package(tmp_path) -> str:
+    """A copy of the built package (its extension and build record included, not pgserver)."""
+    dst = tmp_path / "gocomm"
+    shutil.copytree(PKG, dst, ignore=shutil.ignore_patterns("bin", "__pycache__"))
+    return str(dst)
+
+
+def _import(path: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(path))
+    return subprocess.run([sys.executable, "-c", "import gocomm"], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_built_client_matches_this_torch():
+    from gocomm import _client
+
+    _client.check()  # what `make` built in this checkout loads here
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("torch", "1.0.0+elsewhere"), ("cxx11_abi", "flipped"), ("cuda", "0.0")],
+)
+def test_a_mismatched_build_is_refused_at_import(tmp_path, field, value):
+    import torch
+
+    pkg = _copy_package(tmp_path)
+    record = os.path.join(pkg, "lib", "build.json")
+    with open(record) as f:
+        built = json.load(f)
+    orig = built[field]
+    built[field] = (not torch._C._GLIBCXX_USE_CXX11_ABI) if value == "flipped" else value
+    with open(record, "w") as f:
+        json.dump(built, f)
+    r = _import(pkg)
+    assert r.returncode != 0, r.stdout
+    assert "ImportError" in r.stderr and "built for another torch" in r.stderr, r.stderr
+    assert field in r.stderr and "make client" in r.stderr, r.stderr
+    # the unchanged copy imports: the refusal was the record's doing
+    with open(record, "w") as f:
+        json.dump(dict(built, **{field: orig}), f)
+    assert _import(pkg).returncode == 0
+
+
+def test_an_unbuilt_client_is_refused_at_import(tmp_path):
+    pkg = _copy_package(tmp_path)
+    os.remove(os.path.join(pkg, "lib", "build.json"))
+    r = _import(pkg)
+    assert r.returncode != 0
+    assert "not built" in r.stderr and "make client" in r.stderr, r.stderr
