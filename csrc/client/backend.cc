@@ -331,6 +331,11 @@ uint8_t lane_of(uint8_t kind) {
 Backend::Backend(std::shared_ptr<Dispatcher> dispatcher, Config cfg)
     : c10d::Backend(cfg.rank, cfg.size), disp_(std::move(dispatcher)), cfg_(std::move(cfg)), k_(cfg_.counter_base) {}
 
+std::string Backend::group_name() const {
+  const std::string& uid = getGroupUid();
+  return uid.empty() ? cfg_.name : uid;
+}
+
 void Backend::need_slot(const std::string& op) {
   if (cfg_.slot < 0) {
     TORCH_CHECK(false, "gocomm " + op +
@@ -477,7 +482,7 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
   // for done >= k. Every tensor stays referenced until the op finished, so the caching
   // allocator cannot hand its memory out while the sidecar uses it.
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
-    TORCH_CHECK(false, "gocomm " + op.name + " cannot be captured in a CUDA graph on group '" + getGroupUid() +
+    TORCH_CHECK(false, "gocomm " + op.name + " cannot be captured in a CUDA graph on group '" + group_name() +
                            "': it runs in the sidecar (NCCL), which is handed each call on the host, so a replay "
                            "would not run it. Run it outside the capture. This group can capture: " +
                            (cfg_.capturable ? cfg_.capturable() : std::string("none of its ops")) + ".");
@@ -599,7 +604,7 @@ void Backend::cuda_now(const std::string& op, uint8_t kind, const std::vector<wi
     value_error("gocomm " + op + ": the process group was destroyed");
   }
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
-    TORCH_CHECK(false, "gocomm " + op + " cannot be captured in a CUDA graph on group '" + getGroupUid() +
+    TORCH_CHECK(false, "gocomm " + op + " cannot be captured in a CUDA graph on group '" + group_name() +
                            "': it runs in the sidecar's NVSHMEM kernel, which is handed each call on the host, so a "
                            "replay would not run it. Run it outside the capture. This group can capture: " +
                            (cfg_.capturable ? cfg_.capturable() : std::string("none of its ops")) + ".");

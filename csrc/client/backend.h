@@ -144,6 +144,7 @@ class Backend : public c10d::Backend {
   c10::intrusive_ptr<Work> submit_cuda(Op& op, double t_limit, bool timeout_given);
   uint8_t redop(const char* op, const c10d::ReduceOp& want, const at::Tensor& t);
   void need_slot(const std::string& op);
+  std::string group_name() const;  // as torch named the group (its creator's name before)
 
   std::shared_ptr<Dispatcher> disp_;
   Config cfg_;

@@ -82,6 +82,20 @@ c10::intrusive_ptr<Work> Dispatcher::submit(Pending p, wire::Desc& d) {
     pending_.emplace(d.seq, std::move(p));
   }
   const std::vector<uint8_t> payload = wire::encode(d);
+  if (8 + ((payload.size() + 7) & ~size_t(7)) > ring_->max_record()) {
+    Pending gone;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = pending_.find(d.seq);
+      if (it != pending_.end()) {
+        gone = std::move(it->second);
+        pending_.erase(it);
+      }
+    }
+    release(gone);
+    C10_THROW_ERROR(ValueError, "gocomm " + op + ": its descriptor (" + std::to_string(payload.size()) +
+                                    " bytes) exceeds the ring's limit of " + std::to_string(ring_->max_record()));
+  }
   while (!ring_->submit(wire::kRecOp, payload.data(), payload.size())) {
     if (lost()) {
       break;  // fail_all finishes the work

@@ -41,6 +41,9 @@ class Ring {
   template <typename Fn>
   bool poll(Fn&& fn);
 
+  // The largest record (header included) submit takes: a quarter of the queue.
+  size_t max_record() const { return sub_size_ / 4; }
+
   // Sleeps until a completion may be waiting, at most timeout_s seconds (futex on notify).
   void wait(double timeout_s);
 
