@@ -443,7 +443,7 @@ intrusive_ptr<Work> Backend::submit_op(Op& op) {
       if (op.inputs[i]) {
         size_t pos = 0;
         for (const auto& t : ts) {
-          std::memcpy(b.ptr + pos, t.data_ptr(), t.nbytes());
+          copy_bytes(b.ptr + pos, t.data_ptr(), t.nbytes());
           pos += t.nbytes();
         }
       }

@@ -1,5 +1,6 @@
 #include "dispatcher.h"
 
+#include <ATen/Parallel.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
@@ -18,6 +19,19 @@ void GroupFailure::mark(const std::string& why) {
 std::optional<std::string> GroupFailure::get() {
   std::lock_guard<std::mutex> lock(mu_);
   return first_;
+}
+
+void copy_bytes(void* dst, const void* src, size_t n) {
+  constexpr int64_t kChunk = 1 << 20;
+  if (n < 4 * size_t(kChunk)) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  auto* d = static_cast<uint8_t*>(dst);
+  const auto* s = static_cast<const uint8_t*>(src);
+  at::parallel_for(0, int64_t(n), kChunk, [&](int64_t begin, int64_t end) {
+    std::memcpy(d + begin, s + begin, size_t(end - begin));
+  });
 }
 
 std::exception_ptr dist_error(const std::string& msg) {
@@ -171,7 +185,7 @@ void Dispatcher::complete(const wire::Done& d) {
   try {
     if (d.status == wire::kStatusOk) {
       for (auto& [dst, src] : p.copy_out) {
-        std::memcpy(dst.data_ptr(), src, dst.nbytes());
+        copy_bytes(dst.data_ptr(), src, dst.nbytes());
       }
       if (p.unpacked) {
         p.unpacked->synchronize();  // the copies behind the sidecar's op are short

@@ -51,6 +51,10 @@ struct Pending {
   std::shared_ptr<GroupFailure> group;
 };
 
+// Copies n bytes between host buffers: memcpy, split over torch's intra-op threads for large
+// copies (as the tensor copy_ of the former Python client was).
+void copy_bytes(void* dst, const void* src, size_t n);
+
 // The exception_ptr of a DistBackendError with message msg (what wait() raises).
 std::exception_ptr dist_error(const std::string& msg);
 
