@@ -65,3 +65,42 @@ def test_an_unbuilt_client_is_refused_at_import(tmp_path):
     r = _import(pkg)
     assert r.returncode != 0
     assert "not built" in r.stderr and "make client" in r.stderr, r.stderr
+
+
+CONFIG = os.path.join(os.path.dirname(PKG), os.pardir, "csrc", "config.py")
+
+
+def _config(tmp_path, *args, python=sys.executable, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [python, CONFIG, str(tmp_path / "config.mk"), *args],
+        env=dict(os.environ, **(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_build_names_a_missing_compiler(tmp_path):
+    r = _config(tmp_path, "no-such-g++")
+    assert r.returncode != 0 and "no C++ compiler" in r.stderr and "no-such-g++" in r.stderr, r.stderr
+
+
+def test_the_build_names_missing_cuda_headers(tmp_path):
+    r = _config(tmp_path, "g++", env={"CUDA_INCLUDE": str(tmp_path / "nowhere")})
+    assert r.returncode != 0 and "CUDA's headers" in r.stderr, r.stderr
+
+
+def test_the_build_names_a_python_without_torch(tmp_path):
+    bare = shutil.which("python3", path="/usr/bin:/bin")
+    if bare is None or subprocess.run([bare, "-c", "import torch"], capture_output=True).returncode == 0:
+        pytest.skip("no python3 without torch on this machine to build with")
+    r = _config(tmp_path, "g++", python=bare)
+    assert r.returncode != 0 and "cannot import torch" in r.stderr and "CLIENT_PY" in r.stderr, r.stderr
+
+
+def test_the_build_settings_are_written(tmp_path):
+    r = _config(tmp_path, "g++")
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "config.mk").read_text()
+    for var in ("TORCH_INC", "CUDA_INC", "PY_INC", "EXT_SUFFIX", "ABI", "BUILD_RECORD"):
+        assert f"{var} := " in text, text
