@@ -336,6 +336,10 @@ std::string Backend::group_name() const {
   return uid.empty() ? cfg_.name : uid;
 }
 
+std::string Backend::label(const std::string& op) const {
+  return op + " on group '" + group_name() + "'";
+}
+
 void Backend::need_slot(const std::string& op) {
   if (cfg_.slot < 0) {
     TORCH_CHECK(false, "gocomm " + op +
@@ -419,11 +423,11 @@ intrusive_ptr<Work> Backend::submit_op(Op& op) {
   if (first != nullptr && first->is_cuda()) {
     return submit_cuda(op, t_limit, timeout_given);
   }
-  auto work = c10::make_intrusive<Work>(op.name, op.result ? *op.result : Tensors{}, t_limit + Dispatcher::kGrace,
-                                        op.type);
+  auto work = c10::make_intrusive<Work>(label(op.name), op.result ? *op.result : Tensors{},
+                                        t_limit + Dispatcher::kGrace, op.type);
   Pending p;
   p.work = work;
-  p.op = op.name;
+  p.op = label(op.name);
   p.deadline = std::chrono::steady_clock::now() +
                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                    std::chrono::duration<double>(t_limit + Dispatcher::kGrace));
@@ -542,10 +546,10 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
     last = buf;
   }
   Tensors result = op.result ? *op.result : (last.defined() ? Tensors{last} : Tensors{});
-  auto work = c10::make_intrusive<Work>(op.name, result, t_limit + Dispatcher::kGrace, op.type);
+  auto work = c10::make_intrusive<Work>(label(op.name), result, t_limit + Dispatcher::kGrace, op.type);
   Pending p;
   p.work = work;
-  p.op = op.name;
+  p.op = label(op.name);
   p.deadline = std::chrono::steady_clock::now() +
                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                    std::chrono::duration<double>(t_limit + Dispatcher::kGrace));
@@ -615,7 +619,7 @@ void Backend::cuda_now(const std::string& op, uint8_t kind, const std::vector<wi
   const auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
   const uint8_t lane = lane_of(kind);
   Pending p;
-  p.op = op;
+  p.op = label(op);
   p.deadline = std::chrono::steady_clock::now() +
                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                    std::chrono::duration<double>(cfg_.timeout_s + Dispatcher::kGrace));
@@ -673,10 +677,11 @@ intrusive_ptr<Work> Backend::submit_raw(const std::string& op, const std::vector
   for (uint32_t i = 0; i < nsplits; i++, at += 8) {
     d.splits.push_back(int64_t(get64(at)));
   }
-  auto work = c10::make_intrusive<Work>(op, Tensors{}, cfg_.timeout_s + Dispatcher::kGrace, c10d::OpType::UNKNOWN);
+  auto work =
+      c10::make_intrusive<Work>(label(op), Tensors{}, cfg_.timeout_s + Dispatcher::kGrace, c10d::OpType::UNKNOWN);
   Pending p;
   p.work = work;
-  p.op = op;
+  p.op = label(op);
   p.deadline = std::chrono::steady_clock::now() +
                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                    std::chrono::duration<double>(cfg_.timeout_s + Dispatcher::kGrace));

@@ -145,6 +145,8 @@ class Backend : public c10d::Backend {
   uint8_t redop(const char* op, const c10d::ReduceOp& want, const at::Tensor& t);
   void need_slot(const std::string& op);
   std::string group_name() const;  // as torch named the group (its creator's name before)
+  // "<op> on group '<name>'": how a Work's errors name the op (op, group, then the cause)
+  std::string label(const std::string& op) const;
 
   std::shared_ptr<Dispatcher> disp_;
   Config cfg_;

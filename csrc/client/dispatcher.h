@@ -40,7 +40,7 @@ class GroupFailure {
 // One op in flight.
 struct Pending {
   c10::intrusive_ptr<Work> work;  // null for ops no caller waits on (their failures are logged)
-  std::string op;
+  std::string op;  // the op and its group, as errors name them ("all_reduce on group '0'")
   std::chrono::steady_clock::time_point deadline;
   std::vector<Arena::Block> allocs;  // freed when the op finished
   std::vector<std::pair<at::Tensor, const uint8_t*>> copy_out;  // (output, its bytes in the arena)
