@@ -1,7 +1,8 @@
 # gocomm: `make` sets everything up in place, `make test` runs every test.
 #
 # make            pinned Python env (.venv), code generators (.tools), generated code,
-#                 bin/pgserver, and the Python package in place (importable from .venv)
+#                 bin/pgserver, the compiled client and the Python package in place
+# make client     the compiled client only (g++ and the torch of CLIENT_PY; see README)
 # make test       lint + Go tests + Python tests (GPU tests skip, saying why, without a GPU)
 # make test-gpu   the GPU suite, on a machine with GPUs (see README; MPS=1 under MPS)
 # make bench-gpu  gocomm against torch NCCL on the machine's GPUs (table, JSON, PNG)
@@ -39,9 +40,9 @@ KERNEL_SRC := $(wildcard kernels/sidecar/*.cu kernels/inprocess/*.cu)
 KERNELS   := $(patsubst %.cu,kernels/build/%.cubin,$(notdir $(KERNEL_SRC)))
 vpath %.cu kernels/sidecar kernels/inprocess
 
-.PHONY: all venv tools gen kernels build python test lint test-go test-py test-gpu bench bench-gpu bench-moe soak clean
+.PHONY: all venv tools gen kernels build client python test lint test-go test-py test-gpu bench bench-gpu bench-moe soak clean
 
-all: build python
+all: build client python
 
 ## Python environment, pinned (python/requirements.lock)
 venv: $(VENV)/.stamp
@@ -87,6 +88,15 @@ bin/pgserver: $(GO_GEN) $(GO_SRC) $(KERNELS) go.mod go.sum
 	cp kernels/build/moe.cubin python/gocomm/bin/moe.cubin
 	cp kernels/build/allreduce.cubin python/gocomm/bin/allreduce.cubin
 	cp kernels/build/a2av_ipc.cubin python/gocomm/bin/a2av_ipc.cubin
+
+## the compiled client (csrc/): built with the torch of CLIENT_PY (default: the venv's). On a
+## machine without the venv: make client CLIENT_PY=python3 (csrc/config.py names what is missing).
+CLIENT_PY ?= $(PY)
+CXX       ?= g++
+CLIENT_JOBS ?= 2
+client: $(if $(filter $(PY),$(CLIENT_PY)),$(VENV)/.stamp)
+	$(CLIENT_PY) csrc/config.py csrc/build/config.mk $(CXX)
+	$(MAKE) --no-print-directory -j$(CLIENT_JOBS) -f csrc/client.mk
 
 ## the Python package, importable from the venv without a copy (like an editable install)
 python: $(PY_GEN) $(VENV)/.stamp
@@ -148,4 +158,4 @@ soak: all
 	$(PY) python/tests/soak_disagree.py --runs $(SOAK_RUNS)
 
 clean:
-	rm -rf bin python/gocomm/bin python/gocomm/v1 $(GO_GEN) kernels/build/_obj $(KERNELS)
+	rm -rf bin python/gocomm/bin python/gocomm/v1 csrc/build python/gocomm/lib python/gocomm/_C*.so $(GO_GEN) kernels/build/_obj $(KERNELS)

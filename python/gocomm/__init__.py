@@ -14,15 +14,17 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from . import moe
-from ._backend import ProcessGroupGocomm, create
+from ._backend import create
+from ._client import C as _C
 from ._sidecar import SidecarError, find_pgserver, shutdown
-from ._work import Work
 from .sparse import all_to_all_v, receive_buffer
 
+# the backend torch holds for each gocomm group (pg._get_backend(torch.device("cpu")))
+Backend = _C.Backend
+
 __all__ = [
-    "ProcessGroupGocomm",
+    "Backend",
     "SidecarError",
-    "Work",
     "all_to_all_v",
     "find_pgserver",
     "info",

@@ -15,6 +15,13 @@ import torch.distributed as dist
 from ranklib import Checker, gen, seeded_int
 from test_moe import check_all_to_all_v, check_moe
 
+
+def _state(pg):
+    from gocomm._backend import state
+
+    return state(pg)
+
+
 pytestmark = pytest.mark.gpu
 
 # The CUDA engine is on unless GOCOMM_CUDA=0; these tests need it. Set at import, before any
@@ -366,14 +373,15 @@ def check_allreduce_inprocess(rk, seed):
     with no user sync; results against a float64 sum of every rank's input (rebuilt from the
     seed), and the same bits on every rank."""
     from gocomm import _allreduce
+    from gocomm._backend import state
 
     dev, nccl = _setup(rk)
     ck = Checker("all_reduce in the shim", seed, rk.rank)
     n, r = rk.size, rk.rank
-    g = dist.group.WORLD
+    g = state(dist.group.WORLD)
     x0 = torch.ones(8, device=dev)
     dist.all_reduce(x0)  # sets the path up (collective)
-    want_inprocess = g._routes.ar_inprocess
+    want_inprocess = state(g)._routes.ar_inprocess
     ck.expect(
         "path set up where the GPUs share NVLink", (g._ar.get(dev.index) is not None) == want_inprocess, str(g._ar)
     )
@@ -580,7 +588,9 @@ def check_all_to_all_v_nvshmem(rk, seed, inprocess):
     dev, _ = _setup(rk)
     n, me = rk.size, rk.rank
     ck = Checker("all_to_all_v " + ("in this process" if inprocess else "on NVSHMEM"), seed, me)
-    ck.expect("transport", rk.world.pg._sparse_transport() == "nvshmem", rk.world.pg._sparse_transport())
+    ck.expect(
+        "transport", _state(rk.world.pg)._sparse_transport() == "nvshmem", _state(rk.world.pg)._sparse_transport()
+    )
     path = rk.world.pg._a2av_path(dev.index)
     ck.expect("path", (path is not None) == inprocess, f"in-process kernel {path}, wanted {inprocess}")
     for label, splits_of in ROUTINGS.items():
@@ -911,7 +921,7 @@ def test_all_to_all_single_inprocess(worlds, seed, size):
 
 def check_transport(rk, want):
     """The sidecar's sparse transport, as the shim reads it."""
-    got = rk.world.pg._sparse_transport()
+    got = _state(rk.world.pg)._sparse_transport()
     if got != want:
         raise AssertionError(f"rank {rk.rank}: sparse transport {got}, want {want}")
     return got
