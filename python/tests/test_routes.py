@@ -27,7 +27,8 @@ def facts(n: int, transport: str = "nvshmem", hosts: int = 1, ar_max: int = BIG)
         ("NVLink node, 8 ranks", facts(8), "nvshmem", INPROCESS, INPROCESS, INPROCESS, ""),
         ("NVLink node, 1 rank", facts(1), "nvshmem", SIDECAR_NCCL, INPROCESS, INPROCESS, "one rank"),
         ("PCIe node, 4 ranks", facts(4, "nccl"), "nccl", SIDECAR_NCCL, SIDECAR_NCCL, SIDECAR_NCCL, "NCCL"),
-        ("NVLink nodes, 2 hosts", facts(4, hosts=2), "nccl", SIDECAR_NCCL, SIDECAR_NCCL, SIDECAR_NCCL, "2 host(s)"),
+        ("NVLink nodes, 2 hosts", facts(4, hosts=2), "nccl", SIDECAR_NCCL, SIDECAR_NCCL, SIDECAR_NCCL, "spans 2 hosts"),
+        ("PCIe nodes, 2 hosts", facts(4, "nccl", hosts=2), "nccl", SIDECAR_NCCL, SIDECAR_NCCL, SIDECAR_NCCL, "spans"),
         (
             "one rank on NCCL",
             Facts.agree(["nvshmem h", "nccl h"], BIG),
