@@ -55,9 +55,10 @@ func TestListenOnAdvertised(t *testing.T) {
 }
 
 // A peer whose advertised address takes no connection breaks the group with an error that
-// names the rank, the address and the knobs.
+// names the rank, the address and the knobs; the peer, whose own link works, is told the
+// same over that link instead of waiting for its timeout.
 func TestUnreachablePeer(t *testing.T) {
-	nodes, addrs := listen(t, 1)
+	nodes, addrs := listen(t, 2)
 	nodes[0].dialLimit = 300 * time.Millisecond
 	dead, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -65,12 +66,21 @@ func TestUnreachablePeer(t *testing.T) {
 	}
 	gone := dead.Addr().String()
 	dead.Close() // nothing listens there now: every dial is refused
-	ep, err := nodes[0].Join([]byte("a secret of at least sixteen bytes"), 0, []string{addrs[0], gone})
+	secret := []byte("a secret of at least sixteen bytes")
+	ep, err := nodes[0].Join(secret, 0, []string{addrs[0], gone})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer ep.Close()
+	ep1, err := nodes[1].Join(secret, 1, addrs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ep1.Close()
 	t0 := time.Now()
+	ep1.Connect() // its link to rank 0 is up before rank 0 gives up on rank 1
+	got := make([]byte, 1)
+	r1 := ep1.RecvP2P(0, 0, copySink{Dst: got})
 	err = ep.SendP2P(1, 0, []byte("x")).Wait(ctxT(t))
 	if err == nil {
 		t.Fatal("a send to an unreachable peer succeeded")
@@ -79,6 +89,10 @@ func TestUnreachablePeer(t *testing.T) {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error %q does not name %q", err, want)
 		}
+	}
+	err1 := r1.Wait(ctxT(t))
+	if !errors.Is(err1, ErrAborted) || !strings.Contains(err1.Error(), gone) {
+		t.Errorf("rank 1: %v, want rank 0's abort naming %s", err1, gone)
 	}
 	if d := time.Since(t0); d > 5*time.Second {
 		t.Errorf("took %s to fail, dial limit 300ms", d)

@@ -593,6 +593,7 @@ class ProcessGroupGocomm(SidecarSubmit, InProcessKernels, dist.ProcessGroup):
                     "errors": g.errors,
                     "bytes_sent": g.bytes_sent,
                     "bytes_received": g.bytes_received,
+                    "bytes_by_reference": g.bytes_by_reference,
                 }
         return {}
 
