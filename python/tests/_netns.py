@@ -306,7 +306,7 @@ def rank_main(workdir: str, rank: int) -> None:
 
     import torch.distributed as dist
 
-    sys.path.insert(0, HERE)
+    sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the scenarios; gocomm from this checkout
     import hosts_scenarios
 
     with open(os.path.join(workdir, "spec.json")) as f:

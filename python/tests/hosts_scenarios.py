@@ -188,3 +188,54 @@ def first_op(workdir: str, rank: int, size: int, per_host: int, **_) -> dict:
             "op_error": str(e)[:3000],
             "peer_address": gocomm.info()["peer_address"],
         }
+
+
+def cuda(workdir: str, rank: int, size: int, per_host: int, **_) -> dict:
+    """CUDA tensors across hosts: dense collectives and gocomm.all_to_all_v on the world group
+    (which spans hosts: sidecar NCCL over the veth, NCCL_HOSTID set per host by the test), and
+    in a 2x2 cluster also on each host's subgroup (one-host routes), against references."""
+    import gocomm
+
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    groups = [(list(range(size)), dist.group.WORLD)]
+    if per_host > 1:
+        for h in range(size // per_host):
+            ranks = list(range(h * per_host, (h + 1) * per_host))
+            pg = dist.new_group(ranks, backend="gocomm")
+            if rank in ranks:
+                groups.append((ranks, pg))
+    out: dict = {"errors": [], "groups": []}
+    for ranks, pg in groups:
+        n, me = len(ranks), dist.get_group_rank(pg, rank)
+        bad = []
+        for dtype in (torch.float32, torch.bfloat16):
+            xs = [(data(r, 1 << 18) % 32).to(dtype) for r in range(n)]  # sums exact in bf16
+            t = xs[me].to(dev)
+            dist.all_reduce(t, group=pg)
+            if not torch.equal(t.cpu(), sum(x.float() for x in xs).to(dtype)):
+                bad.append(f"all_reduce {dtype}")
+        xs = [data(r, 4096) for r in range(n)]
+        o = torch.empty(n * 4096, device=dev)
+        dist.all_gather_into_tensor(o, xs[me].to(dev), group=pg)
+        if not torch.equal(o.cpu(), torch.cat(xs)):
+            bad.append("all_gather_into_tensor")
+        part = 512
+        splits = [[((r + p) % 3 + 1) * part for p in range(n)] for r in range(n)]
+        ins = [data(r, sum(splits[r]), salt=9) for r in range(n)]
+        want = torch.cat([ins[r].split(splits[r])[me] for r in range(n)])
+        o = torch.empty(len(want), device=dev)
+        dist.all_to_all_single(o, ins[me].to(dev), [splits[r][me] for r in range(n)], splits[me], group=pg)
+        if not torch.equal(o.cpu(), want):
+            bad.append("all_to_all_single")
+        rows = ins[me].view(-1, part).to(dev)
+        got, got_splits = gocomm.all_to_all_v(rows, torch.tensor([s // part for s in splits[me]], device=dev), group=pg)
+        k = int(got_splits.sum())
+        if not torch.equal(got[:k].reshape(-1).cpu(), want):
+            bad.append("gocomm.all_to_all_v")
+        torch.cuda.synchronize()
+        g = _gocomm(pg)
+        routes = gocomm.info()["groups"][g.group_name]
+        out["errors"] += [f"group {ranks}: {e}" for e in bad]
+        out["groups"].append({"ranks": ranks, "transport": routes["transport"], "routes": routes["routes"]})
+    return out

@@ -116,3 +116,29 @@ def test_unreachable_peer(tmp_path):
         assert want in err, (want, err)
     print(f"\nunreachable peer: rank 0 raised in {reps[0]['seconds']:.2f} s, rank 1 in {reps[1]['seconds']:.2f} s")
     print(f"rank 0: {err}\nrank 1: {reps[1]['op_error']}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_host", [1, 2], ids=["2x1", "2x2"])
+def test_hosts_cuda(tmp_path, per_host):
+    """CUDA tensors on simulated hosts: the group spanning hosts runs on sidecar NCCL (NCCL
+    told the namespaces are hosts by NCCL_HOSTID, so it takes its socket transport over the
+    veth), each host's subgroup on the one-host routes; every result against a reference."""
+    extra = {
+        r: {"NCCL_HOSTID": f"gocomm-sim-host{r // per_host}", "NCCL_SOCKET_IFNAME": "gh", "NCCL_IB_DISABLE": "1"}
+        for r in range(2 * per_host)
+    }
+    c = Cluster(str(tmp_path), 2, per_host, "env", "cuda", extra=extra)
+    with c:
+        reps = c.reports(REPORT_S)
+    for r, rep in enumerate(reps):
+        if rep is None or "error" in rep:
+            _fail(c, f"rank {r}: {rep and rep['error']}")
+        assert not rep["errors"], (r, rep["errors"])
+        for g in rep["groups"]:
+            spans = len({x // per_host for x in g["ranks"]}) > 1
+            engines = {op: e for op, (e, _) in g["routes"].items() if op != "CPU tensors"}
+            if spans:
+                assert set(engines.values()) == {SIDECAR_NCCL} and "spans 2 hosts" in g["transport"][1], g
+            else:
+                assert "spans" not in g["transport"][1], g
