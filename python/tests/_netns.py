@@ -29,6 +29,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUBNET = "10.77.0"
 PORT = 29577  # the Store's port on host 0 (free: the namespace is the test's own)
+AGENT_LIMIT_S = 400.0  # a host ends (and every process in it) this long after it started its ranks
 
 
 def addr(host: int) -> str:
@@ -65,6 +66,14 @@ def unavailable() -> str:
     if r.returncode != 0:
         return f"cannot make namespaces here: {r.stderr.decode(errors='replace').strip()}"
     return ""
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the process that started it (pytest) dies, so a
+    killed test run cannot leave a host behind (unshare's --kill-child takes the rest)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _sh(*cmd: str, timeout: float = 20) -> None:
@@ -132,6 +141,7 @@ class Cluster:
                     stdout=log,
                     stderr=log,
                     start_new_session=True,
+                    preexec_fn=_die_with_parent,
                 )
             )
             log.close()
@@ -292,8 +302,13 @@ def agent(workdir: str, host: int) -> None:
             )
         )
         log.close()
+    deadline = time.monotonic() + AGENT_LIMIT_S
     for p in procs:
-        p.wait()
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"rank pid {p.pid} still runs after {AGENT_LIMIT_S} s: ending the host", flush=True)
+            break
     # orphans (a sidecar outliving its rank) die with this process, PID 1 of the namespace
 
 

@@ -145,6 +145,7 @@ def core(
             {
                 "ranks": ranks,
                 "seconds": time.monotonic() - t0,
+                "hosts": routes["hosts"],
                 "transport": routes["transport"],
                 "routes": routes["routes"],
                 "stats": g.stats(),

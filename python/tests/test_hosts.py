@@ -38,7 +38,7 @@ def _check_routes(c: Cluster, rep: dict) -> None:
         hosts = {r // c.per_host for r in g["ranks"]}
         routes, (transport, why) = g["routes"], g["transport"]
         cpu_engine, cpu_why = routes["CPU tensors"]
-        assert cpu_engine == HOST, g
+        assert cpu_engine == HOST and g["hosts"] == len(hosts), g
         if len(hosts) > 1:
             assert f"spans {len(hosts)} hosts" in why and transport == "nccl", g
             assert f"spans {len(hosts)} hosts" in cpu_why, g
