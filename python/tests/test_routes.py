@@ -99,6 +99,9 @@ def test_info_cpu(worlds):
     assert caps["nccl"][0] == "no" and caps["mps"][0] == "unknown", caps
     (g,) = [g for g in i["groups"].values() if g["size"] == 1 and g["routes"]["CPU tensors"][0] == HOST]
     assert g["transport"][0] == "nccl" and g["routes"]["all_to_all_v"][0] == SIDECAR_NCCL, g
+    assert g["hosts"] == 1 and "spans" not in g["routes"]["CPU tensors"][1], g
+    # a job on one host listens for peers on loopback only
+    assert i["peer_address"].startswith("127.0.0.1:"), i["peer_address"]
 
 
 def test_bench_not_imported():
