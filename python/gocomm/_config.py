@@ -120,28 +120,6 @@ KNOBS: tuple[Knob, ...] = (
         "how much the sidecar logs",
     ),
     Knob(
-        "GOCOMM_ADVERTISE_ADDR",
-        "",
-        str,
-        "a host name or address",
-        "the address this host's sidecars listen on and peers dial (unset: from GOCOMM_SOCKET_IFNAME, else the "
-        "local address of the route to the torch Store's host, loopback where every rank is on this host)",
-    ),
-    Knob(
-        "GOCOMM_SOCKET_IFNAME",
-        "",
-        str,
-        "an interface name",
-        "advertise this interface's address (its first IPv4, else IPv6), as NCCL_SOCKET_IFNAME names one",
-    ),
-    Knob(
-        "GOCOMM_LISTEN_ADDR",
-        "",
-        str,
-        "host:port (0.0.0.0:0 for every interface)",
-        "where the sidecar listens for peers when that is not the advertised address (NAT, port mapping)",
-    ),
-    Knob(
         "GOCOMM_SPIN",
         "",
         _duration,
@@ -267,18 +245,6 @@ def log_dir() -> str | None:
 
 def log_level() -> str:
     return get("GOCOMM_LOG_LEVEL")
-
-
-def advertise_addr() -> str | None:
-    return get("GOCOMM_ADVERTISE_ADDR")
-
-
-def socket_ifname() -> str | None:
-    return get("GOCOMM_SOCKET_IFNAME")
-
-
-def listen_addr() -> str | None:
-    return get("GOCOMM_LISTEN_ADDR")
 
 
 def spin() -> str | None:

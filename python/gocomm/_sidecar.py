@@ -214,6 +214,9 @@ class Sidecar:
             self.log_file,
             "--log-level",
             _config.log_level(),
+            # where peers reach this sidecar: pgserver picks it (transport.ChooseAddress: its
+            # GOCOMM_ADVERTISE_ADDR, GOCOMM_SOCKET_IFNAME, else the route to this host) and
+            # listens there only
             "--rendezvous",
             rendezvous,
             "--parent-pid",
@@ -225,15 +228,7 @@ class Sidecar:
             spin = "2ms" if torch.cuda.is_available() else ""
         if spin:
             cmd += ["--spin", spin]
-        # where peers reach this sidecar: pgserver picks it (transport.ChooseAddress) and
-        # listens there only
-        for flag, v in (
-            ("--advertise", _config.advertise_addr()),
-            ("--socket-ifname", _config.socket_ifname()),
-            ("--listen", _config.listen_addr()),
-        ):
-            if v:
-                cmd += [flag, v]
+
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True)
         return sock
