@@ -17,6 +17,7 @@ package config
 
 import (
 	"fmt"
+	"net"
 	"os"
 	"strconv"
 	"strings"
@@ -27,6 +28,18 @@ type Config struct {
 	// Transport is GOCOMM_TRANSPORT: "auto", "nvshmem" or "nccl".
 	Transport string
 	A2A       A2A
+	Peer      Peer
+}
+
+// Peer is where peer sidecars reach this one (transport.ChooseAddress picks the address from
+// these, the rendezvous host the shim passes, and the routing table).
+type Peer struct {
+	// Advertise is GOCOMM_ADVERTISE_ADDR: the address to listen on and advertise ("": chosen).
+	Advertise string
+	// Ifname is GOCOMM_SOCKET_IFNAME: advertise this interface's address.
+	Ifname string
+	// Listen is GOCOMM_LISTEN_ADDR: listen here instead of on the advertised address.
+	Listen string
 }
 
 // A2A is how the sparse all-to-all (all_to_all_v with its splits on the GPU) is sized and
@@ -106,6 +119,41 @@ var Params = []Param{
 				return nil
 			}
 			return errAccepts
+		},
+	},
+	{
+		Env: "GOCOMM_ADVERTISE_ADDR", Accepts: "a host name or address of this host",
+		Doc: "the address this sidecar listens on and its peers dial (unset: GOCOMM_SOCKET_IFNAME's, else the local address of the route to the torch Store's host, loopback where every rank is on this host)",
+		set: func(c *Config, v string) error {
+			if strings.ContainsAny(v, " /") {
+				return errAccepts
+			}
+			c.Peer.Advertise = v
+			return nil
+		},
+	},
+	{
+		Env: "GOCOMM_SOCKET_IFNAME", Accepts: "an interface name",
+		Doc: "advertise this interface's address (its first IPv4, else IPv6), as NCCL_SOCKET_IFNAME names one",
+		set: func(c *Config, v string) error {
+			if len(v) > 15 || strings.ContainsAny(v, " /") {
+				return errAccepts
+			}
+			c.Peer.Ifname = v
+			return nil
+		},
+	},
+	{
+		Env: "GOCOMM_LISTEN_ADDR", Accepts: "host:port (0.0.0.0:0 for every interface)",
+		Doc: "where the sidecar listens for peers when that is not the advertised address (NAT, port mapping); unset: the advertised address, a port the system picks",
+		set: func(c *Config, v string) error {
+			if v != "" {
+				if _, _, err := net.SplitHostPort(v); err != nil {
+					return errAccepts
+				}
+			}
+			c.Peer.Listen = v
+			return nil
 		},
 	},
 }

@@ -459,6 +459,20 @@ func (ep *Endpoint) closeInbound() {
 	}
 }
 
+// abortBack tells peer why the group broke over the link peer dialed to this rank: this
+// rank's own link to peer could not be made (peer advertised an address this host does not
+// reach), so an abort frame on it would never arrive, and peer would wait for its timeout.
+func (ep *Endpoint) abortBack(peer int, cause error) {
+	ep.mu.Lock()
+	c := ep.in[peer]
+	ep.mu.Unlock()
+	if c == nil {
+		return
+	}
+	c.SetWriteDeadline(time.Now().Add(abortGrace))
+	writeAbort(c, cause.Error())
+}
+
 // abortGrace bounds how long Close waits for a broken endpoint's abort frames to be written.
 const abortGrace = 2 * time.Second
 

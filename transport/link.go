@@ -363,6 +363,8 @@ func (l *outLink) run() {
 		l.conn = conn
 		l.mu.Unlock()
 		defer conn.Close()
+		ep.readers.Add(1)
+		go l.watch(conn)
 	}
 	hdr := make([]byte, frameHeader+refTrailer)
 	for {
@@ -389,6 +391,7 @@ func (l *outLink) run() {
 					err = ep.Broken()
 				default:
 					err = ep.lost(l.to, err)
+					ep.abortBack(l.to, err)
 				}
 				for _, m := range l.fail(err) {
 					m.req.finish(err)
@@ -454,6 +457,22 @@ func (l *outLink) write(conn net.Conn, hdr []byte, m *outMsg, refs bool) error {
 }
 
 // final writes the closing frame (abort with its reason, or bye), best effort.
+// watch reads the link this rank dialed, on which the peer writes only when it cannot
+// reach this rank otherwise: an abort (Endpoint.abortBack), which breaks the group here with
+// the peer's reason. It ends when the link closes.
+func (l *outLink) watch(conn net.Conn) {
+	ep := l.ep
+	defer ep.readers.Done()
+	hdr := make([]byte, frameHeader)
+	f, err := readFrame(conn, hdr)
+	if err != nil || f.kind != kindAbort {
+		return
+	}
+	if msg, err := readReason(conn, f.length); err == nil {
+		ep.Break(fmt.Errorf("%w by rank %d: %s", ErrAborted, l.to, msg))
+	}
+}
+
 func (l *outLink) final(conn net.Conn, hdr []byte, stop string, why error) {
 	conn.SetWriteDeadline(time.Now().Add(2 * time.Second))
 	if stop == "abort" {

@@ -38,7 +38,8 @@ type Node struct {
 
 // Config of a Node.
 type Config struct {
-	// Listen is the host:port to listen on (port 0: any).
+	// Listen is the host:port to listen on (port 0: any); empty: Advertise's host, port 0
+	// (the listener is open on the advertised address only).
 	Listen string
 	// Advertise is the host peers dial; the port is the one Listen got.
 	Advertise string
@@ -64,9 +65,14 @@ const socketBuffer = 4 << 20
 
 // Listen starts a node.
 func Listen(cfg Config) (*Node, error) {
-	ln, err := net.Listen("tcp", cfg.Listen)
+	listen := cfg.Listen
+	if listen == "" {
+		listen = net.JoinHostPort(cfg.Advertise, "0")
+	}
+	ln, err := net.Listen("tcp", listen)
 	if err != nil {
-		return nil, fmt.Errorf("transport: listen: %w", err)
+		return nil, fmt.Errorf("transport: listen on %s: %w (the advertised address must be one of this host's: "+
+			"check GOCOMM_ADVERTISE_ADDR and GOCOMM_SOCKET_IFNAME, or set GOCOMM_LISTEN_ADDR)", listen, err)
 	}
 	_, port, _ := net.SplitHostPort(ln.Addr().String())
 	n := &Node{
@@ -348,7 +354,13 @@ func (n *Node) dial(ep *Endpoint, to int, quick bool) (net.Conn, bool, error) {
 			return nil, false, fmt.Errorf("handshake with %s: %w", ep.peers[to], err)
 		}
 		if quick || !errors.Is(err, syscall.ECONNREFUSED) || ctx.Err() != nil {
-			return nil, false, fmt.Errorf("dial %s: %w", ep.peers[to], err)
+			if quick || ep.ctx.Err() != nil {
+				return nil, false, fmt.Errorf("dial %s: %w", ep.peers[to], err)
+			}
+			if ctx.Err() != nil {
+				err = fmt.Errorf("no connection within %s: %w", limit, err)
+			}
+			return nil, false, unreachable(to, ep.peers[to], err)
 		}
 		select {
 		case <-ctx.Done():

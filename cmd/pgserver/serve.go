@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"errors"
 	"flag"
 	"fmt"
@@ -41,6 +42,8 @@ type options struct {
 	logLevel    string
 	listen      string
 	advertise   string
+	ifname      string
+	rendezvous  string
 	parentPID   int
 	spin        time.Duration
 	showVersion bool
@@ -54,8 +57,10 @@ func parseFlags(args []string) (options, error) {
 	fs.StringVar(&o.socket, "socket", "", "control socket path (default <runtime-dir>/pgserver-<pid>.sock)")
 	fs.StringVar(&o.logFile, "log-file", "", "append the log here (default stderr)")
 	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
-	fs.StringVar(&o.listen, "listen", ":0", "TCP address peer sidecars connect to")
-	fs.StringVar(&o.advertise, "advertise", "", "host name or address peers dial (default: this host's address)")
+	fs.StringVar(&o.listen, "listen", "", "host:port peer sidecars connect to (default: $GOCOMM_LISTEN_ADDR, else the advertised address, any port)")
+	fs.StringVar(&o.advertise, "advertise", "", "host name or address peers dial (default: $GOCOMM_ADVERTISE_ADDR, else chosen from --socket-ifname, then --rendezvous)")
+	fs.StringVar(&o.ifname, "socket-ifname", "", "advertise this interface's address (default: $GOCOMM_SOCKET_IFNAME)")
+	fs.StringVar(&o.rendezvous, "rendezvous", "", "the host every rank bootstraps through (the torch Store's): advertise the local address of the route there")
 	fs.IntVar(&o.parentPID, "parent-pid", 0, "exit when this process exits (the shim passes its own pid)")
 	fs.DurationVar(&o.spin, "spin", 0, "poll the submission ring (and device workers their queues) this long before sleeping")
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
@@ -86,13 +91,18 @@ func run(args []string) error {
 		log.Warn(w)
 	}
 
-	host := o.advertise
-	if host == "" {
-		host = hostAddress()
+	// flags win over the knobs (a standalone pgserver takes either)
+	listen := cmp.Or(o.listen, cfg.Peer.Listen)
+	host, why, err := transport.ChooseAddress(transport.AddressSpec{
+		Advertise: cmp.Or(o.advertise, cfg.Peer.Advertise), Ifname: cmp.Or(o.ifname, cfg.Peer.Ifname), Rendezvous: o.rendezvous,
+	})
+	if err != nil {
+		return err
 	}
+	log.Info("peer address", "advertise", host, "why", why, "listen", cmp.Or(listen, host))
 	var srv *pg.Server // set before any group exists, so before Locate is ever called
 	node, err := transport.Listen(transport.Config{
-		Listen: o.listen, Advertise: host, Log: log,
+		Listen: listen, Advertise: host, Log: log,
 		Locate: func(b []byte) (int, uint64, uint64, bool) { return srv.Locate(b) },
 	})
 	if err != nil {
@@ -216,22 +226,6 @@ func openLog(path, level string) (*slog.Logger, func(), error) {
 	}
 	log := slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: lvl})).With("pid", os.Getpid())
 	return log, closeFn, nil
-}
-
-// hostAddress is the first address this host's name resolves to that is not loopback, else
-// 127.0.0.1 (a single-host job).
-func hostAddress() string {
-	name, err := os.Hostname()
-	if err == nil {
-		if addrs, err := net.LookupHost(name); err == nil {
-			for _, a := range addrs {
-				if ip := net.ParseIP(a); ip != nil && !ip.IsLoopback() {
-					return a
-				}
-			}
-		}
-	}
-	return "127.0.0.1"
 }
 
 // watchParent stops the server when the parent process is gone (backs up PDEATHSIG, which

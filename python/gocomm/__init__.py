@@ -47,8 +47,9 @@ def info() -> dict:
         {} where no sidecar runs; else its version, pid, hostname, engines, devices' state,
         peer address and log file, "capabilities" ({fact: (value, reason)}: the node's and
         this client's, as the sidecar decided them at attach) and "groups" ({group name:
-        {"rank", "size", "transport", "routes": {op class: (engine, reason)}}} for each live
-        group of this process, the default group included).
+        {"rank", "size", "hosts" (how many hosts its ranks are on), "transport", "routes":
+        {op class: (engine, reason)}}} for each live group of this process, the default group
+        included).
     """
     from . import _backend, _sidecar
 
@@ -63,6 +64,7 @@ def info() -> dict:
         groups[g.group_name] = {
             "rank": g.rank(),
             "size": g.size(),
+            "hosts": g._routes.facts.hosts,
             "transport": (g._routes.transport, g._routes.transport_reason),
             "routes": g._routes.table(),
         }

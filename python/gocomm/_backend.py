@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import threading
 import weakref
 
@@ -57,7 +56,12 @@ class _Group(InProcessKernels):
         self._group_name = group_name
         self._global_ranks = list(global_ranks or range(size))
         global_rank = self._global_ranks[rank] if rank < len(self._global_ranks) else rank
-        self._sc = _sidecar.get(global_rank)
+        # Which host each rank is on (_routes.host_id), before this process's sidecar starts:
+        # a job all on one host listens on loopback only.
+        host = _routes.host_id()
+        store.set(f"gocomm/host/{rank}", host)
+        hosts = [store.get(f"gocomm/host/{r}").decode() for r in range(size)]
+        self._sc = _sidecar.get(global_rank, lambda: _sidecar.rendezvous_host(store, set(hosts) == {host}))
         resp = self._sc.call(
             "CreateGroup",
             pb.CreateGroupRequest(
@@ -77,7 +81,7 @@ class _Group(InProcessKernels):
             store.set("gocomm/secret", os.urandom(32).hex())
         secret = bytes.fromhex(store.get("gocomm/secret").decode())
         store.set(f"gocomm/boot/{rank}", resp.bootstrap)
-        store.set(f"gocomm/sparse/{rank}", f"{self._sc.sparse_transport} {socket.gethostname()}")
+        store.set(f"gocomm/sparse/{rank}", f"{self._sc.sparse_transport} {host}")
         blobs = [store.get(f"gocomm/boot/{r}") for r in range(size)]
         # which engine runs each op (gocomm/_routes.py), from every member's sidecar's choice
         # and host, and the knobs every rank shares
@@ -208,6 +212,7 @@ class _Group(InProcessKernels):
                     "errors": g.errors,
                     "bytes_sent": g.bytes_sent,
                     "bytes_received": g.bytes_received,
+                    "bytes_by_reference": g.bytes_by_reference,
                 }
         return {}
 

@@ -120,13 +120,6 @@ KNOBS: tuple[Knob, ...] = (
         "how much the sidecar logs",
     ),
     Knob(
-        "GOCOMM_ADVERTISE_ADDR",
-        "",
-        str,
-        "a host name or address",
-        "the address peers dial to reach this host's sidecars (unset: the interface that routes to MASTER_ADDR)",
-    ),
-    Knob(
         "GOCOMM_SPIN",
         "",
         _duration,
@@ -252,10 +245,6 @@ def log_dir() -> str | None:
 
 def log_level() -> str:
     return get("GOCOMM_LOG_LEVEL")
-
-
-def advertise_addr() -> str | None:
-    return get("GOCOMM_ADVERTISE_ADDR")
 
 
 def spin() -> str | None:

@@ -9,7 +9,6 @@ import atexit
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -17,6 +16,7 @@ import time
 
 import grpc
 import torch
+import torch.distributed as dist
 
 from . import _client, _config, _cuda
 from .v1 import pgserver_pb2 as pb
@@ -61,31 +61,25 @@ def runtime_dir() -> str:
     return path
 
 
-def advertise_host() -> str:
-    """The address peers should dial to reach this host's sidecars.
-
-    $GOCOMM_ADVERTISE_ADDR wins; otherwise the local address of the route towards MASTER_ADDR
-    (the interface torchrun's store is reached over), else 127.0.0.1 for a one-host job.
-    """
-    env = _config.advertise_addr()
-    if env:
-        return env
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    try:
-        infos = socket.getaddrinfo(master, 1, type=socket.SOCK_DGRAM)
-        fam, _, _, _, addr = infos[0]
-        with socket.socket(fam, socket.SOCK_DGRAM) as s:
-            s.connect(addr)  # no packet is sent; this only picks the route
-            return s.getsockname()[0]
-    except OSError:
+def rendezvous_host(store, one_host: bool) -> str:
+    """The host the sidecar picks its peer address towards (pgserver --rendezvous): loopback
+    where every rank of the first group is on this host; else the torch Store's host (every
+    rank reached it, so the local address of the route there is one peers can route to: the
+    case of env:// and tcp://), else MASTER_ADDR; "" where neither is known (a file store on
+    a shared file system: pgserver takes the default route's address)."""
+    if one_host:
         return "127.0.0.1"
+    while hasattr(store, "underlying_store"):  # PrefixStore
+        store = store.underlying_store
+    host = getattr(store, "host", "") if isinstance(store, dist.TCPStore) else ""
+    return host or os.environ.get("MASTER_ADDR", "")
 
 
 class Sidecar:
     """The connection to this process's pgserver: started here, or attached to with
     GOCOMM_SIDECAR=unix:///path. One per process, shared by every gocomm group."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, rendezvous: str = ""):
         self.rank = rank
         self.proc: subprocess.Popen | None = None
         self.log_file: str | None = None
@@ -96,7 +90,7 @@ class Sidecar:
         if address:
             self.socket = address[len("unix://") :]
         else:
-            self.socket = self._start(rank)
+            self.socket = self._start(rank, rendezvous)
         self.channel = grpc.insecure_channel(
             "unix://" + self.socket,
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.enable_http_proxy", 0)],
@@ -131,7 +125,7 @@ class Sidecar:
         self.client = _client.C.Dispatcher(resp.ring_path, resp.ring_bytes, self._grow, 16 << 20, self._attach)
         threading.Thread(target=self._watch_loop, name="gocomm-watch", daemon=True).start()
 
-    def _start(self, rank: int) -> str:
+    def _start(self, rank: int, rendezvous: str) -> str:
         exe = find_pgserver()
         rdir = runtime_dir()
         sock = os.path.join(rdir, f"pgserver-{os.getpid()}-r{rank}.sock")
@@ -148,8 +142,11 @@ class Sidecar:
             self.log_file,
             "--log-level",
             _config.log_level(),
-            "--advertise",
-            advertise_host(),
+            # where peers reach this sidecar: pgserver picks it (transport.ChooseAddress: its
+            # GOCOMM_ADVERTISE_ADDR, GOCOMM_SOCKET_IFNAME, else the route to this host) and
+            # listens there only
+            "--rendezvous",
+            rendezvous,
             "--parent-pid",
             str(os.getpid()),
         ]
@@ -159,6 +156,7 @@ class Sidecar:
             spin = "2ms" if torch.cuda.is_available() else ""
         if spin:
             cmd += ["--spin", spin]
+
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True)
         return sock
@@ -304,12 +302,13 @@ _lock = threading.Lock()
 _sidecar: Sidecar | None = None
 
 
-def get(rank: int) -> Sidecar:
-    """This process's sidecar, started (or attached to) on first use."""
+def get(rank: int, rendezvous=lambda: "") -> Sidecar:
+    """This process's sidecar, started (or attached to) on first use; rendezvous() gives the
+    host its peer address is picked towards (rendezvous_host), asked only when it starts."""
     global _sidecar
     with _lock:
         if _sidecar is None or _sidecar.lost:
-            _sidecar = Sidecar(rank)
+            _sidecar = Sidecar(rank, rendezvous())
         return _sidecar
 
 
