@@ -23,6 +23,11 @@ var (
 	ErrAborted = errors.New("group aborted")
 	// ErrClosed: the group was destroyed on this side.
 	ErrClosed = errors.New("group closed")
+	// ErrProtocol: a peer that holds the group's secret sent what its link did not agree to
+	// (a frame by reference on a link granted none, or into another process).
+	ErrProtocol = errors.New("peer broke the link protocol")
+	// ErrUnmatchedMax: a peer sent more bytes that no receive matched than the node keeps.
+	ErrUnmatchedMax = errors.New("too many unmatched bytes from a peer")
 )
 
 // Endpoint is this rank's member of one group: its links to the other members and the
@@ -83,6 +88,7 @@ type Endpoint struct {
 	onBreak   []func(error)
 	refID     uint64
 	peerMaps  map[mapKey][]byte // peers' segments mapped here (invariant 6)
+	unmatched []atomic.Int64    // per peer: bytes its early frames hold here (Config.UnmatchedMax)
 
 	BytesSent, BytesReceived atomic.Uint64
 	// BytesByRef counts the bytes of BytesSent that went by reference (same host).
@@ -119,6 +125,8 @@ type early struct {
 	data    []byte
 	ack     func()
 	arrival uint64
+	held    *atomic.Int64 // the sender's unmatched bytes, which cost was charged to
+	cost    int64
 }
 
 // take hands an early frame's bytes to a sink and releases them.
@@ -128,11 +136,15 @@ func (e *early) take(s Sink) error {
 	return err
 }
 
-// release tells the sender of a frame by reference that its bytes are free (invariant 6);
-// an inline frame has nothing to release.
+// release tells the sender of a frame by reference that its bytes are free (invariant 6),
+// and gives back what the frame was charged.
 func (e *early) release() {
 	if e.ack != nil {
 		e.ack()
+	}
+	if e.held != nil {
+		e.held.Add(-e.cost)
+		e.held = nil
 	}
 }
 
