@@ -99,7 +99,10 @@ func (ep *Endpoint) reader(from int, conn net.Conn, refPID int) {
 			return
 		}
 		if f.ref {
-			if p, err = ep.resolveRef(from, &f, conn, trailer, refPID); err != nil {
+			if p, err = ep.resolveRef(from, &f, conn, trailer, refPID); errors.Is(err, ErrProtocol) {
+				ep.Break(fmt.Errorf("rank %d: %w", from, err))
+				return
+			} else if err != nil {
 				ep.Break(fmt.Errorf("%w: link from rank %d: %v", ErrPeerLost, from, err))
 				return
 			}
