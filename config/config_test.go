@@ -7,13 +7,18 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 )
 
 func env(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
 
 // TestDefaults: with nothing set, the values the sidecar used before the table existed.
 func TestDefaults(t *testing.T) {
-	want := Config{Transport: "auto", A2A: A2A{RecvBytes: 512 << 20, Blocks: 128, Threads: 256, Direct: true}}
+	want := Config{
+		Transport: "auto", A2A: A2A{RecvBytes: 512 << 20, Blocks: 128, Threads: 256, Direct: true},
+		Peers: Peers{HandshakeTimeout: 5 * time.Second, HandshakesMax: 64, UnmatchedBytesMax: 1 << 30},
+		Log:   Log{MaxBytes: 64 << 20, Keep: 3},
+	}
 	if got := Defaults(); got != want {
 		t.Fatalf("Defaults() = %+v, want %+v", got, want)
 	}
@@ -26,9 +31,11 @@ func TestValues(t *testing.T) {
 		want Config
 	}{
 		{"transport, any case and spaces", map[string]string{"GOCOMM_TRANSPORT": " NCCL "},
-			Config{Transport: "nccl", A2A: Defaults().A2A}},
+			Config{Transport: "nccl", A2A: Defaults().A2A, Peers: Defaults().Peers, Log: Defaults().Log}},
 		{"a2a settings", map[string]string{"GOCOMM_A2A_RECV_MB": "64", "GOCOMM_A2AV_BLOCKS": "2", "GOCOMM_A2AV_THREADS": "512", "GOCOMM_A2AV_DIRECT": "0"},
-			Config{Transport: "auto", A2A: A2A{RecvBytes: 64 << 20, Blocks: 2, Threads: 512}}},
+			Config{Transport: "auto", A2A: A2A{RecvBytes: 64 << 20, Blocks: 2, Threads: 512}, Peers: Defaults().Peers, Log: Defaults().Log}},
+		{"peers and log", map[string]string{"GOCOMM_HANDSHAKE_TIMEOUT": "2", "GOCOMM_PEER_HANDSHAKES_MAX": "8", "GOCOMM_UNMATCHED_BYTES_MAX": "1048576", "GOCOMM_LOG_MAX_MB": "1", "GOCOMM_LOG_KEEP": "0"},
+			Config{Transport: "auto", A2A: Defaults().A2A, Peers: Peers{2 * time.Second, 8, 1 << 20}, Log: Log{1 << 20, 0}}},
 		{"empty is unset", map[string]string{"GOCOMM_A2AV_BLOCKS": " "}, Defaults()},
 	} {
 		got, warns, err := Load(env(tc.env))
@@ -49,6 +56,12 @@ func TestBadValue(t *testing.T) {
 		{"GOCOMM_A2AV_BLOCKS", "2000", "1 to 1024"},
 		{"GOCOMM_A2AV_THREADS", "100", "a multiple of 32"},
 		{"GOCOMM_A2AV_DIRECT", "yes", "0 or 1"},
+		// a huge timeout is refused, not wrapped into a short one
+		{"GOCOMM_HANDSHAKE_TIMEOUT", "9223372036854775807", "1 to 600"},
+		{"GOCOMM_HANDSHAKE_TIMEOUT", "0", "1 to 600"},
+		{"GOCOMM_PEER_HANDSHAKES_MAX", "1", "2 to 65536"},
+		{"GOCOMM_UNMATCHED_BYTES_MAX", "99999999999999999999", "65536 to 2^50"},
+		{"GOCOMM_LOG_MAX_MB", "0", "1 to 65536"},
 	} {
 		_, _, err := Load(env(map[string]string{tc.name: tc.value}))
 		if err == nil || !strings.Contains(err.Error(), tc.name+"=") || !strings.Contains(err.Error(), tc.accepts) {
