@@ -91,7 +91,7 @@ class ProcessGroupGocomm(SidecarSubmit, InProcessKernels, dist.ProcessGroup):
                 rank=rank,
                 size=size,
                 global_ranks=self._global_ranks,
-                timeout_ms=int(self._timeout * 1000),
+                timeout_ms=_wire.timeout_ms(self._timeout),
             ),
         )
         self._handle = resp.group

@@ -130,7 +130,7 @@ class SidecarSubmit:
             self._disp._release(p)
             raise
         dt = _wire.DTYPES[dtype] if dtype is not None else 0
-        timeout_ms = int(t_limit * 1000) if timeout is not None else 0
+        timeout_ms = _wire.timeout_ms(t_limit) if timeout is not None else 0
         return self._disp.submit(
             lambda seq: _wire.encode_desc(
                 seq, self._handle, kind, dt, redop, root, tag, count, timeout_ms, bufs, splits
@@ -172,7 +172,7 @@ class SidecarSubmit:
         p = _Pending(work, op, time.monotonic() + t_limit + _GRACE, group=self)
         p.keep = bufs
         dt = _wire.DTYPES[dtype if dtype is not None else t0.dtype]
-        timeout_ms = int(t_limit * 1000) if timeout is not None else 0
+        timeout_ms = _wire.timeout_ms(t_limit) if timeout is not None else 0
         handle = self._handle
         done, k = self._enqueue_cuda(
             kind,
@@ -272,7 +272,7 @@ class SidecarSubmit:
                 keep.append(buf)
             bufs.append(sc.cuda_segment(buf))
         dt = _wire.DTYPES[dtype] if dtype is not None else 0
-        timeout_ms = int(t_limit * 1000) if timeout is not None else 0
+        timeout_ms = _wire.timeout_ms(t_limit) if timeout is not None else 0
         p.keep = keep
         with self._cuda_lock, _cuda.on_device(dev.index):
             k = self._next_value(lane)

@@ -164,6 +164,20 @@ REC_IPC_DROP = 19
 IPC = struct.Struct("<IIQ")  # segment, reserved, size; then the 64-byte IPC handle
 
 
+# The longest timeout the sidecar takes (wire.MaxTimeout, 100 years): a longer one, such as
+# timedelta.max, is sent as this instead of overflowing into a short or negative one.
+MAX_TIMEOUT_MS = 100 * 365 * 24 * 3600 * 1000
+
+
+def timeout_ms(seconds: float) -> int:
+    """A timeout in seconds as the descriptor's milliseconds, clamped to MAX_TIMEOUT_MS."""
+    if not seconds > 0:  # also NaN
+        return 0
+    if seconds * 1000 >= MAX_TIMEOUT_MS:
+        return MAX_TIMEOUT_MS
+    return int(seconds * 1000)
+
+
 def encode_desc(
     seq: int,
     group: int,

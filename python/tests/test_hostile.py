@@ -1,0 +1,184 @@
+"""Hostile peers and local hygiene: a flood of unauthenticated connections on a sidecar whose
+fd limit was lowered leaves a running group working and the sidecar's descriptors back at their
+baseline; the runtime directory is never someone else's or a link; huge timeouts are clamped or
+refused, not turned into immediate ones."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import resource
+import statistics
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from flood import Flood, fd_count
+
+from gocomm import _config, _sidecar, _wire
+
+SIZES = (4 << 10, 32 << 20)
+
+
+def check_peer_info(rk):
+    import gocomm
+
+    i = gocomm.info()
+    return {"pid": i["pid"], "peer": i["peer_address"]}
+
+
+def check_all_reduce_times(rk, iters):
+    """iters all_reduces of each size on the world; checks every result against the sum of
+    the ranks' inputs; returns each size's per-op times."""
+    times = {}
+    for nbytes in SIZES:
+        n = nbytes // 4
+        ts = []
+        for it in range(iters):
+            t = torch.full((n,), float(rk.rank + it), dtype=torch.float32)
+            t0 = time.monotonic()
+            dist.all_reduce(t)
+            ts.append(time.monotonic() - t0)
+            want = float(sum(r + it for r in range(rk.size)))
+            if t[0].item() != want or t[-1].item() != want or not torch.all(t == want):
+                raise AssertionError(f"all_reduce of {nbytes} bytes, iteration {it}: wrong sum")
+        times[nbytes] = ts
+    return times
+
+
+def _medians(results):
+    return {s: max(statistics.median(r[s]) for r in results) for s in SIZES}
+
+
+def check_new_group(rk):
+    """A gocomm group made now (new links, so new descriptors in the sidecars) works."""
+    g = dist.new_group(backend="gocomm", timeout=datetime.timedelta(seconds=rk.timeout_s))
+    t = torch.full((1024,), float(rk.rank + 1))
+    dist.all_reduce(t, group=g)
+    want = float(sum(r + 1 for r in range(rk.size)))
+    if not torch.all(t == want):
+        raise AssertionError("all_reduce on a group made during the flood: wrong sum")
+    dist.destroy_process_group(g)
+
+
+class _Peak:
+    """Samples a process's fd count from a thread, keeping the largest."""
+
+    def __init__(self, pid):
+        self.pid, self.peak, self._stop = pid, fd_count(pid), False
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop:
+            self.peak = max(self.peak, fd_count(self.pid))
+            time.sleep(0.01)
+
+    def stop(self):
+        self._stop = True
+        self._t.join()
+        return self.peak
+
+
+def test_flood_with_lowered_fd_limit(worlds):
+    """Rank 1's sidecar gets an fd limit 300 above what it uses; 1,500 junk, half-open and
+    unknown-group connections then arrive while the ranks loop all_reduce of 4 KiB and 32 MiB
+    and make a new group. Every result is right, each size's median time stays within 2x the
+    unflooded one (plus 50 ms for this shared machine), the sidecar never holds more than its
+    cap of unauthenticated links (GOCOMM_PEER_HANDSHAKES_MAX, twice: before and after their
+    hello) beyond its baseline, and its fds are back at the baseline within 10 s after."""
+    world = worlds.fresh(2, label="-flood")
+    try:
+        info = world.run(check_peer_info)
+        pid, addr = info[1]["pid"], info[1]["peer"]
+        base_times = _medians(world.run(check_all_reduce_times, iters=6))
+        base_fds = fd_count(pid)
+        old = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (base_fds + 300, old[1]))
+        try:
+            peak = _Peak(pid)
+            with Flood(addr, hold=1500) as flood:
+                while flood.opened < 1500 and not flood.done():
+                    time.sleep(0.05)
+                flooded = world.run(check_all_reduce_times, iters=6)
+                world.run(check_new_group)
+            peak = peak.stop()
+            assert flood.opened >= 1500, f"the flood opened only {flood.opened} connections ({flood.failed} failed)"
+            deadline = time.monotonic() + 10
+            while fd_count(pid) > base_fds and time.monotonic() < deadline:
+                time.sleep(0.1)
+            after = fd_count(pid)
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, old)
+        times = _medians(flooded)
+        print(
+            f"flood: {flood.opened} connections ({flood.failed} failed); sidecar fds {base_fds} before, "
+            f"{peak} at most during, {after} after; median s before {base_times}, during {times}"
+        )
+        for s in SIZES:
+            assert times[s] <= 2 * base_times[s] + 0.05, (
+                f"{s} bytes: {times[s]:.4f}s flooded, {base_times[s]:.4f}s before"
+            )
+        assert peak <= base_fds + 2 * 64 + 16, f"sidecar fds: {base_fds} before, {peak} during the flood"
+        assert after <= base_fds, f"sidecar fds: {base_fds} before, {peak} during, {after} 10 s after the flood"
+        world.run(check_all_reduce_times, iters=1)
+    finally:
+        world.close()
+
+
+@pytest.fixture
+def runtime_base(tmp_path, monkeypatch):
+    """XDG_RUNTIME_DIR at a fresh directory: runtime_dir() is <it>/gocomm."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_runtime_dir_is_made_private(runtime_base):
+    path = _sidecar.runtime_dir()
+    assert os.stat(path).st_mode & 0o777 == 0o700
+    os.chmod(path, 0o755)
+    assert _sidecar.runtime_dir() == path
+    assert os.stat(path).st_mode & 0o777 == 0o700
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a directory to another uid needs root (CI runs as root)")
+def test_runtime_dir_of_another_user(runtime_base):
+    path = runtime_base / "gocomm"
+    path.mkdir(mode=0o755)
+    os.chown(path, 65534, 65534)
+    with pytest.raises(_sidecar.SidecarError, match=f"{path} belongs to uid 65534.*XDG_RUNTIME_DIR"):
+        _sidecar.runtime_dir()
+
+
+def test_runtime_dir_symlink_not_followed(runtime_base, tmp_path_factory):
+    target = tmp_path_factory.mktemp("elsewhere")
+    os.chmod(target, 0o777)
+    (runtime_base / "gocomm").symlink_to(target)
+    with pytest.raises(_sidecar.SidecarError, match="symbolic link.*XDG_RUNTIME_DIR"):
+        _sidecar.runtime_dir()
+    assert os.stat(target).st_mode & 0o777 == 0o777, "the link's target was changed"
+
+
+@pytest.mark.parametrize("value", ["1e400", "inf", "86401", "nan"])
+def test_huge_start_timeout_refused(monkeypatch, value):
+    """A start timeout too large to mean anything (or infinite) is refused, naming the knob."""
+    monkeypatch.setenv("GOCOMM_START_TIMEOUT", value)
+    _config.reload()
+    try:
+        with pytest.raises(ValueError, match="GOCOMM_START_TIMEOUT"):
+            _config.start_timeout()
+    finally:
+        monkeypatch.delenv("GOCOMM_START_TIMEOUT")
+        _config.reload()
+
+
+def test_huge_op_timeout_clamped():
+    """timedelta.max as an op or group timeout goes to the sidecar as the longest it takes
+    (which it clamps again on its side: wire.Millis), not as an overflowed small one."""
+    big = datetime.timedelta.max.total_seconds()
+    assert _wire.timeout_ms(big) == _wire.MAX_TIMEOUT_MS
+    assert _wire.timeout_ms(float("inf")) == _wire.MAX_TIMEOUT_MS
+    assert _wire.timeout_ms(float("nan")) == 0
+    assert _wire.timeout_ms(1.5) == 1500
