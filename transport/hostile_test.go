@@ -6,11 +6,13 @@ import (
 	"encoding/binary"
 	"errors"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -35,8 +37,13 @@ func TestFloodBeforeAuth(t *testing.T) {
 	base := fdCount(t)
 	var nodes []*Node
 	var addrs []string
-	for range 2 {
-		n, err := Listen(Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quiet(), HandshakesMax: capN, HandshakeTimeout: 2 * time.Second})
+	var logged lockedBuffer
+	for r := range 2 {
+		log := quiet()
+		if r == 1 {
+			log = slog.New(slog.NewTextHandler(&logged, nil))
+		}
+		n, err := Listen(Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: log, HandshakesMax: capN, HandshakeTimeout: 2 * time.Second})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -69,6 +76,7 @@ func TestFloodBeforeAuth(t *testing.T) {
 	exchange(0)
 	linked := fdCount(t)
 
+	start := time.Now()
 	var conns []net.Conn
 	unknown := hello{from: 0, to: 1}
 	rand.Read(unknown.group[:])
@@ -128,6 +136,36 @@ func TestFloodBeforeAuth(t *testing.T) {
 		t.Errorf("%d descriptors after the flood, %d before (%d before the group)", n, linked, base)
 	}
 	exchange(99)
+	// warnings about the flood: about one a second, however many connections, and one
+	// that counts the rest
+	for !strings.Contains(logged.String(), "similar_lines_left_out") && time.Since(start) < 5*time.Second {
+		time.Sleep(50 * time.Millisecond)
+	}
+	lines := strings.Count(logged.String(), "level=WARN")
+	if limit := 2*int(time.Since(start)/time.Second) + 2; lines > limit {
+		t.Errorf("%d warnings logged in %v about %d rejected connections, want at most %d", lines, time.Since(start), flood, limit)
+	}
+	if !strings.Contains(logged.String(), "similar_lines_left_out") {
+		t.Errorf("the warnings do not say how many lines were left out:\n%s", logged.String())
+	}
+}
+
+// lockedBuffer is a bytes.Buffer for a logger written from several goroutines.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
 
 // TestUnknownGroupHoldsNothing: a hello for a group that is not here is answered at once
@@ -247,6 +285,20 @@ func TestProbeOnlyAfterProof(t *testing.T) {
 	}
 }
 
+// refuseAll closes every link rank 1 makes to the fake peer (its abort links included), so
+// that rank 1's Close need not wait out abortGrace for them.
+func (p *fakePeer) refuseAll() {
+	go func() {
+		for {
+			c, err := p.ln.Accept()
+			if err != nil {
+				return
+			}
+			c.Close()
+		}
+	}()
+}
+
 // fakeDialer is a peer that holds the secret and speaks the link protocol by hand: it
 // links to rank 1 as rank 0 offering pr, and reports whether references were granted.
 func fakeDialer(t *testing.T, addr string, secret []byte, pr probe) (net.Conn, bool) {
@@ -293,6 +345,7 @@ func TestRefWithoutNegotiation(t *testing.T) {
 	secret := []byte("a secret of at least sixteen bytes")
 	nodes, addrs := listen(t, 1)
 	peer := newFakePeer(t, secret)
+	peer.refuseAll()
 	ep, err := nodes[0].Join(secret, 1, []string{peer.ln.Addr().String(), addrs[0]})
 	if err != nil {
 		t.Fatal(err)
@@ -329,6 +382,7 @@ func TestRefIntoAnotherProcess(t *testing.T) {
 	}
 	defer n.Close()
 	peer := newFakePeer(t, secret)
+	peer.refuseAll()
 	ep, err := n.Join(secret, 1, []string{peer.ln.Addr().String(), n.Addr()})
 	if err != nil {
 		t.Fatal(err)
@@ -359,6 +413,7 @@ func TestUnmatchedBytesCapped(t *testing.T) {
 	}
 	defer n.Close()
 	peer := newFakePeer(t, secret)
+	peer.refuseAll()
 	ep, err := n.Join(secret, 1, []string{peer.ln.Addr().String(), n.Addr()})
 	if err != nil {
 		t.Fatal(err)

@@ -7,15 +7,18 @@ import (
 )
 
 // rateLog writes warnings about peers that are not part of any group (junk, floods, wrong
-// secrets) at most once per interval; the next line written says how many were left out.
-// Anyone who can reach the listener can cause these, so they must not fill the log.
+// secrets) at most once per interval; the lines left out are counted in one line at the end
+// of the interval. Anyone who can reach the listener can cause these, so they must not fill
+// the log.
 type rateLog struct {
 	log      *slog.Logger
 	interval time.Duration
 
-	mu     sync.Mutex
-	last   time.Time
-	missed int
+	mu      sync.Mutex
+	last    time.Time
+	missed  int
+	lastMsg string
+	timer   *time.Timer // pending summary of the lines left out
 }
 
 func newRateLog(log *slog.Logger, interval time.Duration) *rateLog {
@@ -25,17 +28,27 @@ func newRateLog(log *slog.Logger, interval time.Duration) *rateLog {
 func (r *rateLog) warn(msg string, args ...any) {
 	r.mu.Lock()
 	now := time.Now()
-	if now.Sub(r.last) < r.interval {
+	if since := now.Sub(r.last); since < r.interval {
 		r.missed++
+		r.lastMsg = msg
+		if r.timer == nil {
+			r.timer = time.AfterFunc(r.interval-since, r.summary)
+		}
 		r.mu.Unlock()
 		return
 	}
 	r.last = now
-	missed := r.missed
-	r.missed = 0
+	r.mu.Unlock()
+	r.log.Warn(msg, args...)
+}
+
+// summary writes how many lines were left out since the last one written.
+func (r *rateLog) summary() {
+	r.mu.Lock()
+	missed, msg := r.missed, r.lastMsg
+	r.missed, r.timer, r.last = 0, nil, time.Now()
 	r.mu.Unlock()
 	if missed > 0 {
-		args = append(args, "similar_lines_left_out", missed)
+		r.log.Warn("more warnings about peer links left out", "similar_lines_left_out", missed, "last", msg)
 	}
-	r.log.Warn(msg, args...)
 }
