@@ -77,7 +77,13 @@ class ProcessGroupGocomm(SidecarSubmit, InProcessKernels, dist.ProcessGroup):
     ):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
-        self._timeout = max(_timeout_seconds(timeout), 0.001)
+        seconds = _timeout_seconds(timeout)
+        if seconds < 0:
+            # torch's C++ side keeps timeouts in nanoseconds: one past ~292 years (timedelta.max)
+            # reaches us wrapped negative. It meant "never": take the longest the sidecar does.
+            log.warning("gocomm: group timeout %s came through negative (overflowed); taking the longest", timeout)
+            seconds = _wire.MAX_TIMEOUT_MS / 1000
+        self._timeout = max(seconds, 0.001)
         self._group_name = group_name
         self._global_ranks = list(global_ranks or range(size))
         global_rank = self._global_ranks[rank] if rank < len(self._global_ranks) else rank

@@ -203,3 +203,18 @@ def test_huge_op_timeout_clamped():
     assert _wire.timeout_ms(float("inf")) == _wire.MAX_TIMEOUT_MS
     assert _wire.timeout_ms(float("nan")) == 0
     assert _wire.timeout_ms(1.5) == 1500
+
+
+def check_huge_group_timeout(rk):
+    """A group whose timeout is timedelta.max (the longest torch takes) works: the timeout is
+    clamped, not wrapped into a negative one that fails every op at once."""
+    g = dist.new_group(backend="gocomm", timeout=datetime.timedelta.max)
+    t = torch.full((256,), float(rk.rank + 1))
+    dist.all_reduce(t, group=g)
+    ok = bool(torch.all(t == float(sum(r + 1 for r in range(rk.size)))))
+    dist.destroy_process_group(g)
+    return ok
+
+
+def test_huge_group_timeout(worlds):
+    assert worlds.get(2).run(check_huge_group_timeout) == [True, True]
