@@ -349,7 +349,6 @@ func (n *Node) drop(h *handshaking) {
 
 func (n *Node) accept(hs *handshaking) {
 	conn := hs.conn
-	tune(conn)
 	conn.SetDeadline(time.Now().Add(n.handshake))
 	var ep *Endpoint
 	h, refs, err := acceptHandshake(conn, func(id [16]byte) ([]byte, string, error) {
@@ -379,6 +378,7 @@ func (n *Node) accept(hs *handshaking) {
 		return
 	}
 	conn.SetDeadline(time.Time{})
+	tune(conn) // only now: a connection that never authenticates costs no setsockopt calls
 	from := int(h.from)
 	if int(h.to) != ep.rank || from < 0 || from >= ep.size || from == ep.rank {
 		n.rejects.warn("rejected peer link", "from", from, "to", h.to, "rank", ep.rank, "size", ep.size)

@@ -218,3 +218,17 @@ def check_huge_group_timeout(rk):
 
 def test_huge_group_timeout(worlds):
     assert worlds.get(2).run(check_huge_group_timeout) == [True, True]
+
+
+def test_stale_sockets_of_killed_sidecars_removed(worlds):
+    """Ranks and sidecars SIGKILLed leave their control sockets; the next sidecar to start
+    removes them."""
+    rdir = _sidecar.runtime_dir()
+    world = worlds.fresh(2, label="-stale")
+    socks = [os.path.join(rdir, f"pgserver-{p.pid}-r{r}.sock") for r, p in enumerate(world.procs)]
+    world.kill()
+    left = [s for s in socks if os.path.exists(s)]
+    assert left, f"no socket left by the killed sidecars ({socks}): nothing to test"
+    world = worlds.fresh(2, label="-after")
+    world.close()
+    assert not [s for s in left if os.path.exists(s)], f"stale sockets still there: {left}"
