@@ -146,7 +146,7 @@ bench: all
 # fails unless every rank of every run gets an error naming the mismatch and both calls.
 SOAK_RUNS ?= 1000
 # 10,000 unauthenticated connections to one sidecar while its group works (soak_flood.py).
-FLOOD_TRIALS ?= 3
+FLOOD_TRIALS ?= 20
 soak: all
 	$(PY) python/tests/soak_disagree.py --runs $(SOAK_RUNS)
 	$(PY) python/tests/soak_flood.py --trials $(FLOOD_TRIALS)

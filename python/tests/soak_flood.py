@@ -5,7 +5,7 @@ must keep the results right, each size's median time within 2x the unflooded one
 sidecar's fds within its cap of unauthenticated links during the flood and back at the baseline
 within 10 s after. Exits 1 otherwise.
 
-    .venv/bin/python python/tests/soak_flood.py --trials 3
+    .venv/bin/python python/tests/soak_flood.py --trials 20
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from test_hostile import flood_trial  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--connections", type=int, default=10_000)
     args = ap.parse_args()
     # this process holds the flood's client ends
