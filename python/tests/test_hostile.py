@@ -233,3 +233,47 @@ def test_stale_sockets_of_killed_sidecars_removed(worlds):
     world = worlds.fresh(2, label="-after")
     world.close()
     assert not [s for s in left if os.path.exists(s)], f"stale sockets still there: {left}"
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def check_unreceived_isends(rk, n):
+    """Rank 0 isends n messages of 60 KiB that rank 1 never receives, then both all_reduce;
+    returns how each rank's calls ended."""
+    t0 = time.monotonic()
+    err = ""
+    try:
+        if rk.rank == 0:
+            t = torch.ones(15 << 10)  # 60 KiB: inline, under the by-reference threshold
+            works = [dist.isend(t, 1, tag=7) for _ in range(n)]
+            for w in works:
+                w.wait()
+        dist.all_reduce(torch.ones(4))
+    except Exception as e:  # noqa: BLE001
+        err = str(e)
+    return {"error": err, "elapsed": time.monotonic() - t0}
+
+
+def test_unreceived_isends_capped(worlds):
+    """4,000 never-received 60 KiB isends (240 MiB) to a sidecar whose GOCOMM_UNMATCHED_BYTES_MAX
+    is 16 MiB: the receiving sidecar grows by about the cap, not by 240 MiB, and every rank
+    raises naming the knob."""
+    world = worlds.fresh(2, label="-unmatched", env={"GOCOMM_UNMATCHED_BYTES_MAX": str(16 << 20)})
+    try:
+        pid = world.run(check_peer_info)[1]["pid"]
+        before = _rss(pid)
+        results = world.run(check_unreceived_isends, n=4000)
+        grew = _rss(pid) - before
+    finally:
+        world.kill()  # its group is broken
+    print(f"unreceived isends: sidecar grew {grew >> 20} MiB; {results}")
+    for r, res in enumerate(results):
+        assert "GOCOMM_UNMATCHED_BYTES_MAX" in res["error"], f"rank {r}: {res}"
+        assert res["elapsed"] < 30, f"rank {r}: {res}"
+    assert grew < 64 << 20, f"the receiving sidecar grew by {grew >> 20} MiB"
