@@ -49,12 +49,17 @@ var (
 //  6. A payload sent by reference (same host, kindRef) stays untouched by its sender until
 //     the receiver's ack: the send request finishes on the ack, not on the write. The
 //     receiver acks only after it has copied or reduced the bytes, and maps a peer's segment
-//     read-only, once, for the life of the endpoint.
+//     read-only, once, for the life of the endpoint. References arrive only on links whose
+//     handshake granted them, and name only the process the handshake probed; any other
+//     breaks the endpoint (ErrProtocol).
 //  7. A peer that breaks the group on purpose says why before its links close: an abort
 //     frame on its link to each rank, or (to a rank whose link reaches it only after the
 //     break) the reason in the handshake's answer. So a link to a peer that fails without a
 //     reason breaks the endpoint as a lost peer only once the peer's own link to this rank
 //     ended without an abort frame, or had peerLostGrace to deliver one (lost).
+//  8. Early frames are charged to their sender (unmatched: inline bytes plus earlyCost each)
+//     until taken or released; a sender past Config.UnmatchedMax breaks the endpoint
+//     (ErrUnmatchedMax) before its next frame is read into memory.
 type Endpoint struct {
 	node   *Node
 	id     [16]byte
@@ -88,7 +93,7 @@ type Endpoint struct {
 	onBreak   []func(error)
 	refID     uint64
 	peerMaps  map[mapKey][]byte // peers' segments mapped here (invariant 6)
-	unmatched []atomic.Int64    // per peer: bytes its early frames hold here (Config.UnmatchedMax)
+	unmatched []atomic.Int64    // per peer: what its early frames are charged (invariant 8)
 
 	BytesSent, BytesReceived atomic.Uint64
 	// BytesByRef counts the bytes of BytesSent that went by reference (same host).
