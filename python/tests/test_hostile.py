@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import resource
+import signal
 import statistics
 import threading
 import time
@@ -227,6 +228,8 @@ def test_stale_sockets_of_killed_sidecars_removed(worlds):
     rdir = _sidecar.runtime_dir()
     world = worlds.fresh(2, label="-stale")
     socks = [os.path.join(rdir, f"pgserver-{p.pid}-r{r}.sock") for r, p in enumerate(world.procs)]
+    for i in world.info:  # the sidecars first: killed ranks would let them shut down cleanly
+        os.kill(i["sidecar_pid"], signal.SIGKILL)
     world.kill()
     left = [s for s in socks if os.path.exists(s)]
     assert left, f"no socket left by the killed sidecars ({socks}): nothing to test"
