@@ -280,3 +280,43 @@ def test_unreceived_isends_capped(worlds):
         assert "(aborted)" in res["error"] and "GOCOMM_UNMATCHED_BYTES_MAX" in res["error"], f"rank {r}: {res}"
         assert res["elapsed"] < 30, f"rank {r}: {res}"
     assert grew < 64 << 20, f"the receiving sidecar grew by {grew >> 20} MiB"
+
+
+def check_ipc_claim(rk):
+    """A CUDA tensor's allocation registered with its real size works; one whose claimed
+    size is twice the allocation (the client lying about it) is refused by the sidecar, and
+    an op on it raises naming the claim. Returns what happened."""
+    from gocomm import _cuda, _sidecar
+
+    torch.cuda.set_device(0)
+    # broadcast: the sidecar's NCCL runs it (no in-process kernel), so it maps the tensor
+    t = torch.full((1 << 20,), 3.0, device="cuda")
+    dist.broadcast(t, 0)
+    torch.cuda.synchronize()
+    ok = bool(torch.all(t == 3.0))
+    real = _cuda.allocation
+    _cuda.allocation = lambda p: (real(p)[0], 2 * real(p)[1])
+    try:
+        u = torch.ones(1 << 22, device="cuda")  # a new allocation, registered with the lie
+        _sidecar.current().cuda_segment(u)
+        err = ""
+        try:
+            dist.broadcast(u, 0)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            err = str(e)
+    finally:
+        _cuda.allocation = real
+    return {"ok": ok, "error": err}
+
+
+@pytest.mark.gpu
+def test_ipc_claim_checked_against_the_driver(worlds):
+    """On a GPU: the sidecar checks a CUDA registration's size with cuMemGetAddressRange."""
+    world = worlds.fresh(1, label="-ipc")
+    try:
+        (res,) = world.run(check_ipc_claim, timeout=120)
+    finally:
+        world.kill()
+    assert res["ok"], res
+    assert "claims" in res["error"] and "the allocation there is" in res["error"], res
