@@ -10,6 +10,7 @@ import os
 import resource
 import signal
 import statistics
+import subprocess
 import threading
 import time
 
@@ -233,8 +234,21 @@ def test_stale_sockets_of_killed_sidecars_removed(worlds):
     world.kill()
     left = [s for s in socks if os.path.exists(s)]
     assert left, f"no socket left by the killed sidecars ({socks}): nothing to test"
-    world = worlds.fresh(2, label="-after")
-    world.close()
+    # the next sidecar to start: a bare pgserver with the same runtime dir
+    sock = os.path.join(rdir, f"pgserver-{os.getpid()}-rtest.sock")
+    proc = subprocess.Popen(
+        [_sidecar.find_pgserver(), "--runtime-dir", rdir, "--socket", sock, "--listen", "127.0.0.1:0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not os.path.exists(sock) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.path.exists(sock), "the new pgserver did not start"
+    finally:
+        proc.terminate()
+        proc.wait(10)
     assert not [s for s in left if os.path.exists(s)], f"stale sockets still there: {left}"
 
 
