@@ -22,7 +22,7 @@ import (
 // checked (no chmod by name, which a swapped-in link would redirect). Someone else's
 // directory, or a link, is an error naming the path and the way out.
 func privateDir(dir string) error {
-	if err := os.MkdirAll(filepath.Dir(dir), 0o755); err != nil {
+	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
 		return fmt.Errorf("runtime dir: %w", err)
 	}
 	if err := unix.Mkdir(dir, 0o700); err != nil && !errors.Is(err, unix.EEXIST) {
