@@ -7,7 +7,8 @@
 # make test-gpu   the GPU suite, on a machine with GPUs (see README; MPS=1 under MPS)
 # make bench-gpu  gocomm against torch NCCL on the machine's GPUs (table, JSON, PNG)
 # make bench      CPU benchmark: gocomm against gloo, 2 to 4 ranks
-# make soak       ranks that disagree, SOAK_RUNS times on one world (not part of make test)
+# make soak       ranks that disagree, SOAK_RUNS times on one world, and a 10,000-connection
+#                 flood of a sidecar's peer port, FLOOD_TRIALS times (not part of make test)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -154,8 +155,11 @@ bench: all
 # 3 ranks call different collectives (all_reduce vs all_gather) on a fresh group per run;
 # fails unless every rank of every run gets an error naming the mismatch and both calls.
 SOAK_RUNS ?= 1000
+# 10,000 unauthenticated connections to one sidecar while its group works (soak_flood.py).
+FLOOD_TRIALS ?= 20
 soak: all
 	$(PY) python/tests/soak_disagree.py --runs $(SOAK_RUNS)
+	$(PY) python/tests/soak_flood.py --trials $(FLOOD_TRIALS)
 
 clean:
 	rm -rf bin python/gocomm/bin python/gocomm/v1 csrc/build python/gocomm/lib python/gocomm/_C*.so $(GO_GEN) kernels/build/_obj $(KERNELS)

@@ -21,6 +21,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // Config is the sidecar's settings, as read from the environment.
@@ -28,18 +29,35 @@ type Config struct {
 	// Transport is GOCOMM_TRANSPORT: "auto", "nvshmem" or "nccl".
 	Transport string
 	A2A       A2A
-	Peer      Peer
+	Peers     Peers
+	Log       Log
 }
 
-// Peer is where peer sidecars reach this one (transport.ChooseAddress picks the address from
-// these, the rendezvous host the shim passes, and the routing table).
-type Peer struct {
+// Peers is where peer sidecars reach this one (transport.ChooseAddress picks the address
+// from Advertise, Ifname, the rendezvous host the shim passes, and the routing table) and what
+// the sidecar grants the sidecars that dial it.
+type Peers struct {
 	// Advertise is GOCOMM_ADVERTISE_ADDR: the address to listen on and advertise ("": chosen).
 	Advertise string
 	// Ifname is GOCOMM_SOCKET_IFNAME: advertise this interface's address.
 	Ifname string
 	// Listen is GOCOMM_LISTEN_ADDR: listen here instead of on the advertised address.
 	Listen string
+	// HandshakeTimeout bounds a link's handshake, accepted or dialed.
+	HandshakeTimeout time.Duration
+	// HandshakesMax caps the accepted links that have not proved they hold a group's secret.
+	HandshakesMax int
+	// UnmatchedBytesMax caps the bytes one peer's messages that no receive matched yet may
+	// hold in this sidecar, per group.
+	UnmatchedBytesMax int64
+}
+
+// Log is how the sidecar's log file is kept.
+type Log struct {
+	// MaxBytes is the size past which the log file is rotated; Keep is how many rotated
+	// files are kept (<log>.1 the newest).
+	MaxBytes int64
+	Keep     int
 }
 
 // A2A is how the sparse all-to-all (all_to_all_v with its splits on the GPU) is sized and
@@ -128,7 +146,36 @@ var Params = []Param{
 			if strings.ContainsAny(v, " /") {
 				return errAccepts
 			}
-			c.Peer.Advertise = v
+			c.Peers.Advertise = v
+			return nil
+		},
+	},
+	{
+		Env: "GOCOMM_HANDSHAKE_TIMEOUT", Default: "5", Accepts: "an integer of seconds, 1 to 600",
+		Doc: "how long a peer link's handshake may take; a connection that has not proved it holds the group's secret by then is closed",
+		set: func(c *Config, v string) error {
+			n, err := intIn(v, 1, 600)
+			c.Peers.HandshakeTimeout = time.Duration(n) * time.Second
+			return err
+		},
+	},
+	{
+		Env: "GOCOMM_PEER_HANDSHAKES_MAX", Default: "64", Accepts: "an integer, 2 to 65536",
+		Doc: "the most peer connections in their handshake (not yet authenticated) at once; a new one past it closes the oldest, which a real peer retries",
+		set: func(c *Config, v string) (err error) {
+			c.Peers.HandshakesMax, err = intIn(v, 2, 1<<16)
+			return err
+		},
+	},
+	{
+		Env: "GOCOMM_UNMATCHED_BYTES_MAX", Default: "1073741824", Accepts: "an integer of bytes, 65536 to 2^50",
+		Doc: "the most bytes one peer's messages that no receive matched yet may hold in the sidecar, per group; a peer that sends more breaks the group with an error naming this knob",
+		set: func(c *Config, v string) error {
+			n, err := strconv.ParseInt(v, 10, 64)
+			if err != nil || n < 1<<16 || n > 1<<50 {
+				return errAccepts
+			}
+			c.Peers.UnmatchedBytesMax = n
 			return nil
 		},
 	},
@@ -139,7 +186,7 @@ var Params = []Param{
 			if len(v) > 15 || strings.ContainsAny(v, " /") {
 				return errAccepts
 			}
-			c.Peer.Ifname = v
+			c.Peers.Ifname = v
 			return nil
 		},
 	},
@@ -152,8 +199,25 @@ var Params = []Param{
 					return errAccepts
 				}
 			}
-			c.Peer.Listen = v
+			c.Peers.Listen = v
 			return nil
+		},
+	},
+	{
+		Env: "GOCOMM_LOG_MAX_MB", Default: "64", Accepts: "an integer of MiB, 1 to 65536",
+		Doc: "the size at which the sidecar's log file is rotated (to <log>.1, the older ones shifted)",
+		set: func(c *Config, v string) error {
+			n, err := intIn(v, 1, 1<<16)
+			c.Log.MaxBytes = int64(n) << 20
+			return err
+		},
+	},
+	{
+		Env: "GOCOMM_LOG_KEEP", Default: "3", Accepts: "an integer, 0 to 100",
+		Doc: "how many rotated log files the sidecar keeps (<log>.1 to <log>.N); 0 keeps none",
+		set: func(c *Config, v string) (err error) {
+			c.Log.Keep, err = intIn(v, 0, 100)
+			return err
 		},
 	},
 }

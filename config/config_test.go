@@ -7,13 +7,18 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 )
 
 func env(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
 
 // TestDefaults: with nothing set, the values the sidecar used before the table existed.
 func TestDefaults(t *testing.T) {
-	want := Config{Transport: "auto", A2A: A2A{RecvBytes: 512 << 20, Blocks: 128, Threads: 256, Direct: true}}
+	want := Config{
+		Transport: "auto", A2A: A2A{RecvBytes: 512 << 20, Blocks: 128, Threads: 256, Direct: true},
+		Peers: Peers{HandshakeTimeout: 5 * time.Second, HandshakesMax: 64, UnmatchedBytesMax: 1 << 30},
+		Log:   Log{MaxBytes: 64 << 20, Keep: 3},
+	}
 	if got := Defaults(); got != want {
 		t.Fatalf("Defaults() = %+v, want %+v", got, want)
 	}
@@ -26,12 +31,18 @@ func TestValues(t *testing.T) {
 		want Config
 	}{
 		{"transport, any case and spaces", map[string]string{"GOCOMM_TRANSPORT": " NCCL "},
-			Config{Transport: "nccl", A2A: Defaults().A2A}},
+			Config{Transport: "nccl", A2A: Defaults().A2A, Peers: Defaults().Peers, Log: Defaults().Log}},
 		{"a2a settings", map[string]string{"GOCOMM_A2A_RECV_MB": "64", "GOCOMM_A2AV_BLOCKS": "2", "GOCOMM_A2AV_THREADS": "512", "GOCOMM_A2AV_DIRECT": "0"},
-			Config{Transport: "auto", A2A: A2A{RecvBytes: 64 << 20, Blocks: 2, Threads: 512}}},
+			Config{Transport: "auto", A2A: A2A{RecvBytes: 64 << 20, Blocks: 2, Threads: 512}, Peers: Defaults().Peers, Log: Defaults().Log}},
+		{"peers and log", map[string]string{"GOCOMM_HANDSHAKE_TIMEOUT": "2", "GOCOMM_PEER_HANDSHAKES_MAX": "8", "GOCOMM_UNMATCHED_BYTES_MAX": "1048576", "GOCOMM_LOG_MAX_MB": "1", "GOCOMM_LOG_KEEP": "0"},
+			Config{Transport: "auto", A2A: Defaults().A2A, Peers: Peers{HandshakeTimeout: 2 * time.Second, HandshakesMax: 8, UnmatchedBytesMax: 1 << 20}, Log: Log{1 << 20, 0}}},
 		{"empty is unset", map[string]string{"GOCOMM_A2AV_BLOCKS": " "}, Defaults()},
 		{"peer address", map[string]string{"GOCOMM_ADVERTISE_ADDR": "10.0.0.7", "GOCOMM_SOCKET_IFNAME": "ib0", "GOCOMM_LISTEN_ADDR": "0.0.0.0:0"},
-			Config{Transport: "auto", A2A: Defaults().A2A, Peer: Peer{Advertise: "10.0.0.7", Ifname: "ib0", Listen: "0.0.0.0:0"}}},
+			Config{Transport: "auto", A2A: Defaults().A2A, Peers: func() Peers {
+				p := Defaults().Peers
+				p.Advertise, p.Ifname, p.Listen = "10.0.0.7", "ib0", "0.0.0.0:0"
+				return p
+			}(), Log: Defaults().Log}},
 	} {
 		got, warns, err := Load(env(tc.env))
 		if err != nil || len(warns) != 0 || got != tc.want {
@@ -53,6 +64,12 @@ func TestBadValue(t *testing.T) {
 		{"GOCOMM_A2AV_DIRECT", "yes", "0 or 1"},
 		{"GOCOMM_LISTEN_ADDR", "0.0.0.0", "host:port"},
 		{"GOCOMM_SOCKET_IFNAME", "eth0/1", "an interface name"},
+		// a huge timeout is refused, not wrapped into a short one
+		{"GOCOMM_HANDSHAKE_TIMEOUT", "9223372036854775807", "1 to 600"},
+		{"GOCOMM_HANDSHAKE_TIMEOUT", "0", "1 to 600"},
+		{"GOCOMM_PEER_HANDSHAKES_MAX", "1", "2 to 65536"},
+		{"GOCOMM_UNMATCHED_BYTES_MAX", "99999999999999999999", "65536 to 2^50"},
+		{"GOCOMM_LOG_MAX_MB", "0", "1 to 65536"},
 	} {
 		_, _, err := Load(env(map[string]string{tc.name: tc.value}))
 		if err == nil || !strings.Contains(err.Error(), tc.name+"=") || !strings.Contains(err.Error(), tc.accepts) {

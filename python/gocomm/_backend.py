@@ -32,6 +32,11 @@ log = logging.getLogger("gocomm")
 _groups: weakref.WeakSet = weakref.WeakSet()
 
 
+# The longest timeout the sidecar takes (wire.MaxTimeout, 100 years): a longer one, such as
+# timedelta.max, is sent as this instead of overflowing into a short or negative one.
+_MAX_TIMEOUT_S = 100 * 365 * 24 * 3600
+
+
 def _seconds(timeout) -> float:
     if isinstance(timeout, datetime.timedelta):
         return timeout.total_seconds()
@@ -52,7 +57,13 @@ class _Group(InProcessKernels):
         global_ranks: list[int] | None = None,
     ):
         self._rank, self._size = rank, size
-        self._timeout = max(_seconds(timeout), 0.001)
+        seconds = _seconds(timeout)
+        if seconds < 0:
+            # torch's C++ side keeps timeouts in nanoseconds: one past ~292 years (timedelta.max)
+            # reaches us wrapped negative. It meant "never": take the longest the sidecar does.
+            log.warning("gocomm: group timeout %s came through negative (overflowed); taking the longest", timeout)
+            seconds = _MAX_TIMEOUT_S
+        self._timeout = max(seconds, 0.001)
         self._group_name = group_name
         self._global_ranks = list(global_ranks or range(size))
         global_rank = self._global_ranks[rank] if rank < len(self._global_ranks) else rank
@@ -70,7 +81,7 @@ class _Group(InProcessKernels):
                 rank=rank,
                 size=size,
                 global_ranks=self._global_ranks,
-                timeout_ms=int(self._timeout * 1000),
+                timeout_ms=int(min(self._timeout, _MAX_TIMEOUT_S) * 1000),
             ),
         )
         self._handle = resp.group

@@ -76,9 +76,10 @@ def _duration(v: str) -> str:
     return v
 
 
-def _positive_float(v: str) -> float:
+def _seconds(v: str) -> float:
+    """Seconds above 0 and at most a day: a larger or infinite value would never time out."""
     f = float(v)
-    if not f > 0:
+    if not 0 < f <= 86400:
         raise ValueError
     return f
 
@@ -129,8 +130,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob(
         "GOCOMM_START_TIMEOUT",
         "30",
-        _positive_float,
-        "seconds, above 0",
+        _seconds,
+        "seconds, above 0 and at most 86400",
         "how long the shim waits for a pgserver it started to answer",
     ),
     Knob(

@@ -9,6 +9,7 @@ import atexit
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -49,15 +50,38 @@ def find_pgserver() -> str:
 
 
 def runtime_dir() -> str:
-    """Private directory for sockets and logs ($XDG_RUNTIME_DIR/gocomm or /tmp/gocomm-<uid>)."""
+    """Private directory for sockets and logs ($XDG_RUNTIME_DIR/gocomm or /tmp/gocomm-<uid>).
+
+    Made 0700 if missing. An existing one must be a directory of this user's, not a symbolic
+    link (never followed): someone else could otherwise pre-create it, or point it at a
+    directory of theirs. A mode open to others is tightened through a descriptor of the
+    directory that was checked, never by name."""
     base = os.environ.get("XDG_RUNTIME_DIR")
     path = os.path.join(base, "gocomm") if base else os.path.join(tempfile.gettempdir(), f"gocomm-{os.getuid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    fix = "remove it, or set XDG_RUNTIME_DIR to a directory of your own (the runtime dir is $XDG_RUNTIME_DIR/gocomm)"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
     st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise SidecarError(f"runtime directory {path} is a symbolic link, which gocomm does not follow: {fix}")
+    if not stat.S_ISDIR(st.st_mode):
+        raise SidecarError(f"runtime directory {path} is not a directory: {fix}")
     if st.st_uid != os.getuid():
-        raise SidecarError(f"runtime directory {path} belongs to uid {st.st_uid}, not {os.getuid()}")
+        raise SidecarError(
+            f"runtime directory {path} belongs to uid {st.st_uid}, not to this user ({os.getuid()}): {fix}"
+        )
     if st.st_mode & 0o077:
-        os.chmod(path, 0o700)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            fst = os.fstat(fd)
+            if (fst.st_ino, fst.st_dev, fst.st_uid) != (st.st_ino, st.st_dev, os.getuid()):
+                raise SidecarError(f"runtime directory {path} changed while it was checked: {fix}")
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
     return path
 
 
