@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ._version import __version__
+
 from . import moe
 from ._backend import ProcessGroupGocomm, create
 from ._sidecar import SidecarError, find_pgserver, shutdown
@@ -23,6 +25,7 @@ __all__ = [
     "ProcessGroupGocomm",
     "SidecarError",
     "Work",
+    "__version__",
     "all_to_all_v",
     "find_pgserver",
     "info",
@@ -30,7 +33,6 @@ __all__ = [
     "receive_buffer",
     "shutdown",
 ]
-__version__ = "0.1.0"
 
 
 def _check_environment() -> None:
