@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ._version import __version__
-
 from . import moe
 from ._backend import ProcessGroupGocomm, create
 from ._sidecar import SidecarError, find_pgserver, shutdown
+from ._version import __version__
 from ._work import Work
 from .sparse import all_to_all_v, receive_buffer
 
