@@ -117,11 +117,29 @@ def _ensure_binaries() -> None:
     subprocess.check_call(["make", "-C", ROOT, "package", f"FROM_PY={sys.executable}"])
 
 
+# the oldest manylinux glibc whose policy (auditwheel's) allows libstdc++'s GLIBCXX_3.4.N, for
+# the compiled client: 3.4.29 is gcc 11 (manylinux_2_34), 3.4.30 gcc 12 (manylinux_2_35)
+GLIBCXX_TO_GLIBC = {29: 34, 30: 35}
+
+
 def _glibc_needed(path: str) -> int:
-    """The newest GLIBC_2.N symbol version path's dynamic symbols ask for (0: none)."""
+    """The oldest glibc (2.N) whose manylinux policy takes path's versioned symbols: the
+    newest GLIBC_2.N it asks for, and what its GLIBCXX_3.4.M needs (0: none)."""
     with open(path, "rb") as f:
         data = f.read()
-    return max((int(m) for m in re.findall(rb"GLIBC_2\.(\d+)", data)), default=0)
+    glibc = max((int(m) for m in re.findall(rb"GLIBC_2\.(\d+)", data)), default=0)
+    cxx = max((int(m) for m in re.findall(rb"GLIBCXX_3\.4\.(\d+)", data)), default=0)
+    if cxx > max(GLIBCXX_TO_GLIBC):
+        raise BuildError(
+            f"{path} needs GLIBCXX_3.4.{cxx}, newer than any manylinux policy this build knows: "
+            "build it with an older g++ (gcc 12 or older)"
+        )
+    return max(
+        glibc,
+        min((g for c, g in GLIBCXX_TO_GLIBC.items() if c >= cxx), default=0)
+        if cxx
+        else 0,
+    )
 
 
 def _platform() -> str:
