@@ -123,7 +123,7 @@ package: build
 WHEEL_PY ?= $(PY)
 wheel: all
 	rm -rf dist .cache/wheel-build
-	$(WHEEL_PY) -m pip wheel -q --no-build-isolation --no-deps -w dist .
+	$(WHEEL_PY) -m pip wheel -q --no-index --no-build-isolation --no-deps -w dist .
 	$(WHEEL_PY) -c 'from setuptools import build_meta as b; b.build_sdist("dist")' >/dev/null
 	@ls -l dist
 

@@ -1,6 +1,7 @@
 """The wheel, installed apart from the checkout, runs a 2-rank CPU job (make test-wheel).
 
     python python/tests/wheel_check.py dist/gocomm-<version>-<tags>.whl
+    python python/tests/wheel_check.py --cuda 8 dist/gocomm-...whl   # a GPU machine: 8 ranks, MPS
 
 A scratch venv (deleted after, pass or fail) gets the wheel with `pip install --no-deps`; it
 sees this venv's torch, grpcio and protobuf through a .pth naming this venv's site-packages
@@ -9,12 +10,16 @@ stays out). Everything then runs from a directory outside the checkout with a PA
 no Go, and no PYTHONPATH or GOCOMM_* variables: `gocomm --version`, `gocomm info --json`,
 `gocomm doctor --json`, and `gocomm launch -- --nproc-per-node 2 job.py`, whose ranks check
 that gocomm comes from the scratch venv and that all_reduce, all_gather and broadcast over
-the gocomm backend equal their references. Each step has a deadline; the job's ranks and
+the gocomm backend equal their references. With --cuda N the job runs N ranks on CUDA tensors
+(one GPU each) under `gocomm launch --mps`, adds all_to_all_single and gocomm.all_to_all_v,
+and prints rank 0's route table; NCCL_*, NVSHMEM_*, TORCH_* and CUDA_* variables pass through
+(the GPU machines' NVLink-multicast settings). Each step has a deadline; the job's ranks and
 their sidecars die with the launcher's process group.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -32,21 +37,43 @@ import torch
 import torch.distributed as dist
 import gocomm
 
-env = sys.argv[1]
+env, cuda = sys.argv[1], sys.argv[2] == "cuda"
 assert gocomm.__file__.startswith(env), f"gocomm imported from {gocomm.__file__}, not the scratch env {env}"
+dev = torch.device("cpu")
+if cuda:
+    dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(dev)
 dist.init_process_group("gocomm")
 rank, world = dist.get_rank(), dist.get_world_size()
-x = torch.arange(1000, dtype=torch.float32) * (rank + 1)
+x = torch.arange(1000, dtype=torch.float32, device=dev) * (rank + 1)
 dist.all_reduce(x)
-assert torch.equal(x, torch.arange(1000, dtype=torch.float32) * sum(r + 1 for r in range(world))), x[:4]
-got = [torch.empty(3, dtype=torch.int64) for _ in range(world)]
-dist.all_gather(got, torch.full((3,), rank, dtype=torch.int64))
-assert all(torch.equal(g, torch.full((3,), r, dtype=torch.int64)) for r, g in enumerate(got)), got
-b = torch.full((5,), float(rank))
+want = torch.arange(1000, dtype=torch.float32, device=dev) * sum(r + 1 for r in range(world))
+assert torch.equal(x, want), x[:4]
+got = [torch.empty(3, dtype=torch.int64, device=dev) for _ in range(world)]
+dist.all_gather(got, torch.full((3,), rank, dtype=torch.int64, device=dev))
+assert all(torch.equal(g.cpu(), torch.full((3,), r, dtype=torch.int64)) for r, g in enumerate(got)), got
+b = torch.full((5,), float(rank), device=dev)
 dist.broadcast(b, src=1)
-assert torch.equal(b, torch.full((5,), 1.0)), b
+assert torch.equal(b.cpu(), torch.full((5,), 1.0)), b
+if cuda:
+    # rank r sends (r + 1) * 100 + d to rank d, r + d + 1 rows of 4 bf16 each
+    rows = [rank + d + 1 for d in range(world)]
+    inp = torch.cat([torch.full((n, 4), (rank + 1) * 100 + d, dtype=torch.bfloat16, device=dev) for d, n in enumerate(rows)])
+    out, out_splits = gocomm.all_to_all_v(inp, torch.tensor(rows, dtype=torch.int64, device=dev))
+    want = torch.cat([torch.full((s + rank + 1, 4), (s + 1) * 100 + rank, dtype=torch.bfloat16) for s in range(world)])
+    assert out_splits.tolist() == [s + rank + 1 for s in range(world)], out_splits
+    assert torch.equal(out[: want.shape[0]].cpu(), want), out
+    a = torch.arange(world * 8, dtype=torch.float32, device=dev) + 1000 * rank
+    o = torch.empty_like(a)
+    dist.all_to_all_single(o, a)
+    ref = torch.cat([torch.arange(rank * 8, rank * 8 + 8, dtype=torch.float32) + 1000 * s for s in range(world)])
+    assert torch.equal(o.cpu(), ref), o
+    torch.cuda.synchronize()
 info = gocomm.info()
 assert info["version"] == gocomm.__version__, (info["version"], gocomm.__version__)
+if rank == 0:
+    for op, (engine, why) in next(iter(info["groups"].values()))["routes"].items():
+        print(f"rank 0 route: {op}: {engine} ({why})", flush=True)
 dist.barrier()
 dist.destroy_process_group()
 print(f"rank {rank}/{world}: ok, gocomm {gocomm.__version__} from {os.path.dirname(gocomm.__file__)}", flush=True)
@@ -78,12 +105,17 @@ def run(cmd: list[str], env: dict, cwd: str, timeout: float) -> str:
 
 
 def main() -> int:
-    wheel = os.path.abspath(sys.argv[1])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cuda", type=int, default=0, metavar="N", help="run the job on N GPUs (under MPS)")
+    ap.add_argument("wheel")
+    args = ap.parse_args()
+    wheel = os.path.abspath(args.wheel)
     checkout = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
     tmp = tempfile.mkdtemp(prefix="gocomm-wheel-")
     try:
         env_dir = os.path.join(tmp, "env")
         clean = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8", "TMPDIR": tmp}
+        clean.update({k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "NVSHMEM_", "TORCH_", "CUDA_"))})
         # the base interpreter of this venv: the scratch env must not inherit this venv's paths
         base = getattr(sys, "_base_executable", sys.executable)
         run([base, "-m", "venv", "--without-pip", env_dir], clean, tmp, 120)
@@ -92,7 +124,12 @@ def main() -> int:
         with open(os.path.join(site.strip(), "_torch_from_project_venv.pth"), "w") as f:
             f.write(sysconfig.get_path("purelib") + "\n")
         # this venv's pip installs into the scratch env (--python): the scratch env needs no pip
-        run([sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", wheel], clean, tmp, 300)
+        run(
+            [sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-index", "--no-deps", wheel],
+            clean,
+            tmp,
+            300,
+        )
         env = dict(clean, PATH=os.path.join(env_dir, "bin") + ":/usr/bin:/bin")
         if shutil.which("go", path=env["PATH"]):
             raise SystemExit(f"wheel check: go is on {env['PATH']}; the check must run without Go")
@@ -117,16 +154,27 @@ def main() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        ranks = args.cuda or 2
+        launch = [gocomm, "launch"] + (["--mps"] if args.cuda else []) + ["--"]
         out = run(
-            [gocomm, "launch", "--", "--nproc-per-node", "2", "--master-port", str(port), job, env_dir],
+            launch
+            + [
+                "--nproc-per-node",
+                str(ranks),
+                "--master-port",
+                str(port),
+                job,
+                env_dir,
+                "cuda" if args.cuda else "cpu",
+            ],
             dict(env, OMP_NUM_THREADS="1"),
             tmp,
             240,
         )
         oks = [line for line in out.splitlines() if ": ok, gocomm " in line]
-        if len(oks) != 2:
-            raise SystemExit(f"wheel check: expected 2 ranks to report ok:\n{out}")
-        print("\n".join(oks))
+        if len(oks) != ranks:
+            raise SystemExit(f"wheel check: expected {ranks} ranks to report ok:\n{out}")
+        print("\n".join(oks + [line for line in out.splitlines() if line.startswith("rank 0 route:")]))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
