@@ -27,7 +27,11 @@ import sys
 import sysconfig
 
 from setuptools import Distribution, setup
-from setuptools.command.bdist_wheel import bdist_wheel
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools older than 70.1: the wheel package's
+    from wheel.bdist_wheel import bdist_wheel
 from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))

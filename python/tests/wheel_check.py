@@ -107,6 +107,9 @@ def run(cmd: list[str], env: dict, cwd: str, timeout: float) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cuda", type=int, default=0, metavar="N", help="run the job on N GPUs (under MPS)")
+    ap.add_argument(
+        "--show", action="store_true", help="also print `gocomm info` and `gocomm doctor` as a user sees them"
+    )
     ap.add_argument("wheel")
     args = ap.parse_args()
     wheel = os.path.abspath(args.wheel)
@@ -144,6 +147,11 @@ def main() -> int:
             raise SystemExit(f"wheel check: pgserver {pgs} is not the wheel's of version {info['version']}")
         if info["sidecar"]["version"] != info["version"]:
             raise SystemExit(f"wheel check: the sidecar reports {info['sidecar']['version']}, not {info['version']}")
+        if args.show:
+            print(run([gocomm, "info"], env, tmp, 120))
+            print(
+                subprocess.run([gocomm, "doctor"], env=env, cwd=tmp, capture_output=True, text=True, timeout=120).stdout
+            )
         doctor = {r["check"]: r for r in _doctor(gocomm, env, tmp)}
         for check in ("torch", "pgserver"):
             if doctor[check]["status"] != "ok":
