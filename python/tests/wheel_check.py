@@ -7,7 +7,7 @@ A scratch venv (deleted after, pass or fail) gets the wheel with `pip install --
 sees this venv's torch, grpcio and protobuf through a .pth naming this venv's site-packages
 (the .pth files in that directory are not read then, so the checkout's gocomm-inplace.pth
 stays out). Everything then runs from a directory outside the checkout with a PATH that has
-no Go, and no PYTHONPATH or GOCOMM_* variables: `gocomm --version`, `gocomm info --json`,
+no Go and nothing of the checkout, and no PYTHONPATH or GOCOMM_* variables: `gocomm --version`, `gocomm info --json`,
 `gocomm doctor --json`, and `gocomm launch -- --nproc-per-node 2 job.py`, whose ranks check
 that gocomm comes from the scratch venv and that all_reduce, all_gather and broadcast over
 the gocomm backend equal their references. With --cuda N the job runs N ranks on CUDA tensors
@@ -117,8 +117,15 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="gocomm-wheel-")
     try:
         env_dir = os.path.join(tmp, "env")
-        clean = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8", "TMPDIR": tmp}
-        clean.update({k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "NVSHMEM_", "TORCH_", "CUDA_"))})
+        # PATH without Go and without the checkout; the driver's and MPS's settings pass
+        path = [
+            d
+            for d in os.environ.get("PATH", "/usr/bin:/bin").split(":")
+            if d and not os.path.exists(os.path.join(d, "go")) and not os.path.abspath(d).startswith(checkout)
+        ]
+        clean = {"PATH": ":".join(path), "HOME": tmp, "LANG": "C.UTF-8", "TMPDIR": tmp}
+        passed = ("NCCL_", "NVSHMEM_", "TORCH_", "CUDA_", "NVIDIA_", "LD_LIBRARY_PATH")
+        clean.update({k: v for k, v in os.environ.items() if k.startswith(passed)})
         # the base interpreter of this venv: the scratch env must not inherit this venv's paths
         base = getattr(sys, "_base_executable", sys.executable)
         run([base, "-m", "venv", "--without-pip", env_dir], clean, tmp, 120)
@@ -133,7 +140,7 @@ def main() -> int:
             tmp,
             300,
         )
-        env = dict(clean, PATH=os.path.join(env_dir, "bin") + ":/usr/bin:/bin")
+        env = dict(clean, PATH=os.path.join(env_dir, "bin") + ":" + clean["PATH"])
         if shutil.which("go", path=env["PATH"]):
             raise SystemExit(f"wheel check: go is on {env['PATH']}; the check must run without Go")
         where = run([py, "-c", "import gocomm; print(gocomm.__file__)"], env, tmp, 120).strip().splitlines()[-1]
