@@ -114,8 +114,9 @@ python: $(PY_GEN) $(VENV)/.stamp
 	echo "$(CURDIR)/python" > $(VENV)/lib/$(SITE)/site-packages/gocomm-inplace.pth
 
 ## what the wheel carries next to the Python package; setup.py runs this for a build from
-## the sdist (FROM_PY=its Python). The compiled client's target belongs here too.
-package: build
+## the sdist (FROM_PY=its Python): pgserver and the kernels, and the compiled client where
+## the tree has its sources (csrc/).
+package: build $(if $(wildcard csrc/client.mk),client)
 
 ## the wheel and the sdist (pyproject.toml and setup.py at the root: the packaging project is
 ## the whole checkout, so the sdist carries the Go and CUDA sources it builds from). No build
@@ -130,9 +131,10 @@ wheel: all
 ## checks
 test: all lint test-go test-py test-wheel
 
-# the wheel installed apart from the checkout runs a 2-rank CPU job (python/tests/wheel_check.py)
+# the wheel installed apart from the checkout runs a 2-rank CPU job, and the sdist builds the
+# same wheel (python/tests/wheel_check.py)
 test-wheel: wheel
-	$(PY) python/tests/wheel_check.py dist/gocomm-$(VERSION)-*.whl
+	$(PY) python/tests/wheel_check.py --sdist dist/gocomm-$(VERSION).tar.gz dist/gocomm-$(VERSION)-*.whl
 
 lint: gen
 	@out=$$(gofmt -l cmd config node pg gpu wire ring shm segment collectives sparse internal transport rpc kernels 2>/dev/null); \

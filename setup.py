@@ -231,6 +231,7 @@ setup(
             "bin/build.json",
             "_C*.so",
             "lib/*.so*",
+            "lib/build.json",
         ],
         "gocomm.v1": ["*.pyi"],
     },

@@ -28,8 +28,10 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import tempfile
 import time
+import zipfile
 
 JOB = r"""
 import os, sys
@@ -109,6 +111,9 @@ def main() -> int:
     ap.add_argument("--cuda", type=int, default=0, metavar="N", help="run the job on N GPUs (under MPS)")
     ap.add_argument(
         "--show", action="store_true", help="also print `gocomm info` and `gocomm doctor` as a user sees them"
+    )
+    ap.add_argument(
+        "--sdist", metavar="TAR_GZ", help="also build a wheel from this sdist and compare it with the wheel"
     )
     ap.add_argument("wheel")
     args = ap.parse_args()
@@ -190,9 +195,47 @@ def main() -> int:
         if len(oks) != ranks:
             raise SystemExit(f"wheel check: expected {ranks} ranks to report ok:\n{out}")
         print("\n".join(oks + [line for line in out.splitlines() if line.startswith("rank 0 route:")]))
+        if args.sdist:
+            _check_sdist(os.path.abspath(args.sdist), wheel, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def _check_sdist(sdist: str, wheel: str, tmp: str) -> None:
+    """The sdist, unpacked apart from the checkout, builds (make package with this Python:
+    Go, nvcc, the generated code it carries) a wheel of the same name and files."""
+    src = os.path.join(tmp, "sdist")
+    os.makedirs(src)
+    with tarfile.open(sdist) as t:
+        t.extractall(src, filter="data")
+    (top,) = os.listdir(src)
+    out = os.path.join(tmp, "from-sdist")
+    env = dict(os.environ)
+    env.pop("GOCOMM_PGSERVER", None)
+    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-cache-dir", "--no-index", "--no-build-isolation"]
+    run(pip + ["--no-deps", "-w", out, os.path.join(src, top)], env, tmp, 600)
+    (built,) = os.listdir(out)
+    if built != os.path.basename(wheel):
+        raise SystemExit(f"wheel check: the sdist built {built}, the checkout {os.path.basename(wheel)}")
+    with zipfile.ZipFile(os.path.join(out, built)) as a, zipfile.ZipFile(wheel) as b:
+        if sorted(a.namelist()) != sorted(b.namelist()):
+            raise SystemExit(
+                f"wheel check: the sdist's wheel holds {sorted(set(a.namelist()) ^ set(b.namelist()))} apart"
+            )
+        for name in ("METADATA", "WHEEL"):
+            info = f"{built.split('-')[0]}-{built.split('-')[1]}.dist-info/{name}"
+            if a.read(info) != b.read(info):
+                raise SystemExit(f"wheel check: {name} differs between the sdist's wheel and the checkout's")
+        a.extract("gocomm/bin/pgserver", os.path.join(tmp, "x"))
+    exe = os.path.join(tmp, "x", "gocomm", "bin", "pgserver")
+    os.chmod(exe, 0o755)
+    v = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+    with zipfile.ZipFile(wheel) as b:
+        want = b.read("gocomm/VERSION").decode().strip()
+    if v != want:
+        raise SystemExit(f"wheel check: the sdist's pgserver is {v}, not {want}")
+    print(f"wheel check: the sdist builds {built} with the same files and metadata, pgserver {v}")
 
 
 def _doctor(gocomm: str, env: dict, cwd: str) -> list[dict]:
