@@ -192,6 +192,26 @@ def _driver_cuda() -> int:
     return v.value if lib.cuDriverGetVersion(ctypes.byref(v)) == 0 else 0
 
 
+# run in a child process: open the CUDA IPC handle in argv[1] (hex) on device 0, as a sidecar does
+_IPC_OPEN = """
+import ctypes, sys
+cu = ctypes.CDLL("libcuda.so.1")
+class H(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+cu.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), H, ctypes.c_uint]
+dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
+h = H.from_buffer_copy(bytes.fromhex(sys.argv[1]))
+for name, rc in (("cuInit", lambda: cu.cuInit(0)), ("cuDeviceGet", lambda: cu.cuDeviceGet(ctypes.byref(dev), 0)),
+                 ("cuDevicePrimaryCtxRetain", lambda: cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)),
+                 ("cuCtxSetCurrent", lambda: cu.cuCtxSetCurrent(ctx)),
+                 ("cuIpcOpenMemHandle", lambda: cu.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, 1))):
+    err = rc()
+    if err:
+        sys.exit(f"{name}: CUDA error {err}")
+cu.cuIpcCloseMemHandle(ptr)
+"""
+
+
 def _check_cuda() -> list[tuple[str, str, str, str]]:
     import torch
 
@@ -243,16 +263,21 @@ def _check_cuda() -> list[tuple[str, str, str, str]]:
     try:
         t = torch.empty(1 << 20, dtype=torch.uint8, device="cuda:0")
         base, _ = _cuda.allocation(t.data_ptr())
-        _cuda.ipc_handle(base)
-        out.append(("CUDA IPC", OK, "a tensor's allocation has a CUDA IPC handle", ""))
+        handle = _cuda.ipc_handle(base)
+        # another process maps it, as a sidecar maps its rank's tensors
+        r = subprocess.run([sys.executable, "-c", _IPC_OPEN, handle.hex()], capture_output=True, text=True, timeout=60)
+        del t
+        if r.returncode != 0:
+            raise RuntimeError(f"another process could not map it: {(r.stdout + r.stderr).strip()[-300:]}")
+        out.append(("CUDA IPC", OK, "another process maps a tensor's memory by its CUDA IPC handle", ""))
     except Exception as e:  # noqa: BLE001
         out.append(
             (
                 "CUDA IPC",
                 FAIL,
-                f"no CUDA IPC handle for a tensor: {e}",
+                f"CUDA IPC of a tensor: {e}",
                 "unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; in a container, share the host's IPC "
-                "namespace (docker --ipc=host)",
+                "namespace (docker --ipc=host); MIG instances and some vGPUs have no CUDA IPC",
             )
         )
     from . import launch
