@@ -3,6 +3,7 @@
 # make            pinned Python env (.venv), code generators (.tools), generated code,
 #                 bin/pgserver, and the Python package in place (importable from .venv)
 # make test       lint + Go tests + Python tests (GPU tests skip, saying why, without a GPU)
+#                 + the wheel, installed apart from the checkout, running a 2-rank job
 # make test-gpu   the GPU suite, on a machine with GPUs (see README; MPS=1 under MPS)
 # make bench-gpu  gocomm against torch NCCL on the machine's GPUs (table, JSON, PNG)
 # make bench      CPU benchmark: gocomm against gloo, 2 to 4 ranks
