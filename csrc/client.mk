@@ -10,7 +10,9 @@ MODULE  := python/gocomm/_C$(EXT_SUFFIX)
 RECORD  := python/gocomm/lib/build.json
 CXXFLAGS := -std=c++17 -O2 -fPIC -Wall -Wextra -D_GLIBCXX_USE_CXX11_ABI=$(ABI) \
   -isystem $(TORCH_INC) -isystem $(TORCH_INC)/torch/csrc/api/include -isystem $(CUDA_INC) -Icsrc/client
-LIBS    := -L$(TORCH_LIB) -Wl,-rpath,$(TORCH_LIB) -lc10 -ltorch_cpu -ltorch -lc10_cuda
+# torch's libraries: beside an installed gocomm (site-packages/torch/lib, for the wheel), then
+# where this build found them
+LIBS    := -L$(TORCH_LIB) -Wl,-rpath,'$$ORIGIN/../../torch/lib' -Wl,-rpath,'$$ORIGIN/../torch/lib' -Wl,-rpath,$(TORCH_LIB) -lc10 -ltorch_cpu -ltorch -lc10_cuda
 
 all: $(LIB) $(MODULE) $(RECORD)
 

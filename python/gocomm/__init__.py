@@ -17,6 +17,7 @@ from . import moe
 from ._backend import create
 from ._client import C as _C
 from ._sidecar import SidecarError, find_pgserver, shutdown
+from ._version import __version__
 from .sparse import all_to_all_v, receive_buffer
 
 # the backend torch holds for each gocomm group (pg._get_backend(torch.device("cpu")))
@@ -25,6 +26,7 @@ Backend = _C.Backend
 __all__ = [
     "Backend",
     "SidecarError",
+    "__version__",
     "all_to_all_v",
     "find_pgserver",
     "info",
@@ -32,7 +34,6 @@ __all__ = [
     "receive_buffer",
     "shutdown",
 ]
-__version__ = "0.1.0"
 
 
 def _check_environment() -> None:

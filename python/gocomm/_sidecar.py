@@ -19,7 +19,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from . import _client, _config, _cuda
+from . import _client, _config, _cuda, _version
 from .v1 import pgserver_pb2 as pb
 from .v1 import pgserver_pb2_grpc as pb_grpc
 
@@ -122,6 +122,7 @@ class Sidecar:
         self.stub = pb_grpc.PGServerStub(self.channel)
         self._wait_ready()
         self.info = self.call("Info", pb.InfoRequest())
+        self._check_version(self.info.version)
         nccl = _cuda.nccl_path() if self.info.cuda_available and torch.cuda.is_available() else ""
         resp = self.call("Attach", pb.AttachRequest(client_pid=os.getpid(), rank=rank, nccl_path=nccl))
         self.session = resp.session
@@ -184,6 +185,23 @@ class Sidecar:
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True)
         return sock
+
+    def _check_version(self, theirs: str) -> None:
+        """Refuse a sidecar of another gocomm version: the rings, descriptors and rpcs are one
+        contract between a shim and the pgserver of its own build. "dev" (a pgserver linked
+        without -X main.version, by hand) is let through with a warning."""
+        ours = _version.__version__
+        if theirs == ours:
+            return
+        if theirs == "dev":
+            log.warning("gocomm %s: pgserver on %s is an unversioned (dev) build", ours, self.socket)
+            return
+        where = f"started from {find_pgserver()}" if self.proc is not None else "attached through GOCOMM_SIDECAR"
+        self.close()
+        raise SidecarError(
+            f"gocomm {ours} cannot use pgserver {theirs or '(no version)'} ({where}, {self.socket}): "
+            f"install the matching gocomm, or point GOCOMM_PGSERVER/GOCOMM_SIDECAR at a pgserver {ours}"
+        )
 
     def _wait_ready(self) -> None:
         timeout = _config.start_timeout()
