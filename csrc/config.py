@@ -14,6 +14,9 @@ import sys
 import sysconfig
 
 
+# what torch's CUDA stream headers include from CUDA's
+_CUDA_HEADERS = ("cuda_runtime_api.h", os.path.join("crt", "host_defines.h"))
+
 def fail(what: str) -> None:
     sys.exit(f"gocomm client build: {what}")
 
@@ -40,13 +43,16 @@ def main() -> None:
             os.path.join(site, "nvidia", "cuda_runtime", "include"),
             "/usr/local/cuda/include",
         ):
-            if os.path.exists(os.path.join(cand, "cuda_runtime_api.h")):
+            # the runtime wheel alone lacks crt/ (the compiler wheel brings it), which
+            # cuda_runtime_api.h includes: a directory counts only with both
+            if all(os.path.exists(os.path.join(cand, h)) for h in _CUDA_HEADERS):
                 cuda_inc = cand
                 break
-    if not cuda_inc or not os.path.exists(os.path.join(cuda_inc, "cuda_runtime_api.h")):
+    if not cuda_inc or not all(os.path.exists(os.path.join(cuda_inc, h)) for h in _CUDA_HEADERS):
         fail(
-            "CUDA's headers (cuda_runtime_api.h) are missing: install the nvidia-cuda-runtime wheel torch pins, "
-            "or pass CUDA_INCLUDE=<dir> (torch's CUDA stream headers include them)"
+            "CUDA's headers (cuda_runtime_api.h and crt/host_defines.h) are missing: install the nvidia-cuda-runtime "
+            "and nvidia-cuda-nvcc wheels torch pins (python/requirements.lock), or pass CUDA_INCLUDE=<dir> "
+            "(torch's CUDA stream headers include them; /usr/local/cuda/include where a toolkit is installed)"
         )
     py_inc = sysconfig.get_paths()["include"]
     if not os.path.exists(os.path.join(py_inc, "Python.h")):

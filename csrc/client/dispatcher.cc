@@ -290,13 +290,13 @@ cuda::DevPtr Dispatcher::counters(int device) {
   return counters_;
 }
 
-wire::BufRef Dispatcher::cuda_ref(uint64_t ptr, uint64_t n, int device) {
+wire::BufRef Dispatcher::cuda_ref(uint64_t ptr, uint64_t n, int device, size_t claim) {
   if (n == 0) {
     return wire::BufRef{wire::kCudaSegment, 0, 0};
   }
   counters(device);  // the sidecar takes IPC handles only once the client attached its device
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  return ipc_.ref(ptr, n);
+  return ipc_.ref(ptr, n, claim);
 }
 
 }  // namespace gocomm

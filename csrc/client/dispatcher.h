@@ -93,7 +93,8 @@ class Dispatcher {
   cuda::DevPtr counters(int device);
   // (segment, offset, length) of n bytes of CUDA memory at ptr on device (registered with the
   // sidecar on first use; the device is made current for the driver's queries).
-  wire::BufRef cuda_ref(uint64_t ptr, uint64_t n, int device);
+  // claim: see IpcCache::ref.
+  wire::BufRef cuda_ref(uint64_t ptr, uint64_t n, int device, size_t claim = 0);
   size_t pending_count();
 
  private:

@@ -4,7 +4,7 @@
 
 namespace gocomm {
 
-wire::BufRef IpcCache::ref(cuda::DevPtr ptr, uint64_t n) {
+wire::BufRef IpcCache::ref(cuda::DevPtr ptr, uint64_t n, size_t claim) {
   if (n == 0) {
     return wire::BufRef{wire::kCudaSegment, 0, 0};
   }
@@ -33,7 +33,7 @@ wire::BufRef IpcCache::ref(cuda::DevPtr ptr, uint64_t n) {
                                "handle: unset it");
     }
     const uint32_t seg = wire::kCudaSegment | next_++;
-    put_(wire::kRecIpc, wire::encode_ipc(seg, size, handle));
+    put_(wire::kRecIpc, wire::encode_ipc(seg, claim ? claim : size, handle));
     it = entries_.emplace(bid, Entry{seg, base, size}).first;
   }
   return wire::BufRef{it->second.segment, ptr - it->second.base, n};

@@ -23,7 +23,9 @@ class IpcCache {
 
   // (segment, offset, length) naming n bytes at ptr, registering its allocation on first
   // use. The allocation's device must be current (its context), and attached to the sidecar.
-  wire::BufRef ref(cuda::DevPtr ptr, uint64_t n);
+  // A non-zero claim is sent as the size of an allocation registered now instead of the
+  // driver's (tests of the sidecar's own check of that size).
+  wire::BufRef ref(cuda::DevPtr ptr, uint64_t n, size_t claim = 0);
 
  private:
   struct Entry {

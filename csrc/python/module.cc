@@ -94,12 +94,14 @@ PYBIND11_MODULE(_C, m) {
            "(id, bytes) of the host arena's segments.")
       .def(
           "cuda_ref",
-          [](gocomm::Dispatcher& d, uint64_t ptr, uint64_t n, int device) {
+          [](gocomm::Dispatcher& d, uint64_t ptr, uint64_t n, int device, size_t claim) {
             py::gil_scoped_release nogil;
-            auto r = d.cuda_ref(ptr, n, device);
+            auto r = d.cuda_ref(ptr, n, device, claim);
             return std::make_tuple(r.segment, r.offset, r.length);
           },
-          "(segment, offset, length) naming n bytes of CUDA memory at ptr (registered with the sidecar once).");
+          py::arg("ptr"), py::arg("n"), py::arg("device"), py::arg("claim") = 0,
+          "(segment, offset, length) naming n bytes of CUDA memory at ptr (registered with the sidecar once). "
+          "claim (tests only): the size an allocation registered now claims instead of the driver's.");
 
   py::class_<gocomm::Backend, c10d::Backend, c10::intrusive_ptr<gocomm::Backend>>(m, "Backend")
       .def(py::init([](std::shared_ptr<gocomm::Dispatcher> disp, int rank, int size, uint32_t handle, int slot,

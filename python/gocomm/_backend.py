@@ -165,7 +165,7 @@ class _Group(InProcessKernels):
         return b.broken if b is not None else None
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor):
-        return self._ref.get()._allgather_base(output, input, dist.AllgatherOptions())
+        return self._ref.get()._allgather_base(output, input, torch._C._distributed_c10d.AllgatherOptions())
 
     def abort(self) -> None:
         b = self._ref.get()

@@ -326,7 +326,9 @@ class Sidecar:
             self._watch.cancel()
         except Exception:
             pass
-        self.client.close()
+        client = getattr(self, "client", None)  # None where attaching failed
+        if client is not None:
+            client.close()
         if self.proc is not None:
             try:
                 self.stub.Shutdown(pb.ShutdownRequest(reason="client closed"), timeout=5)

@@ -101,13 +101,10 @@ def suite(pg, ranks: list[int], me: int) -> list[str]:
 
 
 def _gocomm(pg):
-    """The gocomm process group behind pg."""
-    from gocomm._backend import ProcessGroupGocomm
+    """The gocomm state of the group behind pg."""
+    from gocomm import _backend
 
-    if isinstance(pg, ProcessGroupGocomm):
-        return pg
-    b = pg._get_backend(torch.device("cpu"))
-    return getattr(b, "_pg", b)
+    return _backend.state(pg)
 
 
 def core(

@@ -591,7 +591,7 @@ def check_all_to_all_v_nvshmem(rk, seed, inprocess):
     ck.expect(
         "transport", _state(rk.world.pg)._sparse_transport() == "nvshmem", _state(rk.world.pg)._sparse_transport()
     )
-    path = rk.world.pg._a2av_path(dev.index)
+    path = _state(rk.world.pg)._a2av_path(dev.index)
     ck.expect("path", (path is not None) == inprocess, f"in-process kernel {path}, wanted {inprocess}")
     for label, splits_of in ROUTINGS.items():
         send = splits_of(seed, me, n)
@@ -724,7 +724,7 @@ def check_all_to_all_v_graph(rk, seed):
     plain = torch.full((most * n, h), -5.0, dtype=torch.bfloat16, device=dev)
     # a receive buffer (the peers write into it, no copy out), used through a view 3 rows in
     rbuf = gocomm.receive_buffer(most * n + 3, (h,), torch.bfloat16)
-    ck.expect("receive buffer", rk.world.pg._a2av_path(dev.index).outputs != [], "not registered")
+    ck.expect("receive buffer", _state(rk.world.pg)._a2av_path(dev.index).outputs != [], "not registered")
     rbuf[:3].fill_(-7.0)
 
     def send_of(step, src):
@@ -790,7 +790,7 @@ def check_all_to_all_v_graph(rk, seed):
     subs = [dist.new_group(r, backend="gocomm") for r in halves]
     ranks = halves[0] if me in halves[0] else halves[1]
     sub, m, i = subs[0 if me in halves[0] else 1], len(ranks), ranks.index(me)
-    ck.expect("subgroup path", sub._a2av_path(dev.index) is not None, "the shim's kernel is not set up")
+    ck.expect("subgroup path", _state(sub)._a2av_path(dev.index) is not None, "the shim's kernel is not set up")
     for label, splits_of in ROUTINGS.items():
         send = splits_of(seed, i, m)
         recv = [splits_of(seed, src, m)[i] for src in range(m)]
@@ -830,7 +830,7 @@ def check_all_to_all_single_inprocess(rk, seed):
     dev, nccl = _setup(rk)
     n, me = rk.size, rk.rank
     ck = Checker("all_to_all_single by the shim's kernel", seed, me)
-    path = rk.world.pg._a2av_path(dev.index)
+    path = _state(rk.world.pg)._a2av_path(dev.index)
     ck.expect("the kernel path is set up", path is not None and path.cap == 1 << 20, "a 1 MiB receive buffer")
     routings = dict(ROUTINGS)
     routings["random, many rows"] = lambda seed, src, n: [seeded_int(seed, f"big{src}-{d}", 0, 300) for d in range(n)]

@@ -290,7 +290,7 @@ def check_ipc_claim(rk):
     """A CUDA tensor's allocation registered with its real size works; one whose claimed
     size is twice the allocation (the client lying about it) is refused by the sidecar, and
     an op on it raises naming the claim. Returns what happened."""
-    from gocomm import _cuda, _sidecar
+    from gocomm import _sidecar
 
     torch.cuda.set_device(0)
     # broadcast: the sidecar's NCCL runs it (no in-process kernel), so it maps the tensor
@@ -298,19 +298,17 @@ def check_ipc_claim(rk):
     dist.broadcast(t, 0)
     torch.cuda.synchronize()
     ok = bool(torch.all(t == 3.0))
-    real = _cuda.allocation
-    _cuda.allocation = lambda p: (real(p)[0], 2 * real(p)[1])
+    # a new allocation (64 MiB: not carved from t's cached segment), registered with the lie
+    u = torch.ones(1 << 24, device="cuda")
+    _sidecar.current().client.cuda_ref(u.data_ptr(), u.nbytes, 0, claim=1 << 30)
+    err = ""
     try:
-        u = torch.ones(1 << 22, device="cuda")  # a new allocation, registered with the lie
-        _sidecar.current().cuda_segment(u)
-        err = ""
-        try:
-            dist.broadcast(u, 0)
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001
-            err = str(e)
-    finally:
-        _cuda.allocation = real
+        # a world of one: an op whose output is another tensor, so the sidecar reads u
+        out = torch.empty_like(u)
+        dist.all_gather_into_tensor(out, u)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        err = str(e)
     return {"ok": ok, "error": err}
 
 
