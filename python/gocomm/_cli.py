@@ -261,12 +261,12 @@ def _check_cuda() -> list[tuple[str, str, str, str]]:
     from . import _cuda
 
     try:
-        t = torch.empty(1 << 20, dtype=torch.uint8, device="cuda:0")
-        base, _ = _cuda.allocation(t.data_ptr())
+        torch.cuda.init()
+        _cuda.ensure_context(0)
+        base = _cuda.mem_alloc(1 << 20)  # an allocation of its own (the process exits after)
         handle = _cuda.ipc_handle(base)
         # another process maps it, as a sidecar maps its rank's tensors
         r = subprocess.run([sys.executable, "-c", _IPC_OPEN, handle.hex()], capture_output=True, text=True, timeout=60)
-        del t
         if r.returncode != 0:
             raise RuntimeError(f"another process could not map it: {(r.stdout + r.stderr).strip()[-300:]}")
         out.append(("CUDA IPC", OK, "another process maps a tensor's memory by its CUDA IPC handle", ""))

@@ -55,8 +55,8 @@ got = [torch.empty(3, dtype=torch.int64, device=dev) for _ in range(world)]
 dist.all_gather(got, torch.full((3,), rank, dtype=torch.int64, device=dev))
 assert all(torch.equal(g.cpu(), torch.full((3,), r, dtype=torch.int64)) for r, g in enumerate(got)), got
 b = torch.full((5,), float(rank), device=dev)
-dist.broadcast(b, src=1)
-assert torch.equal(b.cpu(), torch.full((5,), 1.0)), b
+dist.broadcast(b, src=world - 1)  # the last rank: not the default root, any world size
+assert torch.equal(b.cpu(), torch.full((5,), float(world - 1))), b
 if cuda:
     # rank r sends (r + 1) * 100 + d to rank d, r + d + 1 rows of 4 bf16 each
     rows = [rank + d + 1 for d in range(world)]

@@ -175,6 +175,14 @@ def _print_host_table(rows, world) -> None:
         )
 
 
+def _sidecar_ops() -> int:
+    """Ops of the default group the sidecar has finished (its Stats rpc), to tell which engine
+    ran gocomm's side of a measurement."""
+    from .. import _backend
+
+    return sum(_backend.state(dist.group.WORLD).stats().get("ops", {}).values())
+
+
 def _worker(rank: int, world: int, port: int, sizes: list[int], ops: list[str], q) -> None:
     dev, nccl, sync = _join(rank, world, port)
     rows = []
@@ -183,9 +191,14 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], ops: list[str], 
             n = max(world, nbytes // 2 // world * world)  # elements of the nccl-tests "size"
             res = {"op": op, "bytes": n * 2, "world": world}
             fns = {name: _op(op, n, world, dev, g) for name, g in (("nccl", nccl), ("gocomm", None))}
+            before = _sidecar_ops()
             alone = _alone_paired(fns, sync)
             for name, fn in fns.items():
                 res[name] = {"alone": alone[name], "loop": _loop(fn, sync)}
+            res["sidecar_ops"] = _sidecar_ops() - before
+            if world == 1 and res["sidecar_ops"] == 0:
+                # one GPU: every dense op must take the sidecar's NCCL (what this measures)
+                raise RuntimeError(f"gocomm {op} at world size 1 did not go through the sidecar")
             rows.append(res)
             if rank == 0:
                 print(f"{op} {_fmt(n * 2)}: nccl {res['nccl']} gocomm {res['gocomm']}", flush=True)
