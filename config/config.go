@@ -20,6 +20,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // Config is the sidecar's settings, as read from the environment.
@@ -27,6 +28,22 @@ type Config struct {
 	// Transport is GOCOMM_TRANSPORT: "auto", "nvshmem" or "nccl".
 	Transport string
 	A2A       A2A
+	// PeerTimeout is GOCOMM_PEER_DEAD_TIMEOUT_SEC: how long a peer may stay silent (no
+	// frame, not even a heartbeat) before every rank's group breaks naming it.
+	PeerTimeout time.Duration
+	Trace       Trace
+}
+
+// Trace is the flight recorder's setting: the last ops of each group, dumped when a group
+// breaks, on SIGUSR1 and on request (torch's TORCH_NCCL_TRACE_BUFFER_SIZE and friends).
+type Trace struct {
+	// Size is the ops kept per group; 0 turns the recorder off.
+	Size int
+	// File is where a dump's JSON goes: this path followed by the rank (as torch's
+	// TORCH_NCCL_DEBUG_INFO_TEMP_FILE); "" puts it next to the log.
+	File string
+	// OnFailure: dump when a group breaks (a timeout, a lost peer, an abort).
+	OnFailure bool
 }
 
 // A2A is how the sparse all-to-all (all_to_all_v with its splits on the GPU) is sized and
@@ -103,6 +120,46 @@ var Params = []Param{
 			switch v {
 			case "0", "1":
 				c.A2A.Direct = v == "1"
+				return nil
+			}
+			return errAccepts
+		},
+	},
+	{
+		Env: "GOCOMM_PEER_DEAD_TIMEOUT_SEC", Default: "5", Accepts: "seconds, 0.5 to 3600",
+		Doc: "how long a peer may stay silent before it counts as dead: idle links carry a heartbeat at a quarter of it, and a link that carries nothing (or takes none of this side's bytes) for this long breaks the group on every rank, naming the peer. No torch counterpart (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC is torch's watchdog's own heartbeat)",
+		set: func(c *Config, v string) error {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil || !(f >= 0.5 && f <= 3600) {
+				return errAccepts
+			}
+			c.PeerTimeout = time.Duration(f * float64(time.Second))
+			return nil
+		},
+	},
+	{
+		Env: "GOCOMM_TRACE_BUFFER_SIZE", Default: "2000", Accepts: "an integer, 0 to 1000000",
+		Doc: "the flight recorder: how many of the last ops each group keeps (0: off), as TORCH_NCCL_TRACE_BUFFER_SIZE",
+		set: func(c *Config, v string) (err error) {
+			c.Trace.Size, err = intIn(v, 0, 1000000)
+			return err
+		},
+	},
+	{
+		Env: "GOCOMM_DEBUG_INFO_TEMP_FILE", Default: "", Accepts: "a path prefix",
+		Doc: "where the flight recorder's JSON dump goes: this prefix followed by the rank, as TORCH_NCCL_DEBUG_INFO_TEMP_FILE (unset: next to the sidecar's log, its name with .trace.json for .log)",
+		set: func(c *Config, v string) error {
+			c.Trace.File = v
+			return nil
+		},
+	},
+	{
+		Env: "GOCOMM_DUMP_ON_TIMEOUT", Default: "1", Accepts: "0 or 1",
+		Doc: "1: dump the flight recorder (log and JSON file) when a group breaks: an op timed out, a peer was lost or aborted, as TORCH_NCCL_DUMP_ON_TIMEOUT",
+		set: func(c *Config, v string) error {
+			switch v {
+			case "0", "1":
+				c.Trace.OnFailure = v == "1"
 				return nil
 			}
 			return errAccepts

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"sync"
 	"time"
 
@@ -52,11 +53,38 @@ func (p payload) keep(f *frame, from int) (*early, error) {
 	return &early{f: *f, src: from, data: data}, nil
 }
 
+// liveConn is an inbound link read with a deadline that every read pushes on: a peer that
+// sends nothing, not even a heartbeat, for limit is given up (os.ErrDeadlineExceeded).
+type liveConn struct {
+	net.Conn
+	limit time.Duration
+}
+
+func (c liveConn) Read(b []byte) (int, error) {
+	c.SetReadDeadline(time.Now().Add(c.limit))
+	return c.Conn.Read(b)
+}
+
+// linkError says why a link to or from a peer failed; silence past the peer timeout is
+// named as such, since the connection itself never reports it.
+func (ep *Endpoint) linkError(dir string, peer int, err error) error {
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		return fmt.Errorf("%w: rank %d: nothing %s it for %v (no heartbeat: its sidecar is stopped or its host unreachable)",
+			ErrPeerLost, peer, dir, ep.node.peerTimeout)
+	}
+	word := "from"
+	if dir == "went to" {
+		word = "to"
+	}
+	return fmt.Errorf("%w: link %s rank %d: %v", ErrPeerLost, word, peer, err)
+}
+
 // reader runs for one inbound link: it matches frames to receives until the link closes.
-func (ep *Endpoint) reader(from int, conn net.Conn) {
+func (ep *Endpoint) reader(from int, raw net.Conn) {
 	defer ep.readers.Done()
 	defer close(ep.inEnded[from]) // once any Break of this reader happened (lost, invariant 7)
-	defer conn.Close()
+	defer raw.Close()
+	conn := liveConn{raw, ep.node.peerTimeout}
 	hdr := make([]byte, frameHeader)
 	trailer := make([]byte, refTrailer)
 	scratch := make([]byte, 256<<10)
@@ -67,15 +95,21 @@ func (ep *Endpoint) reader(from int, conn net.Conn) {
 			left, broken := ep.left[from], ep.broken != nil
 			ep.mu.Unlock()
 			if !left && !broken {
-				ep.Break(fmt.Errorf("%w: link from rank %d: %v", ErrPeerLost, from, err))
+				ep.Break(ep.linkError("came from", from, err))
 			}
 			return
+		}
+		if f.kind == kindBeat {
+			ep.mu.Lock()
+			ep.peerSeen[from] = PeerProgress{Started: f.seq, Finished: f.sig.Count, Heard: time.Now()}
+			ep.mu.Unlock()
+			continue
 		}
 		ep.BytesReceived.Add(f.length)
 		p := payload{conn: conn}
 		if f.ref {
 			if p, err = ep.resolveRef(from, &f, conn, trailer); err != nil {
-				ep.Break(fmt.Errorf("%w: link from rank %d: %v", ErrPeerLost, from, err))
+				ep.Break(ep.linkError("came from", from, err))
 				return
 			}
 		}
@@ -104,7 +138,7 @@ func (ep *Endpoint) reader(from int, conn net.Conn) {
 			return
 		}
 		if err != nil {
-			ep.Break(fmt.Errorf("%w: link from rank %d: %v", ErrPeerLost, from, err))
+			ep.Break(ep.linkError("came from", from, err))
 			return
 		}
 	}
@@ -143,10 +177,17 @@ func (ep *Endpoint) resolveRef(from int, f *frame, conn io.Reader, trailer []byt
 	return payload{ref: m[off : off+f.length : off+f.length], ack: ack}, nil
 }
 
-// failPostedFrom fails the receives that wait on a peer that left.
+// failPostedFrom fails the receives that wait on a peer that left, and the sends by
+// reference that wait for its ack (a leaver acks nothing more).
 func (ep *Endpoint) failPostedFrom(from int) {
 	ep.mu.Lock()
 	var reqs []*Request
+	for k, r := range ep.acks {
+		if k.peer == from {
+			reqs = append(reqs, r)
+			delete(ep.acks, k)
+		}
+	}
 	for k, r := range ep.posted {
 		if k.src == from {
 			reqs = append(reqs, r)
@@ -295,6 +336,20 @@ type outLink struct {
 	err   error  // set when the link failed; queued and later messages fail with it
 	stop  string // "abort" or "bye": send the final frame after the queue, then close
 	why   error
+	// beating: the heartbeat asked for a beat; sent only when nothing else was written
+	// since the last tick (any frame tells the peer this side lives)
+	beating, wrote bool
+}
+
+// beat asks the writer for a heartbeat frame, unless it wrote something since the last ask.
+func (l *outLink) beat() {
+	l.mu.Lock()
+	if !l.wrote {
+		l.beating = true
+		l.cond.Signal()
+	}
+	l.wrote = false
+	l.mu.Unlock()
 }
 
 func (l *outLink) enqueue(m *outMsg) {
@@ -367,8 +422,14 @@ func (l *outLink) run() {
 	hdr := make([]byte, frameHeader+refTrailer)
 	for {
 		l.mu.Lock()
-		for len(l.q) == 0 && l.stop == "" && err == nil {
+		for len(l.q) == 0 && l.stop == "" && err == nil && !l.beating {
 			l.cond.Wait()
+		}
+		if err == nil && len(l.q) == 0 && l.stop == "" && l.beating {
+			l.beating = false
+			l.mu.Unlock()
+			err = l.writeBeat(conn, hdr)
+			continue
 		}
 		if err != nil || len(l.q) == 0 {
 			stop, why := l.stop, l.why
@@ -380,7 +441,7 @@ func (l *outLink) run() {
 				// endpoint's cause, so an op reports the same reason as the endpoint.
 				aborted := errors.Is(err, ErrAborted)
 				if !aborted {
-					err = fmt.Errorf("%w: link to rank %d: %v", ErrPeerLost, l.to, err)
+					err = ep.linkError("went to", l.to, err)
 				}
 				switch {
 				case stop != "": // this rank broke or left already
@@ -401,6 +462,7 @@ func (l *outLink) run() {
 		}
 		m := l.q[0]
 		l.q = l.q[1:]
+		l.wrote = true
 		l.mu.Unlock()
 		if err = l.write(conn, hdr, m, refs); err != nil {
 			// back in front: it fails with the link's error above
@@ -425,6 +487,7 @@ func (l *outLink) write(conn net.Conn, hdr []byte, m *outMsg, refs bool) error {
 			ep.acks[ackKey{l.to, id}] = m.req
 			ep.mu.Unlock()
 			f.encode(hdr)
+			conn.SetWriteDeadline(time.Now().Add(ep.node.peerTimeout))
 			le := binary.LittleEndian
 			t := hdr[frameHeader:]
 			le.PutUint32(t, uint32(ep.node.probe.pid))
@@ -444,13 +507,44 @@ func (l *outLink) write(conn net.Conn, hdr []byte, m *outMsg, refs bool) error {
 		}
 	}
 	f.encode(hdr)
-	bufs := net.Buffers{hdr[:frameHeader], m.data}
+	// The deadline moves on with every chunk: a peer that takes no byte for a peer timeout
+	// is dead, however large the frame.
+	conn.SetWriteDeadline(time.Now().Add(ep.node.peerTimeout))
+	first := min(len(m.data), writeChunk)
+	bufs := net.Buffers{hdr[:frameHeader], m.data[:first]}
 	if _, err := bufs.WriteTo(conn); err != nil {
 		return err
+	}
+	for rest := m.data[first:]; len(rest) > 0; {
+		n := min(len(rest), writeChunk)
+		conn.SetWriteDeadline(time.Now().Add(ep.node.peerTimeout))
+		if _, err := conn.Write(rest[:n]); err != nil {
+			return err
+		}
+		rest = rest[n:]
 	}
 	ep.BytesSent.Add(uint64(len(m.data)))
 	m.req.finish(nil)
 	return nil
+}
+
+// writeChunk is how much of an inline payload goes out under one write deadline.
+const writeChunk = 4 << 20
+
+// writeBeat sends a heartbeat with this member's progress (kindBeat).
+func (l *outLink) writeBeat(conn net.Conn, hdr []byte) error {
+	ep := l.ep
+	f := frame{kind: kindBeat}
+	ep.mu.Lock()
+	progress := ep.progress
+	ep.mu.Unlock()
+	if progress != nil {
+		f.seq, f.sig.Count = progress()
+	}
+	f.encode(hdr)
+	conn.SetWriteDeadline(time.Now().Add(ep.node.peerTimeout))
+	_, err := conn.Write(hdr[:frameHeader])
+	return err
 }
 
 // final writes the closing frame (abort with its reason, or bye), best effort.

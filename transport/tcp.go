@@ -25,9 +25,11 @@ type Node struct {
 	log       *slog.Logger
 	joinWait  time.Duration
 	dialLimit time.Duration
-	locate    func(b []byte) (fd int, ino, off uint64, ok bool)
-	probe     probe
-	probeSeg  *shm.Segment
+	// peerTimeout: a link that carries no frame for this long is dead (Config.PeerTimeout)
+	peerTimeout time.Duration
+	locate      func(b []byte) (fd int, ino, off uint64, ok bool)
+	probe       probe
+	probeSeg    *shm.Segment
 
 	mu     sync.Mutex
 	cond   *sync.Cond
@@ -56,6 +58,11 @@ type Config struct {
 	Locate func(b []byte) (fd int, ino, off uint64, ok bool)
 	// ShmDir holds the probe file peers open to check they share this host.
 	ShmDir string
+	// PeerTimeout is how long a peer may stay silent before it counts as dead: every link
+	// carries a heartbeat at a quarter of it when idle, and a link that carries no frame for
+	// PeerTimeout, or takes none of this side's bytes for as long, breaks the group with
+	// the peer lost. Default 5 s.
+	PeerTimeout time.Duration
 }
 
 // socketBuffer is the send and receive buffer asked for on every link: large enough to keep
@@ -70,13 +77,14 @@ func Listen(cfg Config) (*Node, error) {
 	}
 	_, port, _ := net.SplitHostPort(ln.Addr().String())
 	n := &Node{
-		ln:        ln,
-		advertise: net.JoinHostPort(cfg.Advertise, port),
-		log:       cfg.Log,
-		joinWait:  cmp.Or(cfg.JoinWait, 60*time.Second),
-		dialLimit: cmp.Or(cfg.DialTimeout, 10*time.Second),
-		groups:    map[[16]byte]*Endpoint{},
-		gone:      map[[16]byte]*departed{},
+		ln:          ln,
+		advertise:   net.JoinHostPort(cfg.Advertise, port),
+		log:         cfg.Log,
+		joinWait:    cmp.Or(cfg.JoinWait, 60*time.Second),
+		dialLimit:   cmp.Or(cfg.DialTimeout, 10*time.Second),
+		peerTimeout: cmp.Or(cfg.PeerTimeout, 5*time.Second),
+		groups:      map[[16]byte]*Endpoint{},
+		gone:        map[[16]byte]*departed{},
 	}
 	if n.log == nil {
 		n.log = slog.Default()
@@ -169,6 +177,7 @@ func (n *Node) Join(secret []byte, rank int, peers []string) (*Endpoint, error) 
 		peerMaps:  map[mapKey][]byte{},
 		brokenC:   make(chan struct{}),
 		inEnded:   make([]chan struct{}, size),
+		peerSeen:  make([]PeerProgress, size),
 	}
 	for i := range ep.inEnded {
 		ep.inEnded[i] = make(chan struct{})

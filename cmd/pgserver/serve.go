@@ -92,7 +92,7 @@ func run(args []string) error {
 	}
 	var srv *pg.Server // set before any group exists, so before Locate is ever called
 	node, err := transport.Listen(transport.Config{
-		Listen: o.listen, Advertise: host, Log: log,
+		Listen: o.listen, Advertise: host, Log: log, PeerTimeout: cfg.PeerTimeout,
 		Locate: func(b []byte) (int, uint64, uint64, bool) { return srv.Locate(b) },
 	})
 	if err != nil {
@@ -103,6 +103,8 @@ func run(args []string) error {
 	if err != nil {
 		return err
 	}
+	pcfg.TraceSize, pcfg.DumpOnFailure = cfg.Trace.Size, cfg.Trace.OnFailure
+	pcfg.TraceFile = traceFile(cfg.Trace.File, o.logFile)
 	srv = pg.NewServer(pcfg, node, log)
 
 	ln, err := listenUnix(o.socket)
@@ -111,18 +113,26 @@ func run(args []string) error {
 	}
 	gs := grpc.NewServer()
 	var once sync.Once
-	stop := func(reason string) {
+	// stop is the client's Shutdown: its sessions leave in order. abandon is any other end
+	// (a signal, the parent rank gone): the groups are aborted, so peers fail at once.
+	end := func(reason string, orderly bool) {
 		once.Do(func() {
-			log.Info("shutting down", "reason", reason)
-			srv.Shutdown(reason)
+			log.Info("shutting down", "reason", reason, "orderly", orderly)
+			if orderly {
+				srv.Shutdown(reason)
+			} else {
+				srv.Abandon(reason)
+			}
 			gs.Stop()
 		})
 	}
-	rpc.NewService(srv, rpc.Host{RuntimeDir: o.runtimeDir, LogFile: o.logFile, A2A: cfg.A2A}, stop).Register(gs)
+	stop := func(reason string) { end(reason, true) }
+	abandon := func(reason string) { end(reason, false) }
+	rpc.NewService(srv, rpc.Host{RuntimeDir: o.runtimeDir, LogFile: o.logFile, A2A: cfg.A2A, TraceSize: cfg.Trace.Size}, stop).Register(gs)
 
-	handleSignals(log, stop)
+	handleSignals(log, abandon, func() { srv.DumpFlightRecord("SIGUSR1") })
 	if o.parentPID > 0 {
-		go watchParent(o.parentPID, stop)
+		go watchParent(o.parentPID, abandon)
 	}
 	log.Info("serving", "version", version, "socket", o.socket, "peers", node.Addr(), "parent", o.parentPID)
 	err = gs.Serve(ln)
@@ -239,7 +249,7 @@ func hostAddress() string {
 func watchParent(pid int, stop func(string)) {
 	for range time.Tick(200 * time.Millisecond) {
 		if err := unix.Kill(pid, 0); errors.Is(err, unix.ESRCH) || os.Getppid() != pid {
-			stop(fmt.Sprintf("parent process %d exited", pid))
+			stop(fmt.Sprintf("the training process (pid %d) exited without leaving the group", pid))
 			return
 		}
 	}
@@ -270,20 +280,36 @@ func engines(log *slog.Logger, cfg config.Config, spin time.Duration) (pg.Config
 	return pg.Config{Version: version, Spin: spin, Device: dev, Sparse: chooser, Node: facts}, nil
 }
 
-// handleSignals stops on SIGTERM, SIGINT and SIGHUP, and logs every goroutine's stack on
-// SIGUSR1.
-func handleSignals(log *slog.Logger, stop func(reason string)) {
+// handleSignals stops on SIGTERM, SIGINT and SIGHUP (the parent rank's death arrives as
+// SIGTERM, PDEATHSIG), and on SIGUSR1 dumps the flight record and logs every goroutine's
+// stack, and goes on serving: what a hang is waiting for.
+func handleSignals(log *slog.Logger, stop func(reason string), flight func()) {
 	sigs := make(chan os.Signal, 1)
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
-	go func() { stop(fmt.Sprintf("signal %v", <-sigs)) }()
-	// SIGUSR1 logs every goroutine's stack and goes on serving: what a hang is waiting for.
+	go func() { stop(fmt.Sprintf("signal %v (the training process died, or pgserver was killed)", <-sigs)) }()
 	dump := make(chan os.Signal, 1)
 	signal.Notify(dump, syscall.SIGUSR1)
 	go func() {
 		for range dump {
+			flight()
 			var b strings.Builder
 			pprof.Lookup("goroutine").WriteTo(&b, 2)
 			log.Warn("goroutine dump (SIGUSR1)", "stacks", b.String())
 		}
 	}()
+}
+
+// traceFile names the flight record's dump for a rank: prefix plus the rank, as torch's
+// TORCH_NCCL_DEBUG_INFO_TEMP_FILE; without a prefix, next to the log (its name with
+// .trace.json for .log); with neither, none.
+func traceFile(prefix, logFile string) func(rank int) string {
+	return func(rank int) string {
+		switch {
+		case prefix != "":
+			return fmt.Sprintf("%s%d", prefix, rank)
+		case logFile != "":
+			return strings.TrimSuffix(logFile, ".log") + ".trace.json"
+		}
+		return ""
+	}
 }
