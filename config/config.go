@@ -127,7 +127,7 @@ var Params = []Param{
 	},
 	{
 		Env: "GOCOMM_PEER_DEAD_TIMEOUT_SEC", Default: "5", Accepts: "seconds, 0.5 to 3600",
-		Doc: "how long a peer may stay silent before it counts as dead: idle links carry a heartbeat at a quarter of it, and a link that carries nothing (or takes none of this side's bytes) for this long breaks the group on every rank, naming the peer. No torch counterpart (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC is torch's watchdog's own heartbeat)",
+		Doc: "the most a dead or silent peer holds up the others: idle links carry a heartbeat at a fifth of it, a link that carries nothing for four fifths of it (or takes none of this side's bytes for all of it) breaks the group on every rank, naming the peer, and a refused dial is retried for a quarter of it. No torch counterpart (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC is torch's watchdog's own heartbeat)",
 		set: func(c *Config, v string) error {
 			f, err := strconv.ParseFloat(v, 64)
 			if err != nil || !(f >= 0.5 && f <= 3600) {

@@ -376,11 +376,11 @@ func (ep *Endpoint) Peers() []PeerProgress {
 // PeerTimeout is how long a peer may stay silent before it counts as dead.
 func (ep *Endpoint) PeerTimeout() time.Duration { return ep.node.peerTimeout }
 
-// heartbeat wakes every idle link a few times per peer timeout, so that each sends a beat
-// and the peers' readers, which give a link up after a peer timeout of silence, know this
-// side lives. It runs until the endpoint breaks or closes.
+// heartbeat wakes every idle link five times per peer timeout, so that each sends a beat and
+// the peers' readers, which give a link up after four fifths of it in silence, know this side
+// lives. It runs until the endpoint breaks or closes.
 func (ep *Endpoint) heartbeat() {
-	t := time.NewTicker(ep.node.peerTimeout / 4)
+	t := time.NewTicker(ep.node.peerTimeout / 5)
 	defer t.Stop()
 	for {
 		select {

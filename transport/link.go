@@ -54,7 +54,8 @@ func (p payload) keep(f *frame, from int) (*early, error) {
 }
 
 // liveConn is an inbound link read with a deadline that every read pushes on: a peer that
-// sends nothing, not even a heartbeat, for limit is given up (os.ErrDeadlineExceeded).
+// sends nothing, not even a heartbeat, for limit is given up (os.ErrDeadlineExceeded). The
+// limit is silenceLimit of the peer timeout, so that the ranks hear of the break within it.
 type liveConn struct {
 	net.Conn
 	limit time.Duration
@@ -69,8 +70,12 @@ func (c liveConn) Read(b []byte) (int, error) {
 // named as such, since the connection itself never reports it.
 func (ep *Endpoint) linkError(dir string, peer int, err error) error {
 	if errors.Is(err, os.ErrDeadlineExceeded) {
+		limit := ep.node.peerTimeout
+		if dir == "came from" {
+			limit = limit * silenceLimit / 5
+		}
 		return fmt.Errorf("%w: rank %d: nothing %s it for %v (no heartbeat: its sidecar is stopped or its host unreachable)",
-			ErrPeerLost, peer, dir, ep.node.peerTimeout)
+			ErrPeerLost, peer, dir, limit)
 	}
 	word := "from"
 	if dir == "went to" {
@@ -84,7 +89,7 @@ func (ep *Endpoint) reader(from int, raw net.Conn) {
 	defer ep.readers.Done()
 	defer close(ep.inEnded[from]) // once any Break of this reader happened (lost, invariant 7)
 	defer raw.Close()
-	conn := liveConn{raw, ep.node.peerTimeout}
+	conn := liveConn{raw, ep.node.peerTimeout * silenceLimit / 5}
 	hdr := make([]byte, frameHeader)
 	trailer := make([]byte, refTrailer)
 	scratch := make([]byte, 256<<10)
@@ -527,6 +532,10 @@ func (l *outLink) write(conn net.Conn, hdr []byte, m *outMsg, refs bool) error {
 	m.req.finish(nil)
 	return nil
 }
+
+// silenceLimit is the fifths of the peer timeout a link may stay silent (heartbeats go at
+// one fifth): the rest is for the break to reach every rank.
+const silenceLimit = 4
 
 // writeChunk is how much of an inline payload goes out under one write deadline.
 const writeChunk = 4 << 20

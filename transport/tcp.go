@@ -58,10 +58,10 @@ type Config struct {
 	Locate func(b []byte) (fd int, ino, off uint64, ok bool)
 	// ShmDir holds the probe file peers open to check they share this host.
 	ShmDir string
-	// PeerTimeout is how long a peer may stay silent before it counts as dead: every link
-	// carries a heartbeat at a quarter of it when idle, and a link that carries no frame for
-	// PeerTimeout, or takes none of this side's bytes for as long, breaks the group with
-	// the peer lost. Default 5 s.
+	// PeerTimeout is the most a dead or silent peer holds up the group: every link carries a
+	// heartbeat at a fifth of it when idle, and a link that carries no frame for four fifths
+	// of it, or takes none of this side's bytes for all of it, breaks the group with the
+	// peer lost. Default 5 s.
 	PeerTimeout time.Duration
 }
 
@@ -331,6 +331,7 @@ func (n *Node) dial(ep *Endpoint, to int, quick bool) (net.Conn, bool, error) {
 	ctx, cancel := context.WithTimeout(ep.ctx, limit)
 	defer cancel()
 	d := net.Dialer{KeepAlive: 15 * time.Second}
+	begin := time.Now()
 	for {
 		conn, err := d.DialContext(ctx, "tcp", ep.peers[to])
 		if err == nil {
@@ -356,7 +357,9 @@ func (n *Node) dial(ep *Endpoint, to int, quick bool) (net.Conn, bool, error) {
 			}
 			return nil, false, fmt.Errorf("handshake with %s: %w", ep.peers[to], err)
 		}
-		if quick || !errors.Is(err, syscall.ECONNREFUSED) || ctx.Err() != nil {
+		// A refused connection is retried for a quarter of the peer timeout only: the peer
+		// published its address after it listened, so a refusal that lasts means it died.
+		if quick || !errors.Is(err, syscall.ECONNREFUSED) || ctx.Err() != nil || time.Since(begin) > n.peerTimeout/4 {
 			return nil, false, fmt.Errorf("dial %s: %w", ep.peers[to], err)
 		}
 		select {

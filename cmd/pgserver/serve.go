@@ -130,7 +130,7 @@ func run(args []string) error {
 	abandon := func(reason string) { end(reason, false) }
 	rpc.NewService(srv, rpc.Host{RuntimeDir: o.runtimeDir, LogFile: o.logFile, A2A: cfg.A2A, TraceSize: cfg.Trace.Size}, stop).Register(gs)
 
-	handleSignals(log, abandon, func() { srv.DumpFlightRecord("SIGUSR1") })
+	handleSignals(log, o.parentPID, abandon, func() { srv.DumpFlightRecord("SIGUSR1") })
 	if o.parentPID > 0 {
 		go watchParent(o.parentPID, abandon)
 	}
@@ -283,10 +283,22 @@ func engines(log *slog.Logger, cfg config.Config, spin time.Duration) (pg.Config
 // handleSignals stops on SIGTERM, SIGINT and SIGHUP (the parent rank's death arrives as
 // SIGTERM, PDEATHSIG), and on SIGUSR1 dumps the flight record and logs every goroutine's
 // stack, and goes on serving: what a hang is waiting for.
-func handleSignals(log *slog.Logger, stop func(reason string), flight func()) {
+func handleSignals(log *slog.Logger, parent int, stop func(reason string), flight func()) {
 	sigs := make(chan os.Signal, 1)
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
-	go func() { stop(fmt.Sprintf("signal %v (the training process died, or pgserver was killed)", <-sigs)) }()
+	go func() {
+		sig := <-sigs
+		// PDEATHSIG comes as the parent's thread exits, before the parent is gone: a moment
+		// tells a dead parent from a signal sent to pgserver
+		for i := 0; parent > 0 && i < 20; i++ {
+			if os.Getppid() != parent {
+				stop(fmt.Sprintf("the training process (pid %d) died", parent))
+				return
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		stop(fmt.Sprintf("pgserver got signal %v", sig))
+	}()
 	dump := make(chan os.Signal, 1)
 	signal.Notify(dump, syscall.SIGUSR1)
 	go func() {

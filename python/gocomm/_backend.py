@@ -102,17 +102,25 @@ class ProcessGroupGocomm(SidecarSubmit, InProcessKernels, dist.ProcessGroup):
         self._cuda_lock = threading.Lock()
         # Bootstrap through the group's Store: rank 0 hands out the secret peer links are
         # authenticated with; every rank publishes where its sidecar listens.
-        if rank == 0:
-            store.set("gocomm/secret", os.urandom(32).hex())
-        secret = bytes.fromhex(store.get("gocomm/secret").decode())
-        store.set(f"gocomm/boot/{rank}", resp.bootstrap)
-        store.set(f"gocomm/sparse/{rank}", f"{self._sc.sparse_transport} {socket.gethostname()}")
-        blobs = [store.get(f"gocomm/boot/{r}") for r in range(size)]
+        try:
+            if rank == 0:
+                store.set("gocomm/secret", os.urandom(32).hex())
+            secret = bytes.fromhex(store.get("gocomm/secret").decode())
+            store.set(f"gocomm/boot/{rank}", resp.bootstrap)
+            store.set(f"gocomm/sparse/{rank}", f"{self._sc.sparse_transport} {socket.gethostname()}")
+            blobs = [store.get(f"gocomm/boot/{r}") for r in range(size)]
+            sparse = [store.get(f"gocomm/sparse/{r}").decode() for r in range(size)]
+        except (dist.DistError, RuntimeError) as e:
+            # the Store's host (rank 0's process under env:// and tcp://) died or went away:
+            # say so, instead of the socket's own words, and leave the group to no one
+            self._sc.call("DestroyGroup", pb.DestroyGroupRequest(session=self._sc.session, group=self._handle))
+            raise dist.DistBackendError(
+                f"gocomm: creating group {group_name!r} (rank {rank} of {size}): the torch Store stopped answering "
+                f"({type(e).__name__}: {e}); its host (rank 0 under env:// and tcp://) may have died"
+            ) from e
         # which engine runs each op (gocomm/_routes.py), from every member's sidecar's choice
         # and host, and the knobs every rank shares
-        facts = _routes.Facts.agree(
-            [store.get(f"gocomm/sparse/{r}").decode() for r in range(size)], _allreduce.configured_max()
-        )
+        facts = _routes.Facts.agree(sparse, _allreduce.configured_max())
         self._routes = _routes.Routes(facts, group_name, self._sc.sparse_reason)
         conn = self._sc.call(
             "ConnectGroup",

@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -189,6 +190,8 @@ class Sidecar:
                 f"pgserver on {self.socket} reported no all-to-all settings at attach: older than this shim?"
             )
         self.a2a = a2a
+        # GOCOMM_TRACE_BUFFER_SIZE as the sidecar read it: the shim's kernel launch record uses it too
+        self.trace_size = resp.trace_buffer_size
         self.info = self.call("Info", pb.InfoRequest())  # now naming that choice
         self.ring = _ring.Ring(resp.ring_path, resp.ring_bytes)
         self._watch = self.stub.Watch(pb.WatchRequest(session=self.session))
@@ -357,10 +360,26 @@ class Sidecar:
                 if ev.kind == "shutdown":
                     self._mark_lost(f"pgserver closed the session: {ev.detail}")
                     return
+                if ev.kind == "group_broken":
+                    self._group_broken(ev.detail)
             self._mark_lost("pgserver closed the session")
         except grpc.RpcError as e:
             if not self._closed:
                 self._mark_lost(f"lost the connection to pgserver ({e.code().name})")
+
+    def _group_broken(self, detail: str) -> None:
+        """A group broke (the sidecar aborted it): ops on it raise from now on. With
+        GOCOMM_ASYNC_ERROR_HANDLING 1 or 3, as torch's TORCH_NCCL_ASYNC_ERROR_HANDLING, the
+        process is torn down at once instead, so a rank that waits on nothing cannot go on
+        with a broken group."""
+        log.error("gocomm: %s (flight record: %s)", detail, self.log_file or "the sidecar's log")
+        if _config.async_error_handling() in (1, 3):
+            sys.stderr.write(
+                f"gocomm: tearing the process down (GOCOMM_ASYNC_ERROR_HANDLING="
+                f"{_config.async_error_handling()}): {detail}\n"
+            )
+            sys.stderr.flush()
+            os.abort()
 
     def _mark_lost(self, why: str) -> None:
         if self._closed:
@@ -399,6 +418,10 @@ class Sidecar:
         if self._closed:
             return
         self._closed = True
+        try:  # leaving in order: peers still waiting for this rank are told it left
+            self.stub.Detach(pb.DetachRequest(session=self.session, reason="client closed"), timeout=5)
+        except grpc.RpcError:
+            pass
         try:
             self._watch.cancel()
         except Exception:

@@ -1,0 +1,251 @@
+"""Fault injection for dead and silent peers: a world of rank processes of its own (one
+`python faults.py rank ...` each, with its sidecar) loops an op on CPU tensors, one fault is
+injected into one rank at a random point of an op, and every other rank must raise within the
+dead-peer limit (GOCOMM_PEER_DEAD_TIMEOUT_SEC), naming the dead rank. Used by
+test_dead_peers.py (a few trials) and soak_dead_peers.py (`make soak`, many).
+
+Faults (the victim is rank 1; for "store", rank 0, which hosts the torch Store):
+  kill_rank      SIGKILL the training process (its sidecar aborts its groups)
+  kill_sidecar   SIGKILL the victim's pgserver
+  stop_sidecar   SIGSTOP the victim's pgserver: a silent peer, as a host whose traffic is dropped
+  store          SIGKILL rank 0 (the Store's host) while every rank creates groups
+  hang           SIGSTOP the victim's training process: not a death; the op times out on the
+                 others (group timeout 3 s) and the flight record shows where each rank was
+
+Each trial checks what it leaves: the sidecars' processes, their socket files and /dev/shm
+files, and each survivor's sidecar fd count (at the first op, and after its group is gone).
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LIMIT_S = 5.0  # GOCOMM_PEER_DEAD_TIMEOUT_SEC's default
+HANG_TIMEOUT_S = 3.0
+FAULTS = ("kill_rank", "kill_sidecar", "stop_sidecar", "store")
+
+
+# ----- rank side --------------------------------------------------------------------------------
+
+
+def _say(**kw) -> None:
+    sys.stdout.write(json.dumps(kw) + "\n")
+    sys.stdout.flush()
+
+
+def _fds(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return -1
+
+
+def rank_main(rank: int, world: int, port: int, nbytes: int, fault: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import gocomm
+
+    host_store = fault == "store" and rank == 0
+    timeout = datetime.timedelta(seconds=HANG_TIMEOUT_S if fault == "hang" else 60)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=host_store, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gocomm", rank=rank, world_size=world, timeout=timeout, store=store)
+    x = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    dist.all_reduce(x)
+    sidecar = gocomm.info()["pid"]
+    _say(event="ready", rank=rank, pid=os.getpid(), sidecar=sidecar, fds=_fds(sidecar), log=gocomm.info()["log_file"])
+    ops = 0
+    try:
+        while True:
+            if fault == "store":  # group creation, over and over, with one small op on each
+                g = dist.new_group(backend="gocomm", timeout=timeout)
+                dist.all_reduce(torch.ones(1024), group=g)
+                dist.destroy_process_group(g)
+            else:
+                dist.all_reduce(x)
+            ops += 1
+    except Exception as e:  # noqa: BLE001
+        t = time.time()
+        msg, kind = str(e), type(e).__name__
+    rec = gocomm.flight_record() if fault == "hang" else {}
+    _say(event="raised", rank=rank, t=t, ops=ops, error=kind, message=msg[:2000], flight=rec)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+    time.sleep(0.5)
+    _say(event="after", rank=rank, fds=_fds(sidecar))
+    gocomm.shutdown()
+    _say(event="done", rank=rank)
+
+
+# ----- driver side ------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _leftovers(pids: list[int], socks: list[str], shm_before: set[str]) -> dict:
+    alive = [p for p in pids if os.path.exists(f"/proc/{p}") and not _zombie(p)]
+    shm = sorted(set(glob.glob("/dev/shm/gocomm-*")) - shm_before)
+    return {"processes": alive, "sockets": [s for s in socks if os.path.exists(s)], "shm": shm}
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def trial(fault: str, nbytes: int, world: int = 3, seed: int | None = None, start_timeout: float = 120.0) -> dict:
+    """Run one trial; returns {"fault", "bytes", "victim", "survivors": {rank: {"elapsed",
+    "message", ...}}, "worst", "leaks": {...}, "logs"}. Raises RuntimeError when the world
+    does not start."""
+    rnd = random.Random(seed)
+    port = _free_port()
+    victim = 0 if fault == "store" else 1
+    log_dir = tempfile.mkdtemp(prefix="gocomm-faults-")
+    env = dict(os.environ, GOCOMM_LOG_DIR=log_dir, GOCOMM_DEBUG_INFO_TEMP_FILE=os.path.join(log_dir, "trace_rank_"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(HERE, ".."), env.get("PYTHONPATH", "")) if p)
+    shm_before = set(glob.glob("/dev/shm/gocomm-*"))
+    store = None
+    if fault != "store":
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=True, wait_for_workers=False)
+    procs = []
+    for r in range(world):
+        cmd = [sys.executable, os.path.abspath(__file__), "rank", str(r), str(world), str(port), str(nbytes), fault]
+        out = open(os.path.join(log_dir, f"rank{r}.out"), "w+")
+        procs.append((subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT), out))
+    events: dict[int, dict[str, dict]] = {r: {} for r in range(world)}
+    pos = [0] * world
+
+    def poll():
+        for r, (_, out) in enumerate(procs):
+            with open(out.name) as f:
+                f.seek(pos[r])
+                for line in f:
+                    if line.endswith("\n"):
+                        pos[r] += len(line.encode())
+                        if line.startswith("{"):
+                            ev = json.loads(line)
+                            events[r][ev["event"]] = ev
+                    else:
+                        break
+
+    def kill_all():
+        for r in range(world):
+            sc = events[r].get("ready", {}).get("sidecar")
+            for pid in (sc, procs[r][0].pid):
+                if pid:
+                    for sig in (signal.SIGCONT, signal.SIGKILL):
+                        try:
+                            os.kill(pid, sig)
+                        except OSError:
+                            pass
+        for p, out in procs:
+            p.wait()
+            out.close()
+
+    try:
+        deadline = time.monotonic() + start_timeout
+        while not all("ready" in events[r] for r in range(world)):
+            poll()
+            if time.monotonic() > deadline or any(p.poll() is not None for p, _ in procs):
+                tails = "".join(open(out.name).read()[-1500:] for _, out in procs)
+                raise RuntimeError(f"{fault} world did not start: {tails}")
+            time.sleep(0.05)
+        time.sleep(rnd.uniform(0.05, 0.6))  # somewhere in an op (or between ops)
+        vpid = procs[victim][0].pid
+        vsc = events[victim]["ready"]["sidecar"]
+        t0 = time.time()
+        if fault in ("kill_rank", "store"):
+            os.kill(vpid, signal.SIGKILL)
+        elif fault == "kill_sidecar":
+            os.kill(vsc, signal.SIGKILL)
+        elif fault == "stop_sidecar":
+            os.kill(vsc, signal.SIGSTOP)
+        elif fault == "hang":
+            os.kill(vpid, signal.SIGSTOP)
+        else:
+            raise ValueError(fault)
+        survivors = [r for r in range(world) if r != victim]
+        wait_until = time.monotonic() + 60
+        while time.monotonic() < wait_until and not all("done" in events[r] for r in survivors):
+            poll()
+            if all(procs[r][0].poll() is not None for r in survivors):
+                poll()
+                break
+            time.sleep(0.05)
+    finally:
+        kill_all()
+        if store is not None:
+            del store
+    time.sleep(0.3)
+    poll()
+    out = {"fault": fault, "bytes": nbytes, "victim": victim, "survivors": {}, "logs": log_dir}
+    for r in survivors:
+        raised = events[r].get("raised")
+        s = {"raised": raised is not None}
+        if raised:
+            s.update(
+                elapsed=raised["t"] - t0,
+                message=raised["message"],
+                error=raised["error"],
+                ops=raised["ops"],
+                fds_before=events[r]["ready"]["fds"],
+                fds_after=events[r].get("after", {}).get("fds"),
+                flight=raised.get("flight"),
+            )
+        out["survivors"][r] = s
+    out["worst"] = max((s.get("elapsed", float("inf")) for s in out["survivors"].values()), default=float("inf"))
+    pids = [p.pid for p, _ in procs] + [events[r]["ready"]["sidecar"] for r in range(world)]
+    socks = glob.glob(os.path.join(log_dir, "*.sock"))
+    rdir = os.environ.get("XDG_RUNTIME_DIR")
+    rdir = os.path.join(rdir, "gocomm") if rdir else f"/tmp/gocomm-{os.getuid()}"
+    for r in range(world):
+        socks.append(os.path.join(rdir, f"pgserver-{procs[r][0].pid}-r{r}.sock"))
+    out["leaks"] = _leftovers(pids, socks, shm_before)
+    out["traces"] = sorted(glob.glob(os.path.join(log_dir, "trace_rank_*")))
+    return out
+
+
+def problems(res: dict, limit: float = LIMIT_S) -> list[str]:
+    """What is wrong with a trial's outcome: a survivor that did not raise within limit, or
+    whose error does not name the dead rank; leftover processes or /dev/shm files."""
+    bad = []
+    v = res["victim"]
+    for r, s in res["survivors"].items():
+        if not s["raised"]:
+            bad.append(f"rank {r} never raised")
+            continue
+        if s["elapsed"] > limit:
+            bad.append(f"rank {r} raised after {s['elapsed']:.2f}s > {limit}s: {s['message'][:300]}")
+        if f"rank {v}" not in s["message"] and (res["fault"] != "store" or "store" not in s["message"].lower()):
+            bad.append(f"rank {r}'s error does not name rank {v}: {s['message'][:300]}")
+    if res["leaks"]["processes"] or res["leaks"]["shm"]:
+        bad.append(f"left behind: {res['leaks']}")
+    return bad
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "rank":
+        sys.path.insert(0, os.path.join(HERE, ".."))
+        rank_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
