@@ -2,14 +2,17 @@ package pg
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/gocomm/gocomm/transport"
 	"github.com/gocomm/gocomm/wire"
 )
 
@@ -210,12 +213,15 @@ func (g *Group) record() GroupRecord {
 		LastStarted: int64(started) - 1, LastFinished: int64(finished) - 1,
 		Ops: g.flight.entries(),
 	}
-	if err := g.Broken(); err != nil {
-		r.Broken = err.Error()
-	}
 	g.mu.Lock()
-	ep := g.ep
+	ep, closing := g.ep, g.closing
 	g.mu.Unlock()
+	r.Broken = closing
+	if ep != nil { // the cause of a break outlives the group's destruction
+		if err := ep.Broken(); err != nil && !errors.Is(err, transport.ErrClosed) {
+			r.Broken = err.Error()
+		}
+	}
 	if ep != nil {
 		for peer, p := range ep.Peers() {
 			if peer == g.Rank {
@@ -231,8 +237,9 @@ func (g *Group) record() GroupRecord {
 	return r
 }
 
-// FlightRecord collects every group's flight record.
-func (s *Server) FlightRecord(reason string) FlightRecord {
+// FlightRecord collects every group's flight record, and those of also (groups that broke,
+// still shown once their client destroyed them).
+func (s *Server) FlightRecord(reason string, also ...*Group) FlightRecord {
 	rec := FlightRecord{Version: s.cfg.Version, PID: os.Getpid(), Rank: -1, Time: time.Now(), Reason: reason}
 	for _, sess := range s.Sessions() {
 		if rec.Rank < 0 {
@@ -240,6 +247,11 @@ func (s *Server) FlightRecord(reason string) FlightRecord {
 		}
 	}
 	groups := s.Groups()
+	for _, g := range also {
+		if !slices.Contains(groups, g) {
+			groups = append(groups, g)
+		}
+	}
 	sort.Slice(groups, func(i, j int) bool { return groups[i].Handle < groups[j].Handle })
 	for _, g := range groups {
 		rec.Groups = append(rec.Groups, g.record())
@@ -253,8 +265,8 @@ const logTail = 8
 // DumpFlightRecord writes the flight record to the log (each group's progress, its peers'
 // and its last ops) and, as JSON, to the dump file (Config.TraceFile). It returns the file's
 // path ("" when none was written).
-func (s *Server) DumpFlightRecord(reason string) (string, error) {
-	rec := s.FlightRecord(reason)
+func (s *Server) DumpFlightRecord(reason string, also ...*Group) (string, error) {
+	rec := s.FlightRecord(reason, also...)
 	for _, g := range rec.Groups {
 		ops := g.Ops[max(0, len(g.Ops)-logTail):]
 		tail, _ := json.Marshal(ops)
@@ -282,20 +294,25 @@ func (s *Server) DumpFlightRecord(reason string) (string, error) {
 	return path, nil
 }
 
-// dumpSoon dumps the flight record a moment after a group broke, so the ops the break
-// failed show their final state; breaks close together make one dump.
-func (s *Server) dumpSoon(reason string) {
+// dumpSoon dumps the flight record a moment after group g broke, so the ops the break
+// failed show their final state; breaks close together make one dump, which shows their
+// groups even if their clients destroyed them meanwhile.
+func (s *Server) dumpSoon(g *Group, reason string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.dumpPending || s.closed {
+	if s.closed {
 		return
 	}
-	s.dumpPending = true
+	s.dumpGroups = append(s.dumpGroups, g)
+	if len(s.dumpGroups) > 1 {
+		return
+	}
 	time.AfterFunc(200*time.Millisecond, func() {
 		s.mu.Lock()
-		s.dumpPending = false
+		also := s.dumpGroups
+		s.dumpGroups = nil
 		s.mu.Unlock()
-		s.DumpFlightRecord(reason)
+		s.DumpFlightRecord(reason, also...)
 	})
 }
 

@@ -118,7 +118,7 @@ func (g *Group) broke(cause error) {
 	}
 	srv := g.sess.srv
 	if srv.cfg.DumpOnFailure {
-		srv.dumpSoon(fmt.Sprintf("group %q broke: %v", g.Name, cause))
+		srv.dumpSoon(g, fmt.Sprintf("group %q broke: %v", g.Name, cause))
 	}
 	g.sess.notify(Event{Kind: "group_broken", Group: g.Handle, Detail: fmt.Sprintf("group %q (rank %d of %d): %v", g.Name, g.Rank, g.Size, cause)})
 }

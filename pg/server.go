@@ -76,7 +76,7 @@ type Server struct {
 	sparse   *SparseChoice // the last attached client's, for Info
 	client   []node.Fact   // the last attached client's facts, for Info
 
-	dumpPending bool // a flight record dump is on its way (dumpSoon)
+	dumpGroups []*Group // broken groups a flight record dump is on its way for (dumpSoon)
 }
 
 // ErrShutdown: the server is shutting down.

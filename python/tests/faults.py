@@ -113,7 +113,14 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def trial(fault: str, nbytes: int, world: int = 3, seed: int | None = None, start_timeout: float = 120.0) -> dict:
+def trial(
+    fault: str,
+    nbytes: int,
+    world: int = 3,
+    seed: int | None = None,
+    env: dict | None = None,
+    start_timeout: float = 120.0,
+) -> dict:
     """Run one trial; returns {"fault", "bytes", "victim", "survivors": {rank: {"elapsed",
     "message", ...}}, "worst", "leaks": {...}, "logs"}. Raises RuntimeError when the world
     does not start."""
@@ -121,7 +128,12 @@ def trial(fault: str, nbytes: int, world: int = 3, seed: int | None = None, star
     port = _free_port()
     victim = 0 if fault == "store" else 1
     log_dir = tempfile.mkdtemp(prefix="gocomm-faults-")
-    env = dict(os.environ, GOCOMM_LOG_DIR=log_dir, GOCOMM_DEBUG_INFO_TEMP_FILE=os.path.join(log_dir, "trace_rank_"))
+    env = dict(
+        os.environ,
+        GOCOMM_LOG_DIR=log_dir,
+        GOCOMM_DEBUG_INFO_TEMP_FILE=os.path.join(log_dir, "trace_rank_"),
+        **(env or {}),
+    )
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(HERE, ".."), env.get("PYTHONPATH", "")) if p)
     shm_before = set(glob.glob("/dev/shm/gocomm-*"))
     store = None
@@ -224,6 +236,8 @@ def trial(fault: str, nbytes: int, world: int = 3, seed: int | None = None, star
         socks.append(os.path.join(rdir, f"pgserver-{procs[r][0].pid}-r{r}.sock"))
     out["leaks"] = _leftovers(pids, socks, shm_before)
     out["traces"] = sorted(glob.glob(os.path.join(log_dir, "trace_rank_*")))
+    for s in out["leaks"]["sockets"]:  # a SIGKILLed sidecar's, counted above
+        os.unlink(s)
     return out
 
 
