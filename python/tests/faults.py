@@ -7,10 +7,14 @@ test_dead_peers.py (a few trials) and soak_dead_peers.py (`make soak`, many).
 Faults (the victim is rank 1; for "store", rank 0, which hosts the torch Store):
   kill_rank      SIGKILL the training process (its sidecar aborts its groups)
   kill_sidecar   SIGKILL the victim's pgserver
-  stop_sidecar   SIGSTOP the victim's pgserver: a silent peer, as a host whose traffic is dropped
+  stop_sidecar   SIGSTOP the victim's pgserver: a silent peer
+  unreachable    the victim runs in a network namespace of its own, joined by a veth pair the
+                 trial makes; the fault sets the link down: the victim's host drops off the net
   store          SIGKILL rank 0 (the Store's host) while every rank creates groups
   hang           SIGSTOP the victim's training process: not a death; the op times out on the
                  others (group timeout 3 s) and the flight record shows where each rank was
+  teardown       SIGKILL the victim while the others wait on nothing, with
+                 GOCOMM_ASYNC_ERROR_HANDLING=1: each of them must end itself (SIGABRT)
 
 Each trial checks what it leaves: the sidecars' processes, their socket files and /dev/shm
 files, and each survivor's sidecar fd count (at the first op, and after its group is gone).
@@ -23,6 +27,7 @@ import glob
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,7 +38,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIMIT_S = 5.0  # GOCOMM_PEER_DEAD_TIMEOUT_SEC's default
 HANG_TIMEOUT_S = 3.0
-FAULTS = ("kill_rank", "kill_sidecar", "stop_sidecar", "store")
+FAULTS = ("kill_rank", "kill_sidecar", "stop_sidecar", "unreachable", "store")
 
 
 # ----- rank side --------------------------------------------------------------------------------
@@ -51,7 +56,7 @@ def _fds(pid: int) -> int:
         return -1
 
 
-def rank_main(rank: int, world: int, port: int, nbytes: int, fault: str) -> None:
+def rank_main(rank: int, world: int, port: int, nbytes: int, fault: str, host: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -59,13 +64,17 @@ def rank_main(rank: int, world: int, port: int, nbytes: int, fault: str) -> None
 
     host_store = fault == "store" and rank == 0
     timeout = datetime.timedelta(seconds=HANG_TIMEOUT_S if fault == "hang" else 60)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=host_store, timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore(host, port, world, is_master=host_store, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gocomm", rank=rank, world_size=world, timeout=timeout, store=store)
     x = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
     dist.all_reduce(x)
     sidecar = gocomm.info()["pid"]
     _say(event="ready", rank=rank, pid=os.getpid(), sidecar=sidecar, fds=_fds(sidecar), log=gocomm.info()["log_file"])
     ops = 0
+    if fault == "teardown":  # waits on nothing: only the break's report can end it
+        time.sleep(60)
+        _say(event="lived", rank=rank)
+        return
     try:
         while True:
             if fault == "store":  # group creation, over and over, with one small op on each
@@ -91,6 +100,53 @@ def rank_main(rank: int, world: int, port: int, nbytes: int, fault: str) -> None
 
 
 # ----- driver side ------------------------------------------------------------------------------
+
+
+class Netns:
+    """A network namespace joined to this one by a veth pair on a /24 of its own: here is
+    .1, there is .2. Needs root; removed by close() (and with it the veth)."""
+
+    def __init__(self):
+        n = os.getpid() % 100000
+        self.name, self.veth = f"gocomm-t{n}", f"gct{n}"
+        net = f"10.{100 + n % 100}.{n // 100 % 250}"
+        self.here, self.there = f"{net}.1", f"{net}.2"
+        run = lambda *a: subprocess.run(a, check=True, capture_output=True)  # noqa: E731
+        run("ip", "netns", "add", self.name)
+        try:
+            run("ip", "link", "add", self.veth, "type", "veth", "peer", "name", self.veth + "p")
+            run("ip", "link", "set", self.veth + "p", "netns", self.name)
+            run("ip", "addr", "add", f"{self.here}/24", "dev", self.veth)
+            run("ip", "link", "set", self.veth, "up")
+            for cmd in (
+                f"ip addr add {self.there}/24 dev {self.veth}p",
+                f"ip link set {self.veth}p up",
+                "ip link set lo up",
+            ):
+                run("ip", "netns", "exec", self.name, *cmd.split())
+        except BaseException:
+            self.close()
+            raise
+
+    def prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.name]
+
+    def cut(self) -> None:
+        """Drop all traffic between the namespaces."""
+        subprocess.run(["ip", "link", "set", self.veth, "down"], check=True)
+
+    def close(self) -> None:
+        subprocess.run(["ip", "link", "del", self.veth], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+
+
+def netns_usable() -> str | None:
+    """Why a Netns cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if not shutil.which("ip"):
+        return "no ip command (iproute2)"
+    return None
 
 
 def _free_port() -> int:
@@ -136,16 +192,37 @@ def trial(
     )
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(HERE, ".."), env.get("PYTHONPATH", "")) if p)
     shm_before = set(glob.glob("/dev/shm/gocomm-*"))
-    store = None
+    store, ns = None, None
+    host = "127.0.0.1"
+    if fault == "unreachable":
+        ns = Netns()
+        host = ns.here
+    if fault == "teardown":
+        env["GOCOMM_ASYNC_ERROR_HANDLING"] = "1"
     if fault != "store":
         import torch.distributed as dist
 
-        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=True, wait_for_workers=False)
+        store = dist.TCPStore(host, port, world + 1, is_master=True, wait_for_workers=False)
     procs = []
     for r in range(world):
-        cmd = [sys.executable, os.path.abspath(__file__), "rank", str(r), str(world), str(port), str(nbytes), fault]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "rank",
+            str(r),
+            str(world),
+            str(port),
+            str(nbytes),
+            fault,
+            host,
+        ]
+        renv = dict(env)
+        if ns is not None:
+            renv["GOCOMM_ADVERTISE_ADDR"] = ns.there if r == victim else ns.here
+            if r == victim:
+                cmd = ns.prefix() + cmd
         out = open(os.path.join(log_dir, f"rank{r}.out"), "w+")
-        procs.append((subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT), out))
+        procs.append((subprocess.Popen(cmd, env=renv, stdout=out, stderr=subprocess.STDOUT), out))
     events: dict[int, dict[str, dict]] = {r: {} for r in range(world)}
     pos = [0] * world
 
@@ -188,7 +265,7 @@ def trial(
         vpid = procs[victim][0].pid
         vsc = events[victim]["ready"]["sidecar"]
         t0 = time.time()
-        if fault in ("kill_rank", "store"):
+        if fault in ("kill_rank", "store", "teardown"):
             os.kill(vpid, signal.SIGKILL)
         elif fault == "kill_sidecar":
             os.kill(vsc, signal.SIGKILL)
@@ -196,18 +273,26 @@ def trial(
             os.kill(vsc, signal.SIGSTOP)
         elif fault == "hang":
             os.kill(vpid, signal.SIGSTOP)
+        elif fault == "unreachable":
+            ns.cut()
         else:
             raise ValueError(fault)
         survivors = [r for r in range(world) if r != victim]
+        exited: dict[int, float] = {}
         wait_until = time.monotonic() + 60
         while time.monotonic() < wait_until and not all("done" in events[r] for r in survivors):
             poll()
-            if all(procs[r][0].poll() is not None for r in survivors):
+            for r in survivors:
+                if r not in exited and procs[r][0].poll() is not None:
+                    exited[r] = time.time() - t0
+            if len(exited) == len(survivors):
                 poll()
                 break
-            time.sleep(0.05)
+            time.sleep(0.02)
     finally:
         kill_all()
+        if ns is not None:
+            ns.close()
         if store is not None:
             del store
     time.sleep(0.3)
@@ -226,6 +311,7 @@ def trial(
                 fds_after=events[r].get("after", {}).get("fds"),
                 flight=raised.get("flight"),
             )
+        s["exited"], s["returncode"] = exited.get(r), procs[r][0].returncode
         out["survivors"][r] = s
     out["worst"] = max((s.get("elapsed", float("inf")) for s in out["survivors"].values()), default=float("inf"))
     pids = [p.pid for p, _ in procs] + [events[r]["ready"]["sidecar"] for r in range(world)]
@@ -262,4 +348,4 @@ def problems(res: dict, limit: float = LIMIT_S) -> list[str]:
 if __name__ == "__main__":
     if sys.argv[1] == "rank":
         sys.path.insert(0, os.path.join(HERE, ".."))
-        rank_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+        rank_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7])

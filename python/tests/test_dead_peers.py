@@ -38,6 +38,8 @@ def _check(res: dict, limit: float = faults.LIMIT_S) -> None:
 @pytest.mark.parametrize("size", list(SIZES), ids=list(SIZES))
 @pytest.mark.parametrize("fault", faults.FAULTS)
 def test_every_survivor_raises_naming_the_dead_rank(fault, size, seed):
+    if fault == "unreachable" and (why := faults.netns_usable()):
+        pytest.skip(why)
     for i in range(TRIALS):
         _check(faults.trial(fault, SIZES[size], seed=seed + i))
 
@@ -47,6 +49,17 @@ def test_dead_peer_limit_is_a_knob(seed):
     res = faults.trial("stop_sidecar", 1 << 20, seed=seed, env={"GOCOMM_PEER_DEAD_TIMEOUT_SEC": "2"})
     _check(res, limit=2.0)
     assert all("for 1.6s" in s["message"] for s in res["survivors"].values()), _report(res)
+
+
+def test_async_error_handling_tears_the_process_down(seed):
+    """GOCOMM_ASYNC_ERROR_HANDLING=1 (TORCH_NCCL_ASYNC_ERROR_HANDLING's TearDown): ranks that
+    wait on nothing end themselves with SIGABRT within the dead-peer limit once a peer died."""
+    res = faults.trial("teardown", 4 << 10, seed=seed)
+    for r, s in res["survivors"].items():
+        assert s["returncode"] == -6 and s["exited"] is not None and s["exited"] < faults.LIMIT_S, (
+            f"rank {r}: exit {s['returncode']} after {s['exited']}s\n{_report(res)}"
+        )
+    shutil.rmtree(res["logs"], ignore_errors=True)
 
 
 def test_flight_record_shows_the_hung_rank(seed):
