@@ -6,7 +6,8 @@
 # make test-gpu   the GPU suite, on a machine with GPUs (see README; MPS=1 under MPS)
 # make bench-gpu  gocomm against torch NCCL on the machine's GPUs (table, JSON, PNG)
 # make bench      CPU benchmark: gocomm against gloo, 2 to 4 ranks
-# make soak       ranks that disagree, SOAK_RUNS times on one world (not part of make test)
+# make soak       ranks that disagree, SOAK_RUNS times on one world, and the dead-peer faults
+#                 SOAK_TRIALS times each (not part of make test)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -144,8 +145,13 @@ bench: all
 # 3 ranks call different collectives (all_reduce vs all_gather) on a fresh group per run;
 # fails unless every rank of every run gets an error naming the mismatch and both calls.
 SOAK_RUNS ?= 1000
+# Then every dead-peer fault (python/tests/faults.py: a rank, a sidecar killed, a sidecar
+# stopped, a host unreachable, the Store's host killed) at 4 KiB, 1 MiB and 64 MiB, SOAK_TRIALS
+# times each: every survivor must raise within the dead-peer limit, naming the dead rank.
+SOAK_TRIALS ?= 20
 soak: all
 	$(PY) python/tests/soak_disagree.py --runs $(SOAK_RUNS)
+	$(PY) python/tests/soak_dead_peers.py --trials $(SOAK_TRIALS)
 
 clean:
 	rm -rf bin python/gocomm/bin python/gocomm/v1 $(GO_GEN) kernels/build/_obj $(KERNELS)

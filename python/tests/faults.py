@@ -27,6 +27,7 @@ import glob
 import json
 import os
 import random
+import resource
 import shutil
 import signal
 import socket
@@ -222,7 +223,9 @@ def trial(
             if r == victim:
                 cmd = ns.prefix() + cmd
         out = open(os.path.join(log_dir, f"rank{r}.out"), "w+")
-        procs.append((subprocess.Popen(cmd, env=renv, stdout=out, stderr=subprocess.STDOUT), out))
+        # no core files from the ranks a test kills or tears down (SIGABRT)
+        nocore = lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # noqa: E731
+        procs.append((subprocess.Popen(cmd, env=renv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=nocore), out))
     events: dict[int, dict[str, dict]] = {r: {} for r in range(world)}
     pos = [0] * world
 
