@@ -135,6 +135,7 @@ class ProcessGroupGocomm(SidecarSubmit, InProcessKernels, dist.ProcessGroup):
         self._ar: dict[int, _allreduce.Path | None] = {}
         self._a2av: dict[int, _a2av.Path | None] = {}
         self._broken: BaseException | None = None  # the first failure of an op of this group
+        self._sc.on_group_broken(self._handle, self._sidecar_broke)
         # the group's Store, for the NVSHMEM unique id of the sidecar's all_to_all_v kernel
         # (_shmem_id), handed over at the group's first such op
         self._store = store
@@ -579,6 +580,16 @@ class ProcessGroupGocomm(SidecarSubmit, InProcessKernels, dist.ProcessGroup):
             )
         except SidecarError as e:
             log.warning("gocomm: destroying group %r: %s", self._group_name, e)
+
+    def _sidecar_broke(self, detail: str) -> None:
+        """The sidecar reports the group broken (a peer died or went silent, an op timed
+        out): later ops go to the sidecar, which raises with the cause, and in-process kernels
+        waiting for a peer give up now rather than at the group's timeout."""
+        if self._broken is None:
+            self._broken = dist.DistBackendError(f"gocomm: {detail}")
+        for path in (*self._ar.values(), *self._a2av.values()):
+            if path is not None:
+                path.give_up()
 
     def abort(self) -> None:
         """Fail everything pending on the group, on this rank and its peers."""

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import grpc
@@ -162,6 +163,7 @@ class Sidecar:
         self._closed = False
         self._lost: str | None = None
         self._on_lost: list = []
+        self._on_broken: dict[int, weakref.WeakMethod] = {}  # group handle -> its hook
         address = _config.sidecar()  # unix:///path: the table refuses anything else
         if address:
             self.socket = address[len("unix://") :]
@@ -361,18 +363,31 @@ class Sidecar:
                     self._mark_lost(f"pgserver closed the session: {ev.detail}")
                     return
                 if ev.kind == "group_broken":
-                    self._group_broken(ev.detail)
+                    self._group_broken(ev.group, ev.detail)
             self._mark_lost("pgserver closed the session")
         except grpc.RpcError as e:
             if not self._closed:
                 self._mark_lost(f"lost the connection to pgserver ({e.code().name})")
 
-    def _group_broken(self, detail: str) -> None:
-        """A group broke (the sidecar aborted it): ops on it raise from now on. With
+    def on_group_broken(self, handle: int, method) -> None:
+        """Call method(detail) (a bound method, held weakly) when the sidecar reports group
+        handle broken."""
+        self._on_broken[handle] = weakref.WeakMethod(method)
+
+    def _group_broken(self, handle: int, detail: str) -> None:
+        """A group broke (the sidecar aborted it): ops on it raise from now on, and its
+        in-process kernels stop waiting for peers (the group's hook). With
         GOCOMM_ASYNC_ERROR_HANDLING 1 or 3, as torch's TORCH_NCCL_ASYNC_ERROR_HANDLING, the
         process is torn down at once instead, so a rank that waits on nothing cannot go on
         with a broken group."""
         log.error("gocomm: %s (flight record: %s)", detail, self.log_file or "the sidecar's log")
+        ref = self._on_broken.get(handle)
+        hook = ref() if ref is not None else None
+        if hook is not None:
+            try:
+                hook(detail)
+            except Exception as e:  # noqa: BLE001
+                log.error("gocomm: after group %d broke: %s", handle, e)
         if _config.async_error_handling() in (1, 3):
             sys.stderr.write(
                 f"gocomm: tearing the process down (GOCOMM_ASYNC_ERROR_HANDLING="

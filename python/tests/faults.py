@@ -57,7 +57,7 @@ def _fds(pid: int) -> int:
         return -1
 
 
-def rank_main(rank: int, world: int, port: int, nbytes: int, fault: str, host: str) -> None:
+def rank_main(rank: int, world: int, port: int, nbytes: int, fault: str, host: str, device: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -67,10 +67,31 @@ def rank_main(rank: int, world: int, port: int, nbytes: int, fault: str, host: s
     timeout = datetime.timedelta(seconds=HANG_TIMEOUT_S if fault == "hang" else 60)
     store = dist.TCPStore(host, port, world, is_master=host_store, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gocomm", rank=rank, world_size=world, timeout=timeout, store=store)
-    x = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
-    dist.all_reduce(x)
-    sidecar = gocomm.info()["pid"]
-    _say(event="ready", rank=rank, pid=os.getpid(), sidecar=sidecar, fds=_fds(sidecar), log=gocomm.info()["log_file"])
+    if device == "cuda":  # ranks share the GPUs there are, round robin
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dev = torch.device("cuda", torch.cuda.current_device())
+        x = torch.ones(max(4, nbytes // 2), dtype=torch.bfloat16, device=dev)
+    else:
+        x = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+
+    def op():
+        dist.all_reduce(x)
+        if device == "cuda":  # a kernel that waits for a dead peer must give up, or this hangs
+            torch.cuda.synchronize()
+
+    op()
+    info = gocomm.info()
+    sidecar = info["pid"]
+    routes = {k: v["routes"] for k, v in info.get("groups", {}).items()}
+    _say(
+        event="ready",
+        rank=rank,
+        pid=os.getpid(),
+        sidecar=sidecar,
+        fds=_fds(sidecar),
+        log=info["log_file"],
+        routes=routes,
+    )
     ops = 0
     if fault == "teardown":  # waits on nothing: only the break's report can end it
         time.sleep(60)
@@ -83,7 +104,7 @@ def rank_main(rank: int, world: int, port: int, nbytes: int, fault: str, host: s
                 dist.all_reduce(torch.ones(1024), group=g)
                 dist.destroy_process_group(g)
             else:
-                dist.all_reduce(x)
+                op()
             ops += 1
     except Exception as e:  # noqa: BLE001
         t = time.time()
@@ -176,6 +197,7 @@ def trial(
     world: int = 3,
     seed: int | None = None,
     env: dict | None = None,
+    device: str = "cpu",
     start_timeout: float = 120.0,
 ) -> dict:
     """Run one trial; returns {"fault", "bytes", "victim", "survivors": {rank: {"elapsed",
@@ -216,6 +238,7 @@ def trial(
             str(nbytes),
             fault,
             host,
+            device,
         ]
         renv = dict(env)
         if ns is not None:
@@ -301,6 +324,7 @@ def trial(
     time.sleep(0.3)
     poll()
     out = {"fault": fault, "bytes": nbytes, "victim": victim, "survivors": {}, "logs": log_dir}
+    out["routes"] = events[0].get("ready", {}).get("routes")
     for r in survivors:
         raised = events[r].get("raised")
         s = {"raised": raised is not None}
@@ -351,4 +375,4 @@ def problems(res: dict, limit: float = LIMIT_S) -> list[str]:
 if __name__ == "__main__":
     if sys.argv[1] == "rank":
         sys.path.insert(0, os.path.join(HERE, ".."))
-        rank_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7])
+        rank_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), *sys.argv[6:9])

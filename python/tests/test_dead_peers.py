@@ -94,3 +94,15 @@ def test_flight_record_shows_the_hung_rank(seed):
             assert peers[other]["last_started"] == n, peers
             assert 0 <= peers[1]["heard_s_ago"] < 5, peers
     shutil.rmtree(res["logs"], ignore_errors=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fault", ["kill_rank", "kill_sidecar", "stop_sidecar"])
+def test_gpu_survivors_raise_naming_the_dead_rank(fault, seed):
+    """CUDA tensors, 2 ranks (sharing the GPUs there are: on one GPU, the in-process
+    all_reduce kernel; on two, the route the group takes): a rank's death reaches the other's
+    kernels or NCCL (the sidecar aborts the group, and the shim makes its kernels stop waiting),
+    so torch.cuda.synchronize() returns and the next call raises within the limit."""
+    for size in (4 << 10, 1 << 20, 64 << 20):
+        res = faults.trial(fault, size, world=2, seed=seed, device="cuda")
+        _check(res)
