@@ -288,9 +288,10 @@ func handleSignals(log *slog.Logger, parent int, stop func(reason string), fligh
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
 	go func() {
 		sig := <-sigs
-		// PDEATHSIG comes as the parent's thread exits, before the parent is gone: a moment
-		// tells a dead parent from a signal sent to pgserver
-		for i := 0; parent > 0 && i < 20; i++ {
+		// PDEATHSIG comes as the parent's thread exits, before the parent is gone (a large
+		// process takes a while to die): up to a second tells a dead parent from a signal
+		// sent to pgserver
+		for i := 0; parent > 0 && i < 200; i++ {
 			if os.Getppid() != parent {
 				stop(fmt.Sprintf("the training process (pid %d) died", parent))
 				return

@@ -17,37 +17,47 @@ import faults  # noqa: E402
 SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "64MiB": 64 << 20}
 
 
+def soak(fault: str, world: int, name: str, nbytes: int, trials: int) -> int:
+    """trials of one fault; prints its table row and each failure; returns the failures."""
+    failed, worst, fds, shm, socks, procs = 0, 0.0, 0, 0, 0, 0
+    for i in range(trials):
+        res = faults.trial(fault, nbytes, world=world, seed=i)
+        worst = max(worst, res["worst"])
+        fds += sum(1 for s in res["survivors"].values() if (s.get("fds_after") or 0) > s.get("fds_before", 0))
+        shm += len(res["leaks"]["shm"])
+        socks += len(res["leaks"]["sockets"])
+        procs += len(res["leaks"]["processes"])
+        bad = faults.problems(res)
+        if bad:
+            failed += 1
+            print(
+                f"FAIL {fault} {world} ranks {name} trial {i}: " + "; ".join(bad) + f" (logs: {res['logs']})",
+                flush=True,
+            )
+        else:
+            shutil.rmtree(res["logs"], ignore_errors=True)
+    print(f"| {fault} | {world} | {name} | {trials} | {worst:.2f} | {fds} | {shm} | {socks} | {procs} |", flush=True)
+    return failed
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--faults", default=",".join(faults.FAULTS))
+    ap.add_argument("--worlds", default="2,3", help="ranks per trial, each in turn")
     args = ap.parse_args()
     fault_list = args.faults.split(",")
     if "unreachable" in fault_list and (why := faults.netns_usable()):
         print(f"unreachable: skipped ({why})")
         fault_list.remove("unreachable")
     failed = 0
-    print(
-        "| fault | size | trials | worst time to raise (s) | fds after > before | /dev/shm left | sockets left | processes left |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for fault in fault_list:
-        for name, nbytes in SIZES.items():
-            worst, fds, shm, socks, procs = 0.0, 0, 0, 0, 0
-            for i in range(args.trials):
-                res = faults.trial(fault, nbytes, seed=i)
-                worst = max(worst, res["worst"])
-                fds += sum(1 for s in res["survivors"].values() if (s.get("fds_after") or 0) > s.get("fds_before", 0))
-                shm += len(res["leaks"]["shm"])
-                socks += len(res["leaks"]["sockets"])
-                procs += len(res["leaks"]["processes"])
-                bad = faults.problems(res)
-                if bad:
-                    failed += 1
-                    print(f"FAIL {fault} {name} trial {i}: " + "; ".join(bad) + f" (logs: {res['logs']})", flush=True)
-                else:
-                    shutil.rmtree(res["logs"], ignore_errors=True)
-            print(f"| {fault} | {name} | {args.trials} | {worst:.2f} | {fds} | {shm} | {socks} | {procs} |", flush=True)
+    head = "| fault | ranks | size | trials | worst time to raise (s) | fds after > before | /dev/shm left | sockets left |"
+    print(head + " processes left |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for world in map(int, args.worlds.split(",")):
+        for fault in fault_list:
+            for name, nbytes in SIZES.items():
+                failed += soak(fault, world, name, nbytes, args.trials)
     print("ok" if not failed else f"{failed} trials failed")
     return 1 if failed else 0
 

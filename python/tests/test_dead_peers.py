@@ -38,10 +38,21 @@ def _check(res: dict, limit: float = faults.LIMIT_S) -> None:
 @pytest.mark.parametrize("size", list(SIZES), ids=list(SIZES))
 @pytest.mark.parametrize("fault", faults.FAULTS)
 def test_every_survivor_raises_naming_the_dead_rank(fault, size, seed):
+    """2 ranks, as the case that hung before: the survivor's by-reference sends waited for
+    the dead rank's ack, and its sidecar said bye instead of abort."""
     if fault == "unreachable" and (why := faults.netns_usable()):
         pytest.skip(why)
     for i in range(TRIALS):
-        _check(faults.trial(fault, SIZES[size], seed=seed + i))
+        _check(faults.trial(fault, SIZES[size], world=2, seed=seed + i))
+
+
+@pytest.mark.parametrize("fault", faults.FAULTS)
+def test_every_survivor_of_three_raises(fault, seed):
+    """3 ranks, 1 MiB: both survivors raise, each naming the dead rank (told directly, or in
+    the other survivor's abort)."""
+    if fault == "unreachable" and (why := faults.netns_usable()):
+        pytest.skip(why)
+    _check(faults.trial(fault, 1 << 20, world=3, seed=seed))
 
 
 def test_dead_peer_limit_is_a_knob(seed):
