@@ -216,6 +216,7 @@ def trial(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(HERE, ".."), env.get("PYTHONPATH", "")) if p)
     shm_before = set(glob.glob("/dev/shm/gocomm-*"))
     store, ns = None, None
+    stopped: set[int] = set()  # pids SIGSTOPped by the fault
     host = "127.0.0.1"
     if fault == "unreachable":
         ns = Netns()
@@ -265,7 +266,13 @@ def trial(
                     else:
                         break
 
-    def kill_all():
+    def kill_all(stopped=()):
+        # what was not stopped on purpose gets 5 s to end by itself (a sidecar whose client
+        # died cleans up, and what it leaves is counted); then everything is killed
+        pids = [p for r in range(world) for p in (events[r].get("ready", {}).get("sidecar"), procs[r][0].pid) if p]
+        until = time.monotonic() + 5
+        while time.monotonic() < until and any(not _zombie(p) for p in pids if p not in stopped):
+            time.sleep(0.05)
         for r in range(world):
             sc = events[r].get("ready", {}).get("sidecar")
             for pid in (sc, procs[r][0].pid):
@@ -297,10 +304,13 @@ def trial(
             os.kill(vsc, signal.SIGKILL)
         elif fault == "stop_sidecar":
             os.kill(vsc, signal.SIGSTOP)
+            stopped |= {vsc, vpid}  # its client waits on it
         elif fault == "hang":
             os.kill(vpid, signal.SIGSTOP)
+            stopped |= {vpid, vsc}  # its sidecar serves the stopped client
         elif fault == "unreachable":
             ns.cut()
+            stopped |= {vpid, vsc}  # cut off: they wait for the op's timeout
         else:
             raise ValueError(fault)
         survivors = [r for r in range(world) if r != victim]
@@ -316,7 +326,7 @@ def trial(
                 break
             time.sleep(0.02)
     finally:
-        kill_all()
+        kill_all(stopped)
         if ns is not None:
             ns.close()
         if store is not None:
