@@ -359,7 +359,7 @@ func (ep *Endpoint) OnBreak(f func(error)) {
 }
 
 // SetProgress tells the endpoint how far this member got (collectives started and finished),
-// which its heartbeats carry to the peers. Call before Connect.
+// which its heartbeats carry to the peers.
 func (ep *Endpoint) SetProgress(f func() (started, finished uint64)) {
 	ep.mu.Lock()
 	ep.progress = f
@@ -414,7 +414,6 @@ func (ep *Endpoint) Connect() {
 			ep.linkLocked(to)
 		}
 	}
-	go ep.heartbeat()
 }
 
 // linkLocked returns the link to rank to, starting its writer on first use.

@@ -195,6 +195,7 @@ func (n *Node) Join(secret []byte, rank int, peers []string) (*Endpoint, error) 
 	n.groups[ep.id] = ep
 	delete(n.gone, ep.id)
 	n.cond.Broadcast()
+	go ep.heartbeat() // every link a peer reads gets beats, dialed eagerly (Connect) or not
 	return ep, nil
 }
 
