@@ -211,7 +211,7 @@ func (g *Group) record() GroupRecord {
 	r := GroupRecord{
 		Handle: g.Handle, Name: g.Name, Rank: g.Rank, Size: g.Size,
 		LastStarted: int64(started) - 1, LastFinished: int64(finished) - 1,
-		Ops: g.flight.entries(),
+		Ops: g.flight.entries(), Peers: []PeerRecord{},
 	}
 	g.mu.Lock()
 	ep, closing := g.ep, g.closing
@@ -240,7 +240,7 @@ func (g *Group) record() GroupRecord {
 // FlightRecord collects every group's flight record, and those of also (groups that broke,
 // still shown once their client destroyed them).
 func (s *Server) FlightRecord(reason string, also ...*Group) FlightRecord {
-	rec := FlightRecord{Version: s.cfg.Version, PID: os.Getpid(), Rank: -1, Time: time.Now(), Reason: reason}
+	rec := FlightRecord{Version: s.cfg.Version, PID: os.Getpid(), Rank: -1, Time: time.Now(), Reason: reason, Groups: []GroupRecord{}}
 	for _, sess := range s.Sessions() {
 		if rec.Rank < 0 {
 			rec.Rank = sess.rank
