@@ -27,7 +27,7 @@ import (
 //     client is told.
 //  2. Collectives are numbered in submission order, which every rank shares (the group's
 //     design 1), whatever engine runs them: seq n is the same call on every rank. Point-to-
-//     point ops have no seq (-1).
+//     point ops are numbered apart (p2p_seq, this rank's own order), as torch's recorder does.
 //  3. started and finished count the collectives started and finished (the highest seq
 //     plus one); the heartbeats carry them, so each rank knows how far each peer got
 //     (transport.PeerProgress) without asking it. They are kept when the ring is off (size 0).
@@ -41,14 +41,16 @@ type flight struct {
 	next    int // where the next entry goes once the ring is full
 	ids     uint64
 	collSeq int64
+	p2pSeq  int64
 
 	started, finished atomic.Uint64 // invariant 3
 }
 
 // FlightEntry is one op as the flight recorder saw it.
 type FlightEntry struct {
-	ID        uint64     `json:"id"`  // the group's op number (every op, in acceptance order)
-	Seq       int64      `json:"seq"` // collective number, the same on every rank; -1: point to point
+	ID        uint64     `json:"id"`      // the group's op number (every op, in acceptance order)
+	Seq       int64      `json:"seq"`     // collective number, the same on every rank; -1: point to point
+	P2PSeq    int64      `json:"p2p_seq"` // point-to-point number on this rank; -1: a collective
 	ClientSeq uint64     `json:"client_seq"`
 	Op        string     `json:"op"`
 	Engine    string     `json:"engine"` // host or nccl
@@ -91,10 +93,13 @@ func (f *flight) record(d *wire.Desc, engine string, timeout time.Duration) *Fli
 	defer f.mu.Unlock()
 	f.ids++
 	e.ID = f.ids
-	e.Seq = -1
+	e.Seq, e.P2PSeq = -1, -1
 	if d.Kind.Collective() {
 		e.Seq = f.collSeq
 		f.collSeq++
+	} else {
+		e.P2PSeq = f.p2pSeq
+		f.p2pSeq++
 	}
 	if f.size <= 0 {
 		return e
@@ -132,6 +137,13 @@ func (f *flight) end(e *FlightEntry, status int32, msg string) {
 		raise(&f.started, uint64(e.Seq)+1)
 		raise(&f.finished, uint64(e.Seq)+1)
 	}
+}
+
+// enqueued is how many collectives the group accepted.
+func (f *flight) enqueued() int64 {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.collSeq
 }
 
 // progress is (collectives started, finished), for the heartbeats (invariant 3).
@@ -179,8 +191,9 @@ type GroupRecord struct {
 	Size   int    `json:"size"`
 	// Broken is why the group broke, "" while it works.
 	Broken string `json:"broken,omitempty"`
-	// LastStarted and LastFinished are this rank's last collective seq started and finished
-	// (-1: none).
+	// LastEnqueued, LastStarted and LastFinished are this rank's last collective seq
+	// submitted, started and finished (-1: none).
+	LastEnqueued int64         `json:"last_enqueued"`
 	LastStarted  int64         `json:"last_started"`
 	LastFinished int64         `json:"last_finished"`
 	Peers        []PeerRecord  `json:"peers"`
@@ -210,7 +223,7 @@ func (g *Group) record() GroupRecord {
 	started, finished := g.flight.progress()
 	r := GroupRecord{
 		Handle: g.Handle, Name: g.Name, Rank: g.Rank, Size: g.Size,
-		LastStarted: int64(started) - 1, LastFinished: int64(finished) - 1,
+		LastEnqueued: g.flight.enqueued() - 1, LastStarted: int64(started) - 1, LastFinished: int64(finished) - 1,
 		Ops: g.flight.entries(), Peers: []PeerRecord{},
 	}
 	g.mu.Lock()

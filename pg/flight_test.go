@@ -26,6 +26,9 @@ func TestFlightRing(t *testing.T) {
 	if es[0].Seq != 0 || es[1].Seq != -1 || es[2].Seq != 1 || es[3].Seq != 2 || es[4].Seq != -1 {
 		t.Fatalf("seqs %d %d %d %d %d, want 0 -1 1 2 -1", es[0].Seq, es[1].Seq, es[2].Seq, es[3].Seq, es[4].Seq)
 	}
+	if es[1].P2PSeq != 0 || es[4].P2PSeq != 1 || es[0].P2PSeq != -1 || f.enqueued() != 3 {
+		t.Fatalf("p2p seqs %d %d %d, %d collectives enqueued; want 0 1 -1, 3", es[1].P2PSeq, es[4].P2PSeq, es[0].P2PSeq, f.enqueued())
+	}
 	if es[1].Peer != 1 || es[1].Tag != 7 || es[0].RedOp != "sum" || es[0].Bytes[0] != 16 {
 		t.Fatalf("entries %+v %+v", *es[0], *es[1])
 	}

@@ -90,11 +90,12 @@ def flight_record(dump: bool = False) -> dict:
 
     Returns:
         {} where no sidecar runs; else {"version", "pid", "rank", "time", "reason", "groups":
-        [{"handle", "name", "rank", "size", "broken" (why, once it broke), "last_started",
-        "last_finished" (this rank's last collective seq started and finished, -1: none),
+        [{"handle", "name", "rank", "size", "broken" (why, once it broke), "last_enqueued",
+        "last_started", "last_finished" (this rank's last collective seq submitted, started
+        and finished, -1: none),
         "peers": [{"rank", "last_started", "last_finished", "heard_s_ago"}] (from the peers'
         heartbeats), "ops": [{"id", "seq" (collective number, the same call on every rank;
-        -1: send/recv), "op", "engine", "dtype", "reduce_op", "count", "bytes", "peer", "tag",
+        -1: send/recv), "p2p_seq" (send/recv numbered on this rank), "op", "engine", "dtype", "reduce_op", "count", "bytes", "peer", "tag",
         "timeout_s", "enqueued", "started", "ended", "state", "error"}, ...] (oldest first)}],
         "path" (the dump file, when dump), "inprocess": [the last in-process kernel launches:
         {"group", "op", "dtype", "bytes", "device", "launched"}]}.
