@@ -69,6 +69,11 @@ def rank_main(rank: int, world: int, port: int, nbytes: int, fault: str, host: s
     dist.init_process_group("gocomm", rank=rank, world_size=world, timeout=timeout, store=store)
     if device == "cuda":  # ranks share the GPUs there are, round robin
         torch.cuda.set_device(rank % torch.cuda.device_count())
+        engine = next(iter(gocomm.info()["groups"].values()))["routes"]["all_reduce"][0]
+        if torch.cuda.device_count() < world and engine == "sidecar NCCL":
+            # NCCL takes one rank per GPU: ranks sharing one need the in-process kernel
+            _say(event="skip", rank=rank, why=f"{world} ranks on {torch.cuda.device_count()} GPU(s) take {engine}")
+            return
         dev = torch.device("cuda", torch.cuda.current_device())
         x = torch.ones(max(4, nbytes // 2), dtype=torch.bfloat16, device=dev)
     else:
@@ -122,6 +127,10 @@ def rank_main(rank: int, world: int, port: int, nbytes: int, fault: str, host: s
 
 
 # ----- driver side ------------------------------------------------------------------------------
+
+
+class Unfit(Exception):
+    """The machine cannot run the trial as asked (trial's ranks said why)."""
 
 
 class Netns:
@@ -290,6 +299,8 @@ def trial(
         deadline = time.monotonic() + start_timeout
         while not all("ready" in events[r] for r in range(world)):
             poll()
+            if any("skip" in events[r] for r in range(world)):
+                raise Unfit(next(events[r]["skip"]["why"] for r in range(world) if "skip" in events[r]))
             if time.monotonic() > deadline or any(p.poll() is not None for p, _ in procs):
                 tails = "".join(open(out.name).read()[-1500:] for _, out in procs)
                 raise RuntimeError(f"{fault} world did not start: {tails}")

@@ -115,5 +115,8 @@ def test_gpu_survivors_raise_naming_the_dead_rank(fault, seed):
     kernels or NCCL (the sidecar aborts the group, and the shim makes its kernels stop waiting),
     so torch.cuda.synchronize() returns and the next call raises within the limit."""
     for size in (4 << 10, 1 << 20, 64 << 20):
-        res = faults.trial(fault, size, world=2, seed=seed, device="cuda")
+        try:
+            res = faults.trial(fault, size, world=2, seed=seed, device="cuda")
+        except faults.Unfit as e:
+            pytest.skip(str(e))
         _check(res)
