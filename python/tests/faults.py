@@ -58,6 +58,9 @@ def _fds(pid: int) -> int:
 
 
 def rank_main(rank: int, world: int, port: int, nbytes: int, fault: str, host: str, device: str) -> None:
+    # no core files from the ranks a trial kills or tears down (SIGABRT), nor their sidecars
+    # (set here, not in a preexec_fn: forking a process that runs gRPC's threads can hang)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     import torch
     import torch.distributed as dist
 
@@ -256,9 +259,7 @@ def trial(
             if r == victim:
                 cmd = ns.prefix() + cmd
         out = open(os.path.join(log_dir, f"rank{r}.out"), "w+")
-        # no core files from the ranks a test kills or tears down (SIGABRT)
-        nocore = lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # noqa: E731
-        procs.append((subprocess.Popen(cmd, env=renv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=nocore), out))
+        procs.append((subprocess.Popen(cmd, env=renv, stdout=out, stderr=subprocess.STDOUT), out))
     events: dict[int, dict[str, dict]] = {r: {} for r in range(world)}
     pos = [0] * world
 
