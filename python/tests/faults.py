@@ -175,12 +175,23 @@ class Netns:
 
 
 def netns_usable() -> str | None:
-    """Why a Netns cannot be made here, or None."""
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    if not shutil.which("ip"):
-        return "no ip command (iproute2)"
-    return None
+    """Why a Netns cannot be made here (tried once), or None."""
+    global _netns_why
+    if _netns_why is None:
+        if os.geteuid() != 0:
+            _netns_why = "network namespaces need root"
+        elif not shutil.which("ip"):
+            _netns_why = "no ip command (iproute2)"
+        else:
+            try:
+                Netns().close()
+                _netns_why = ""
+            except subprocess.CalledProcessError as e:
+                _netns_why = f"cannot make a network namespace: {e.stderr.decode(errors='replace').strip()}"
+    return _netns_why or None
+
+
+_netns_why: str | None = None
 
 
 def _free_port() -> int:
