@@ -82,10 +82,16 @@ def rank_main(rank: int, world: int, port: int, nbytes: int, fault: str, host: s
     else:
         x = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
 
+    wrong = 0  # ops that completed with a wrong sum: data lost
+
     def op():
+        nonlocal wrong
+        x.fill_(1)
         dist.all_reduce(x)
         if device == "cuda":  # a kernel that waits for a dead peer must give up, or this hangs
             torch.cuda.synchronize()
+        if any(float(x[i]) != world for i in (0, x.numel() // 2, -1)):
+            wrong += 1
 
     op()
     info = gocomm.info()
@@ -118,7 +124,7 @@ def rank_main(rank: int, world: int, port: int, nbytes: int, fault: str, host: s
         t = time.time()
         msg, kind = str(e), type(e).__name__
     rec = gocomm.flight_record() if fault == "hang" else {}
-    _say(event="raised", rank=rank, t=t, ops=ops, error=kind, message=msg[:2000], flight=rec)
+    _say(event="raised", rank=rank, t=t, ops=ops, wrong=wrong, error=kind, message=msg[:2000], flight=rec)
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
@@ -367,6 +373,7 @@ def trial(
                 message=raised["message"],
                 error=raised["error"],
                 ops=raised["ops"],
+                wrong=raised.get("wrong", 0),
                 fds_before=events[r]["ready"]["fds"],
                 fds_after=events[r].get("after", {}).get("fds"),
                 flight=raised.get("flight"),
@@ -396,6 +403,8 @@ def problems(res: dict, limit: float = LIMIT_S) -> list[str]:
         if not s["raised"]:
             bad.append(f"rank {r} never raised")
             continue
+        if s.get("wrong"):
+            bad.append(f"rank {r}: {s['wrong']} ops completed with a wrong result")
         if s["elapsed"] > limit:
             bad.append(f"rank {r} raised after {s['elapsed']:.2f}s > {limit}s: {s['message'][:300]}")
         if f"rank {v}" not in s["message"] and (res["fault"] != "store" or "store" not in s["message"].lower()):
