@@ -1,13 +1,17 @@
 # gocomm: `make` sets everything up in place, `make test` runs every test.
 #
 # make            pinned Python env (.venv), code generators (.tools), generated code,
-#                 bin/pgserver, and the Python package in place (importable from .venv)
+#                 bin/pgserver, the compiled client and the Python package in place
+# make client     the compiled client only (g++ and the torch of CLIENT_PY; see README)
 # make test       lint + Go tests + Python tests (GPU tests skip, saying why, without a GPU)
+#                 + the wheel, installed apart from the checkout, running a 2-rank job
 # make test-gpu   the GPU suite, on a machine with GPUs (see README; MPS=1 under MPS)
 # make bench-gpu  gocomm against torch NCCL on the machine's GPUs (table, JSON, PNG)
 # make bench      CPU benchmark: gocomm against gloo, 2 to 4 ranks
-# make soak       ranks that disagree, SOAK_RUNS times on one world, and the dead-peer faults
-#                 SOAK_TRIALS times each (not part of make test)
+# make soak       ranks that disagree, SOAK_RUNS times on one world; a 10,000-connection flood
+#                 of a sidecar's peer port, FLOOD_TRIALS times; the dead-peer faults SOAK_TRIALS
+#                 times each (not part of make test)
+# make wheel      dist/gocomm-<version>-<tags>.whl and the sdist, from what `make` built (README)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -16,6 +20,20 @@ SHELL := /bin/bash
 PYTHON_BOOT ?= python3
 VENV        := .venv
 PY          := $(VENV)/bin/python
+# the one version: pgserver's -X main.version, gocomm.__version__ and the wheel's (VERSION)
+VERSION     := $(shell cat VERSION)
+# .venv/.stamp, a prerequisite of what needs the pinned venv's tools (protoc, nvcc). A build
+# from the sdist (setup.py) sets FROM_PY to its own Python: no .venv then; the generated code
+# ships in the sdist and nvcc/NVSHMEM come from that Python's NVIDIA wheels.
+ifdef FROM_PY
+PY         := $(FROM_PY)
+VENV_STAMP :=
+GEN_TOOLS  :=
+PYTHON_BOOT := $(FROM_PY)
+else
+VENV_STAMP := $(VENV)/.stamp
+GEN_TOOLS   = $(TOOLS)/protoc-gen-go $(TOOLS)/protoc-gen-go-grpc
+endif
 TOOLS       := $(CURDIR)/.tools/bin
 GO          ?= go
 
@@ -32,7 +50,7 @@ SITE      := $(shell $(PYTHON_BOOT) -c 'import sys; print(f"python{sys.version_i
 # kernels/kernels.go; the in-process ones are also copied next to the Python package): nvcc
 # from the pinned PyPI packages, NVSHMEM's device library from the nvidia-nvshmem wheel torch
 # depends on. kernels/ is on the include path for the headers both runtimes share (sync.cuh).
-NVIDIA    := $(VENV)/lib/$(SITE)/site-packages/nvidia
+NVIDIA    := $(if $(FROM_PY),$(shell $(FROM_PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))'),$(VENV)/lib/$(SITE)/site-packages)/nvidia
 NVCC      := $(NVIDIA)/cu13/bin/nvcc
 NVSHMEM   := $(NVIDIA)/nvshmem
 CUDA_ARCH ?= sm_90
@@ -40,9 +58,9 @@ KERNEL_SRC := $(wildcard kernels/sidecar/*.cu kernels/inprocess/*.cu)
 KERNELS   := $(patsubst %.cu,kernels/build/%.cubin,$(notdir $(KERNEL_SRC)))
 vpath %.cu kernels/sidecar kernels/inprocess
 
-.PHONY: all venv tools gen kernels build python test lint test-go test-py test-gpu bench bench-gpu bench-moe soak clean
+.PHONY: all venv tools gen kernels build client python test lint test-go test-py test-wheel wheel package test-gpu bench bench-gpu bench-moe soak clean
 
-all: build python
+all: build client python
 
 ## Python environment, pinned (python/requirements.lock)
 venv: $(VENV)/.stamp
@@ -62,39 +80,74 @@ $(TOOLS)/protoc-gen-go-grpc:
 
 ## generated code (not committed)
 gen: $(GO_GEN) $(PY_GEN)
-$(GO_GEN): $(PROTO_SRC) $(VENV)/.stamp $(TOOLS)/protoc-gen-go $(TOOLS)/protoc-gen-go-grpc
+$(GO_GEN): $(PROTO_SRC) $(VENV_STAMP) $(GEN_TOOLS)
 	$(PY) -m grpc_tools.protoc -I proto \
 	  --plugin=protoc-gen-go=$(TOOLS)/protoc-gen-go --plugin=protoc-gen-go-grpc=$(TOOLS)/protoc-gen-go-grpc \
 	  --go_out=. --go_opt=module=github.com/gocomm/gocomm \
 	  --go-grpc_out=. --go-grpc_opt=module=github.com/gocomm/gocomm \
 	  $(PROTO_SRC)
-$(PY_GEN): $(PROTO_SRC) $(VENV)/.stamp
+$(PY_GEN): $(PROTO_SRC) $(VENV_STAMP)
 	$(PY) -m grpc_tools.protoc -I proto --python_out=python --pyi_out=python --grpc_python_out=python $(PROTO_SRC)
 	touch python/gocomm/v1/__init__.py
 
 ## CUDA kernels: relocatable device code, then a device link with NVSHMEM into one cubin.
 ## Objects go to build/_obj, which go:embed skips.
 kernels: $(KERNELS)
-kernels/build/%.cubin: %.cu $(wildcard kernels/*.cuh kernels/*/*.cuh) $(VENV)/.stamp
+kernels/build/%.cubin: %.cu $(wildcard kernels/*.cuh kernels/*/*.cuh) $(VENV_STAMP)
 	mkdir -p kernels/build/_obj
 	$(NVCC) -arch=$(CUDA_ARCH) -rdc=true -O3 -Ikernels -I$(NVSHMEM)/include -c $< -o kernels/build/_obj/$*.o
 	$(NVCC) -arch=$(CUDA_ARCH) -dlink -cubin kernels/build/_obj/$*.o -L$(NVSHMEM)/lib -lnvshmem_device -o $@
 
-## pgserver; a copy sits next to the Python package, where the shim looks for it
+## pgserver; a stripped copy sits next to the Python package, where the shim (and the wheel)
+## looks for it, with the in-process cubins and build.json: what this build is (the version,
+## the kernels' GPU architecture, the torch the package was built against), for `gocomm info`,
+## `gocomm doctor` and the wheel's metadata.
 build: bin/pgserver
-bin/pgserver: $(GO_GEN) $(GO_SRC) $(KERNELS) go.mod go.sum
-	$(GO) build -trimpath -o $@ ./cmd/pgserver
-	mkdir -p python/gocomm/bin && cp $@ python/gocomm/bin/pgserver.tmp && mv -f python/gocomm/bin/pgserver.tmp python/gocomm/bin/pgserver
+bin/pgserver: $(GO_GEN) $(GO_SRC) $(KERNELS) go.mod go.sum VERSION
+	$(GO) build -trimpath -ldflags "-X main.version=$(VERSION)" -o $@ ./cmd/pgserver
+	mkdir -p python/gocomm/bin && strip -o python/gocomm/bin/pgserver.tmp $@ && mv -f python/gocomm/bin/pgserver.tmp python/gocomm/bin/pgserver
 	cp kernels/build/moe.cubin python/gocomm/bin/moe.cubin
 	cp kernels/build/allreduce.cubin python/gocomm/bin/allreduce.cubin
 	cp kernels/build/a2av_ipc.cubin python/gocomm/bin/a2av_ipc.cubin
+	printf '{"version": "%s", "cuda_arch": "%s", "torch": "%s", "nvcc": "%s"}\n' "$(VERSION)" "$(CUDA_ARCH)" \
+	  "$$($(PY) -c 'import importlib.metadata as m; print(m.version("torch"))')" \
+	  "$$($(NVCC) --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')" > python/gocomm/bin/build.json
+
+## the compiled client (csrc/): built with the torch of CLIENT_PY (default: the venv's). On a
+## machine without the venv: make client CLIENT_PY=python3 (csrc/config.py names what is missing).
+CLIENT_PY ?= $(PY)
+CXX       ?= g++
+CLIENT_JOBS ?= 2
+client: $(if $(filter $(PY),$(CLIENT_PY)),$(VENV_STAMP))
+	$(CLIENT_PY) csrc/config.py csrc/build/config.mk $(CXX)
+	$(MAKE) --no-print-directory -j$(CLIENT_JOBS) -f csrc/client.mk
 
 ## the Python package, importable from the venv without a copy (like an editable install)
 python: $(PY_GEN) $(VENV)/.stamp
 	echo "$(CURDIR)/python" > $(VENV)/lib/$(SITE)/site-packages/gocomm-inplace.pth
 
+## what the wheel carries next to the Python package; setup.py runs this for a build from
+## the sdist (FROM_PY=its Python): pgserver and the kernels, and the compiled client where
+## the tree has its sources (csrc/).
+package: build $(if $(wildcard csrc/client.mk),client)
+
+## the wheel and the sdist (pyproject.toml and setup.py at the root: the packaging project is
+## the whole checkout, so the sdist carries the Go and CUDA sources it builds from). No build
+## isolation: the build reads the torch it pins from this environment and needs no network.
+WHEEL_PY ?= $(PY)
+wheel: all
+	rm -rf dist .cache/wheel-build
+	$(WHEEL_PY) -m pip wheel -q --no-index --no-build-isolation --no-deps -w dist .
+	$(WHEEL_PY) -c 'from setuptools import build_meta as b; b.build_sdist("dist")' >/dev/null
+	@ls -l dist
+
 ## checks
-test: all lint test-go test-py
+test: all lint test-go test-py test-wheel
+
+# the wheel installed apart from the checkout runs a 2-rank CPU job, and the sdist builds the
+# same wheel (python/tests/wheel_check.py)
+test-wheel: wheel
+	$(PY) python/tests/wheel_check.py --sdist dist/gocomm-$(VERSION).tar.gz dist/gocomm-$(VERSION)-*.whl
 
 lint: gen
 	@out=$$(gofmt -l cmd config node pg gpu wire ring shm segment collectives sparse internal transport rpc kernels 2>/dev/null); \
@@ -103,8 +156,8 @@ lint: gen
 	cp go.mod /tmp/gocomm-go.mod.$$$$ && cp go.sum /tmp/gocomm-go.sum.$$$$ && $(GO) mod tidy && \
 	  if ! diff -q go.mod /tmp/gocomm-go.mod.$$$$ >/dev/null || ! diff -q go.sum /tmp/gocomm-go.sum.$$$$ >/dev/null; then \
 	    echo "go mod tidy changed go.mod/go.sum: commit the tidy result"; exit 1; fi
-	$(VENV)/bin/ruff check python
-	$(VENV)/bin/ruff format --check python
+	$(VENV)/bin/ruff check python setup.py
+	$(VENV)/bin/ruff format --check python setup.py
 
 test-go: gen kernels
 	$(GO) test -count=1 ./...
@@ -145,13 +198,16 @@ bench: all
 # 3 ranks call different collectives (all_reduce vs all_gather) on a fresh group per run;
 # fails unless every rank of every run gets an error naming the mismatch and both calls.
 SOAK_RUNS ?= 1000
+# 10,000 unauthenticated connections to one sidecar while its group works (soak_flood.py).
+FLOOD_TRIALS ?= 20
 # Then every dead-peer fault (python/tests/faults.py: a rank, a sidecar killed, a sidecar
 # stopped, a host unreachable, the Store's host killed) at 4 KiB, 1 MiB and 64 MiB, SOAK_TRIALS
 # times each: every survivor must raise within the dead-peer limit, naming the dead rank.
 SOAK_TRIALS ?= 20
 soak: all
 	$(PY) python/tests/soak_disagree.py --runs $(SOAK_RUNS)
+	$(PY) python/tests/soak_flood.py --trials $(FLOOD_TRIALS)
 	$(PY) python/tests/soak_dead_peers.py --trials $(SOAK_TRIALS)
 
 clean:
-	rm -rf bin python/gocomm/bin python/gocomm/v1 $(GO_GEN) kernels/build/_obj $(KERNELS)
+	rm -rf bin python/gocomm/bin python/gocomm/v1 csrc/build python/gocomm/lib python/gocomm/_C*.so $(GO_GEN) kernels/build/_obj $(KERNELS) dist .cache/wheel-build

@@ -17,6 +17,7 @@ package config
 
 import (
 	"fmt"
+	"net"
 	"os"
 	"strconv"
 	"strings"
@@ -28,10 +29,39 @@ type Config struct {
 	// Transport is GOCOMM_TRANSPORT: "auto", "nvshmem" or "nccl".
 	Transport string
 	A2A       A2A
-	// PeerTimeout is GOCOMM_PEER_DEAD_TIMEOUT_SEC: how long a peer may stay silent (no
+	Peers     Peers
+	Log       Log
+	Trace     Trace
+}
+
+// Peers is where peer sidecars reach this one (transport.ChooseAddress picks the address
+// from Advertise, Ifname, the rendezvous host the shim passes, and the routing table) and what
+// the sidecar grants the sidecars that dial it.
+type Peers struct {
+	// Advertise is GOCOMM_ADVERTISE_ADDR: the address to listen on and advertise ("": chosen).
+	Advertise string
+	// Ifname is GOCOMM_SOCKET_IFNAME: advertise this interface's address.
+	Ifname string
+	// Listen is GOCOMM_LISTEN_ADDR: listen here instead of on the advertised address.
+	Listen string
+	// HandshakeTimeout bounds a link's handshake, accepted or dialed.
+	HandshakeTimeout time.Duration
+	// HandshakesMax caps the accepted links that have not proved they hold a group's secret.
+	HandshakesMax int
+	// UnmatchedBytesMax caps the bytes one peer's messages that no receive matched yet may
+	// hold in this sidecar, per group.
+	UnmatchedBytesMax int64
+	// DeadTimeout is GOCOMM_PEER_DEAD_TIMEOUT_SEC: how long a peer may stay silent (no
 	// frame, not even a heartbeat) before every rank's group breaks naming it.
-	PeerTimeout time.Duration
-	Trace       Trace
+	DeadTimeout time.Duration
+}
+
+// Log is how the sidecar's log file is kept.
+type Log struct {
+	// MaxBytes is the size past which the log file is rotated; Keep is how many rotated
+	// files are kept (<log>.1 the newest).
+	MaxBytes int64
+	Keep     int
 }
 
 // Trace is the flight recorder's setting: the last ops of each group, dumped when a group
@@ -126,6 +156,87 @@ var Params = []Param{
 		},
 	},
 	{
+		Env: "GOCOMM_ADVERTISE_ADDR", Accepts: "a host name or address of this host",
+		Doc: "the address this sidecar listens on and its peers dial (unset: GOCOMM_SOCKET_IFNAME's, else the local address of the route to the torch Store's host, loopback where every rank is on this host)",
+		set: func(c *Config, v string) error {
+			if strings.ContainsAny(v, " /") {
+				return errAccepts
+			}
+			c.Peers.Advertise = v
+			return nil
+		},
+	},
+	{
+		Env: "GOCOMM_HANDSHAKE_TIMEOUT", Default: "5", Accepts: "an integer of seconds, 1 to 600",
+		Doc: "how long a peer link's handshake may take; a connection that has not proved it holds the group's secret by then is closed",
+		set: func(c *Config, v string) error {
+			n, err := intIn(v, 1, 600)
+			c.Peers.HandshakeTimeout = time.Duration(n) * time.Second
+			return err
+		},
+	},
+	{
+		Env: "GOCOMM_PEER_HANDSHAKES_MAX", Default: "64", Accepts: "an integer, 2 to 65536",
+		Doc: "the most peer connections in their handshake (not yet authenticated) at once; a new one past it closes the oldest, which a real peer retries",
+		set: func(c *Config, v string) (err error) {
+			c.Peers.HandshakesMax, err = intIn(v, 2, 1<<16)
+			return err
+		},
+	},
+	{
+		Env: "GOCOMM_UNMATCHED_BYTES_MAX", Default: "1073741824", Accepts: "an integer of bytes, 65536 to 2^50",
+		Doc: "the most bytes one peer's messages that no receive matched yet may hold in the sidecar, per group; a peer that sends more breaks the group with an error naming this knob",
+		set: func(c *Config, v string) error {
+			n, err := strconv.ParseInt(v, 10, 64)
+			if err != nil || n < 1<<16 || n > 1<<50 {
+				return errAccepts
+			}
+			c.Peers.UnmatchedBytesMax = n
+			return nil
+		},
+	},
+	{
+		Env: "GOCOMM_SOCKET_IFNAME", Accepts: "an interface name",
+		Doc: "advertise this interface's address (its first IPv4, else IPv6), as NCCL_SOCKET_IFNAME names one",
+		set: func(c *Config, v string) error {
+			if len(v) > 15 || strings.ContainsAny(v, " /") {
+				return errAccepts
+			}
+			c.Peers.Ifname = v
+			return nil
+		},
+	},
+	{
+		Env: "GOCOMM_LISTEN_ADDR", Accepts: "host:port (0.0.0.0:0 for every interface)",
+		Doc: "where the sidecar listens for peers when that is not the advertised address (NAT, port mapping); unset: the advertised address, a port the system picks",
+		set: func(c *Config, v string) error {
+			if v != "" {
+				if _, _, err := net.SplitHostPort(v); err != nil {
+					return errAccepts
+				}
+			}
+			c.Peers.Listen = v
+			return nil
+		},
+	},
+	{
+		Env: "GOCOMM_LOG_MAX_MB", Default: "64", Accepts: "an integer of MiB, 1 to 65536",
+		Doc: "the size at which the sidecar's log file is rotated (to <log>.1, the older ones shifted)",
+		set: func(c *Config, v string) error {
+			n, err := intIn(v, 1, 1<<16)
+			c.Log.MaxBytes = int64(n) << 20
+			return err
+		},
+	},
+	{
+		Env: "GOCOMM_LOG_KEEP", Default: "3", Accepts: "an integer, 0 to 100",
+		Doc: "how many rotated log files the sidecar keeps (<log>.1 to <log>.N); 0 keeps none",
+		set: func(c *Config, v string) (err error) {
+			c.Log.Keep, err = intIn(v, 0, 100)
+			return err
+		},
+	},
+	{
 		Env: "GOCOMM_PEER_DEAD_TIMEOUT_SEC", Default: "5", Accepts: "seconds, 0.5 to 3600",
 		Doc: "the most a dead or silent peer holds up the others: idle links carry a heartbeat at a fifth of it, a link that carries nothing for four fifths of it (or takes none of this side's bytes for all of it) breaks the group on every rank, naming the peer, and a refused dial is retried for a quarter of it. No torch counterpart (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC is torch's watchdog's own heartbeat)",
 		set: func(c *Config, v string) error {
@@ -133,7 +244,7 @@ var Params = []Param{
 			if err != nil || !(f >= 0.5 && f <= 3600) {
 				return errAccepts
 			}
-			c.PeerTimeout = time.Duration(f * float64(time.Second))
+			c.Peers.DeadTimeout = time.Duration(f * float64(time.Second))
 			return nil
 		},
 	},

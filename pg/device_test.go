@@ -8,6 +8,8 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -24,15 +26,21 @@ import (
 type fakeEngine struct {
 	mu      sync.Mutex
 	groups  []*fakeDevGroup
-	hang    bool  // new groups' ops never finish (until Abort)
-	fail    error // new groups' ops fail with this
-	noNew   error // NewGroup fails with this
-	nvshmem error // LoadNVSHMEM's answer
+	hang    bool     // new groups' ops never finish (until Abort)
+	fail    error    // new groups' ops fail with this
+	noNew   error    // NewGroup fails with this
+	nvshmem error    // LoadNVSHMEM's answer
+	loaded  []string // the paths LoadNCCL was given
 }
 
 func (e *fakeEngine) Info() (bool, string, []gpu.Device) { return true, "fake", nil }
-func (e *fakeEngine) LoadNCCL(string) error              { return nil }
-func (e *fakeEngine) LoadNVSHMEM() error                 { return e.nvshmem }
+func (e *fakeEngine) LoadNCCL(path string) error {
+	e.mu.Lock()
+	e.loaded = append(e.loaded, path)
+	e.mu.Unlock()
+	return nil
+}
+func (e *fakeEngine) LoadNVSHMEM() error { return e.nvshmem }
 func (e *fakeEngine) NewUniqueID() ([]byte, error) {
 	id := make([]byte, 128)
 	_, err := rand.Read(id)
@@ -606,5 +614,35 @@ func TestShmemIDReachesTheDeviceGroup(t *testing.T) {
 	}
 	if _, err := sess.ShmemID(g.Handle, nil); !errors.Is(err, ErrNoDevice) {
 		t.Fatalf("ShmemID without a device: %v, want ErrNoDevice", err)
+	}
+}
+
+// TestAttachRefusesUntrustedNCCL: an NCCL path the client names is loaded only if it is a
+// private file of root or this user; one writable by others is refused and the loader's
+// search taken instead.
+func TestAttachRefusesUntrustedNCCL(t *testing.T) {
+	dir := t.TempDir()
+	os.Chmod(dir, 0o755)
+	good := filepath.Join(dir, "libnccl.so.2")
+	bad := filepath.Join(dir, "open", "libnccl.so.2")
+	os.WriteFile(good, nil, 0o644)
+	os.Mkdir(filepath.Dir(bad), 0o755)
+	os.WriteFile(bad, nil, 0o644)
+	os.Chmod(bad, 0o666)
+	for _, tc := range []struct{ named, want string }{{good, good}, {bad, ncclSoname}} {
+		eng := &fakeEngine{}
+		node, err := transport.Listen(transport.Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quietLog()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := NewServer(Config{Version: "test", ShmDir: t.TempDir(), Device: eng}, node, quietLog())
+		if _, err := srv.Attach(1, 0, 64<<10, tc.named); err != nil {
+			t.Fatal(err)
+		}
+		srv.Shutdown("test over")
+		node.Close()
+		if len(eng.loaded) != 1 || eng.loaded[0] != tc.want {
+			t.Errorf("client named %s: loaded %v, want %s", tc.named, eng.loaded, tc.want)
+		}
 	}
 }

@@ -503,7 +503,8 @@ func (g *Group) failure(ctx context.Context, d *wire.Desc, seq uint64, timeout t
 		return wire.StatusMismatch, fmt.Sprintf("%s %s: %v", what, where, err)
 	case errors.Is(err, transport.ErrPeerLost):
 		return wire.StatusPeerLost, fmt.Sprintf("%s %s: %v", what, where, err)
-	case errors.Is(err, transport.ErrAborted), errors.Is(err, transport.ErrClosed):
+	case errors.Is(err, transport.ErrAborted), errors.Is(err, transport.ErrClosed),
+		errors.Is(err, transport.ErrProtocol), errors.Is(err, transport.ErrUnmatchedMax):
 		return wire.StatusAborted, fmt.Sprintf("%s %s: %v", what, where, err)
 	case errors.Is(err, reduce.ErrUnsupported):
 		return wire.StatusInvalid, fmt.Sprintf("%s %s: %v", what, where, err)

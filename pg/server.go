@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/gocomm/gocomm/gpu"
+	"github.com/gocomm/gocomm/internal/dl"
 	"github.com/gocomm/gocomm/node"
 	"github.com/gocomm/gocomm/ring"
 	"github.com/gocomm/gocomm/shm"
@@ -156,9 +157,13 @@ func (s *Server) chooseSparse(hasNCCL bool) (SparseChoice, error) {
 // Device is the GPU engine (nil without one).
 func (s *Server) Device() gpu.Engine { return s.cfg.Device }
 
+// ncclSoname is what the loader searches for when the NCCL a client named is refused.
+const ncclSoname = "libnccl.so.2"
+
 // Attach opens a session for a client process: it creates the ring file the client maps.
 // ncclPath names the NCCL the client loaded ("" when it has none); the sidecar loads the same
-// library, so that groups get communicator ids from it.
+// library, so that groups get communicator ids from it, if dl.Trusted passes it (else the
+// loader's search).
 func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath string) (*Session, error) {
 	if ringBytes <= 0 {
 		ringBytes = s.cfg.RingBytes
@@ -178,6 +183,13 @@ func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath strin
 	if err != nil {
 		mem.Close()
 		return nil, err
+	}
+	if ncclPath != "" {
+		// loading runs the library's code here: only a file no one else could have written
+		if err := dl.Trusted(ncclPath); err != nil {
+			s.log.Warn("not loading the NCCL the client named; taking the loader's search instead", "err", err)
+			ncclPath = ncclSoname
+		}
 	}
 	var ncclErr error
 	switch {

@@ -447,7 +447,7 @@ func (sess *Session) submit(payload []byte) {
 	}
 	timeout := g.Timeout
 	if d.TimeoutMS > 0 {
-		timeout = time.Duration(d.TimeoutMS) * time.Millisecond
+		timeout = wire.Millis(d.TimeoutMS)
 	}
 	deadline := time.Now().Add(timeout)
 	if d.Device == wire.DeviceCUDA {

@@ -10,7 +10,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"time"
 
 	"github.com/gocomm/gocomm/config"
 	"github.com/gocomm/gocomm/node"
@@ -230,7 +229,7 @@ func (s *Service) CreateGroup(_ context.Context, req *v1.CreateGroupRequest) (*v
 	for i, r := range req.GlobalRanks {
 		global[i] = int(r)
 	}
-	g, blob, err := sess.CreateGroup(req.Name, int(req.Rank), int(req.Size), global, time.Duration(req.TimeoutMs)*time.Millisecond)
+	g, blob, err := sess.CreateGroup(req.Name, int(req.Rank), int(req.Size), global, wire.Millis(req.TimeoutMs))
 	if err != nil {
 		return nil, toStatus(err)
 	}

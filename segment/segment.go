@@ -17,6 +17,17 @@ import (
 	"github.com/gocomm/gocomm/wire"
 )
 
+// CheckExtent checks that a segment the client says is claimed bytes long, mapped at ptr,
+// lies inside the allocation the driver reports (base, size): a client that claims more
+// than it registered would otherwise have ops read and write past the allocation.
+func CheckExtent(kind string, id uint32, claimed, ptr, base, size uint64) error {
+	if ptr < base || ptr-base > size || claimed > size-(ptr-base) {
+		return fmt.Errorf("%w: %s %d claims %d bytes at %#x, the allocation there is %d bytes at %#x",
+			wire.ErrInvalid, kind, id, claimed, ptr, size, base)
+	}
+	return nil
+}
+
 // Mem is one mapped segment.
 type Mem interface {
 	// Size is the segment's length in bytes.

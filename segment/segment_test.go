@@ -78,3 +78,30 @@ func TestBothKinds(t *testing.T) {
 		})
 	}
 }
+
+// TestCheckExtent: a CUDA registration may claim at most the allocation the driver reports
+// from the mapped pointer on; claiming more, or a pointer outside it, is refused.
+func TestCheckExtent(t *testing.T) {
+	const base, size = 0x7f0000000000, 2 << 20
+	for _, tc := range []struct {
+		claimed, ptr uint64
+		ok           bool
+	}{
+		{size, base, true},
+		{size - 4096, base + 4096, true},
+		{1, base + size - 1, true},
+		{size + 1, base, false},           // more than the allocation
+		{4097, base + size - 4096, false}, // runs past its end
+		{1, base - 1, false},              // before it
+		{0, base + size + 1, false},       // after it
+		{^uint64(0), base + 4096, false},  // a wrapping claim
+	} {
+		err := CheckExtent("CUDA segment", 3, tc.claimed, tc.ptr, base, size)
+		if (err == nil) != tc.ok {
+			t.Errorf("claim %d at %#x: %v, want ok=%v", tc.claimed, tc.ptr, err, tc.ok)
+		}
+		if err != nil && !errors.Is(err, wire.ErrInvalid) {
+			t.Errorf("claim %d at %#x: %v, want ErrInvalid", tc.claimed, tc.ptr, err)
+		}
+	}
+}

@@ -150,21 +150,16 @@ func (s *Segment) Contains(b []byte) (off uint64, ok bool) {
 // opens /proc/<pid>/fd/<fd> and checks the file is the one named (ino), so a descriptor
 // number the owner has since reused for another file is refused.
 func MapPeer(pid, fd int, ino uint64) ([]byte, error) {
-	path := fmt.Sprintf("/proc/%d/fd/%d", pid, fd)
-	f, err := os.Open(path)
+	f, st, err := openPeer(pid, fd)
 	if err != nil {
-		return nil, fmt.Errorf("shm: open peer segment: %w", err)
+		return nil, err
 	}
 	defer f.Close()
-	var st unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		return nil, fmt.Errorf("shm: stat peer segment: %w", err)
-	}
 	if st.Ino != ino {
-		return nil, fmt.Errorf("shm: %s is inode %d, not %d", path, st.Ino, ino)
+		return nil, fmt.Errorf("shm: %s is inode %d, not %d", f.Name(), st.Ino, ino)
 	}
 	if st.Size <= 0 {
-		return nil, fmt.Errorf("shm: %s is empty", path)
+		return nil, fmt.Errorf("shm: %s is empty", f.Name())
 	}
 	data, err := unix.Mmap(int(f.Fd()), 0, int(st.Size), unix.PROT_READ, unix.MAP_SHARED)
 	if err != nil {
@@ -173,15 +168,37 @@ func MapPeer(pid, fd int, ino uint64) ([]byte, error) {
 	return data, nil
 }
 
+// openPeer opens /proc/<pid>/fd/<fd> for reading without blocking and only if it is a
+// regular file: a FIFO, socket or device named there would otherwise pin the caller in
+// open or read (O_NONBLOCK makes opening a FIFO return at once; the mode check refuses it).
+func openPeer(pid, fd int) (*os.File, unix.Stat_t, error) {
+	var st unix.Stat_t
+	path := fmt.Sprintf("/proc/%d/fd/%d", pid, fd)
+	n, err := unix.Open(path, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, st, fmt.Errorf("shm: open peer file %s: %w", path, err)
+	}
+	f := os.NewFile(uintptr(n), path)
+	if err := unix.Fstat(n, &st); err != nil {
+		f.Close()
+		return nil, st, fmt.Errorf("shm: stat peer file %s: %w", path, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		f.Close()
+		return nil, st, fmt.Errorf("shm: peer file %s is not a regular file (mode %#o)", path, st.Mode)
+	}
+	return f, st, nil
+}
+
 // Unmap releases a mapping made by MapPeer.
 func Unmap(b []byte) error { return unix.Munmap(b) }
 
-// ReadPeer reads the first n bytes of a file another process of this host holds open as fd
-// (the probe that tells two sidecars they can map each other's segments).
+// ReadPeer reads the first n bytes of a regular file another process of this host holds
+// open as fd (the probe that tells two sidecars they can map each other's segments).
 func ReadPeer(pid, fd, n int) ([]byte, error) {
-	f, err := os.Open(fmt.Sprintf("/proc/%d/fd/%d", pid, fd))
+	f, _, err := openPeer(pid, fd)
 	if err != nil {
-		return nil, fmt.Errorf("shm: open peer file: %w", err)
+		return nil, err
 	}
 	defer f.Close()
 	b := make([]byte, n)

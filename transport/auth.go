@@ -17,36 +17,70 @@ import (
 //	dialer   -> hello  (88 bytes): u32 magic "GCHI", u32 version, [16]byte group id,
 //	                               u32 from rank, u32 to rank, [32]byte dialer nonce,
 //	                               u32 pid, u32 probe fd, [16]byte probe token
-//	acceptor -> answer (96 bytes): [32]byte acceptor nonce, u8 flags, [31]byte zero,
-//	                               [32]byte HMAC(secret, "srv"|hello|nonce|flags)
+//	acceptor -> answer (96 bytes): [32]byte acceptor nonce, u8 status, [31]byte zero,
+//	                               [32]byte HMAC(secret, "srv"|hello|nonce|status)
 //	dialer   -> proof  (32 bytes): HMAC(secret, "cli"|hello|acceptor nonce)
-//	acceptor -> abort frame        (only with flagAborted: the reason, as on a link)
+//	acceptor -> grant  (33 bytes): u8 flags, HMAC(secret, "grt"|hello|nonce|flags)
+//	            or an abort frame  (status statusAborted: the reason, as on a link)
 //
 // The group id is derived from the secret (GroupID), so the acceptor can find the group but
 // an eavesdropper learns nothing about the secret from it.
 //
-// Same-host probe: a dialer that can lend its shared segments names a small file it holds
-// open (pid, fd) and the random token written in it. An acceptor that can open that file
-// through /proc/<pid>/fd/<fd> and read the token is on the same host, in the same namespaces
-// and allowed to map the dialer's segments: it sets flagRefs, and the dialer then sends large
-// payloads by reference (see kindRef).
+// Nothing is done for a dialer before its proof verifies: the acceptor answers a hello from
+// the group table as it stands (no waiting) and holds nothing but the connection. Answers
+// the acceptor cannot sign, because it does not know the group's secret, carry only a
+// status and no HMAC: statusUnknown (no such group here yet: the dialer retries until its
+// join wait ends, as a peer may dial before this member joined), statusLeft (this member
+// left in order) and statusBusy (the acceptor has too many links in their handshake and
+// dropped this one: the dialer retries within its dial timeout). They can be forged by
+// whoever can also reset the connection, and grant nothing.
 //
-// Broken group: an acceptor whose member of the group broke (or broke and left) sets
-// flagAborted and, once the dialer proved it holds the secret, sends one abort frame with
+// Same-host probe: a dialer that can lend its shared segments names a small file it holds
+// open (pid, fd) and the random token written in it. Once the dialer's proof verified, an
+// acceptor that can open that file through /proc/<pid>/fd/<fd> (a regular file only) and
+// read the token is on the same host, in the same namespaces and allowed to map the
+// dialer's segments: it grants flagRefs, and the dialer then sends large payloads by
+// reference (see kindRef), naming only that pid. A link granted no references that carries
+// one breaks the group (Endpoint.reader).
+//
+// Broken group: an acceptor whose member of the group broke (or broke and left) answers
+// statusAborted and, once the dialer proved it holds the secret, sends one abort frame with
 // the reason and closes; the dialer reports that reason (ErrAborted). Closing the link
 // unanswered would read as a dead peer to a rank that joined after the break, while the
 // abort frames that name the cause are still on their way to it on other links.
 
 const (
 	helloMagic   = 0x49484347 // "GCHI"
-	helloVersion = 3
+	helloVersion = 4
 	helloSize    = 88
 	answerSize   = 96
-	flagRefs     = 1
-	flagAborted  = 2
+	grantSize    = 33
+	// answer statuses
+	statusOK      = 0
+	statusAborted = 2
+	statusUnknown = 4
+	statusLeft    = 8
+	statusBusy    = 16
+	// grant flags
+	flagRefs = 1
 	// maxReason bounds the abort reason read off a link or a handshake.
 	maxReason = 4096
 )
+
+// Handshake answers that are not a refusal of the dialer's credentials: the dialer tries
+// again on errUnknownGroup until its join wait ends, on errBusy within its dial timeout.
+var (
+	errUnknownGroup = errors.New("the peer has not joined the group (yet)")
+	errLeft         = errors.New("the peer has left the group")
+	errBusy         = errors.New("the peer has too many links in their handshake")
+)
+
+// busyAnswer is the answer of statusBusy.
+func busyAnswer() []byte {
+	b := make([]byte, answerSize)
+	b[32] = statusBusy
+	return b
+}
 
 // probe is what a dialer offers for the same-host check; pid 0 offers nothing.
 type probe struct {
@@ -114,8 +148,9 @@ func mac(secret []byte, role string, helloBytes []byte, nonce []byte) []byte {
 	return m.Sum(nil)
 }
 
-// dialHandshake runs the dialer's half on rw. It reports whether the acceptor can map this
-// side's segments (flagRefs), or the reason rank to broke the group (ErrAborted).
+// dialHandshake runs the dialer's half on rw. It reports whether the acceptor granted
+// references to this side's segments (flagRefs), or the reason rank to broke the group
+// (ErrAborted); errUnknownGroup and errLeft are the unsigned answers.
 func dialHandshake(rw io.ReadWriter, secret []byte, from, to int, pr probe) (refs bool, err error) {
 	h := hello{group: GroupID(secret), from: uint32(from), to: uint32(to), probe: pr}
 	if _, err := rand.Read(h.nonce[:]); err != nil {
@@ -129,20 +164,38 @@ func dialHandshake(rw io.ReadWriter, secret []byte, from, to int, pr probe) (ref
 	if _, err := io.ReadFull(rw, ans[:]); err != nil {
 		return false, fmt.Errorf("read answer: %w", err)
 	}
+	switch ans[32] {
+	case statusUnknown:
+		return false, errUnknownGroup
+	case statusLeft:
+		return false, errLeft
+	case statusBusy:
+		return false, errBusy
+	}
 	if !hmac.Equal(ans[64:], mac(secret, "srv", hb, ans[:33])) {
 		return false, ErrAuth
 	}
 	if _, err := rw.Write(mac(secret, "cli", hb, ans[:32])); err != nil {
 		return false, fmt.Errorf("send proof: %w", err)
 	}
-	if ans[32]&flagAborted != 0 {
+	if ans[32] == statusAborted {
 		reason, err := readAbort(rw)
 		if err != nil {
 			return false, fmt.Errorf("read the abort reason: %w", err)
 		}
 		return false, fmt.Errorf("%w by rank %d: %s", ErrAborted, to, reason)
 	}
-	return ans[32]&flagRefs != 0, nil
+	if ans[32] != statusOK {
+		return false, fmt.Errorf("%w: answer status %d", ErrAuth, ans[32])
+	}
+	var g [grantSize]byte
+	if _, err := io.ReadFull(rw, g[:]); err != nil {
+		return false, fmt.Errorf("read grant: %w", err)
+	}
+	if !hmac.Equal(g[1:], mac(secret, "grt", hb, append(ans[:32:32], g[0]))) {
+		return false, ErrAuth
+	}
+	return g[0]&flagRefs != 0, nil
 }
 
 // readAbort reads an abort frame's reason (at most maxReason bytes of it).
@@ -179,48 +232,68 @@ func writeAbort(w io.Writer, reason string) error {
 	return err
 }
 
-// acceptHandshake reads the dialer's hello, asks lookup for the group's secret, runs the
-// same-host probe with canMap, and checks the dialer's proof. It returns the hello so the
-// caller can route the link. When lookup gives a reason the group broke, the dialer is sent
-// that reason instead and the error is ErrAborted: the link is not to be used.
-func acceptHandshake(rw io.ReadWriter, lookup func(group [16]byte) (secret []byte, aborted string, err error), canMap func(probe) bool) (hello, error) {
+// acceptHandshake reads the dialer's hello, asks lookup for the group's secret (lookup must
+// not wait or hold anything: the dialer is not authenticated yet), checks the dialer's proof
+// and only then runs the same-host probe with canMap. It returns the hello so the caller
+// can route the link, and whether references were granted. When lookup gives a reason the
+// group broke, the dialer is sent that reason instead and the error is ErrAborted: the link
+// is not to be used. A lookup error wrapping errUnknownGroup or errLeft is answered with
+// that status before the error is returned; one wrapping errBusy, likewise.
+func acceptHandshake(rw io.ReadWriter, lookup func(group [16]byte) (secret []byte, aborted string, err error), canMap func(probe) bool) (hello, bool, error) {
 	hb := make([]byte, helloSize)
 	if _, err := io.ReadFull(rw, hb); err != nil {
-		return hello{}, fmt.Errorf("read hello: %w", err)
+		return hello{}, false, fmt.Errorf("read hello: %w", err)
 	}
 	h, err := decodeHello(hb)
 	if err != nil {
-		return hello{}, err
-	}
-	secret, aborted, err := lookup(h.group)
-	if err != nil {
-		return hello{}, err
+		return hello{}, false, err
 	}
 	var ans [answerSize]byte
 	if _, err := rand.Read(ans[:32]); err != nil {
-		return hello{}, err
+		return hello{}, false, err
+	}
+	secret, aborted, err := lookup(h.group)
+	if err != nil {
+		switch {
+		case errors.Is(err, errUnknownGroup):
+			ans[32] = statusUnknown
+		case errors.Is(err, errLeft):
+			ans[32] = statusLeft
+		case errors.Is(err, errBusy):
+			ans[32] = statusBusy
+		default:
+			return h, false, err
+		}
+		rw.Write(ans[:]) // best effort: the dialer retries or fails either way
+		return h, false, err
 	}
 	if aborted != "" {
-		ans[32] = flagAborted // no probe: the link carries nothing but the reason
-	} else if h.probe.pid != 0 && canMap(h.probe) {
-		ans[32] = flagRefs
+		ans[32] = statusAborted
 	}
 	copy(ans[64:], mac(secret, "srv", hb, ans[:33]))
 	if _, err := rw.Write(ans[:]); err != nil {
-		return hello{}, fmt.Errorf("send answer: %w", err)
+		return h, false, fmt.Errorf("send answer: %w", err)
 	}
 	var proof [32]byte
 	if _, err := io.ReadFull(rw, proof[:]); err != nil {
-		return hello{}, fmt.Errorf("read proof: %w", err)
+		return h, false, fmt.Errorf("read proof: %w", err)
 	}
 	if !hmac.Equal(proof[:], mac(secret, "cli", hb, ans[:32])) {
-		return hello{}, ErrAuth
+		return h, false, ErrAuth
 	}
 	if aborted != "" {
 		if err := writeAbort(rw, aborted); err != nil {
-			return h, fmt.Errorf("%w: sending the reason: %v", ErrAborted, err)
+			return h, false, fmt.Errorf("%w: sending the reason: %v", ErrAborted, err)
 		}
-		return h, fmt.Errorf("%w: the peer was told why", ErrAborted)
+		return h, false, fmt.Errorf("%w: the peer was told why", ErrAborted)
 	}
-	return h, nil
+	var g [grantSize]byte
+	if h.probe.pid != 0 && canMap(h.probe) { // only now: the dialer proved it holds the secret
+		g[0] = flagRefs
+	}
+	copy(g[1:], mac(secret, "grt", hb, append(ans[:32:32], g[0])))
+	if _, err := rw.Write(g[:]); err != nil {
+		return h, false, fmt.Errorf("send grant: %w", err)
+	}
+	return h, g[0]&flagRefs != 0, nil
 }

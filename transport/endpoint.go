@@ -23,6 +23,11 @@ var (
 	ErrAborted = errors.New("group aborted")
 	// ErrClosed: the group was destroyed on this side.
 	ErrClosed = errors.New("group closed")
+	// ErrProtocol: a peer that holds the group's secret sent what its link did not agree to
+	// (a frame by reference on a link granted none, or into another process).
+	ErrProtocol = errors.New("peer broke the link protocol")
+	// ErrUnmatchedMax: a peer sent more bytes that no receive matched than the node keeps.
+	ErrUnmatchedMax = errors.New("too many unmatched bytes from a peer")
 )
 
 // Endpoint is this rank's member of one group: its links to the other members and the
@@ -44,12 +49,17 @@ var (
 //  6. A payload sent by reference (same host, kindRef) stays untouched by its sender until
 //     the receiver's ack: the send request finishes on the ack, not on the write. The
 //     receiver acks only after it has copied or reduced the bytes, and maps a peer's segment
-//     read-only, once, for the life of the endpoint.
+//     read-only, once, for the life of the endpoint. References arrive only on links whose
+//     handshake granted them, and name only the process the handshake probed; any other
+//     breaks the endpoint (ErrProtocol).
 //  7. A peer that breaks the group on purpose says why before its links close: an abort
 //     frame on its link to each rank, or (to a rank whose link reaches it only after the
 //     break) the reason in the handshake's answer. So a link to a peer that fails without a
 //     reason breaks the endpoint as a lost peer only once the peer's own link to this rank
 //     ended without an abort frame, or had peerLostGrace to deliver one (lost).
+//  8. Early frames are charged to their sender (unmatched: inline bytes plus earlyCost each)
+//     until taken or released; a sender past Config.UnmatchedMax breaks the endpoint
+//     (ErrUnmatchedMax) before its next frame is read into memory.
 type Endpoint struct {
 	node   *Node
 	id     [16]byte
@@ -83,6 +93,7 @@ type Endpoint struct {
 	onBreak   []func(error)
 	refID     uint64
 	peerMaps  map[mapKey][]byte // peers' segments mapped here (invariant 6)
+	unmatched []atomic.Int64    // per peer: what its early frames are charged (invariant 8)
 	progress  func() (started, finished uint64)
 	peerSeen  []PeerProgress // per peer: its progress as its last heartbeat told, and when
 
@@ -129,6 +140,8 @@ type early struct {
 	data    []byte
 	ack     func()
 	arrival uint64
+	held    *atomic.Int64 // the sender's unmatched bytes, which cost was charged to
+	cost    int64
 }
 
 // take hands an early frame's bytes to a sink and releases them.
@@ -138,11 +151,15 @@ func (e *early) take(s Sink) error {
 	return err
 }
 
-// release tells the sender of a frame by reference that its bytes are free (invariant 6);
-// an inline frame has nothing to release.
+// release tells the sender of a frame by reference that its bytes are free (invariant 6),
+// and gives back what the frame was charged.
 func (e *early) release() {
 	if e.ack != nil {
 		e.ack()
+	}
+	if e.held != nil {
+		e.held.Add(-e.cost)
+		e.held = nil
 	}
 }
 
@@ -510,6 +527,20 @@ func (ep *Endpoint) closeInbound() {
 			c.Close()
 		}
 	}
+}
+
+// abortBack tells peer why the group broke over the link peer dialed to this rank: this
+// rank's own link to peer could not be made (peer advertised an address this host does not
+// reach), so an abort frame on it would never arrive, and peer would wait for its timeout.
+func (ep *Endpoint) abortBack(peer int, cause error) {
+	ep.mu.Lock()
+	c := ep.in[peer]
+	ep.mu.Unlock()
+	if c == nil {
+		return
+	}
+	c.SetWriteDeadline(time.Now().Add(abortGrace))
+	writeAbort(c, cause.Error())
 }
 
 // abortGrace bounds how long Close waits for a broken endpoint's abort frames to be written.

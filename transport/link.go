@@ -40,17 +40,34 @@ func (p payload) discard(n uint64) error {
 	return err
 }
 
+// earlyCost is what an early frame is charged besides its inline bytes (its bookkeeping),
+// so that many empty frames are bounded too.
+const earlyCost = 128
+
 // keep turns a payload into an early frame: inline bytes are copied off the connection,
-// referenced bytes stay where they are until taken.
-func (p payload) keep(f *frame, from int) (*early, error) {
-	if p.ref != nil {
-		return &early{f: *f, src: from, data: p.ref, ack: p.ack}, nil
+// referenced bytes stay where they are until taken. The frame is charged to its sender's
+// unmatched bytes first; over the node's cap, nothing is read and the error is
+// ErrUnmatchedMax.
+func (p payload) keep(ep *Endpoint, f *frame, from int) (*early, error) {
+	cost := int64(earlyCost)
+	if p.ref == nil {
+		cost += int64(f.length)
 	}
-	data := make([]byte, f.length)
-	if _, err := io.ReadFull(p.conn, data); err != nil {
-		return nil, err
+	held := &ep.unmatched[from]
+	if n := held.Add(cost); n > ep.node.unmatchedMax {
+		held.Add(-cost)
+		return nil, fmt.Errorf("%w: rank %d sent %d more bytes while %d it sent earlier wait for receives that match them; the cap is %d (GOCOMM_UNMATCHED_BYTES_MAX)",
+			ErrUnmatchedMax, from, f.length, n-cost, ep.node.unmatchedMax)
 	}
-	return &early{f: *f, src: from, data: data}, nil
+	e := &early{f: *f, src: from, data: p.ref, ack: p.ack, held: held, cost: cost}
+	if p.ref == nil {
+		e.data = make([]byte, f.length)
+		if _, err := io.ReadFull(p.conn, e.data); err != nil {
+			e.release()
+			return nil, err
+		}
+	}
+	return e, nil
 }
 
 // liveConn is an inbound link read with a deadline that every read pushes on: a peer that
@@ -85,7 +102,11 @@ func (ep *Endpoint) linkError(dir string, peer int, err error) error {
 }
 
 // reader runs for one inbound link: it matches frames to receives until the link closes.
-func (ep *Endpoint) reader(from int, raw net.Conn) {
+//
+// refPID is the process the link's dialer proved it can lend segments of (the handshake's
+// same-host probe); 0 where the link was granted no references, and a frame by reference
+// on it breaks the group: the peer holds the secret but breaks the protocol.
+func (ep *Endpoint) reader(from int, raw net.Conn, refPID int) {
 	defer ep.readers.Done()
 	defer close(ep.inEnded[from]) // once any Break of this reader happened (lost, invariant 7)
 	defer raw.Close()
@@ -112,8 +133,15 @@ func (ep *Endpoint) reader(from int, raw net.Conn) {
 		}
 		ep.BytesReceived.Add(f.length)
 		p := payload{conn: conn}
+		if f.ref && refPID == 0 {
+			ep.Break(fmt.Errorf("%w: rank %d sent a frame by reference on a link that did not negotiate references", ErrProtocol, from))
+			return
+		}
 		if f.ref {
-			if p, err = ep.resolveRef(from, &f, conn, trailer); err != nil {
+			if p, err = ep.resolveRef(from, &f, conn, trailer, refPID); errors.Is(err, ErrProtocol) {
+				ep.Break(fmt.Errorf("rank %d: %w", from, err))
+				return
+			} else if err != nil {
 				ep.Break(ep.linkError("came from", from, err))
 				return
 			}
@@ -142,6 +170,10 @@ func (ep *Endpoint) reader(from int, raw net.Conn) {
 			ep.failPostedFrom(from)
 			return
 		}
+		if errors.Is(err, ErrUnmatchedMax) {
+			ep.Break(err)
+			return
+		}
 		if err != nil {
 			ep.Break(ep.linkError("came from", from, err))
 			return
@@ -150,13 +182,17 @@ func (ep *Endpoint) reader(from int, raw net.Conn) {
 }
 
 // resolveRef reads a reference's trailer and finds the bytes in the sender's segment,
-// mapping the segment on first use.
-func (ep *Endpoint) resolveRef(from int, f *frame, conn io.Reader, trailer []byte) (payload, error) {
+// mapping the segment on first use. The reference must name pid, the process the link's
+// handshake probed.
+func (ep *Endpoint) resolveRef(from int, f *frame, conn io.Reader, trailer []byte, pid int) (payload, error) {
 	if _, err := io.ReadFull(conn, trailer); err != nil {
 		return payload{}, err
 	}
 	le := binary.LittleEndian
 	key := mapKey{pid: int(le.Uint32(trailer)), fd: int(le.Uint32(trailer[4:])), ino: le.Uint64(trailer[8:])}
+	if key.pid != pid {
+		return payload{}, fmt.Errorf("%w: a reference into process %d, not %d (the one the link's handshake probed)", ErrProtocol, key.pid, pid)
+	}
 	off, id := le.Uint64(trailer[16:]), le.Uint64(trailer[24:])
 	ep.mu.Lock()
 	m := ep.peerMaps[key]
@@ -261,7 +297,7 @@ func (ep *Endpoint) deliverColl(from int, f *frame, p payload, scratch []byte) e
 		r.finish(nil)
 		return nil
 	}
-	e, err := p.keep(f, from)
+	e, err := p.keep(ep, f, from)
 	if err != nil {
 		return err
 	}
@@ -292,7 +328,7 @@ func (ep *Endpoint) deliverColl(from int, f *frame, p payload, scratch []byte) e
 func (ep *Endpoint) deliverP2P(from int, f *frame, p payload) error {
 	tag := int64(f.seq)
 	k := p2pKey{from, tag}
-	e, err := p.keep(f, from)
+	e, err := p.keep(ep, f, from)
 	if err != nil {
 		return err
 	}
@@ -423,6 +459,8 @@ func (l *outLink) run() {
 		l.conn = conn
 		l.mu.Unlock()
 		defer conn.Close()
+		ep.readers.Add(1)
+		go l.watch(conn)
 	}
 	hdr := make([]byte, frameHeader+refTrailer)
 	for {
@@ -455,6 +493,7 @@ func (l *outLink) run() {
 					err = ep.Broken()
 				default:
 					err = ep.lost(l.to, err)
+					ep.abortBack(l.to, err)
 				}
 				for _, m := range l.fail(err) {
 					m.req.finish(err)
@@ -554,6 +593,22 @@ func (l *outLink) writeBeat(conn net.Conn, hdr []byte) error {
 	conn.SetWriteDeadline(time.Now().Add(ep.node.peerTimeout))
 	_, err := conn.Write(hdr[:frameHeader])
 	return err
+}
+
+// watch reads the link this rank dialed, on which the peer writes only when it cannot
+// reach this rank otherwise: an abort (Endpoint.abortBack), which breaks the group here with
+// the peer's reason. It ends when the link closes.
+func (l *outLink) watch(conn net.Conn) {
+	ep := l.ep
+	defer ep.readers.Done()
+	hdr := make([]byte, frameHeader)
+	f, err := readFrame(conn, hdr)
+	if err != nil || f.kind != kindAbort {
+		return
+	}
+	if msg, err := readReason(conn, f.length); err == nil {
+		ep.Break(fmt.Errorf("%w by rank %d: %s", ErrAborted, l.to, msg))
+	}
 }
 
 // final writes the closing frame (abort with its reason, or bye), best effort.

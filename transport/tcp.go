@@ -11,6 +11,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -25,29 +26,55 @@ type Node struct {
 	log       *slog.Logger
 	joinWait  time.Duration
 	dialLimit time.Duration
+	locate    func(b []byte) (fd int, ino, off uint64, ok bool)
+	probe     probe
+	probeSeg  *shm.Segment
 	// peerTimeout: a link that carries no frame for this long is dead (Config.PeerTimeout)
 	peerTimeout time.Duration
-	locate      func(b []byte) (fd int, ino, off uint64, ok bool)
-	probe       probe
-	probeSeg    *shm.Segment
+	// handshake bounds an unauthenticated link's handshake; handshakesMax caps how many are
+	// in progress at once (the oldest is closed to make room for a new one).
+	handshake     time.Duration
+	handshakesMax int
+	unmatchedMax  int64
+	rejects       *rateLog
 
 	mu     sync.Mutex
-	cond   *sync.Cond
 	groups map[[16]byte]*Endpoint
 	gone   map[[16]byte]*departed // groups this node left: a link for one is answered at once
 	closed bool
+
+	hsMu      sync.Mutex
+	pending   []*handshaking // accepted links whose hello has not been answered, oldest first
+	answering int            // links past their hello, waiting for the dialer's proof
+}
+
+// handshaking is an accepted link in its handshake.
+type handshaking struct {
+	conn    net.Conn
+	evicted bool // closed to make room; the handshake must not go on
+	claimed bool // past its hello: counted in answering, no longer evicted
 }
 
 // Config of a Node.
 type Config struct {
-	// Listen is the host:port to listen on (port 0: any).
+	// Listen is the host:port to listen on (port 0: any); empty: Advertise's host, port 0
+	// (the listener is open on the advertised address only).
 	Listen string
 	// Advertise is the host peers dial; the port is the one Listen got.
 	Advertise string
 	Log       *slog.Logger
-	// JoinWait bounds how long an accepted link waits for its group to be joined here (a
-	// peer may dial before this member finished ConnectGroup). Default 60 s.
+	// JoinWait bounds how long a dialer keeps retrying a peer that answers that it has not
+	// joined the group yet (a peer may dial before this member finished ConnectGroup; the
+	// acceptor answers at once and holds nothing for it). Default 60 s.
 	JoinWait time.Duration
+	// HandshakeTimeout bounds an accepted or dialed link's handshake. Default 5 s.
+	HandshakeTimeout time.Duration
+	// HandshakesMax caps the accepted links in their handshake (not yet authenticated); a
+	// new one closes the oldest. Default 64.
+	HandshakesMax int
+	// UnmatchedMax caps the bytes a peer's frames that no receive has matched yet may hold
+	// here (per peer and group); a peer that sends more breaks the group. Default 1 GiB.
+	UnmatchedMax int64
 	// DialTimeout bounds connecting to a peer, retries included (a refused connection is
 	// retried: the peer may be restarting its listener). Default 10 s.
 	DialTimeout time.Duration
@@ -71,9 +98,14 @@ const socketBuffer = 4 << 20
 
 // Listen starts a node.
 func Listen(cfg Config) (*Node, error) {
-	ln, err := net.Listen("tcp", cfg.Listen)
+	listen := cfg.Listen
+	if listen == "" {
+		listen = net.JoinHostPort(cfg.Advertise, "0")
+	}
+	ln, err := net.Listen("tcp", listen)
 	if err != nil {
-		return nil, fmt.Errorf("transport: listen: %w", err)
+		return nil, fmt.Errorf("transport: listen on %s: %w (the advertised address must be one of this host's: "+
+			"check GOCOMM_ADVERTISE_ADDR and GOCOMM_SOCKET_IFNAME, or set GOCOMM_LISTEN_ADDR)", listen, err)
 	}
 	_, port, _ := net.SplitHostPort(ln.Addr().String())
 	n := &Node{
@@ -83,12 +115,17 @@ func Listen(cfg Config) (*Node, error) {
 		joinWait:    cmp.Or(cfg.JoinWait, 60*time.Second),
 		dialLimit:   cmp.Or(cfg.DialTimeout, 10*time.Second),
 		peerTimeout: cmp.Or(cfg.PeerTimeout, 5*time.Second),
-		groups:      map[[16]byte]*Endpoint{},
-		gone:        map[[16]byte]*departed{},
+		handshake:   cmp.Or(cfg.HandshakeTimeout, 5*time.Second),
+		// a cap of 1 would let every new connection close the one before it
+		handshakesMax: max(cmp.Or(cfg.HandshakesMax, 64), 2),
+		unmatchedMax:  cmp.Or(cfg.UnmatchedMax, 1<<30),
+		groups:        map[[16]byte]*Endpoint{},
+		gone:          map[[16]byte]*departed{},
 	}
 	if n.log == nil {
 		n.log = slog.Default()
 	}
+	n.rejects = newRateLog(n.log, time.Second)
 	if cfg.Locate != nil {
 		if err := n.makeProbe(cmp.Or(cfg.ShmDir, shm.DefaultDir())); err != nil {
 			n.log.Warn("same-host transfers by reference are off", "err", err)
@@ -96,7 +133,6 @@ func Listen(cfg Config) (*Node, error) {
 			n.locate = cfg.Locate
 		}
 	}
-	n.cond = sync.NewCond(&n.mu)
 	go n.serve()
 	return n, nil
 }
@@ -135,8 +171,13 @@ func (n *Node) Addr() string { return n.advertise }
 func (n *Node) Close() error {
 	n.mu.Lock()
 	n.closed = true
-	n.cond.Broadcast()
 	n.mu.Unlock()
+	n.hsMu.Lock()
+	for _, h := range n.pending {
+		h.conn.Close()
+	}
+	n.pending = nil
+	n.hsMu.Unlock()
 	if n.probeSeg != nil {
 		n.probeSeg.Close()
 	}
@@ -177,6 +218,7 @@ func (n *Node) Join(secret []byte, rank int, peers []string) (*Endpoint, error) 
 		peerMaps:  map[mapKey][]byte{},
 		brokenC:   make(chan struct{}),
 		inEnded:   make([]chan struct{}, size),
+		unmatched: make([]atomic.Int64, size),
 		peerSeen:  make([]PeerProgress, size),
 	}
 	for i := range ep.inEnded {
@@ -194,7 +236,6 @@ func (n *Node) Join(secret []byte, rank int, peers []string) (*Endpoint, error) 
 	}
 	n.groups[ep.id] = ep
 	delete(n.gone, ep.id)
-	n.cond.Broadcast()
 	go ep.heartbeat() // every link a peer reads gets beats, dialed eagerly (Connect) or not
 	return ep, nil
 }
@@ -223,152 +264,247 @@ func (n *Node) leave(ep *Endpoint) {
 
 // answerLink finds what a link for group id is answered with: the group's secret, and the
 // reason it broke when it did (the handshake then hands the reason over instead of opening
-// the link). A group that is not joined yet is waited for (lookup).
+// the link). It never waits: a group not joined here is errUnknownGroup (the dialer
+// retries), one left in order errLeft.
 func (n *Node) answerLink(id [16]byte) (*Endpoint, []byte, string, error) {
-	ep, d, err := n.lookup(id)
-	if err != nil {
-		return nil, nil, "", err
-	}
-	if d != nil {
-		return nil, d.secret, d.reason, nil
-	}
-	return ep, ep.secret, ep.abortReason(), nil
-}
-
-// lookup waits up to JoinWait for the group with id to be joined; a group this node has
-// left is answered at once (a peer's abort link must not wait out JoinWait for it): with
-// what the node remembers of a group it broke, else with an error.
-func (n *Node) lookup(id [16]byte) (*Endpoint, *departed, error) {
-	deadline := time.Now().Add(n.joinWait)
-	timer := time.AfterFunc(n.joinWait, func() {
-		n.mu.Lock()
-		n.cond.Broadcast()
-		n.mu.Unlock()
-	})
-	defer timer.Stop()
 	n.mu.Lock()
-	defer n.mu.Unlock()
-	for {
-		if ep := n.groups[id]; ep != nil {
-			return ep, nil, nil
-		}
-		if d := n.gone[id]; d != nil {
-			if d.secret == nil {
-				return nil, nil, fmt.Errorf("%w: this rank has left the group", ErrAuth)
-			}
-			return nil, d, nil
-		}
-		if n.closed || time.Now().After(deadline) {
-			return nil, nil, fmt.Errorf("%w: no such group here", ErrAuth)
-		}
-		n.cond.Wait()
+	ep, d, closed := n.groups[id], n.gone[id], n.closed
+	n.mu.Unlock()
+	switch {
+	case ep != nil:
+		return ep, ep.secret, ep.abortReason(), nil
+	case d != nil && d.secret == nil:
+		return nil, nil, "", errLeft
+	case d != nil:
+		return nil, d.secret, d.reason, nil
+	case closed:
+		return nil, nil, "", fmt.Errorf("%w: this node is closing", ErrAuth)
 	}
+	return nil, nil, "", errUnknownGroup
 }
 
 func (n *Node) serve() {
+	var backoff time.Duration
 	for {
 		conn, err := n.ln.Accept()
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
 				return
 			}
-			n.log.Warn("accept", "err", err)
-			time.Sleep(10 * time.Millisecond)
+			// out of fds or the like: the connection stays in the backlog; try again a
+			// little later, and say so at most once a second
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			n.rejects.warn("accepting a peer link failed", "err", err, "retry_in", backoff)
+			time.Sleep(backoff)
 			continue
 		}
-		go n.accept(conn)
+		backoff = 0
+		go n.accept(n.admit(conn))
 	}
 }
 
-func (n *Node) accept(conn net.Conn) {
-	tune(conn)
-	conn.SetDeadline(time.Now().Add(n.joinWait + 10*time.Second))
+// admit puts conn among the links in their handshake. When handshakesMax links wait for
+// their hello to be answered, the oldest is answered statusBusy and closed: junk and
+// half-open connections cannot pile up, a real peer's hello (one write) is answered long
+// before a flood reaches the cap's worth of newer connections, and a real peer that was
+// dropped all the same retries.
+func (n *Node) admit(conn net.Conn) *handshaking {
+	h := &handshaking{conn: conn}
+	n.hsMu.Lock()
+	defer n.hsMu.Unlock()
+	if len(n.pending) >= n.handshakesMax {
+		old := n.pending[0]
+		n.pending = n.pending[1:]
+		old.evicted = true
+		old.conn.SetWriteDeadline(time.Now().Add(10 * time.Millisecond))
+		old.conn.Write(busyAnswer())
+		old.conn.Close()
+		n.rejects.warn("closed an unauthenticated peer link to make room", "remote", old.conn.RemoteAddr().String(), "cap", n.handshakesMax)
+	}
+	n.pending = append(n.pending, h)
+	return h
+}
+
+// claim moves h from the links waiting for their hello's answer to those waiting for the
+// dialer's proof, which are also at most handshakesMax (errBusy past that). An evicted link
+// is ErrAuth: its connection is closed.
+func (n *Node) claim(h *handshaking) error {
+	n.hsMu.Lock()
+	defer n.hsMu.Unlock()
+	if h.evicted {
+		return fmt.Errorf("%w: dropped to make room for newer links", ErrAuth)
+	}
+	n.drop(h)
+	if n.answering >= n.handshakesMax {
+		return errBusy
+	}
+	h.claimed = true
+	n.answering++
+	return nil
+}
+
+// done takes h out of the links in their handshake.
+func (n *Node) done(h *handshaking) {
+	n.hsMu.Lock()
+	defer n.hsMu.Unlock()
+	n.drop(h)
+	if h.claimed {
+		h.claimed = false
+		n.answering--
+	}
+}
+
+func (n *Node) drop(h *handshaking) {
+	for i, p := range n.pending {
+		if p == h {
+			n.pending = append(n.pending[:i], n.pending[i+1:]...)
+			return
+		}
+	}
+}
+
+func (n *Node) accept(hs *handshaking) {
+	conn := hs.conn
+	conn.SetDeadline(time.Now().Add(n.handshake))
 	var ep *Endpoint
-	h, err := acceptHandshake(conn, func(id [16]byte) ([]byte, string, error) {
+	h, refs, err := acceptHandshake(conn, func(id [16]byte) ([]byte, string, error) {
+		if err := n.claim(hs); err != nil {
+			return nil, "", err
+		}
 		var secret []byte
 		var reason string
 		var err error
 		ep, secret, reason, err = n.answerLink(id)
 		return secret, reason, err
 	}, n.canMap)
+	n.done(hs)
 	if errors.Is(err, ErrAborted) {
 		n.log.Info("answered a link with the group's abort", "remote", conn.RemoteAddr().String(), "from", h.from, "to", h.to, "detail", err)
 		conn.Close()
 		return
 	}
+	if errors.Is(err, errUnknownGroup) || errors.Is(err, errLeft) {
+		n.log.Debug("answered a link for a group not here", "remote", conn.RemoteAddr().String(), "from", h.from, "to", h.to, "detail", err)
+		conn.Close()
+		return
+	}
 	if err != nil {
-		n.log.Warn("rejected peer link", "remote", conn.RemoteAddr().String(), "err", err)
+		n.rejects.warn("rejected peer link", "remote", conn.RemoteAddr().String(), "err", err)
 		conn.Close()
 		return
 	}
 	conn.SetDeadline(time.Time{})
+	tune(conn) // only now: a connection that never authenticates costs no setsockopt calls
 	from := int(h.from)
 	if int(h.to) != ep.rank || from < 0 || from >= ep.size || from == ep.rank {
-		n.log.Warn("rejected peer link", "from", from, "to", h.to, "rank", ep.rank, "size", ep.size)
+		n.rejects.warn("rejected peer link", "from", from, "to", h.to, "rank", ep.rank, "size", ep.size)
 		conn.Close()
 		return
 	}
 	ep.mu.Lock()
 	if ep.in[from] != nil || ep.broken != nil {
 		ep.mu.Unlock()
-		n.log.Warn("rejected duplicate peer link", "from", from)
+		n.rejects.warn("rejected duplicate peer link", "from", from)
 		conn.Close()
 		return
 	}
 	ep.in[from] = conn
 	ep.readers.Add(1)
 	ep.mu.Unlock()
-	go ep.reader(from, conn)
+	var refPID int // the only process a reference on this link may name
+	if refs {
+		refPID = h.probe.pid
+	}
+	go ep.reader(from, conn, refPID)
 }
 
-// dial connects and authenticates the link from ep's rank to rank to, retrying refused
-// connections until the dial timeout (the peer's listener may still be starting); quick makes a
-// single short attempt (links that only carry an abort). Close of the endpoint stops it.
+// dial connects and authenticates the link from ep's rank to rank to. Refused connections
+// and busy answers (the peer's listener may still be starting, or dropped the handshake to
+// make room for newer ones) are retried until the dial timeout; a peer that has not
+// joined the group yet, until the join wait ends. quick bounds it all by abortGrace and
+// retries only a peer that has not joined (links that only carry an abort). Close of the
+// endpoint stops it.
 func (n *Node) dial(ep *Endpoint, to int, quick bool) (net.Conn, bool, error) {
-	limit := n.dialLimit
+	limit := max(n.dialLimit, n.joinWait)
 	if quick {
 		limit = abortGrace
 	}
 	ctx, cancel := context.WithTimeout(ep.ctx, limit)
 	defer cancel()
+	start := time.Now()
 	d := net.Dialer{KeepAlive: 15 * time.Second}
-	begin := time.Now()
+	pause := 10 * time.Millisecond
 	for {
-		conn, err := d.DialContext(ctx, "tcp", ep.peers[to])
-		if err == nil {
-			tune(conn)
-			conn.SetDeadline(time.Now().Add(n.joinWait + 10*time.Second))
-			var pr probe
-			if n.locate != nil {
-				pr = n.probe
-			}
-			// the endpoint's Close cuts a handshake short (the peer may never answer)
-			stop := context.AfterFunc(ep.ctx, func() { conn.Close() })
-			refs, err := dialHandshake(conn, ep.secret, ep.rank, to, pr)
-			if !stop() {
-				err = cmp.Or(err, ErrClosed)
-			}
-			if err == nil {
-				conn.SetDeadline(time.Time{})
-				return conn, refs, nil
-			}
-			conn.Close()
-			if errors.Is(err, ErrAborted) { // the peer broke the group: its reason, as an abort frame says it
-				return nil, false, err
-			}
-			return nil, false, fmt.Errorf("handshake with %s: %w", ep.peers[to], err)
+		var retry bool
+		conn, refs, err := n.dialOnce(ctx, &d, ep, to)
+		switch {
+		case err == nil:
+			return conn, refs, nil
+		case errors.Is(err, ErrAborted): // the peer broke the group: its reason, as an abort frame says it
+			return nil, false, err
+		case errors.Is(err, errUnknownGroup): // also for an abort: the peer may be about to join
+			retry = time.Since(start) < n.joinWait
+		case errors.Is(err, syscall.ECONNREFUSED):
+			// A refused connection is retried for a quarter of the peer timeout only: the
+			// peer published its address after it listened, so a refusal that lasts means it
+			// died.
+			retry = !quick && time.Since(start) < min(n.dialLimit, n.peerTimeout/4)
+		case errors.Is(err, errBusy):
+			retry = !quick && time.Since(start) < n.dialLimit
 		}
-		// A refused connection is retried for a quarter of the peer timeout only: the peer
-		// published its address after it listened, so a refusal that lasts means it died.
-		if quick || !errors.Is(err, syscall.ECONNREFUSED) || ctx.Err() != nil || time.Since(begin) > n.peerTimeout/4 {
-			return nil, false, fmt.Errorf("dial %s: %w", ep.peers[to], err)
+		if !retry || ctx.Err() != nil {
+			var df *dialFailure
+			if quick || ep.ctx.Err() != nil || !errors.As(err, &df) {
+				return nil, false, fmt.Errorf("link to %s: %w", ep.peers[to], err)
+			}
+			if ctx.Err() != nil {
+				err = fmt.Errorf("no connection within %s: %w", limit, err)
+			}
+			return nil, false, unreachable(to, ep.peers[to], err)
 		}
 		select {
 		case <-ctx.Done():
-		case <-time.After(50 * time.Millisecond):
+		case <-time.After(pause):
 		}
+		pause = min(2*pause, 200*time.Millisecond)
 	}
 }
+
+// dialOnce makes one connection to rank to and runs the dialer's handshake on it.
+func (n *Node) dialOnce(ctx context.Context, d *net.Dialer, ep *Endpoint, to int) (net.Conn, bool, error) {
+	conn, err := d.DialContext(ctx, "tcp", ep.peers[to])
+	if err != nil {
+		return nil, false, &dialFailure{err}
+	}
+	tune(conn)
+	conn.SetDeadline(time.Now().Add(n.handshake))
+	var pr probe
+	if n.locate != nil {
+		pr = n.probe
+	}
+	// the endpoint's Close cuts a handshake short (the peer may never answer)
+	stop := context.AfterFunc(ep.ctx, func() { conn.Close() })
+	refs, err := dialHandshake(conn, ep.secret, ep.rank, to, pr)
+	if !stop() {
+		err = cmp.Or(err, ErrClosed)
+	}
+	if err != nil {
+		conn.Close()
+		if errors.Is(err, ErrAborted) {
+			return nil, false, err
+		}
+		return nil, false, fmt.Errorf("handshake: %w", err)
+	}
+	conn.SetDeadline(time.Time{})
+	return conn, refs, nil
+}
+
+// dialFailure is a connection that did not open (as opposed to a handshake that failed on
+// one that did): the peer's address may be unreachable from here.
+type dialFailure struct{ err error }
+
+func (e *dialFailure) Error() string { return e.err.Error() }
+func (e *dialFailure) Unwrap() error { return e.err }
 
 func tune(c net.Conn) {
 	if tc, ok := c.(*net.TCPConn); ok {

@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"time"
 )
 
 // Ring record types of the gocomm protocol (the ring reserves types below 16).
@@ -404,4 +405,17 @@ func EncodeDone(seq uint64, status int32, source int32, msg string) []byte {
 	le.PutUint32(b[12:], uint32(source))
 	copy(b[16:], msg)
 	return b
+}
+
+// MaxTimeout is the longest timeout an op or group takes; a longer one (torch lets users
+// pass timedelta.max) is clamped to it rather than overflowing time.Duration, which would
+// wrap into a negative, immediate one.
+const MaxTimeout = 100 * 365 * 24 * time.Hour
+
+// Millis is a timeout given in milliseconds as a duration, clamped to MaxTimeout.
+func Millis(ms uint64) time.Duration {
+	if ms >= uint64(MaxTimeout/time.Millisecond) {
+		return MaxTimeout
+	}
+	return time.Duration(ms) * time.Millisecond
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 )
 
 func buf(n uint64) BufRef { return BufRef{Segment: 1, Offset: 0, Length: n} }
@@ -146,4 +147,19 @@ func a2av(row, in, inSplits, out, outSplits, status uint64) Desc {
 	cb := func(seg uint32, n uint64) BufRef { return BufRef{Segment: CUDASegment | seg, Length: n} }
 	return Desc{Kind: OpAllToAllV, DType: Uint8, Device: DeviceCUDA, Count: row, StreamValue: 1,
 		Bufs: []BufRef{cb(1, in), cb(2, inSplits), cb(3, out), cb(4, outSplits), cb(5, status)}}
+}
+
+// TestMillisClamps: a huge timeout stays huge, never wrapping into a short or negative one.
+func TestMillisClamps(t *testing.T) {
+	for _, ms := range []uint64{1 << 53, 1 << 63, ^uint64(0), uint64(MaxTimeout / time.Millisecond)} {
+		if d := Millis(ms); d != MaxTimeout {
+			t.Errorf("Millis(%d) = %v, want %v", ms, d, MaxTimeout)
+		}
+	}
+	if d := Millis(1500); d != 1500*time.Millisecond {
+		t.Errorf("Millis(1500) = %v", d)
+	}
+	if deadline := time.Now().Add(Millis(^uint64(0))); !deadline.After(time.Now().Add(50 * 365 * 24 * time.Hour)) {
+		t.Errorf("a deadline of the longest timeout is %v", deadline)
+	}
 }

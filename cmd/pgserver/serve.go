@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"errors"
 	"flag"
 	"fmt"
@@ -41,6 +42,8 @@ type options struct {
 	logLevel    string
 	listen      string
 	advertise   string
+	ifname      string
+	rendezvous  string
 	parentPID   int
 	spin        time.Duration
 	showVersion bool
@@ -54,8 +57,10 @@ func parseFlags(args []string) (options, error) {
 	fs.StringVar(&o.socket, "socket", "", "control socket path (default <runtime-dir>/pgserver-<pid>.sock)")
 	fs.StringVar(&o.logFile, "log-file", "", "append the log here (default stderr)")
 	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
-	fs.StringVar(&o.listen, "listen", ":0", "TCP address peer sidecars connect to")
-	fs.StringVar(&o.advertise, "advertise", "", "host name or address peers dial (default: this host's address)")
+	fs.StringVar(&o.listen, "listen", "", "host:port peer sidecars connect to (default: $GOCOMM_LISTEN_ADDR, else the advertised address, any port)")
+	fs.StringVar(&o.advertise, "advertise", "", "host name or address peers dial (default: $GOCOMM_ADVERTISE_ADDR, else chosen from --socket-ifname, then --rendezvous)")
+	fs.StringVar(&o.ifname, "socket-ifname", "", "advertise this interface's address (default: $GOCOMM_SOCKET_IFNAME)")
+	fs.StringVar(&o.rendezvous, "rendezvous", "", "the host every rank bootstraps through (the torch Store's): advertise the local address of the route there")
 	fs.IntVar(&o.parentPID, "parent-pid", 0, "exit when this process exits (the shim passes its own pid)")
 	fs.DurationVar(&o.spin, "spin", 0, "poll the submission ring (and device workers their queues) this long before sleeping")
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
@@ -77,7 +82,7 @@ func run(args []string) error {
 	if err != nil {
 		return err
 	}
-	log, closeLog, err := prepare(&o)
+	log, closeLog, err := prepare(&o, cfg.Log)
 	if err != nil {
 		return err
 	}
@@ -86,14 +91,21 @@ func run(args []string) error {
 		log.Warn(w)
 	}
 
-	host := o.advertise
-	if host == "" {
-		host = hostAddress()
+	// flags win over the knobs (a standalone pgserver takes either)
+	listen := cmp.Or(o.listen, cfg.Peers.Listen)
+	host, why, err := transport.ChooseAddress(transport.AddressSpec{
+		Advertise: cmp.Or(o.advertise, cfg.Peers.Advertise), Ifname: cmp.Or(o.ifname, cfg.Peers.Ifname), Rendezvous: o.rendezvous,
+	})
+	if err != nil {
+		return err
 	}
+	log.Info("peer address", "advertise", host, "why", why, "listen", cmp.Or(listen, host))
 	var srv *pg.Server // set before any group exists, so before Locate is ever called
 	node, err := transport.Listen(transport.Config{
-		Listen: o.listen, Advertise: host, Log: log, PeerTimeout: cfg.PeerTimeout,
-		Locate: func(b []byte) (int, uint64, uint64, bool) { return srv.Locate(b) },
+		Listen: listen, Advertise: host, Log: log, PeerTimeout: cfg.Peers.DeadTimeout,
+		HandshakeTimeout: cfg.Peers.HandshakeTimeout, HandshakesMax: cfg.Peers.HandshakesMax,
+		UnmatchedMax: cfg.Peers.UnmatchedBytesMax,
+		Locate:       func(b []byte) (int, uint64, uint64, bool) { return srv.Locate(b) },
 	})
 	if err != nil {
 		return err
@@ -107,10 +119,11 @@ func run(args []string) error {
 	pcfg.TraceFile = traceFile(cfg.Trace.File, o.logFile)
 	srv = pg.NewServer(pcfg, node, log)
 
-	ln, err := listenUnix(o.socket)
+	uln, err := listenUnix(o.socket)
 	if err != nil {
 		return err
 	}
+	ln := &peerCredListener{Listener: uln, log: log, uid: os.Getuid()}
 	gs := grpc.NewServer()
 	var once sync.Once
 	// stop is the client's Shutdown: its sessions leave in order. abandon is any other end
@@ -145,7 +158,7 @@ func run(args []string) error {
 
 // prepare ties the process to its parent rank (if any), makes the runtime directory, names
 // the control socket and opens the log.
-func prepare(o *options) (*slog.Logger, func(), error) {
+func prepare(o *options, lc config.Log) (*slog.Logger, func(), error) {
 	if o.parentPID > 0 {
 		// Die with the rank that started us: the kernel signals us when it exits, and a
 		// parent that is already gone is caught by the check right after.
@@ -157,10 +170,15 @@ func prepare(o *options) (*slog.Logger, func(), error) {
 	if err := privateDir(o.runtimeDir); err != nil {
 		return nil, nil, err
 	}
+	stale := removeStaleSockets(o.runtimeDir)
 	if o.socket == "" {
 		o.socket = filepath.Join(o.runtimeDir, fmt.Sprintf("pgserver-%d.sock", os.Getpid()))
 	}
-	return openLog(o.logFile, o.logLevel)
+	log, closeLog, err := openLog(o.logFile, o.logLevel, lc)
+	if err == nil && len(stale) > 0 {
+		log.Info("removed the control sockets of sidecars that are gone", "paths", stale)
+	}
+	return log, closeLog, err
 }
 
 // defaultRuntimeDir is $XDG_RUNTIME_DIR/gocomm, else /tmp/gocomm-<uid>.
@@ -169,27 +187,6 @@ func defaultRuntimeDir() string {
 		return filepath.Join(d, "gocomm")
 	}
 	return filepath.Join(os.TempDir(), fmt.Sprintf("gocomm-%d", os.Getuid()))
-}
-
-// privateDir makes dir (0700) or checks that an existing one is ours and private: the control
-// socket in it must be reachable by this user only.
-func privateDir(dir string) error {
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return fmt.Errorf("runtime dir: %w", err)
-	}
-	var st unix.Stat_t
-	if err := unix.Lstat(dir, &st); err != nil {
-		return fmt.Errorf("runtime dir: %w", err)
-	}
-	if st.Mode&unix.S_IFMT != unix.S_IFDIR || int(st.Uid) != os.Getuid() {
-		return fmt.Errorf("runtime dir %s is not a directory owned by uid %d", dir, os.Getuid())
-	}
-	if st.Mode&0o077 != 0 {
-		if err := os.Chmod(dir, 0o700); err != nil {
-			return fmt.Errorf("runtime dir %s is open to others and cannot be made private: %w", dir, err)
-		}
-	}
-	return nil
 }
 
 // listenUnix creates the control socket readable and writable by this user only.
@@ -210,7 +207,7 @@ func listenUnix(path string) (net.Listener, error) {
 	return ln, nil
 }
 
-func openLog(path, level string) (*slog.Logger, func(), error) {
+func openLog(path, level string, lc config.Log) (*slog.Logger, func(), error) {
 	var lvl slog.Level
 	if err := lvl.UnmarshalText([]byte(level)); err != nil {
 		return nil, nil, fmt.Errorf("log level %q: %w", level, err)
@@ -218,30 +215,14 @@ func openLog(path, level string) (*slog.Logger, func(), error) {
 	var w io.Writer = os.Stderr
 	closeFn := func() {}
 	if path != "" {
-		f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+		f, err := openRotating(path, lc.MaxBytes, lc.Keep)
 		if err != nil {
-			return nil, nil, fmt.Errorf("log file: %w", err)
+			return nil, nil, err
 		}
 		w, closeFn = f, func() { f.Close() }
 	}
 	log := slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: lvl})).With("pid", os.Getpid())
 	return log, closeFn, nil
-}
-
-// hostAddress is the first address this host's name resolves to that is not loopback, else
-// 127.0.0.1 (a single-host job).
-func hostAddress() string {
-	name, err := os.Hostname()
-	if err == nil {
-		if addrs, err := net.LookupHost(name); err == nil {
-			for _, a := range addrs {
-				if ip := net.ParseIP(a); ip != nil && !ip.IsLoopback() {
-					return a
-				}
-			}
-		}
-	}
-	return "127.0.0.1"
 }
 
 // watchParent stops the server when the parent process is gone (backs up PDEATHSIG, which

@@ -267,6 +267,17 @@ func (s *session) RegisterIPC(seg uint32, handle [64]byte, size uint64) error {
 	var p cuda.Ptr
 	err := s.do(func() (err error) {
 		p, err = cuda.OpenIPC(cuda.IPCHandle(handle))
+		if err != nil {
+			return err
+		}
+		// the size is the client's word; the driver knows the allocation's real extent
+		base, n, err := cuda.AddressRange(p)
+		if err == nil {
+			err = segment.CheckExtent("CUDA segment", seg, size, uint64(p), uint64(base), n)
+		}
+		if err != nil {
+			cuda.CloseIPC(p)
+		}
 		return err
 	})
 	if err != nil {

@@ -59,6 +59,7 @@ static CUresult (*p_cuIpcCloseMemHandle)(CUdeviceptr);
 static CUresult (*p_cuIpcGetMemHandle)(CUipcMemHandle*, CUdeviceptr);
 static CUresult (*p_cuMemAlloc)(CUdeviceptr*, size_t);
 static CUresult (*p_cuMemFree)(CUdeviceptr);
+static CUresult (*p_cuMemGetAddressRange)(CUdeviceptr*, size_t*, CUdeviceptr);
 static CUresult (*p_cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
 static CUresult (*p_cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream);
 
@@ -100,6 +101,7 @@ static int gc_load(const char* path, char* err, int errlen) {
 	SYM(p_cuIpcGetMemHandle, "cuIpcGetMemHandle");
 	SYM(p_cuMemAlloc, "cuMemAlloc_v2");
 	SYM(p_cuMemFree, "cuMemFree_v2");
+	SYM(p_cuMemGetAddressRange, "cuMemGetAddressRange_v2");
 	SYM(p_cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
 	SYM(p_cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
 #undef SYM
@@ -155,6 +157,7 @@ static CUresult gc_cuIpcCloseMemHandle(CUdeviceptr p) { return p_cuIpcCloseMemHa
 static CUresult gc_cuIpcGetMemHandle(void* h, CUdeviceptr p) { return p_cuIpcGetMemHandle((CUipcMemHandle*)h, p); }
 static CUresult gc_cuMemAlloc(CUdeviceptr* p, size_t n) { return p_cuMemAlloc(p, n); }
 static CUresult gc_cuMemFree(CUdeviceptr p) { return p_cuMemFree(p); }
+static CUresult gc_cuMemGetAddressRange(CUdeviceptr* b, size_t* n, CUdeviceptr p) { return p_cuMemGetAddressRange(b, n, p); }
 static CUresult gc_cuMemcpyDtoHAsync(void* d, CUdeviceptr s, size_t n, CUstream st) { return p_cuMemcpyDtoHAsync(d, s, n, st); }
 static CUresult gc_cuMemcpyHtoDAsync(CUdeviceptr d, const void* s, size_t n, CUstream st) { return p_cuMemcpyHtoDAsync(d, s, n, st); }
 */
@@ -488,6 +491,17 @@ func Alloc(n int) (Ptr, error) {
 	}
 	var p C.CUdeviceptr
 	return Ptr(p), check("cuMemAlloc", C.gc_cuMemAlloc(&p, C.size_t(n)))
+}
+
+// AddressRange is the allocation p lies in, as the driver knows it: its base and size.
+func AddressRange(p Ptr) (base Ptr, size uint64, err error) {
+	if err := loaded(); err != nil {
+		return 0, 0, err
+	}
+	var b C.CUdeviceptr
+	var n C.size_t
+	err = check("cuMemGetAddressRange", C.gc_cuMemGetAddressRange(&b, &n, C.CUdeviceptr(p)))
+	return Ptr(b), uint64(n), err
 }
 
 // Free releases memory from Alloc.

@@ -14,15 +14,19 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from . import moe
-from ._backend import ProcessGroupGocomm, create
+from ._backend import create
+from ._client import C as _C
 from ._sidecar import SidecarError, find_pgserver, shutdown
-from ._work import Work
+from ._version import __version__
 from .sparse import all_to_all_v, receive_buffer
 
+# the backend torch holds for each gocomm group (pg._get_backend(torch.device("cpu")))
+Backend = _C.Backend
+
 __all__ = [
-    "ProcessGroupGocomm",
+    "Backend",
     "SidecarError",
-    "Work",
+    "__version__",
     "all_to_all_v",
     "find_pgserver",
     "flight_record",
@@ -31,7 +35,6 @@ __all__ = [
     "receive_buffer",
     "shutdown",
 ]
-__version__ = "0.1.0"
 
 
 def _check_environment() -> None:
@@ -46,8 +49,9 @@ def info() -> dict:
         {} where no sidecar runs; else its version, pid, hostname, engines, devices' state,
         peer address and log file, "capabilities" ({fact: (value, reason)}: the node's and
         this client's, as the sidecar decided them at attach) and "groups" ({group name:
-        {"rank", "size", "transport", "routes": {op class: (engine, reason)}}} for each live
-        group of this process, the default group included).
+        {"rank", "size", "hosts" (how many hosts its ranks are on), "transport", "routes":
+        {op class: (engine, reason)}}} for each live group of this process, the default group
+        included).
     """
     from . import _backend, _sidecar
 
@@ -62,6 +66,7 @@ def info() -> dict:
         groups[g.group_name] = {
             "rank": g.rank(),
             "size": g.size(),
+            "hosts": g._routes.facts.hosts,
             "transport": (g._routes.transport, g._routes.transport_reason),
             "routes": g._routes.table(),
         }

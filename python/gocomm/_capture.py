@@ -23,7 +23,9 @@ def capturing() -> bool:
 
 def capturable(pg) -> str:
     """What group pg can capture, in words, for error messages (its route table says)."""
-    routes = getattr(pg, "_routes", None)
+    from . import _backend
+
+    routes = getattr(_backend.state(pg), "_routes", None)
     if routes is None:
         return "none of its ops"
     return routes.capturable()

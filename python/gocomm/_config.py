@@ -76,9 +76,10 @@ def _duration(v: str) -> str:
     return v
 
 
-def _positive_float(v: str) -> float:
+def _seconds(v: str) -> float:
+    """Seconds above 0 and at most a day: a larger or infinite value would never time out."""
     f = float(v)
-    if not f > 0:
+    if not 0 < f <= 86400:
         raise ValueError
     return f
 
@@ -120,13 +121,6 @@ KNOBS: tuple[Knob, ...] = (
         "how much the sidecar logs",
     ),
     Knob(
-        "GOCOMM_ADVERTISE_ADDR",
-        "",
-        str,
-        "a host name or address",
-        "the address peers dial to reach this host's sidecars (unset: the interface that routes to MASTER_ADDR)",
-    ),
-    Knob(
         "GOCOMM_SPIN",
         "",
         _duration,
@@ -136,8 +130,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob(
         "GOCOMM_START_TIMEOUT",
         "30",
-        _positive_float,
-        "seconds, above 0",
+        _seconds,
+        "seconds, above 0 and at most 86400",
         "how long the shim waits for a pgserver it started to answer",
     ),
     Knob(
@@ -261,10 +255,6 @@ def log_dir() -> str | None:
 
 def log_level() -> str:
     return get("GOCOMM_LOG_LEVEL")
-
-
-def advertise_addr() -> str | None:
-    return get("GOCOMM_ADVERTISE_ADDR")
 
 
 def spin() -> str | None:

@@ -1,7 +1,7 @@
-"""The few CUDA driver calls the shim makes itself (ctypes on the libcuda torch loaded):
-naming a tensor's allocation for CUDA IPC, and ordering the sidecar's work against the
-caller's stream with 32-bit counters in device memory the sidecar shares (stream memory
-operations)."""
+"""The CUDA driver calls the Python side makes itself (ctypes on the libcuda torch loaded): the
+in-process engine's (module loads, launches, events, peer buffers) and the control plane's
+(mapping the sidecar's stream counters at attach). The per-op path's calls (stream counters,
+IPC registration) are the compiled client's (csrc/client/cuda_driver.cc)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,6 @@ import torch
 class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * 64)]
 
-
-_ATTR_BUFFER_ID = 7  # CU_POINTER_ATTRIBUTE_BUFFER_ID: unique per allocation, never reused
-_WAIT_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0
 
 _lib = None  # calls that may block: they release the GIL (ctypes.CDLL)
 _fast = None  # calls that return at once: they keep the GIL (ctypes.PyDLL)
@@ -38,9 +35,6 @@ def _load():
         # PyDLL handle, which keeps the GIL.
         fast = ctypes.PyDLL("libcuda.so.1")
         for name, args in (
-            ("cuPointerGetAttribute", [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]),
-            ("cuStreamWriteValue32_v2", [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]),
-            ("cuStreamWaitValue32_v2", [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]),
             ("cuLaunchKernel", [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3),
             ("cuEventRecord", [ctypes.c_void_p, ctypes.c_void_p]),
             ("cuStreamWaitEvent", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]),
@@ -50,20 +44,8 @@ def _load():
         _fast = fast
         lib = ctypes.CDLL("libcuda.so.1")
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
-        lib.cuMemGetAddressRange_v2.argtypes = [
-            ctypes.POINTER(ctypes.c_uint64),
-            ctypes.POINTER(ctypes.c_size_t),
-            ctypes.c_uint64,
-        ]
         lib.cuIpcGetMemHandle.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
-        lib.cuStreamWriteValue32_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        lib.cuStreamWaitValue32_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]
-        lib.cuStreamCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-        lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
-        lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-        lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
         lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
         lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
@@ -102,41 +84,11 @@ def on_device(idx: int):
 _SAME = contextlib.nullcontext()  # reusable: it holds no state
 
 
-def buffer_id(ptr: int) -> int:
-    """The process-unique id of the allocation holding device address ptr."""
-    _load()
-    bid = ctypes.c_uint64()  # per call: another thread may query between the call and the read
-    _check("cuPointerGetAttribute", _fast.cuPointerGetAttribute(ctypes.byref(bid), _ATTR_BUFFER_ID, ptr))
-    return bid.value
-
-
-def allocation(ptr: int) -> tuple[int, int]:
-    """(base, size) of the allocation holding device address ptr."""
-    lib = _load()
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    _check("cuMemGetAddressRange", lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr))
-    return base.value, size.value
-
-
 def ipc_handle(base: int) -> bytes:
     """The CUDA IPC handle of the allocation starting at base (64 bytes)."""
     h = (ctypes.c_char * 64)()
     _check("cuIpcGetMemHandle", _load().cuIpcGetMemHandle(h, base))
     return bytes(h)
-
-
-def write_value(stream: int, addr: int, value: int) -> None:
-    """Queue on stream: *addr = value (32 bits)."""
-    if _fast is None:
-        _load()
-    _check("cuStreamWriteValue32", _fast.cuStreamWriteValue32_v2(stream, addr, value & 0xFFFFFFFF, 0))
-
-
-def wait_value(stream: int, addr: int, value: int) -> None:
-    """Queue on stream: wait until (int32)(*addr - value) >= 0."""
-    if _fast is None:
-        _load()
-    _check("cuStreamWaitValue32", _fast.cuStreamWaitValue32_v2(stream, addr, value & 0xFFFFFFFF, _WAIT_GEQ))
 
 
 def open_ipc(handle: bytes) -> int:
@@ -146,22 +98,6 @@ def open_ipc(handle: bytes) -> int:
     dev = ctypes.c_uint64()
     _check("cuIpcOpenMemHandle", _load().cuIpcOpenMemHandle_v2(ctypes.byref(dev), h, 1))
     return dev.value
-
-
-def release_counters(addr: int, nbytes: int) -> None:
-    """Set every (ready, done) pair of the counters at addr to done = ready + 2^30, through a
-    stream of its own that waits for no other: streams stuck on a counter of a sidecar that is
-    gone go on."""
-    lib = _load()
-    st = ctypes.c_void_p()
-    _check("cuStreamCreate", lib.cuStreamCreate(ctypes.byref(st), 1))  # CU_STREAM_NON_BLOCKING
-    buf = (ctypes.c_uint32 * (nbytes // 4))()
-    _check("cuMemcpyDtoHAsync", lib.cuMemcpyDtoHAsync_v2(buf, addr, nbytes, st))
-    _check("cuStreamSynchronize", lib.cuStreamSynchronize(st))
-    for i in range(0, len(buf), 2):
-        buf[i + 1] = (buf[i] + (1 << 30)) & 0xFFFFFFFF
-    _check("cuMemcpyHtoDAsync", lib.cuMemcpyHtoDAsync_v2(addr, buf, nbytes, st))
-    _check("cuStreamSynchronize", lib.cuStreamSynchronize(st))
 
 
 _ctx_ready = threading.local()

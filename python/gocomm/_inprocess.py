@@ -1,4 +1,4 @@
-"""ProcessGroupGocomm's in-process kernel paths: all_reduce and all_to_all_single by the
+"""A gocomm group's in-process kernel paths: all_reduce and all_to_all_single by the
 kernels this process launches itself (gocomm/_allreduce.py, gocomm/_a2av.py), each set up at
 the group's first such call on a device; and the NVSHMEM unique id of the sidecar's
 all_to_all_v kernel, its fallback."""
@@ -41,7 +41,7 @@ def _launched(pg, op: str, t: torch.Tensor, idx: int) -> None:
 
 
 class InProcessKernels:
-    """The group's in-process kernel paths (ProcessGroupGocomm holds the state: _ar, _a2av,
+    """The group's in-process kernel paths (gocomm._backend._Group holds the state: _ar, _a2av,
     _routes, _cuda_lock, _store, _shmem_ready)."""
 
     def _allreduce_inprocess(self, t: torch.Tensor, redop: int):

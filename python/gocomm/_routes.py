@@ -15,6 +15,10 @@ process's knobs (GOCOMM_AR_MAX). The table says, per op class, which engine runs
     other CUDA ops     sidecar NCCL
     CPU tensors        host engine
 
+A group that spans hosts (host_id) runs every CUDA op on sidecar NCCL ("spans hosts"): the
+in-process kernels and NVSHMEM serve one host's NVLink domain. Its subgroups that lie within
+one host keep the one-host paths.
+
 What depends on a call (dtype, size, a device's setup, a kernel that failed) is decided at the
 call, by the rule the table states; a kernel that failed turns its route to the sidecar. The
 per-op path reads the `ar_inprocess` and `a2a_inprocess` attributes, nothing more.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 from . import _a2av, _allreduce
 
@@ -34,6 +39,23 @@ INPROCESS = "in-process kernel"
 SIDECAR_NCCL = "sidecar NCCL"
 SIDECAR_NVSHMEM = "sidecar NVSHMEM"
 HOST = "host engine"
+
+
+def host_id() -> str:
+    """What tells this host from another: ranks are on one host when they share the kernel (its
+    boot id) and the shared-memory file system (the device number of /dev/shm's mount), so
+    that each can map the other's segments. A host name is not enough: containers and network
+    namespaces often share one, and two hosts may be given the same."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    try:
+        shm = f"{os.stat('/dev/shm').st_dev:x}"
+    except OSError:
+        shm = "no-shm"
+    return f"{boot}/{shm}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +73,7 @@ class Facts:
     Attributes:
         size: ranks in the group.
         transports: the sparse transport each rank's sidecar chose ("nvshmem" or "nccl").
-        hosts: the distinct hosts the ranks run on.
+        hosts: the distinct hosts the ranks run on (host_id).
         ar_max: GOCOMM_AR_MAX, the largest all_reduce the in-process kernel takes (0: off).
     """
 
@@ -93,13 +115,18 @@ class Routes:
     def __init__(self, facts: Facts, group_name: str = "", own_reason: str = ""):
         self.facts = facts
         kinds = set(facts.transports)
-        if kinds == {"nvshmem"} and facts.hosts == 1:
+        if facts.hosts > 1:
+            # NCCL picks the network between hosts (IB, RoCE, sockets, a net plugin); the
+            # in-process kernels and NVSHMEM are set up for one host's NVLink domain
+            self.transport = "nccl"
+            why = f"the group spans {facts.hosts} hosts: NCCL between them (no in-process kernels, no NVSHMEM)"
+        elif kinds == {"nvshmem"}:
             self.transport = "nvshmem"
             why = "every rank's sidecar chose NVSHMEM (one NVLink domain with peer atomics) on one host"
         else:
             self.transport = "nccl"
             if "nvshmem" in kinds:
-                why = f"the sidecars chose {sorted(kinds)} on {facts.hosts} host(s)"
+                why = f"the sidecars chose {sorted(kinds)}"
                 log.warning("gocomm group %r: %s; all_to_all_v takes NCCL", group_name, why)
             else:
                 mine = (
@@ -164,7 +191,15 @@ class Routes:
             ),
         )
         self.dense = Route(SIDECAR_NCCL, "every other op of CUDA tensors")
-        self.cpu = Route(HOST, "CPU tensors: the sidecars' host engine over TCP and shared memory")
+        self.cpu = (
+            Route(
+                HOST,
+                f"CPU tensors: the group spans {facts.hosts} hosts: the sidecars' host engine over TCP, payloads "
+                "inline between hosts (by reference only between sidecars that proved they share one host)",
+            )
+            if facts.hosts > 1
+            else Route(HOST, "CPU tensors: the sidecars' host engine over TCP and shared memory")
+        )
 
     def fall_back(self, op: str, why: str) -> None:
         """Turn op's in-process route ("all_reduce" or "all_to_all_v") to the sidecar for good:

@@ -1,27 +1,27 @@
-"""This process's sidecar: finding or starting pgserver, the gRPC control channel, the
-session (rings, watch stream) and the shared-memory arena host tensors are staged in."""
+"""This process's sidecar: finding or starting pgserver, the gRPC control channel and the
+session (watch stream). The session's data plane (ring, host arena, CUDA IPC registrations,
+completion thread) is the compiled client's Dispatcher (csrc/client/dispatcher.h); this module
+answers its rare control-plane needs: a new arena segment, the GPU's attachment."""
 
 from __future__ import annotations
 
 import atexit
-import bisect
 import logging
-import mmap
 import os
 import shutil
-import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 
 import grpc
 import torch
+import torch.distributed as dist
 
-from . import _config, _cuda, _ring, _wire
+from . import _client, _config, _cuda, _version
 from .v1 import pgserver_pb2 as pb
 from .v1 import pgserver_pb2_grpc as pb_grpc
 
@@ -52,111 +52,60 @@ def find_pgserver() -> str:
 
 
 def runtime_dir() -> str:
-    """Private directory for sockets and logs ($XDG_RUNTIME_DIR/gocomm or /tmp/gocomm-<uid>)."""
+    """Private directory for sockets and logs ($XDG_RUNTIME_DIR/gocomm or /tmp/gocomm-<uid>).
+
+    Made 0700 if missing. An existing one must be a directory of this user's, not a symbolic
+    link (never followed): someone else could otherwise pre-create it, or point it at a
+    directory of theirs. A mode open to others is tightened through a descriptor of the
+    directory that was checked, never by name."""
     base = os.environ.get("XDG_RUNTIME_DIR")
     path = os.path.join(base, "gocomm") if base else os.path.join(tempfile.gettempdir(), f"gocomm-{os.getuid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    fix = "remove it, or set XDG_RUNTIME_DIR to a directory of your own (the runtime dir is $XDG_RUNTIME_DIR/gocomm)"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
     st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise SidecarError(f"runtime directory {path} is a symbolic link, which gocomm does not follow: {fix}")
+    if not stat.S_ISDIR(st.st_mode):
+        raise SidecarError(f"runtime directory {path} is not a directory: {fix}")
     if st.st_uid != os.getuid():
-        raise SidecarError(f"runtime directory {path} belongs to uid {st.st_uid}, not {os.getuid()}")
+        raise SidecarError(
+            f"runtime directory {path} belongs to uid {st.st_uid}, not to this user ({os.getuid()}): {fix}"
+        )
     if st.st_mode & 0o077:
-        os.chmod(path, 0o700)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            fst = os.fstat(fd)
+            if (fst.st_ino, fst.st_dev, fst.st_uid) != (st.st_ino, st.st_dev, os.getuid()):
+                raise SidecarError(f"runtime directory {path} changed while it was checked: {fix}")
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
     return path
 
 
-def advertise_host() -> str:
-    """The address peers should dial to reach this host's sidecars.
-
-    $GOCOMM_ADVERTISE_ADDR wins; otherwise the local address of the route towards MASTER_ADDR
-    (the interface torchrun's store is reached over), else 127.0.0.1 for a one-host job.
-    """
-    env = _config.advertise_addr()
-    if env:
-        return env
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    try:
-        infos = socket.getaddrinfo(master, 1, type=socket.SOCK_DGRAM)
-        fam, _, _, _, addr = infos[0]
-        with socket.socket(fam, socket.SOCK_DGRAM) as s:
-            s.connect(addr)  # no packet is sent; this only picks the route
-            return s.getsockname()[0]
-    except OSError:
+def rendezvous_host(store, one_host: bool) -> str:
+    """The host the sidecar picks its peer address towards (pgserver --rendezvous): loopback
+    where every rank of the first group is on this host; else the torch Store's host (every
+    rank reached it, so the local address of the route there is one peers can route to: the
+    case of env:// and tcp://), else MASTER_ADDR; "" where neither is known (a file store on
+    a shared file system: pgserver takes the default route's address)."""
+    if one_host:
         return "127.0.0.1"
-
-
-@dataclass
-class _Segment:
-    id: int
-    mm: mmap.mmap
-    size: int
-    bytes: torch.Tensor  # uint8 view of the whole mapping
-    free: list[tuple[int, int]] = field(default_factory=list)  # sorted (offset, length)
-
-
-class Arena:
-    """Host memory shared with the sidecar, carved into op buffers.
-
-    Segments come from AllocSegment (the sidecar creates and registers them; descriptors name
-    bytes by (segment, offset, length), which the sidecar bounds-checks). Buffers are 64-byte
-    aligned; freed space coalesces; a request that fits nowhere adds a segment at least twice
-    the size of the last.
-    """
-
-    ALIGN = 64
-
-    def __init__(self, sidecar: Sidecar, first: int = 16 << 20):
-        self._sc = sidecar
-        self._lock = threading.Lock()
-        self._segs: dict[int, _Segment] = {}
-        self._next_size = first
-        self._grow(first)
-
-    def _grow(self, need: int) -> _Segment:
-        size = max(need, self._next_size)
-        resp = self._sc.call("AllocSegment", pb.AllocSegmentRequest(session=self._sc.session, bytes=size))
-        fd = os.open(resp.path, os.O_RDWR)
-        try:
-            mm = mmap.mmap(fd, resp.bytes)
-        finally:
-            os.close(fd)
-        os.unlink(resp.path)
-        seg = _Segment(resp.segment, mm, resp.bytes, torch.frombuffer(mm, dtype=torch.uint8), [(0, resp.bytes)])
-        self._segs[seg.id] = seg
-        self._next_size = 2 * resp.bytes
-        return seg
-
-    def alloc(self, nbytes: int) -> tuple[int, int, torch.Tensor]:
-        """Reserve nbytes: (segment id, offset, uint8 tensor over the bytes)."""
-        want = max((nbytes + self.ALIGN - 1) // self.ALIGN * self.ALIGN, self.ALIGN)
-        with self._lock:
-            for seg in self._segs.values():
-                for i, (off, n) in enumerate(seg.free):
-                    if n >= want:
-                        seg.free[i : i + 1] = [(off + want, n - want)] if n > want else []
-                        return seg.id, off, seg.bytes[off : off + nbytes]
-            seg = self._grow(want)
-            off, n = seg.free[0]
-            seg.free[0:1] = [(off + want, n - want)] if n > want else []
-            return seg.id, off, seg.bytes[off : off + nbytes]
-
-    def release(self, seg_id: int, off: int, nbytes: int) -> None:
-        want = max((nbytes + self.ALIGN - 1) // self.ALIGN * self.ALIGN, self.ALIGN)
-        with self._lock:
-            free = self._segs[seg_id].free
-            i = bisect.bisect(free, (off, 0))
-            free.insert(i, (off, want))
-            # coalesce with the neighbours
-            if i + 1 < len(free) and free[i][0] + free[i][1] == free[i + 1][0]:
-                free[i : i + 2] = [(free[i][0], free[i][1] + free[i + 1][1])]
-            if i > 0 and free[i - 1][0] + free[i - 1][1] == free[i][0]:
-                free[i - 1 : i + 1] = [(free[i - 1][0], free[i - 1][1] + free[i][1])]
+    while hasattr(store, "underlying_store"):  # PrefixStore
+        store = store.underlying_store
+    host = getattr(store, "host", "") if isinstance(store, dist.TCPStore) else ""
+    return host or os.environ.get("MASTER_ADDR", "")
 
 
 class Sidecar:
     """The connection to this process's pgserver: started here, or attached to with
     GOCOMM_SIDECAR=unix:///path. One per process, shared by every gocomm group."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, rendezvous: str = ""):
         self.rank = rank
         self.proc: subprocess.Popen | None = None
         self.log_file: str | None = None
@@ -168,7 +117,7 @@ class Sidecar:
         if address:
             self.socket = address[len("unix://") :]
         else:
-            self.socket = self._start(rank)
+            self.socket = self._start(rank, rendezvous)
         self.channel = grpc.insecure_channel(
             "unix://" + self.socket,
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.enable_http_proxy", 0)],
@@ -176,6 +125,7 @@ class Sidecar:
         self.stub = pb_grpc.PGServerStub(self.channel)
         self._wait_ready()
         self.info = self.call("Info", pb.InfoRequest())
+        self._check_version(self.info.version)
         nccl = _cuda.nccl_path() if self.info.cuda_available and torch.cuda.is_available() else ""
         resp = self.call("Attach", pb.AttachRequest(client_pid=os.getpid(), rank=rank, nccl_path=nccl))
         self.session = resp.session
@@ -195,20 +145,17 @@ class Sidecar:
         # GOCOMM_TRACE_BUFFER_SIZE as the sidecar read it: the shim's kernel launch record uses it too
         self.trace_size = resp.trace_buffer_size
         self.info = self.call("Info", pb.InfoRequest())  # now naming that choice
-        self.ring = _ring.Ring(resp.ring_path, resp.ring_bytes)
         self._watch = self.stub.Watch(pb.WatchRequest(session=self.session))
         first = next(self._watch)
         if first.kind != "attached":
             raise SidecarError(f"pgserver answered the watch with {first.kind!r}")
-        threading.Thread(target=self._watch_loop, name="gocomm-watch", daemon=True).start()
-        self.arena = Arena(self)
         self._device: torch.device | None = None
-        self._counters_dev = 0
-        self._dev_lock = threading.Lock()
-        self._ipc: dict[int, tuple[int, int, int]] = {}  # allocation buffer id -> (segment, base, size)
-        self._next_seg = 1
+        self.mps = False
+        # the session's data plane: ring, arena (its first segment now), IPC registrations
+        self.client = _client.C.Dispatcher(resp.ring_path, resp.ring_bytes, self._grow, 16 << 20, self._attach)
+        threading.Thread(target=self._watch_loop, name="gocomm-watch", daemon=True).start()
 
-    def _start(self, rank: int) -> str:
+    def _start(self, rank: int, rendezvous: str) -> str:
         exe = find_pgserver()
         rdir = runtime_dir()
         sock = os.path.join(rdir, f"pgserver-{os.getpid()}-r{rank}.sock")
@@ -225,8 +172,11 @@ class Sidecar:
             self.log_file,
             "--log-level",
             _config.log_level(),
-            "--advertise",
-            advertise_host(),
+            # where peers reach this sidecar: pgserver picks it (transport.ChooseAddress: its
+            # GOCOMM_ADVERTISE_ADDR, GOCOMM_SOCKET_IFNAME, else the route to this host) and
+            # listens there only
+            "--rendezvous",
+            rendezvous,
             "--parent-pid",
             str(os.getpid()),
         ]
@@ -236,9 +186,27 @@ class Sidecar:
             spin = "2ms" if torch.cuda.is_available() else ""
         if spin:
             cmd += ["--spin", spin]
+
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True)
         return sock
+
+    def _check_version(self, theirs: str) -> None:
+        """Refuse a sidecar of another gocomm version: the rings, descriptors and rpcs are one
+        contract between a shim and the pgserver of its own build. "dev" (a pgserver linked
+        without -X main.version, by hand) is let through with a warning."""
+        ours = _version.__version__
+        if theirs == ours:
+            return
+        if theirs == "dev":
+            log.warning("gocomm %s: pgserver on %s is an unversioned (dev) build", ours, self.socket)
+            return
+        where = f"started from {find_pgserver()}" if self.proc is not None else "attached through GOCOMM_SIDECAR"
+        self.close()
+        raise SidecarError(
+            f"gocomm {ours} cannot use pgserver {theirs or '(no version)'} ({where}, {self.socket}): "
+            f"install the matching gocomm, or point GOCOMM_PGSERVER/GOCOMM_SIDECAR at a pgserver {ours}"
+        )
 
     def _wait_ready(self) -> None:
         timeout = _config.start_timeout()
@@ -270,91 +238,50 @@ class Sidecar:
         except grpc.RpcError as e:
             raise SidecarError(f"pgserver {method}: {e.code().name}: {e.details()}") from None
 
+    def _grow(self, nbytes: int) -> tuple[int, str, int]:
+        """A new arena segment of at least nbytes for the client: (id, file to map, bytes)."""
+        resp = self.call("AllocSegment", pb.AllocSegmentRequest(session=self.session, bytes=nbytes))
+        return resp.segment, resp.path, resp.bytes
+
     def attach_device(self, device: torch.device) -> int:
         """Bind the sidecar to this process's GPU (once); returns the device address of the
         groups' stream counters (device memory of the sidecar's, mapped here by IPC)."""
-        if self._device is not None:
-            if device != self._device:
-                raise ValueError(f"gocomm: this process already uses {self._device}; one GPU per rank (got {device})")
-            return self._counters_dev
-        with self._dev_lock:
-            if self._device is None:
-                if not self.info.cuda_available:
-                    raise NotImplementedError(f"gocomm: pgserver cannot run CUDA ops here: {self.info.cuda_error}")
-                if device.index is None:
-                    device = torch.device("cuda", torch.cuda.current_device())
-                with torch.cuda.device(device):
-                    torch.cuda.init()
-                    resp = self.call(
-                        "AttachDevice",
-                        pb.AttachDeviceRequest(session=self.session, device_uuid=_cuda.device_uuid(device)),
-                    )
-                    self._counters_dev = _cuda.open_ipc(resp.counters_handle)
-                    self.mps = _cuda.mps_client(device)
-                self._device = device
-                if self.mps:
-                    log.info(
-                        "gocomm: rank %d is an MPS client: a hand-off to its sidecar costs ~10 us back to back, "
-                        "~19 us alone (measured on H200, docs/decisions/0002-mps.md)",
-                        self.rank,
-                    )
-                else:
-                    log.warning(
-                        "gocomm: rank %d is not an MPS client: each op's hand-off to its sidecar costs a GPU context "
-                        "switch (~0.29 ms measured on H200, vs ~10-19 us under MPS). Start the job with "
-                        "`python -m gocomm.launch --mps -- <torchrun args>`.",
-                        self.rank,
-                    )
-        return self._counters_dev
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return self.client.counters(idx)
 
-    def cuda_segment(self, t: torch.Tensor) -> tuple[int, int, int]:
-        """(segment, offset, length) naming t's bytes for the sidecar: its caching-allocator
-        allocation is registered once by CUDA IPC handle. An allocation torch freed and the
-        driver reused shows up with a new buffer id over the same addresses; the stale entry
-        is dropped then."""
-        return self.cuda_ref(t.data_ptr(), t.numel() * t.element_size(), t.get_device())
+    def _attach(self, idx: int) -> int:
+        """attach_device's rpc, called by the client the first time it needs the GPU."""
+        if not self.info.cuda_available:
+            raise NotImplementedError(f"gocomm: pgserver cannot run CUDA ops here: {self.info.cuda_error}")
+        device = torch.device("cuda", idx)
+        with torch.cuda.device(device):
+            torch.cuda.init()
+            resp = self.call(
+                "AttachDevice",
+                pb.AttachDeviceRequest(session=self.session, device_uuid=_cuda.device_uuid(device)),
+            )
+            counters = _cuda.open_ipc(resp.counters_handle)
+            self.mps = _cuda.mps_client(device)
+        self._device = device
+        if self.mps:
+            log.info(
+                "gocomm: rank %d is an MPS client: a hand-off to its sidecar costs ~10 us back to back, "
+                "~19 us alone (measured on H200, docs/decisions/0002-mps.md)",
+                self.rank,
+            )
+        else:
+            log.warning(
+                "gocomm: rank %d is not an MPS client: each op's hand-off to its sidecar costs a GPU context "
+                "switch (~0.29 ms measured on H200, vs ~10-19 us under MPS). Start the job with "
+                "`python -m gocomm.launch --mps -- <torchrun args>`.",
+                self.rank,
+            )
+        return counters
 
     def cuda_ref(self, ptr: int, n: int, device: int) -> tuple[int, int, int]:
-        """cuda_segment for n bytes at device address ptr on CUDA device index device: a
-        part of a tensor named without making a view of it (a view costs more host time
-        than the rest of the lookup)."""
-        if n == 0:
-            return (_wire.CUDA_SEGMENT, 0, 0)
-        bid = _cuda.buffer_id(ptr)
-        e = self._ipc.get(bid)
-        if e is None:
-            # the sidecar takes IPC handles only once the client attached its device
-            self.attach_device(torch.device("cuda", device))
-            with _cuda.on_device(device):
-                e = self._register(ptr, bid)
-        return (e[0], ptr - e[1], n)
-
-    def _register(self, ptr: int, bid: int) -> tuple[int, int, int]:
-        """Register the allocation holding ptr (buffer id bid) with the sidecar, dropping
-        entries it replaced; its (segment, base, size)."""
-        base, size = _cuda.allocation(ptr)
-        for obid, (oseg, obase, osize) in list(self._ipc.items()):
-            if obase < base + size and base < obase + osize:
-                del self._ipc[obid]
-                self._ring_put(_wire.REC_IPC_DROP, _wire.IPC.pack(oseg, 0, 0)[:4])
-        try:
-            handle = _cuda.ipc_handle(base)
-        except _cuda.CudaError as err:
-            raise RuntimeError(
-                f"gocomm: this tensor's memory cannot be shared with the sidecar ({err}); allocations "
-                "from PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True have no CUDA IPC handle: unset it"
-            ) from None
-        seg = _wire.CUDA_SEGMENT | self._next_seg
-        self._next_seg += 1
-        self._ring_put(_wire.REC_IPC, _wire.IPC.pack(seg, 0, size) + handle)
-        e = self._ipc[bid] = (seg, base, size)
-        return e
-
-    def _ring_put(self, typ: int, payload: bytes) -> None:
-        while not self.ring.submit(typ, payload):
-            if self.lost:
-                raise SidecarError(self.lost)
-            time.sleep(20e-6)
+        """(segment, offset, length) naming n bytes at device address ptr on CUDA device index
+        device for the sidecar (its allocation registered once by CUDA IPC handle)."""
+        return self.client.cuda_ref(ptr, n, device)
 
     def _watch_loop(self) -> None:
         try:
@@ -411,12 +338,8 @@ class Sidecar:
                     why += f" (killed by signal {-rc})"
             why += f"; see {self.log_file}"
         self._lost = why
-        if getattr(self, "_counters_dev", 0):  # CUDA streams waiting on this sidecar must not hang
-            try:
-                with torch.cuda.device(self._device):
-                    _cuda.release_counters(self._counters_dev, 4096)
-            except Exception as e:  # noqa: BLE001
-                log.error("gocomm: could not release CUDA streams waiting on the lost sidecar: %s", e)
+        # every op in flight fails, and CUDA streams waiting on this sidecar go on
+        self.client.fail_all(why)
         for fn in list(self._on_lost):
             fn(why)
 
@@ -433,14 +356,19 @@ class Sidecar:
         if self._closed:
             return
         self._closed = True
-        try:  # leaving in order: peers still waiting for this rank are told it left
-            self.stub.Detach(pb.DetachRequest(session=self.session, reason="client closed"), timeout=5)
-        except grpc.RpcError:
-            pass
+        session = getattr(self, "session", None)  # None where closed before attaching
+        if session is not None:
+            try:  # leaving in order: peers still waiting for this rank are told it left
+                self.stub.Detach(pb.DetachRequest(session=session, reason="client closed"), timeout=5)
+            except grpc.RpcError:
+                pass
         try:
             self._watch.cancel()
         except Exception:
             pass
+        client = getattr(self, "client", None)  # None where attaching failed
+        if client is not None:
+            client.close()
         if self.proc is not None:
             try:
                 self.stub.Shutdown(pb.ShutdownRequest(reason="client closed"), timeout=5)
@@ -458,12 +386,13 @@ _lock = threading.Lock()
 _sidecar: Sidecar | None = None
 
 
-def get(rank: int) -> Sidecar:
-    """This process's sidecar, started (or attached to) on first use."""
+def get(rank: int, rendezvous=lambda: "") -> Sidecar:
+    """This process's sidecar, started (or attached to) on first use; rendezvous() gives the
+    host its peer address is picked towards (rendezvous_host), asked only when it starts."""
     global _sidecar
     with _lock:
         if _sidecar is None or _sidecar.lost:
-            _sidecar = Sidecar(rank)
+            _sidecar = Sidecar(rank, rendezvous())
         return _sidecar
 
 

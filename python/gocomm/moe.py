@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import _a2av, _capture, _kernels
+from . import _a2av, _backend, _capture, _kernels
 from ._moe_inprocess import _combine_inprocess, _dispatch_inprocess, _flags, _InProcess, _inprocess_takes
 from .sparse import _capacity_rows, _device_path, all_to_all_v
 
@@ -144,7 +144,9 @@ def dispatch(
             else "on this group (or with fp8, or this shape) its exchange reads the counts on the host",
         )
     if inprocess:
-        return _dispatch_inprocess(group, g, path, x, idx, w32, num_experts, n, max_tokens_per_rank, padded)
+        return _dispatch_inprocess(
+            group, _backend.state(g), path, x, idx, w32, num_experts, n, max_tokens_per_rank, padded
+        )
     recv, tokens_per_expert, handle = _dispatch(
         group, g, path is not None, x, idx, w32, num_experts, n, fp8, max_tokens_per_rank
     )

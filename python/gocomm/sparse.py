@@ -9,7 +9,7 @@ the counts are exchanged with one all_to_all, read on the host, and the rows mov
 `all_to_all_single` on the group (NCCL grouped send/recv in the sidecar for CUDA tensors,
 the host engine for CPU tensors): one host sync. (`dist.all_to_all_single` of CUDA tensors,
 splits known on the host, takes the shim's kernel too where it serves the group:
-ProcessGroupGocomm._all_to_all_single_inprocess.)
+gocomm._backend._Group._all_to_all_single_inprocess.)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import _a2av, _capture, _cuda, _peers, _wire
+from . import _a2av, _backend, _capture, _cuda, _peers, _wire
 
 __all__ = ["all_to_all_v", "receive_buffer"]
 
@@ -31,10 +31,11 @@ def _device_path(g, input: torch.Tensor):
     (a gocomm._a2av.Path), the sidecar's NVSHMEM kernel (True), or not at all (None: the
     counts go through the host). Collective at a group's first call on a device (the shim's
     kernel is set up then), so every caller calls it where all ranks do."""
-    routes = getattr(g, "_routes", None)
+    st = _backend.state(g)
+    routes = getattr(st, "_routes", None)
     if not input.is_cuda or routes is None or not routes.splits_on_gpu:
         return None
-    path = g._a2av_path(input.get_device())
+    path = st._a2av_path(input.get_device())
     if path is not None:
         return path
     return True if g is dist.group.WORLD else None
@@ -202,7 +203,7 @@ def all_to_all_v(
             raise ValueError("gocomm all_to_all_v: out must be contiguous")
     path = _device_path(g, input)
     if path is not None and path is not True:
-        return _inprocess(g, path, n, input, in_splits, out)
+        return _inprocess(_backend.state(g), path, n, input, in_splits, out)
     if input.is_cuda and _capture.capturing():
         _capture.refuse(
             "all_to_all_v",
@@ -212,7 +213,7 @@ def all_to_all_v(
             else "its counts are read on the host to size the exchange (the group's transport is NCCL)",
         )
     if path is True:
-        return _nvshmem(g, n, input, in_splits, out)
+        return _nvshmem(_backend.state(g), n, input, in_splits, out)
     return _host_counts(g, input, in_splits, out)
 
 
@@ -262,17 +263,18 @@ def receive_buffer(
     # more than 2 GiB (the kernel's offsets are 32-bit): a plain tensor on every rank (share
     # is collective, so the ranks agree)
     big = f"{nbytes} bytes, more than the 2 GiB a receive buffer holds" if nbytes > _a2av._INT31 else ""
-    sh = _peers.share(g, path.idx, "receive_buffer", big, nbytes, max(nbytes, 256) if not big else 0)
+    st = _backend.state(g)
+    sh = _peers.share(st, path.idx, "receive_buffer", big, nbytes, max(nbytes, 256) if not big else 0)
     if sh is None:
         return torch.empty(shape, dtype=dtype, device=dev)
     why = None
     try:
-        with g._cuda_lock, _cuda.on_device(path.idx):
+        with st._cuda_lock, _cuda.on_device(path.idx):
             path.add_output(sh.maps, nbytes)
-        t = _cuda.tensor_at(sh.maps[g.rank()], max(nbytes, 256), path.idx)[:nbytes].view(dtype).view(shape)
+        t = _cuda.tensor_at(sh.maps[st.rank()], max(nbytes, 256), path.idx)[:nbytes].view(dtype).view(shape)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it (below)
         why = e
     # every rank's table names the buffer before any kernel uses it; all raise or none does
-    if not _peers.agree(g, why is None):
+    if not _peers.agree(st, why is None):
         raise RuntimeError(f"gocomm receive_buffer: {why or 'a peer could not register its buffer'}")
     return t

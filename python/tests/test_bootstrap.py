@@ -1,5 +1,5 @@
 """The NVSHMEM unique id of the sidecar's all_to_all_v kernel travels between the ranks
-through the group's torch Store (ProcessGroupGocomm._shmem_id): rank 0's sidecar makes it,
+through the group's torch Store (_Group._shmem_id): rank 0's sidecar makes it,
 the others' are handed it. Runs without a GPU, against a stand-in for the sidecar."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gocomm._backend import ProcessGroupGocomm
+from gocomm._backend import _Group
 from gocomm._sidecar import SidecarError
 
 
@@ -49,12 +49,12 @@ def test_unique_id_goes_through_the_store():
     store = dist.HashStore()
     sc0, sc1 = _Sidecar(), _Sidecar()
     g0, g1 = _member(store, 0, sc0), _member(store, 1, sc1)
-    ProcessGroupGocomm._shmem_id(g0, torch.device("cpu"))
+    _Group._shmem_id(g0, torch.device("cpu"))
     assert store.get("gocomm/nvshmem_uid") == b"U" * 128
-    ProcessGroupGocomm._shmem_id(g1, torch.device("cpu"))
+    _Group._shmem_id(g1, torch.device("cpu"))
     assert sc0.calls == [("ShmemID", 40, b"")]
     assert sc1.calls == [("ShmemID", 41, b"U" * 128)]
-    ProcessGroupGocomm._shmem_id(g1, torch.device("cpu"))  # once per group
+    _Group._shmem_id(g1, torch.device("cpu"))  # once per group
     assert len(sc1.calls) == 1 and g0._shmem_ready and g1._shmem_ready
 
 
@@ -63,9 +63,9 @@ def test_rank0_failure_reaches_the_others_at_once():
     store.set_timeout(datetime.timedelta(seconds=60))
     g0 = _member(store, 0, _Sidecar(fail="INVALID_ARGUMENT: NVSHMEM: no library"))
     with pytest.raises(SidecarError, match="no library"):
-        ProcessGroupGocomm._shmem_id(g0, torch.device("cpu"))
+        _Group._shmem_id(g0, torch.device("cpu"))
     sc1 = _Sidecar()
     g1 = _member(store, 1, sc1)
     with pytest.raises(RuntimeError, match="rank 0 could not make the NVSHMEM unique id"):
-        ProcessGroupGocomm._shmem_id(g1, torch.device("cpu"))
+        _Group._shmem_id(g1, torch.device("cpu"))
     assert sc1.calls == [] and not g1._shmem_ready

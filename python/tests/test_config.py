@@ -29,7 +29,7 @@ def fresh(monkeypatch):
 def test_defaults(fresh):
     """Unset, every knob gives what the code used before the table."""
     assert _config.pgserver() is None and _config.sidecar() is None and _config.log_dir() is None
-    assert _config.advertise_addr() is None and _config.spin() is None
+    assert _config.spin() is None
     assert _config.log_level() == "info"
     assert _config.start_timeout() == 30.0
     assert _config.cuda() is True and _config.a2av_inprocess() is True

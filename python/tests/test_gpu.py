@@ -15,6 +15,13 @@ import torch.distributed as dist
 from ranklib import Checker, gen, seeded_int
 from test_moe import check_all_to_all_v, check_moe
 
+
+def _state(pg):
+    from gocomm._backend import state
+
+    return state(pg)
+
+
 pytestmark = pytest.mark.gpu
 
 # The CUDA engine is on unless GOCOMM_CUDA=0; these tests need it. Set at import, before any
@@ -366,14 +373,15 @@ def check_allreduce_inprocess(rk, seed):
     with no user sync; results against a float64 sum of every rank's input (rebuilt from the
     seed), and the same bits on every rank."""
     from gocomm import _allreduce
+    from gocomm._backend import state
 
     dev, nccl = _setup(rk)
     ck = Checker("all_reduce in the shim", seed, rk.rank)
     n, r = rk.size, rk.rank
-    g = dist.group.WORLD
+    g = state(dist.group.WORLD)
     x0 = torch.ones(8, device=dev)
     dist.all_reduce(x0)  # sets the path up (collective)
-    want_inprocess = g._routes.ar_inprocess
+    want_inprocess = state(g)._routes.ar_inprocess
     ck.expect(
         "path set up where the GPUs share NVLink", (g._ar.get(dev.index) is not None) == want_inprocess, str(g._ar)
     )
@@ -580,8 +588,10 @@ def check_all_to_all_v_nvshmem(rk, seed, inprocess):
     dev, _ = _setup(rk)
     n, me = rk.size, rk.rank
     ck = Checker("all_to_all_v " + ("in this process" if inprocess else "on NVSHMEM"), seed, me)
-    ck.expect("transport", rk.world.pg._sparse_transport() == "nvshmem", rk.world.pg._sparse_transport())
-    path = rk.world.pg._a2av_path(dev.index)
+    ck.expect(
+        "transport", _state(rk.world.pg)._sparse_transport() == "nvshmem", _state(rk.world.pg)._sparse_transport()
+    )
+    path = _state(rk.world.pg)._a2av_path(dev.index)
     ck.expect("path", (path is not None) == inprocess, f"in-process kernel {path}, wanted {inprocess}")
     for label, splits_of in ROUTINGS.items():
         send = splits_of(seed, me, n)
@@ -714,7 +724,7 @@ def check_all_to_all_v_graph(rk, seed):
     plain = torch.full((most * n, h), -5.0, dtype=torch.bfloat16, device=dev)
     # a receive buffer (the peers write into it, no copy out), used through a view 3 rows in
     rbuf = gocomm.receive_buffer(most * n + 3, (h,), torch.bfloat16)
-    ck.expect("receive buffer", rk.world.pg._a2av_path(dev.index).outputs != [], "not registered")
+    ck.expect("receive buffer", _state(rk.world.pg)._a2av_path(dev.index).outputs != [], "not registered")
     rbuf[:3].fill_(-7.0)
 
     def send_of(step, src):
@@ -780,7 +790,7 @@ def check_all_to_all_v_graph(rk, seed):
     subs = [dist.new_group(r, backend="gocomm") for r in halves]
     ranks = halves[0] if me in halves[0] else halves[1]
     sub, m, i = subs[0 if me in halves[0] else 1], len(ranks), ranks.index(me)
-    ck.expect("subgroup path", sub._a2av_path(dev.index) is not None, "the shim's kernel is not set up")
+    ck.expect("subgroup path", _state(sub)._a2av_path(dev.index) is not None, "the shim's kernel is not set up")
     for label, splits_of in ROUTINGS.items():
         send = splits_of(seed, i, m)
         recv = [splits_of(seed, src, m)[i] for src in range(m)]
@@ -820,7 +830,7 @@ def check_all_to_all_single_inprocess(rk, seed):
     dev, nccl = _setup(rk)
     n, me = rk.size, rk.rank
     ck = Checker("all_to_all_single by the shim's kernel", seed, me)
-    path = rk.world.pg._a2av_path(dev.index)
+    path = _state(rk.world.pg)._a2av_path(dev.index)
     ck.expect("the kernel path is set up", path is not None and path.cap == 1 << 20, "a 1 MiB receive buffer")
     routings = dict(ROUTINGS)
     routings["random, many rows"] = lambda seed, src, n: [seeded_int(seed, f"big{src}-{d}", 0, 300) for d in range(n)]
@@ -911,7 +921,7 @@ def test_all_to_all_single_inprocess(worlds, seed, size):
 
 def check_transport(rk, want):
     """The sidecar's sparse transport, as the shim reads it."""
-    got = rk.world.pg._sparse_transport()
+    got = _state(rk.world.pg)._sparse_transport()
     if got != want:
         raise AssertionError(f"rank {rk.rank}: sparse transport {got}, want {want}")
     return got

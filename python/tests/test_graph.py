@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from ranklib import Checker, gen, seeded_int
 
+from gocomm._backend import state
+
 pytestmark = pytest.mark.gpu
 
 os.environ["GOCOMM_CUDA"] = "1"
@@ -70,7 +72,7 @@ def check_captured(rk, seed, shared):
     torch.cuda.set_device(dev)
     pg = dist.group.WORLD
     ck = Checker(f"captured on {n} rank(s){' sharing GPUs' if shared else ''}", seed, me)
-    if pg._routes.ar_inprocess:
+    if state(pg)._routes.ar_inprocess:
         # one-shot (16 KiB), two-shot (2 MiB) and two-shot in rounds (GOCOMM_AR_STAGE is 1 MiB here)
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for numel in (8192 // torch.finfo(dtype).bits * 16, 1 << 20, (3 << 20) + 8):
@@ -93,7 +95,7 @@ def check_captured(rk, seed, shared):
                         t.copy_(xs[me])
                         graph.replay()
                         _sum_close(ck, f"{label} replay after eager", t, xs, avg)
-    if pg._routes.a2a_inprocess:
+    if state(pg)._routes.a2a_inprocess:
         for dtype, row in (
             (torch.bfloat16, (24,)),
             (torch.float32, (5,)),
@@ -199,7 +201,7 @@ def _sidecar_ops(n, me, dev, seed, i):
                 lambda ck: me % 2 == 0 or ck.same("recv", t["recv"].cpu(), x[me - 1]),
             )
         )
-    if not dist.group.WORLD._routes.a2a_inprocess:
+    if not state(dist.group.WORLD)._routes.a2a_inprocess:
         xs = [gen(seed, f"sca{i}", r, (2 * n, 3), torch.float32) for r in range(n)]
         dxs = xs[me].to(dev)
 
@@ -216,7 +218,7 @@ def _sidecar_ops(n, me, dev, seed, i):
                 ),
             )
         )
-    if not dist.group.WORLD._routes.ar_inprocess:
+    if not state(dist.group.WORLD)._routes.ar_inprocess:
         xb = [gen(seed, f"scb{i}", r, (64,), torch.bfloat16, small=True) for r in range(n)]
         dxb = xb[me].to(dev)
 
@@ -236,7 +238,7 @@ def check_refused(rk, seed, shared):
     torch.cuda.set_device(dev)
     pg = dist.group.WORLD
     ck = Checker(f"refused under capture on {n} rank(s){' sharing GPUs' if shared else ''}", seed, me)
-    before = pg.stats()["ops"]
+    before = state(pg).stats()["ops"]
     for i, (name, call, _) in enumerate(_sidecar_ops(n, me, dev, seed, 0)):
         with ck.case(f"{name} #{i} under capture"):
             try:
@@ -246,7 +248,7 @@ def check_refused(rk, seed, shared):
                 msg = str(e)
                 ck.expect(f"{name} #{i} error", f"gocomm {name} cannot be captured" in msg, msg[:300])
             torch.cuda.synchronize(dev)
-    ck.expect("the sidecar saw no op", pg.stats()["ops"] == before, f"{before} -> {pg.stats()['ops']}")
+    ck.expect("the sidecar saw no op", state(pg).stats()["ops"] == before, f"{before} -> {state(pg).stats()['ops']}")
     if not shared:
         for i, (name, call, check) in enumerate(_sidecar_ops(n, me, dev, seed, 1)):
             with ck.case(f"{name} #{i} eagerly after"):

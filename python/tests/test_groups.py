@@ -15,10 +15,12 @@ def check_group_lifecycle(rk, seed):
     me, n = rk.rank, rk.size
     with ck.case("world group identity"):
         w = dist.group.WORLD
+        b = w._get_backend(torch.device("cpu"))
+        ck.expect("world's backend is gocomm's compiled one", isinstance(b, gocomm.Backend), type(b).__name__)
         ck.expect(
-            "world is a ProcessGroupGocomm",
-            isinstance(w, gocomm.ProcessGroupGocomm),
-            type(w).__name__,
+            "the same backend serves cuda tensors",
+            w._get_backend(torch.device("cuda")) is b,
+            type(w._get_backend(torch.device("cuda"))).__name__,
         )
         ck.expect("get_backend(world)", dist.get_backend() == "gocomm", dist.get_backend())
         ck.expect(

@@ -27,7 +27,8 @@ def facts(n: int, transport: str = "nvshmem", hosts: int = 1, ar_max: int = BIG)
         ("NVLink node, 8 ranks", facts(8), "nvshmem", INPROCESS, INPROCESS, INPROCESS, ""),
         ("NVLink node, 1 rank", facts(1), "nvshmem", SIDECAR_NCCL, INPROCESS, INPROCESS, "one rank"),
         ("PCIe node, 4 ranks", facts(4, "nccl"), "nccl", SIDECAR_NCCL, SIDECAR_NCCL, SIDECAR_NCCL, "NCCL"),
-        ("NVLink nodes, 2 hosts", facts(4, hosts=2), "nccl", SIDECAR_NCCL, SIDECAR_NCCL, SIDECAR_NCCL, "2 host(s)"),
+        ("NVLink nodes, 2 hosts", facts(4, hosts=2), "nccl", SIDECAR_NCCL, SIDECAR_NCCL, SIDECAR_NCCL, "spans 2 hosts"),
+        ("PCIe nodes, 2 hosts", facts(4, "nccl", hosts=2), "nccl", SIDECAR_NCCL, SIDECAR_NCCL, SIDECAR_NCCL, "spans"),
         (
             "one rank on NCCL",
             Facts.agree(["nvshmem h", "nccl h"], BIG),
@@ -98,6 +99,9 @@ def test_info_cpu(worlds):
     assert caps["nccl"][0] == "no" and caps["mps"][0] == "unknown", caps
     (g,) = [g for g in i["groups"].values() if g["size"] == 1 and g["routes"]["CPU tensors"][0] == HOST]
     assert g["transport"][0] == "nccl" and g["routes"]["all_to_all_v"][0] == SIDECAR_NCCL, g
+    assert g["hosts"] == 1 and "spans" not in g["routes"]["CPU tensors"][1], g
+    # a job on one host listens for peers on loopback only
+    assert i["peer_address"].startswith("127.0.0.1:"), i["peer_address"]
 
 
 def test_bench_not_imported():

@@ -21,6 +21,7 @@ import (
 	"github.com/gocomm/gocomm/config"
 	"github.com/gocomm/gocomm/gpu"
 	"github.com/gocomm/gocomm/internal/cuda"
+	"github.com/gocomm/gocomm/internal/dl"
 	lib "github.com/gocomm/gocomm/internal/nvshmem"
 	"github.com/gocomm/gocomm/kernels"
 	"github.com/gocomm/gocomm/wire"
@@ -101,11 +102,15 @@ type shmem struct {
 
 // Path finds libnvshmem_host.so.3: NVSHMEM_HOME, else the nvidia-nvshmem wheel beside
 // the nvidia-nccl wheel the client's NCCL (ncclPath) came from, else the loader's search.
+//
+// A file found beside the client's NCCL is taken only if dl.Trusted passes it.
 func Path(ncclPath string) string {
-	if os.Getenv("NVSHMEM_HOME") == "" && ncclPath != "" {
+	if os.Getenv("NVSHMEM_HOME") == "" && filepath.IsAbs(ncclPath) {
 		// .../site-packages/nvidia/nccl/lib/libnccl.so.2 -> .../site-packages
 		sp := filepath.Dir(filepath.Dir(filepath.Dir(filepath.Dir(ncclPath))))
-		return lib.Find(sp)
+		if p := lib.Find(sp); !filepath.IsAbs(p) || dl.Trusted(p) == nil {
+			return p
+		}
 	}
 	return lib.Find()
 }

@@ -12,7 +12,10 @@ the same ranks and times, on bf16 tensors, each op two ways (nccl-tests' columns
   warm-ups), the way ../shared/reference/nccl_baseline.py times, gocomm's and NCCL's
   iterations interleaved so that the machine's drift falls on both alike;
 - loop: 20 ops back to back between two events, time per op.
-Columns: time (us), algorithm bandwidth (bytes / time) and bus bandwidth (algbw times 2(n-1)/n
+--host times instead the host side of each call: the wall time of the call in the calling
+thread (time.perf_counter_ns), after warm-up, the stream idle before each call (median of 200,
+gocomm's and NCCL's calls interleaved), with the GPU work left queued as the call returns it.
+Columns (default mode): time (us), algorithm bandwidth (bytes / time) and bus bandwidth (algbw times 2(n-1)/n
 for all_reduce, (n-1)/n for the others), and gocomm's time over NCCL's. Set MPS up first
 (gocomm.launch) to measure what the design expects.
 """
@@ -123,6 +126,55 @@ def _join(rank: int, world: int, port: int):
     return dev, nccl, sync
 
 
+def _host_paired(fns: dict, iters=200, warm=20) -> dict:
+    """The host time of one call of each implementation (us, median of iters): the wall time in
+    the calling thread, the stream idle before each call, the implementations interleaved."""
+    import time
+
+    for fn in fns.values():
+        for _ in range(warm):
+            fn()
+    ts = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter_ns()
+            fn()
+            ts[name].append((time.perf_counter_ns() - t0) / 1000)
+    torch.cuda.synchronize()
+    return {name: statistics.median(v) for name, v in ts.items()}
+
+
+def _host_worker(rank: int, world: int, port: int, sizes: list[int], ops: list[str], q) -> None:
+    dev, nccl, sync = _join(rank, world, port)
+    rows = []
+    for op in ops:
+        for nbytes in sizes:
+            n = max(world, nbytes // 2 // world * world)
+            fns = {name: _op(op, n, world, dev, g) for name, g in (("nccl", nccl), ("gocomm", None))}
+            sync()
+            host = _host_paired(fns)
+            rows.append({"op": op, "bytes": n * 2, "world": world, "host": host})
+            if rank == 0:
+                print(f"{op} {_fmt(n * 2)}: host us {host}", flush=True)
+    if rank == 0:
+        q.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _print_host_table(rows, world) -> None:
+    print(f"host time per call (us, median), {world}x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    hdr = f"{'op':18s} {'size':>6s} | {'nccl us':>9s} {'gocomm us':>9s} {'ratio':>6s}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        h = r["host"]
+        print(
+            f"{r['op']:18s} {_fmt(r['bytes']):>6s} | {h['nccl']:9.1f} {h['gocomm']:9.1f} {h['gocomm'] / h['nccl']:6.2f}"
+        )
+
+
 def _worker(rank: int, world: int, port: int, sizes: list[int], ops: list[str], q) -> None:
     dev, nccl, sync = _join(rank, world, port)
     rows = []
@@ -174,6 +226,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--json")
     ap.add_argument("--png")
+    ap.add_argument("--host", action="store_true", help="time the host side of each call (see above)")
     ap.add_argument("--perf", help="record the table in this file's section for this machine (docs/perf.md)")
     args = ap.parse_args(argv)
     world = torch.cuda.device_count()
@@ -186,8 +239,14 @@ def main(argv=None) -> int:
         print(f"gocomm.bench.gpu: unknown ops {unknown}; known: {', '.join(OPS + EXTRA_OPS)}", file=sys.stderr)
         return 2
     q = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(world, _free_port(), sizes, ops, q), nprocs=world)
+    mp.spawn(_host_worker if args.host else _worker, args=(world, _free_port(), sizes, ops, q), nprocs=world)
     rows = q.get()
+    if args.host:
+        _print_host_table(rows, world)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     mps = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "(default pipe dir)"
     with _perf.tee() as printed:
         _print_table(rows, world, mps)

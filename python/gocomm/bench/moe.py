@@ -122,7 +122,12 @@ def _measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
     out = torch.empty(sum(recv), h, dtype=torch.bfloat16, device=dev)
     splits_dev = torch.tensor(send, dtype=torch.int64, device=dev)
     weights = torch.rand(tokens, args.topk, device=dev)
-    res = {"tokens": tokens, "bytes": moved, "world": world, "transport": dist.group.WORLD._sparse_transport()}
+    res = {
+        "tokens": tokens,
+        "bytes": moved,
+        "world": world,
+        "transport": gocomm._backend.state(dist.group.WORLD)._sparse_transport(),
+    }
 
     def nccl_known():
         dist.all_to_all_single(out, inp, recv, send, group=nccl)

@@ -1,0 +1,1278 @@
+#include "backend.h"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include <cctype>
+#include <cstring>
+#include <sstream>
+
+namespace gocomm {
+
+// One op as handed to the sidecar. inputs: one entry per descriptor buffer: the tensors
+// packed into it (copied in), or nullopt for a buffer that only receives (its size comes
+// from outputs). outputs: (buffer index, tensors) whose bytes are copied back from that
+// buffer, in order, when the op succeeds.
+struct Backend::Op {
+  std::string name;
+  uint8_t kind = 0;
+  std::optional<at::ScalarType> dtype;
+  uint64_t count = 0;
+  uint8_t redop = 0;
+  int32_t root = 0;
+  int32_t tag = 0;
+  std::vector<std::optional<std::vector<at::Tensor>>> inputs;
+  std::vector<std::pair<size_t, std::vector<at::Tensor>>> outputs;
+  std::vector<int64_t> splits;
+  std::optional<std::vector<at::Tensor>> result;
+  std::chrono::milliseconds timeout = c10d::kUnsetTimeout;
+  c10d::OpType type = c10d::OpType::UNKNOWN;
+};
+
+namespace {
+
+using at::ScalarType;
+using c10::intrusive_ptr;
+using Tensors = std::vector<at::Tensor>;
+
+// ----- names as Python spells them (the messages match the Python client's) -----------------
+
+std::string dtype_name(ScalarType s) {
+  switch (s) {
+    case ScalarType::Bool: return "torch.bool";
+    case ScalarType::Byte: return "torch.uint8";
+    case ScalarType::Char: return "torch.int8";
+    case ScalarType::Short: return "torch.int16";
+    case ScalarType::Int: return "torch.int32";
+    case ScalarType::Long: return "torch.int64";
+    case ScalarType::Half: return "torch.float16";
+    case ScalarType::BFloat16: return "torch.bfloat16";
+    case ScalarType::Float: return "torch.float32";
+    case ScalarType::Double: return "torch.float64";
+    case ScalarType::ComplexHalf: return "torch.complex32";
+    case ScalarType::ComplexFloat: return "torch.complex64";
+    case ScalarType::ComplexDouble: return "torch.complex128";
+    case ScalarType::UInt16: return "torch.uint16";
+    case ScalarType::UInt32: return "torch.uint32";
+    case ScalarType::UInt64: return "torch.uint64";
+    default: {
+      std::string n = c10::toString(s);
+      for (char& c : n) {
+        c = char(std::tolower(static_cast<unsigned char>(c)));
+      }
+      return "torch." + n;
+    }
+  }
+}
+
+std::string layout_name(c10::Layout l) {
+  switch (l) {
+    case c10::kStrided: return "torch.strided";
+    case c10::kSparse: return "torch.sparse_coo";
+    case c10::kSparseCsr: return "torch.sparse_csr";
+    case c10::kSparseCsc: return "torch.sparse_csc";
+    case c10::kSparseBsr: return "torch.sparse_bsr";
+    case c10::kSparseBsc: return "torch.sparse_bsc";
+    case c10::kMkldnn: return "torch._mkldnn";
+    case c10::kJagged: return "torch.jagged";
+    default: return "torch.layout";
+  }
+}
+
+std::string shape(c10::IntArrayRef s) {  // a Python tuple
+  std::ostringstream o;
+  o << "(";
+  for (size_t i = 0; i < s.size(); i++) {
+    o << (i ? ", " : "") << s[i];
+  }
+  o << (s.size() == 1 ? ",)" : ")");
+  return o.str();
+}
+
+std::string list(const std::vector<int64_t>& v) {  // a Python list
+  std::ostringstream o;
+  o << "[";
+  for (size_t i = 0; i < v.size(); i++) {
+    o << (i ? ", " : "") << v[i];
+  }
+  o << "]";
+  return o.str();
+}
+
+}  // namespace
+
+int wire_dtype(ScalarType s) {
+  switch (s) {
+    case ScalarType::Bool: return 1;
+    case ScalarType::Byte: return 2;
+    case ScalarType::Char: return 3;
+    case ScalarType::Short: return 4;
+    case ScalarType::Int: return 5;
+    case ScalarType::Long: return 6;
+    case ScalarType::Half: return 7;
+    case ScalarType::BFloat16: return 8;
+    case ScalarType::Float: return 9;
+    case ScalarType::Double: return 10;
+    case ScalarType::ComplexFloat: return 11;
+    case ScalarType::ComplexDouble: return 12;
+    case ScalarType::Float8_e4m3fn: return 13;
+    case ScalarType::Float8_e5m2: return 14;
+    case ScalarType::UInt16: return 15;
+    case ScalarType::UInt32: return 16;
+    case ScalarType::UInt64: return 17;
+    default: return 0;
+  }
+}
+
+namespace {
+
+bool is_integer(ScalarType s) {
+  switch (s) {
+    case ScalarType::Byte:
+    case ScalarType::Char:
+    case ScalarType::Short:
+    case ScalarType::Int:
+    case ScalarType::Long:
+    case ScalarType::UInt16:
+    case ScalarType::UInt32:
+    case ScalarType::UInt64:
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool is_float8(ScalarType s) {
+  return s == ScalarType::Float8_e4m3fn || s == ScalarType::Float8_e5m2;
+}
+
+const char* redop_name(uint8_t op) {
+  static const char* names[] = {"", "sum", "avg", "product", "min", "max", "band", "bor", "bxor"};
+  return op < 9 ? names[op] : "";
+}
+
+// Why op cannot reduce dtype on CPU tensors ("" if it can; mirrors reduce.Check).
+std::string reduce_support(ScalarType s, uint8_t op) {
+  const std::string d = dtype_name(s);
+  if (is_float8(s)) {
+    return d + " tensors can be moved but not reduced on CPU";
+  }
+  if (s == ScalarType::Bool) {
+    return op == wire::kAvg ? "avg is not defined for bool" : "";
+  }
+  if (is_integer(s)) {
+    return "";
+  }
+  if (op == wire::kBand || op == wire::kBor || op == wire::kBxor) {
+    return "bitwise ops are not defined for " + d;
+  }
+  if (c10::isComplexType(s) && (op == wire::kMin || op == wire::kMax)) {
+    return "min and max are not defined for " + d;
+  }
+  return "";
+}
+
+// Why op cannot reduce dtype on CUDA tensors (NCCL), "" if it can (mirrors collectives/device).
+std::string cuda_reduce_support(ScalarType s, uint8_t op) {
+  if (op == wire::kBand || op == wire::kBor || op == wire::kBxor) {
+    return "bitwise reductions are not supported on CUDA tensors (NCCL has none)";
+  }
+  if (s == ScalarType::Bool) {
+    return op == wire::kAvg ? "avg is not defined for bool" : "";
+  }
+  if (c10::isComplexType(s)) {
+    return (op == wire::kSum || op == wire::kAvg)
+               ? ""
+               : std::string(redop_name(op)) + " is not supported for " + dtype_name(s) + " on CUDA tensors";
+  }
+  switch (s) {
+    case ScalarType::Byte:
+    case ScalarType::Char:
+    case ScalarType::Int:
+    case ScalarType::Long:
+    case ScalarType::UInt32:
+    case ScalarType::UInt64:
+      return "";
+    default:
+      break;
+  }
+  if (c10::isFloatingType(s)) {
+    return "";
+  }
+  return dtype_name(s) + " cannot be reduced on CUDA tensors (NCCL has no such type)";
+}
+
+}  // namespace
+
+std::string reduce_refusal(ScalarType s, uint8_t op, bool cuda) {
+  return cuda ? cuda_reduce_support(s, op) : reduce_support(s, op);
+}
+
+namespace {
+
+// ----- argument checks (the same exception types and messages as the Python client) ---------
+
+[[noreturn]] void value_error(const std::string& m) {
+  C10_THROW_ERROR(ValueError, m);
+}
+
+[[noreturn]] void type_error(const std::string& m) {
+  C10_THROW_ERROR(TypeError, m);
+}
+
+const at::Tensor& check(const std::string& refusal, const std::string& op, const std::string& name,
+                        const at::Tensor& t) {
+  if (!t.defined()) {
+    type_error("gocomm " + op + ": " + name + " must be a torch.Tensor, got None");
+  }
+  if (t.layout() != c10::kStrided) {
+    value_error("gocomm " + op + ": " + name + " is a " + layout_name(t.layout()) +
+                " tensor; only dense (strided) tensors are supported");
+  }
+  if (t.is_cuda()) {
+    if (!refusal.empty()) {
+      C10_THROW_ERROR(NotImplementedError, "gocomm " + op + ": " + name + " is on " + t.device().str() + ", " + refusal);
+    }
+  } else if (!t.is_cpu()) {
+    value_error("gocomm " + op + ": " + name + " is on " + t.device().str() + "; gocomm serves cpu and cuda tensors");
+  }
+  if (wire_dtype(t.scalar_type()) == 0) {
+    type_error("gocomm " + op + ": " + name + " has dtype " + dtype_name(t.scalar_type()) +
+               ", which gocomm does not support");
+  }
+  if (!t.is_contiguous()) {
+    value_error("gocomm " + op + ": " + name + " must be contiguous (call .contiguous() on it)");
+  }
+  return t;
+}
+
+void same_dtype(const std::string& op, const std::string& name, const Tensors& ts) {
+  for (size_t i = 0; i < ts.size(); i++) {
+    if (ts[i].scalar_type() != ts[0].scalar_type()) {
+      type_error("gocomm " + op + ": " + name + "[" + std::to_string(i) + "] has dtype " +
+                 dtype_name(ts[i].scalar_type()) + ", " + name + "[0] has " + dtype_name(ts[0].scalar_type()));
+    }
+  }
+}
+
+void match_dtype(const std::string& op, const std::string& name, const at::Tensor& t, const at::Tensor& like) {
+  if (t.scalar_type() != like.scalar_type()) {
+    type_error("gocomm " + op + ": " + name + " has dtype " + dtype_name(t.scalar_type()) + ", the input has " +
+               dtype_name(like.scalar_type()));
+  }
+  if (t.device() != like.device()) {
+    value_error("gocomm " + op + ": " + name + " is on " + t.device().str() + ", the input on " + like.device().str());
+  }
+}
+
+void root_in(const std::string& op, int64_t root, int size) {
+  if (root < 0 || root >= size) {
+    value_error("gocomm " + op + ": root rank " + std::to_string(root) + " is not in the group of " +
+                std::to_string(size));
+  }
+}
+
+void peer_in(const std::string& op, const std::string& name, int peer, int rank, int size) {
+  if (peer < 0 || peer >= size) {
+    value_error("gocomm " + op + ": " + name + "=" + std::to_string(peer) + " is not a rank of this group of " +
+                std::to_string(size));
+  }
+  if (peer == rank) {
+    value_error("gocomm " + op + ": " + name + "=" + std::to_string(peer) + " is this rank");
+  }
+}
+
+std::vector<int64_t> splits_of(const std::string& op, const std::string& name, const std::vector<int64_t>& splits,
+                               int64_t rows, int n) {
+  if (splits.empty()) {
+    if (rows % n != 0) {
+      value_error("gocomm " + op + ": " + std::to_string(rows) + " rows do not split evenly over " +
+                  std::to_string(n) + " ranks; pass " + name);
+    }
+    return std::vector<int64_t>(n, rows / n);
+  }
+  if (int64_t(splits.size()) != n) {
+    value_error("gocomm " + op + ": " + name + " has " + std::to_string(splits.size()) + " entries, the group has " +
+                std::to_string(n) + " ranks");
+  }
+  int64_t sum = 0;
+  for (int64_t s : splits) {
+    if (s < 0) {
+      value_error("gocomm " + op + ": " + name + " has a negative entry: " + list(splits));
+    }
+    sum += s;
+  }
+  if (sum != rows) {
+    value_error("gocomm " + op + ": " + name + " add up to " + std::to_string(sum) + " rows, the tensor has " +
+                std::to_string(rows));
+  }
+  return splits;
+}
+
+int64_t numel_of(const Tensors& ts) {
+  int64_t n = 0;
+  for (const auto& t : ts) {
+    n += t.numel();
+  }
+  return n;
+}
+
+uint8_t lane_of(uint8_t kind) {
+  return (kind == wire::kSend || kind == wire::kRecv) ? 1 : 0;
+}
+
+}  // namespace
+
+// ----- the group -----------------------------------------------------------------------------
+
+Backend::Backend(std::shared_ptr<Dispatcher> dispatcher, Config cfg)
+    : c10d::Backend(cfg.rank, cfg.size), disp_(std::move(dispatcher)), cfg_(std::move(cfg)), k_(cfg_.counter_base) {}
+
+std::string Backend::group_name() const {
+  const std::string& uid = getGroupUid();
+  return uid.empty() ? cfg_.name : uid;
+}
+
+std::string Backend::label(const std::string& op) const {
+  return op + " on group '" + group_name() + "'";
+}
+
+void Backend::need_slot(const std::string& op) {
+  if (cfg_.slot < 0) {
+    TORCH_CHECK(false, "gocomm " + op +
+                           ": this process has more groups using CUDA tensors than the sidecar has counters for");
+  }
+}
+
+uint8_t Backend::redop(const char* op, const c10d::ReduceOp& want, const at::Tensor& t) {
+  uint8_t code = 0;
+  switch (want.op_) {
+    case c10d::ReduceOp::SUM: code = wire::kSum; break;
+    case c10d::ReduceOp::AVG: code = wire::kAvg; break;
+    case c10d::ReduceOp::PRODUCT: code = wire::kProduct; break;
+    case c10d::ReduceOp::MIN: code = wire::kMin; break;
+    case c10d::ReduceOp::MAX: code = wire::kMax; break;
+    case c10d::ReduceOp::BAND: code = wire::kBand; break;
+    case c10d::ReduceOp::BOR: code = wire::kBor; break;
+    case c10d::ReduceOp::BXOR: code = wire::kBxor; break;
+    default:
+      value_error(std::string("gocomm ") + op + ": reduce op RedOpType." +
+                  (want.op_ == c10d::ReduceOp::PREMUL_SUM ? "PREMUL_SUM" : std::to_string(int(want.op_))) +
+                  " is not supported (PREMUL_SUM is NCCL-only)");
+  }
+  const std::string why = reduce_refusal(t.scalar_type(), code, t.is_cuda());
+  if (!why.empty()) {
+    type_error(std::string("gocomm ") + op + ": " + why);
+  }
+  return code;
+}
+
+void Backend::startCoalescing() {
+  std::lock_guard<std::mutex> lock(coalesce_mu_);
+  coalescing_ = true;
+  coalesced_.clear();
+}
+
+intrusive_ptr<c10d::Work> Backend::endCoalescing() {
+  std::vector<intrusive_ptr<Work>> works;
+  {
+    std::lock_guard<std::mutex> lock(coalesce_mu_);
+    coalescing_ = false;
+    works.swap(coalesced_);
+  }
+  return BatchWork::make("coalesced", std::move(works), {});
+}
+
+intrusive_ptr<Work> Backend::submit(Op& op) {
+  intrusive_ptr<Work> w = submit_op(op);
+  std::lock_guard<std::mutex> lock(coalesce_mu_);
+  if (coalescing_) {
+    coalesced_.push_back(w);
+  }
+  return w;
+}
+
+intrusive_ptr<Work> Backend::submit_op(Op& op) {
+  if (closed_) {
+    value_error("gocomm " + op.name + ": the process group was destroyed");
+  }
+  const bool timeout_given = op.timeout.count() > 0;
+  const double t_limit = timeout_given ? op.timeout.count() / 1000.0 : cfg_.timeout_s;
+  std::map<size_t, Tensors*> out_for;
+  for (auto& [i, ts] : op.outputs) {
+    out_for[i] = &ts;
+  }
+  const at::Tensor* first = nullptr;
+  for (auto& ins : op.inputs) {
+    if (ins && !ins->empty()) {
+      first = &ins->front();
+      break;
+    }
+  }
+  if (first == nullptr) {
+    for (auto& [i, ts] : op.outputs) {
+      if (!ts.empty()) {
+        first = &ts.front();
+        break;
+      }
+    }
+  }
+  if (first != nullptr && first->is_cuda()) {
+    return submit_cuda(op, t_limit, timeout_given);
+  }
+  auto work = c10::make_intrusive<Work>(label(op.name), op.result ? *op.result : Tensors{},
+                                        t_limit + Dispatcher::kGrace, op.type);
+  Pending p;
+  p.work = work;
+  p.op = label(op.name);
+  p.deadline = std::chrono::steady_clock::now() +
+               std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                   std::chrono::duration<double>(t_limit + Dispatcher::kGrace));
+  p.group = failure_;
+  wire::Desc d;
+  Arena& arena = disp_->arena();
+  try {
+    for (size_t i = 0; i < op.inputs.size(); i++) {
+      const Tensors& ts = op.inputs[i] ? *op.inputs[i] : *out_for.at(i);
+      size_t nbytes = 0;
+      for (const auto& t : ts) {
+        nbytes += t.nbytes();
+      }
+      Arena::Block b = arena.alloc(nbytes);
+      p.allocs.push_back(b);
+      d.bufs.push_back(wire::BufRef{b.segment, b.offset, nbytes});
+      if (op.inputs[i]) {
+        size_t pos = 0;
+        for (const auto& t : ts) {
+          copy_bytes(b.ptr + pos, t.data_ptr(), t.nbytes());
+          pos += t.nbytes();
+        }
+      }
+    }
+  } catch (...) {
+    for (const auto& b : p.allocs) {
+      arena.release(b);
+    }
+    throw;
+  }
+  for (auto& [i, ts] : op.outputs) {
+    const uint8_t* base = p.allocs.at(i).ptr;
+    size_t pos = 0;
+    for (const auto& t : ts) {
+      p.copy_out.emplace_back(t, base + pos);
+      pos += t.nbytes();
+    }
+  }
+  d.group = cfg_.handle;
+  d.kind = op.kind;
+  d.dtype = op.dtype ? uint8_t(wire_dtype(*op.dtype)) : 0;
+  d.redop = op.redop;
+  d.root = op.root;
+  d.tag = op.tag;
+  d.count = op.count;
+  d.timeout_ms = timeout_given ? uint64_t(t_limit * 1000) : 0;
+  d.splits = std::move(op.splits);
+  return disp_->submit(std::move(p), d);
+}
+
+intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_given) {
+  // On the current stream S: pack list inputs into a flat buffer; write ready = k to the
+  // group's counter; (the sidecar waits for it, runs NCCL on the tensors' memory, writes
+  // done = k). Ops with list outputs also make S wait for done and unpack, and record an
+  // event for wait(); the others leave S alone until wait() makes the current stream wait
+  // for done >= k. Every tensor stays referenced until the op finished, so the caching
+  // allocator cannot hand its memory out while the sidecar uses it.
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    TORCH_CHECK(false, "gocomm " + op.name + " cannot be captured in a CUDA graph on group '" + group_name() +
+                           "': it runs in the sidecar (NCCL), which is handed each call on the host, so a replay "
+                           "would not run it. Run it outside the capture. This group can capture: " +
+                           (cfg_.capturable ? cfg_.capturable() : std::string("none of its ops")) + ".");
+  }
+  need_slot(op.name);
+  std::map<size_t, Tensors*> out_for;
+  for (auto& [i, ts] : op.outputs) {
+    out_for[i] = &ts;
+  }
+  Tensors tensors;
+  for (auto& ins : op.inputs) {
+    if (ins) {
+      tensors.insert(tensors.end(), ins->begin(), ins->end());
+    }
+  }
+  for (auto& [i, ts] : op.outputs) {
+    tensors.insert(tensors.end(), ts.begin(), ts.end());
+  }
+  const c10::Device dev = tensors.front().device();
+  for (const auto& t : tensors) {
+    if (t.device() != dev) {
+      value_error("gocomm " + op.name + ": tensors on " + t.device().str() + " and " + dev.str() +
+                  "; one op runs on one device");
+    }
+  }
+  const int idx = dev.index();
+  const cuda::DevPtr counters = disp_->counters(idx) + 16 * uint64_t(cfg_.slot);
+  c10::cuda::CUDAGuard guard(dev.index());
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(dev.index());
+  const uint8_t lane = lane_of(op.kind);
+  wire::Desc d;
+  Tensors keep = tensors;
+  std::vector<std::pair<at::Tensor, Tensors*>> unpack;
+  at::Tensor last;
+  for (size_t i = 0; i < op.inputs.size(); i++) {
+    const Tensors& ts = op.inputs[i] ? *op.inputs[i] : *out_for.at(i);
+    auto oit = out_for.find(i);
+    Tensors* outs = oit == out_for.end() ? nullptr : oit->second;
+    at::Tensor buf;
+    if (ts.size() == 1 && (outs == nullptr || (outs->size() == 1 && (*outs)[0].is_same(ts[0])))) {
+      buf = ts[0];
+    } else {
+      buf = at::empty({numel_of(ts)}, ts[0].options());
+      if (op.inputs[i]) {
+        Tensors flat;
+        for (const auto& t : *op.inputs[i]) {
+          flat.push_back(t.reshape({-1}));
+        }
+        at::cat_out(buf, flat);
+      }
+      if (outs != nullptr) {
+        unpack.emplace_back(buf, outs);
+      }
+      keep.push_back(buf);
+    }
+    d.bufs.push_back(disp_->cuda_ref(reinterpret_cast<uint64_t>(buf.data_ptr()), buf.nbytes(), idx));
+    last = buf;
+  }
+  Tensors result = op.result ? *op.result : (last.defined() ? Tensors{last} : Tensors{});
+  auto work = c10::make_intrusive<Work>(label(op.name), result, t_limit + Dispatcher::kGrace, op.type);
+  Pending p;
+  p.work = work;
+  p.op = label(op.name);
+  p.deadline = std::chrono::steady_clock::now() +
+               std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                   std::chrono::duration<double>(t_limit + Dispatcher::kGrace));
+  p.group = failure_;
+  p.keep = std::move(keep);
+  d.group = cfg_.handle;
+  d.kind = op.kind;
+  d.dtype = op.dtype ? uint8_t(wire_dtype(*op.dtype)) : 0;
+  d.redop = op.redop;
+  d.root = op.root;
+  d.tag = op.tag;
+  d.count = op.count;
+  d.timeout_ms = timeout_given ? uint64_t(t_limit * 1000) : 0;
+  d.splits = std::move(op.splits);
+  d.device = wire::kDeviceCuda;
+  const cuda::DevPtr ready = counters + 8 * lane, done = ready + 4;
+  std::shared_ptr<c10::Event> ev;
+  uint32_t k;
+  {
+    std::lock_guard<std::mutex> lock(cuda_mu_);
+    k = ++k_[lane];
+    cuda::write_value(stream.stream(), ready, k);
+    if (!unpack.empty()) {
+      // Queued before the descriptor goes out, so the unpack event is recorded before the
+      // sidecar can report the op done (the completion waits for it).
+      cuda::wait_value(stream.stream(), done, k);
+      for (auto& [buf, outs] : unpack) {
+        int64_t pos = 0;
+        for (auto& t : *outs) {
+          t.copy_(buf.narrow(0, pos, t.numel()).view(t.sizes()));
+          pos += t.numel();
+        }
+      }
+      ev = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
+      ev->record(stream);
+      p.unpacked = ev;
+    }
+    d.stream_value = k;
+    disp_->submit(std::move(p), d);
+  }
+  const c10::DeviceIndex di = dev.index();
+  if (ev) {
+    work->cuda_wait = [ev, di] { ev->block(c10::cuda::getCurrentCUDAStream(di)); };
+  } else {
+    work->cuda_wait = [di, done, k] {
+      c10::cuda::CUDAGuard g(di);
+      cuda::wait_value(c10::cuda::getCurrentCUDAStream(di).stream(), done, k);
+    };
+  }
+  return work;
+}
+
+void Backend::cuda_now(const std::string& op, uint8_t kind, const std::vector<wire::BufRef>& bufs, Tensors keep,
+                       int device, uint64_t count) {
+  if (closed_) {
+    value_error("gocomm " + op + ": the process group was destroyed");
+  }
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    TORCH_CHECK(false, "gocomm " + op + " cannot be captured in a CUDA graph on group '" + group_name() +
+                           "': it runs in the sidecar's NVSHMEM kernel, which is handed each call on the host, so a "
+                           "replay would not run it. Run it outside the capture. This group can capture: " +
+                           (cfg_.capturable ? cfg_.capturable() : std::string("none of its ops")) + ".");
+  }
+  need_slot(op);
+  const cuda::DevPtr counters = disp_->counters(device) + 16 * uint64_t(cfg_.slot);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
+  const uint8_t lane = lane_of(kind);
+  Pending p;
+  p.op = label(op);
+  p.deadline = std::chrono::steady_clock::now() +
+               std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                   std::chrono::duration<double>(cfg_.timeout_s + Dispatcher::kGrace));
+  p.group = failure_;
+  wire::Desc d;
+  d.group = cfg_.handle;
+  d.kind = kind;
+  d.dtype = uint8_t(wire_dtype(keep.at(0).scalar_type()));
+  d.count = count;
+  d.bufs = bufs;
+  d.device = wire::kDeviceCuda;
+  p.keep = std::move(keep);
+  const cuda::DevPtr ready = counters + 8 * lane, done = ready + 4;
+  std::lock_guard<std::mutex> lock(cuda_mu_);
+  const uint32_t k = ++k_[lane];
+  cuda::write_value(stream.stream(), ready, k);
+  d.stream_value = k;
+  disp_->submit(std::move(p), d);
+  cuda::wait_value(stream.stream(), done, k);
+}
+
+intrusive_ptr<Work> Backend::submit_raw(const std::string& op, const std::vector<uint8_t>& payload) {
+  // Decoded back into a Desc so that the dispatcher's encoder writes it (with its seq).
+  auto get64 = [&](size_t at) {
+    uint64_t v = 0;
+    std::memcpy(&v, payload.data() + at, 8);
+    return v;
+  };
+  TORCH_CHECK(payload.size() >= wire::kDescHeader, "gocomm: a descriptor is at least 56 bytes");
+  wire::Desc d;
+  std::memcpy(&d.group, payload.data() + 8, 4);
+  d.kind = payload[12];
+  d.dtype = payload[13];
+  d.redop = payload[14];
+  d.device = payload[15];
+  std::memcpy(&d.root, payload.data() + 16, 4);
+  std::memcpy(&d.tag, payload.data() + 20, 4);
+  d.count = get64(24);
+  d.timeout_ms = get64(32);
+  uint16_t nbufs;
+  uint32_t nsplits;
+  std::memcpy(&nbufs, payload.data() + 40, 2);
+  std::memcpy(&nsplits, payload.data() + 44, 4);
+  std::memcpy(&d.stream_value, payload.data() + 48, 4);
+  TORCH_CHECK(payload.size() == wire::kDescHeader + nbufs * wire::kBufRefSize + nsplits * 8,
+              "gocomm: descriptor length does not match its buffers and splits");
+  size_t at = wire::kDescHeader;
+  for (uint16_t i = 0; i < nbufs; i++, at += wire::kBufRefSize) {
+    wire::BufRef r;
+    std::memcpy(&r.segment, payload.data() + at, 4);
+    r.offset = get64(at + 8);
+    r.length = get64(at + 16);
+    d.bufs.push_back(r);
+  }
+  for (uint32_t i = 0; i < nsplits; i++, at += 8) {
+    d.splits.push_back(int64_t(get64(at)));
+  }
+  auto work =
+      c10::make_intrusive<Work>(label(op), Tensors{}, cfg_.timeout_s + Dispatcher::kGrace, c10d::OpType::UNKNOWN);
+  Pending p;
+  p.work = work;
+  p.op = label(op);
+  p.deadline = std::chrono::steady_clock::now() +
+               std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                   std::chrono::duration<double>(cfg_.timeout_s + Dispatcher::kGrace));
+  return disp_->submit(std::move(p), d);
+}
+
+// ----- collectives -----------------------------------------------------------------------------
+
+namespace {
+
+const at::Tensor& single(const std::string& refusal, const std::string& op, const std::string& name,
+                         const Tensors& ts) {
+  if (ts.size() != 1) {
+    value_error("gocomm " + op + ": expected exactly one " + name + " per call, got " + std::to_string(ts.size()));
+  }
+  return check(refusal, op, name, ts[0]);
+}
+
+const Tensors& tensor_list(const std::string& refusal, const std::string& op, const std::string& name,
+                           const Tensors& ts) {
+  for (size_t i = 0; i < ts.size(); i++) {
+    check(refusal, op, name + "[" + std::to_string(i) + "]", ts[i]);
+  }
+  return ts;
+}
+
+// The one list of size tensors shaped like `like` that list-style collectives take.
+const Tensors& output_list(const std::string& refusal, const std::string& op, const std::string& name,
+                           const std::vector<Tensors>& lists, const at::Tensor& like, int size) {
+  if (lists.size() != 1) {
+    value_error("gocomm " + op + ": expected one " + name);
+  }
+  const Tensors& ts = tensor_list(refusal, op, name, lists[0]);
+  if (int64_t(ts.size()) != size) {
+    value_error("gocomm " + op + ": " + name + " has " + std::to_string(ts.size()) + " tensors, the group has " +
+                std::to_string(size) + " ranks");
+  }
+  for (size_t i = 0; i < ts.size(); i++) {
+    const std::string n = name + "[" + std::to_string(i) + "]";
+    match_dtype(op, n, ts[i], like);
+    if (ts[i].numel() != like.numel()) {
+      value_error("gocomm " + op + ": " + n + " has " + std::to_string(ts[i].numel()) + " elements (shape " +
+                  shape(ts[i].sizes()) + "), want " + std::to_string(like.numel()) + " (shape " + shape(like.sizes()) +
+                  ")");
+    }
+  }
+  return ts;
+}
+
+}  // namespace
+
+intrusive_ptr<c10d::Work> Backend::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
+  const at::Tensor& t = single(cfg_.cuda_refusal, "all_reduce", "tensor", tensors);
+  const uint8_t code = redop("all_reduce", opts.reduceOp, t);
+  if (cfg_.ar_inprocess && t.is_cuda() && cfg_.inprocess) {
+    if (auto w = cfg_.inprocess("all_reduce", {t}, {code})) {
+      return w;
+    }
+  }
+  Op op;
+  op.name = "all_reduce";
+  op.kind = wire::kAllReduce;
+  op.dtype = t.scalar_type();
+  op.count = t.numel();
+  op.redop = code;
+  op.inputs = {Tensors{t}};
+  op.outputs = {{0, {t}}};
+  op.result = Tensors{t};
+  op.timeout = opts.timeout;
+  op.type = c10d::OpType::ALLREDUCE;
+  return submit(op);
+}
+
+intrusive_ptr<c10d::Work> Backend::allreduce_sparse(Tensors& tensors, const c10d::AllreduceOptions&) {
+  single(cfg_.cuda_refusal, "all_reduce", "tensor", tensors);  // raises: not strided
+  value_error("gocomm all_reduce: only dense (strided) tensors are supported");
+}
+
+intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  const std::string name = "all_reduce_coalesced";
+  const Tensors& ts = tensor_list(cfg_.cuda_refusal, name, "tensors", tensors);
+  if (ts.empty()) {
+    return BatchWork::make(name, {}, {});
+  }
+  same_dtype(name, "tensors", ts);
+  Op op;
+  op.name = name;
+  op.kind = wire::kAllReduce;
+  op.dtype = ts[0].scalar_type();
+  op.count = numel_of(ts);
+  op.redop = redop(name.c_str(), opts.reduceOp, ts[0]);
+  op.inputs = {ts};
+  op.outputs = {{0, ts}};
+  op.result = ts;
+  op.timeout = opts.timeout;
+  op.type = c10d::OpType::ALLREDUCE_COALESCED;
+  return submit(op);
+}
+
+intrusive_ptr<c10d::Work> Backend::broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) {
+  const at::Tensor& t = single(cfg_.cuda_refusal, "broadcast", "tensor", tensors);
+  root_in("broadcast", opts.rootRank, size_);
+  const bool me = opts.rootRank == rank_;
+  Op op;
+  op.name = "broadcast";
+  op.kind = wire::kBroadcast;
+  op.dtype = t.scalar_type();
+  op.count = t.numel();
+  op.root = int32_t(opts.rootRank);
+  if (me) {
+    op.inputs = {Tensors{t}};
+  } else {
+    op.inputs = {std::nullopt};
+    op.outputs = {{0, {t}}};
+  }
+  op.result = Tensors{t};
+  op.timeout = opts.timeout;
+  op.type = c10d::OpType::BROADCAST;
+  return submit(op);
+}
+
+intrusive_ptr<c10d::Work> Backend::reduce(Tensors& tensors, const c10d::ReduceOptions& opts) {
+  const at::Tensor& t = single(cfg_.cuda_refusal, "reduce", "tensor", tensors);
+  const uint8_t code = redop("reduce", opts.reduceOp, t);
+  root_in("reduce", opts.rootRank, size_);
+  Op op;
+  op.name = "reduce";
+  op.kind = wire::kReduce;
+  op.dtype = t.scalar_type();
+  op.count = t.numel();
+  op.redop = code;
+  op.root = int32_t(opts.rootRank);
+  op.inputs = {Tensors{t}};
+  if (opts.rootRank == rank_) {
+    op.outputs = {{0, {t}}};
+  }
+  op.result = Tensors{t};
+  op.timeout = opts.timeout;
+  op.type = c10d::OpType::REDUCE;
+  return submit(op);
+}
+
+intrusive_ptr<c10d::Work> Backend::allgather(std::vector<Tensors>& outputs, Tensors& inputs,
+                                             const c10d::AllgatherOptions& opts) {
+  const at::Tensor& t = single(cfg_.cuda_refusal, "all_gather", "tensor", inputs);
+  const Tensors& outs = output_list(cfg_.cuda_refusal, "all_gather", "tensor_list", outputs, t, size_);
+  Op op;
+  op.name = "all_gather";
+  op.kind = wire::kAllGather;
+  op.dtype = t.scalar_type();
+  op.count = t.numel();
+  op.inputs = {Tensors{t}, std::nullopt};
+  op.outputs = {{1, outs}};
+  op.result = outs;
+  op.timeout = opts.timeout;
+  op.type = c10d::OpType::ALLGATHER;
+  return submit(op);
+}
+
+intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                   const c10d::AllgatherOptions& opts) {
+  const std::string name = "all_gather_into_tensor";
+  check(cfg_.cuda_refusal, name, "input_tensor", input);
+  check(cfg_.cuda_refusal, name, "output_tensor", output);
+  match_dtype(name, "output_tensor", output, input);
+  if (output.numel() != size_ * input.numel()) {
+    value_error("gocomm " + name + ": output_tensor has " + std::to_string(output.numel()) +
+                " elements, want world_size * input numel = " + std::to_string(size_) + " * " +
+                std::to_string(input.numel()));
+  }
+  Op op;
+  op.name = name;
+  op.kind = wire::kAllGather;
+  op.dtype = input.scalar_type();
+  op.count = input.numel();
+  op.inputs = {Tensors{input}, std::nullopt};
+  op.outputs = {{1, {output}}};
+  op.result = Tensors{output};
+  op.timeout = opts.timeout;
+  op.type = c10d::OpType::_ALLGATHER_BASE;
+  return submit(op);
+}
+
+intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(Tensors& outputs, Tensors& inputs,
+                                                                   const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "gocomm all_gather_into_tensor_coalesced: ",
+                    outputs.size(), " outputs and ", inputs.size(), " inputs");
+  std::vector<intrusive_ptr<Work>> works;
+  for (size_t i = 0; i < outputs.size(); i++) {
+    works.push_back(c10::static_intrusive_pointer_cast<Work>(_allgather_base(outputs[i], inputs[i], opts)));
+  }
+  return BatchWork::make("all_gather_into_tensor_coalesced", std::move(works), outputs);
+}
+
+intrusive_ptr<c10d::Work> Backend::allgather_coalesced(std::vector<Tensors>& output_lists, Tensors& input_list,
+                                                       const c10d::AllgatherOptions& opts) {
+  // output_lists[r][j] receives rank r's input_list[j]: one all_gather of every input packed
+  // end to end (rank r's block of the result is its inputs in order, which is
+  // output_lists[r] flattened in order). CPU tensors only, as torch's NCCL backend has no
+  // all_gather_coalesced either.
+  const std::string name = "all_gather_coalesced";
+  const Tensors& ins = tensor_list(cfg_.cuda_refusal, name, "input_tensor_list", input_list);
+  for (const auto& t : ins) {
+    if (t.is_cuda()) {
+      C10_THROW_ERROR(NotImplementedError,
+                      "gocomm " + name +
+                          ": CUDA tensors are not supported (torch's NCCL backend has no all_gather_coalesced "
+                          "either); use all_gather_into_tensor, or all_gather per tensor");
+    }
+  }
+  same_dtype(name, "input_tensor_list", ins);
+  if (int64_t(output_lists.size()) != size_) {
+    value_error("gocomm " + name + ": output_tensor_lists has " + std::to_string(output_lists.size()) +
+                " lists, want one per rank (" + std::to_string(size_) + ")");
+  }
+  Tensors outs;
+  for (size_t r = 0; r < output_lists.size(); r++) {
+    const std::string lname = "output_tensor_lists[" + std::to_string(r) + "]";
+    const Tensors& ts = tensor_list(cfg_.cuda_refusal, name, lname, output_lists[r]);
+    if (ts.size() != ins.size()) {
+      value_error("gocomm " + name + ": " + lname + " has " + std::to_string(ts.size()) +
+                  " tensors, input_tensor_list " + std::to_string(ins.size()));
+    }
+    for (size_t j = 0; j < ts.size(); j++) {
+      const std::string n = lname + "[" + std::to_string(j) + "]";
+      match_dtype(name, n, ts[j], ins[j]);
+      if (ts[j].numel() != ins[j].numel()) {
+        value_error("gocomm " + name + ": " + n + " has " + std::to_string(ts[j].numel()) +
+                    " elements, input_tensor_list[" + std::to_string(j) + "] has " + std::to_string(ins[j].numel()));
+      }
+    }
+    outs.insert(outs.end(), ts.begin(), ts.end());
+  }
+  if (ins.empty()) {
+    return BatchWork::make(name, {}, {});
+  }
+  Op op;
+  op.name = name;
+  op.kind = wire::kAllGather;
+  op.dtype = ins[0].scalar_type();
+  op.count = numel_of(ins);
+  op.inputs = {ins, std::nullopt};
+  op.outputs = {{1, outs}};
+  op.result = outs;
+  op.timeout = opts.timeout;
+  op.type = c10d::OpType::ALLGATHER_COALESCED;
+  return submit(op);
+}
+
+intrusive_ptr<c10d::Work> Backend::reduce_scatter(Tensors& outputs, std::vector<Tensors>& inputs,
+                                                  const c10d::ReduceScatterOptions& opts) {
+  const at::Tensor& out = single(cfg_.cuda_refusal, "reduce_scatter", "output", outputs);
+  if (inputs.size() != 1) {
+    value_error("gocomm reduce_scatter: expected one input list");
+  }
+  const Tensors& ins = output_list(cfg_.cuda_refusal, "reduce_scatter", "input_list", inputs, out, size_);
+  Op op;
+  op.name = "reduce_scatter";
+  op.kind = wire::kReduceScatter;
+  op.dtype = out.scalar_type();
+  op.count = out.numel();
+  op.redop = redop("reduce_scatter", opts.reduceOp, out);
+  op.inputs = {ins, std::nullopt};
+  op.outputs = {{1, {out}}};
+  op.result = Tensors{out};
+  op.timeout = opts.timeout;
+  op.type = c10d::OpType::REDUCE_SCATTER;
+  return submit(op);
+}
+
+intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                        const c10d::ReduceScatterOptions& opts) {
+  const std::string name = "reduce_scatter_tensor";
+  check(cfg_.cuda_refusal, name, "input", input);
+  check(cfg_.cuda_refusal, name, "output", output);
+  match_dtype(name, "output", output, input);
+  if (input.numel() != size_ * output.numel()) {
+    value_error("gocomm " + name + ": input has " + std::to_string(input.numel()) +
+                " elements, want world_size * output numel = " + std::to_string(size_) + " * " +
+                std::to_string(output.numel()));
+  }
+  Op op;
+  op.name = name;
+  op.kind = wire::kReduceScatter;
+  op.dtype = output.scalar_type();
+  op.count = output.numel();
+  op.redop = redop(name.c_str(), opts.reduceOp, output);
+  op.inputs = {Tensors{input}, std::nullopt};
+  op.outputs = {{1, {output}}};
+  op.result = Tensors{output};
+  op.timeout = opts.timeout;
+  op.type = c10d::OpType::_REDUCE_SCATTER_BASE;
+  return submit(op);
+}
+
+intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(Tensors& outputs, Tensors& inputs,
+                                                                   const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "gocomm reduce_scatter_tensor_coalesced: ",
+                    outputs.size(), " outputs and ", inputs.size(), " inputs");
+  std::vector<intrusive_ptr<Work>> works;
+  for (size_t i = 0; i < outputs.size(); i++) {
+    works.push_back(c10::static_intrusive_pointer_cast<Work>(_reduce_scatter_base(outputs[i], inputs[i], opts)));
+  }
+  return BatchWork::make("reduce_scatter_tensor_coalesced", std::move(works), outputs);
+}
+
+intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                 std::vector<int64_t>& output_splits,
+                                                 std::vector<int64_t>& input_splits,
+                                                 const c10d::AllToAllOptions& opts) {
+  const std::string name = "all_to_all_single";
+  check(cfg_.cuda_refusal, name, "input", input);
+  check(cfg_.cuda_refusal, name, "output", output);
+  match_dtype(name, "output", output, input);
+  const int n = size_, me = rank_;
+  if (input.dim() == 0 || output.dim() == 0) {
+    value_error("gocomm " + name + ": input and output need at least one dimension to split");
+  }
+  if (input.sizes().slice(1) != output.sizes().slice(1)) {
+    value_error("gocomm " + name + ": output rows have shape " + shape(output.sizes().slice(1)) + ", input rows " +
+                shape(input.sizes().slice(1)) + "; they must match");
+  }
+  int64_t row = 1;
+  for (int64_t s : input.sizes().slice(1)) {
+    row *= s;
+  }
+  if (input.size(0) == 0) {
+    row = std::max<int64_t>(row, 1);
+  }
+  const std::vector<int64_t> ins = splits_of(name, "input_split_sizes", input_splits, input.size(0), n);
+  const std::vector<int64_t> outs = splits_of(name, "output_split_sizes", output_splits, output.size(0), n);
+  if (ins[me] != outs[me]) {
+    value_error("gocomm " + name + ": rank " + std::to_string(me) + " sends itself " + std::to_string(ins[me]) +
+                " rows (input_split_sizes) but expects " + std::to_string(outs[me]) + " (output_split_sizes)");
+  }
+  if (input.is_cuda() && cfg_.a2a_inprocess && cfg_.inprocess) {
+    if (auto w = cfg_.inprocess(name, {output, input}, ins)) {
+      return w;
+    }
+  }
+  Op op;
+  op.name = name;
+  op.kind = wire::kAllToAll;
+  op.dtype = input.scalar_type();
+  op.result = Tensors{output};
+  op.timeout = opts.timeout;
+  op.type = c10d::OpType::ALLTOALL_BASE;
+  if (input.is_cpu() && n > 1 && ins[me] != 0) {
+    // This rank's own block never leaves the process: copy it directly and stage only the
+    // blocks for the peers (one copy instead of three through shared memory).
+    auto blocks = [&](const at::Tensor& t, const std::vector<int64_t>& splits) {
+      Tensors bs;
+      int64_t off = 0;
+      for (int j = 0; j < n; j++) {
+        if (j != me) {
+          bs.push_back(t.narrow(0, off, splits[j]));
+        }
+        off += splits[j];
+      }
+      return bs;
+    };
+    int64_t out_off = 0, in_off = 0;
+    for (int j = 0; j < me; j++) {
+      out_off += outs[j];
+      in_off += ins[j];
+    }
+    output.narrow(0, out_off, outs[me]).copy_(input.narrow(0, in_off, ins[me]));
+    op.inputs = {blocks(input, ins), std::nullopt};
+    op.outputs = {{1, blocks(output, outs)}};
+    for (int j = 0; j < n; j++) {
+      op.splits.push_back(j == me ? 0 : ins[j] * row);
+    }
+    for (int j = 0; j < n; j++) {
+      op.splits.push_back(j == me ? 0 : outs[j] * row);
+    }
+    return submit(op);
+  }
+  op.inputs = {Tensors{input}, std::nullopt};
+  op.outputs = {{1, {output}}};
+  for (int64_t s : ins) {
+    op.splits.push_back(s * row);
+  }
+  for (int64_t s : outs) {
+    op.splits.push_back(s * row);
+  }
+  return submit(op);
+}
+
+intrusive_ptr<c10d::Work> Backend::alltoall(Tensors& outputs, Tensors& inputs, const c10d::AllToAllOptions& opts) {
+  const std::string name = "all_to_all";
+  const Tensors& ins = tensor_list(cfg_.cuda_refusal, name, "input_tensor_list", inputs);
+  const Tensors& outs = tensor_list(cfg_.cuda_refusal, name, "output_tensor_list", outputs);
+  const int n = size_, me = rank_;
+  if (int64_t(ins.size()) != n || int64_t(outs.size()) != n) {
+    value_error("gocomm " + name + ": " + std::to_string(ins.size()) + " inputs and " + std::to_string(outs.size()) +
+                " outputs, want " + std::to_string(n) + " each");
+  }
+  same_dtype(name, "input_tensor_list", ins);
+  for (const auto& o : outs) {
+    match_dtype(name, "output_tensor_list", o, ins[0]);
+  }
+  if (ins[me].numel() != outs[me].numel()) {
+    value_error("gocomm " + name + ": input " + std::to_string(me) + " has " + std::to_string(ins[me].numel()) +
+                " elements but output " + std::to_string(me) + " has " + std::to_string(outs[me].numel()));
+  }
+  Op op;
+  op.name = name;
+  op.kind = wire::kAllToAll;
+  op.dtype = ins[0].scalar_type();
+  op.result = outs;
+  op.timeout = opts.timeout;
+  op.type = c10d::OpType::ALLTOALL;
+  if (ins[0].is_cpu() && n > 1) {
+    // as in all_to_all_single: the own block is copied directly, not staged
+    outs[me].copy_(ins[me].view(outs[me].sizes()));
+    Tensors pi, po;
+    for (int j = 0; j < n; j++) {
+      if (j != me) {
+        pi.push_back(ins[j]);
+        po.push_back(outs[j]);
+      }
+    }
+    op.inputs = {pi, std::nullopt};
+    op.outputs = {{1, po}};
+    for (int j = 0; j < n; j++) {
+      op.splits.push_back(j == me ? 0 : ins[j].numel());
+    }
+    for (int j = 0; j < n; j++) {
+      op.splits.push_back(j == me ? 0 : outs[j].numel());
+    }
+    return submit(op);
+  }
+  op.inputs = {ins, std::nullopt};
+  op.outputs = {{1, outs}};
+  for (const auto& t : ins) {
+    op.splits.push_back(t.numel());
+  }
+  for (const auto& t : outs) {
+    op.splits.push_back(t.numel());
+  }
+  return submit(op);
+}
+
+intrusive_ptr<c10d::Work> Backend::gather(std::vector<Tensors>& outputs, Tensors& inputs,
+                                          const c10d::GatherOptions& opts) {
+  const at::Tensor& t = single(cfg_.cuda_refusal, "gather", "tensor", inputs);
+  root_in("gather", opts.rootRank, size_);
+  Op op;
+  op.name = "gather";
+  op.kind = wire::kGather;
+  op.dtype = t.scalar_type();
+  op.count = t.numel();
+  op.root = int32_t(opts.rootRank);
+  if (opts.rootRank == rank_) {
+    const Tensors& outs = output_list(cfg_.cuda_refusal, "gather", "gather_list", outputs, t, size_);
+    op.inputs = {Tensors{t}, std::nullopt};
+    op.outputs = {{1, outs}};
+    op.result = outs;
+  } else {
+    for (const auto& o : outputs) {
+      if (!o.empty()) {
+        value_error("gocomm gather: gather_list must be given on the destination rank only");
+      }
+    }
+    op.inputs = {Tensors{t}};
+    op.result = Tensors{};
+  }
+  op.timeout = opts.timeout;
+  op.type = c10d::OpType::GATHER;
+  return submit(op);
+}
+
+intrusive_ptr<c10d::Work> Backend::scatter(Tensors& outputs, std::vector<Tensors>& inputs,
+                                           const c10d::ScatterOptions& opts) {
+  const at::Tensor& t = single(cfg_.cuda_refusal, "scatter", "tensor", outputs);
+  root_in("scatter", opts.rootRank, size_);
+  Op op;
+  op.name = "scatter";
+  op.kind = wire::kScatter;
+  op.dtype = t.scalar_type();
+  op.count = t.numel();
+  op.root = int32_t(opts.rootRank);
+  if (opts.rootRank == rank_) {
+    const Tensors& ins = output_list(cfg_.cuda_refusal, "scatter", "scatter_list", inputs, t, size_);
+    op.inputs = {std::nullopt, ins};
+  } else {
+    for (const auto& i : inputs) {
+      if (!i.empty()) {
+        value_error("gocomm scatter: scatter_list must be given on the source rank only");
+      }
+    }
+    op.inputs = {std::nullopt};
+  }
+  op.outputs = {{0, {t}}};
+  op.result = Tensors{t};
+  op.timeout = opts.timeout;
+  op.type = c10d::OpType::SCATTER;
+  return submit(op);
+}
+
+intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
+  Op op;
+  op.name = "barrier";
+  op.kind = wire::kBarrier;
+  op.timeout = opts.timeout;
+  op.type = c10d::OpType::BARRIER;
+  return submit(op);
+}
+
+void Backend::monitoredBarrier(const c10d::BarrierOptions& opts, bool) {
+  Op op;
+  op.name = "monitored_barrier";
+  op.kind = wire::kBarrier;
+  op.timeout = opts.timeout;
+  op.type = c10d::OpType::BARRIER;
+  submit(op)->wait();
+}
+
+// ----- point to point ------------------------------------------------------------------------
+
+intrusive_ptr<c10d::Work> Backend::send(Tensors& tensors, int dst, int tag) {
+  const at::Tensor& t = single(cfg_.cuda_refusal, "send", "tensor", tensors);
+  peer_in("send", "dst", dst, rank_, size_);
+  Op op;
+  op.name = "send";
+  op.kind = wire::kSend;
+  op.dtype = t.scalar_type();
+  op.count = t.numel();
+  op.root = dst;
+  op.tag = tag;
+  op.inputs = {Tensors{t}};
+  op.result = Tensors{t};
+  op.type = c10d::OpType::SEND;
+  return submit(op);
+}
+
+intrusive_ptr<c10d::Work> Backend::recv(Tensors& tensors, int src, int tag) {
+  const at::Tensor& t = single(cfg_.cuda_refusal, "recv", "tensor", tensors);
+  peer_in("recv", "src", src, rank_, size_);
+  Op op;
+  op.name = "recv";
+  op.kind = wire::kRecv;
+  op.dtype = t.scalar_type();
+  op.count = t.numel();
+  op.root = src;
+  op.tag = tag;
+  op.inputs = {std::nullopt};
+  op.outputs = {{0, {t}}};
+  op.result = Tensors{t};
+  op.type = c10d::OpType::RECV;
+  return submit(op);
+}
+
+intrusive_ptr<c10d::Work> Backend::recvAnysource(Tensors& tensors, int tag) {
+  const at::Tensor& t = single(cfg_.cuda_refusal, "recv", "tensor", tensors);
+  if (t.is_cuda()) {
+    value_error("gocomm recv: a CUDA tensor needs a source rank (NCCL has no receive from any rank)");
+  }
+  Op op;
+  op.name = "recv";
+  op.kind = wire::kRecv;
+  op.dtype = t.scalar_type();
+  op.count = t.numel();
+  op.root = -1;
+  op.tag = tag;
+  op.inputs = {std::nullopt};
+  op.outputs = {{0, {t}}};
+  op.result = Tensors{t};
+  op.type = c10d::OpType::RECVANYSOURCE;
+  return submit(op);
+}
+
+// ----- lifetime ------------------------------------------------------------------------------
+
+void Backend::shutdown() {
+  if (closed_.exchange(true)) {
+    return;
+  }
+  if (cfg_.on_shutdown && !disp_->lost()) {
+    cfg_.on_shutdown();
+  }
+}
+
+void Backend::abort() {
+  if (closed_ || disp_->lost()) {
+    return;
+  }
+  if (cfg_.on_abort) {
+    cfg_.on_abort();
+  }
+  shutdown();
+}
+
+}  // namespace gocomm

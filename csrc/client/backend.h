@@ -1,0 +1,162 @@
+// gocomm's c10d::Backend: every op torch calls on a gocomm group runs here, from torch's
+// dispatcher to the sidecar's ring, without entering Python. Per op: check the arguments
+// (clear TypeError/ValueError/NotImplementedError before anything is sent), then hand the op
+// to the sidecar: CPU tensors are staged in the shared arena and copied back by the
+// completion thread; CUDA tensors are named by IPC registration and the op is ordered on the
+// caller's current stream by the group's stream counters (docs/decisions/0004).
+//
+// The one place an op may still enter Python: on groups whose route table sends all_reduce
+// or all_to_all_single of CUDA tensors to an in-process kernel (NVLink groups), the op is
+// offered to the control plane's in-process engine first (Config::inprocess).
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <array>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dispatcher.h"
+#include "work.h"
+
+namespace gocomm {
+
+// The wire.DType code of a torch dtype; 0 for a dtype gocomm does not carry.
+int wire_dtype(at::ScalarType s);
+// Why op (a wire::RedOp) cannot reduce dtype on CPU tensors (the host engine, cuda=false) or
+// CUDA tensors (NCCL); "" where it can. The ops raise TypeError with it before sending.
+std::string reduce_refusal(at::ScalarType s, uint8_t op, bool cuda);
+
+class Backend : public c10d::Backend {
+ public:
+  struct Config {
+    int rank = 0;
+    int size = 1;
+    uint32_t handle = 0;  // the sidecar's group handle (CreateGroup)
+    int slot = -1;  // the group's stream counter slot; -1: none (no CUDA ops)
+    std::array<uint32_t, 2> counter_base{0, 0};  // the slot's last value per lane
+    double timeout_s = 1800;
+    std::string name;
+    // why CUDA tensors cannot be served ("" where they can): NotImplementedError's tail
+    std::string cuda_refusal;
+    // the route table's choice at creation: offer these CUDA ops to `inprocess` first
+    bool ar_inprocess = false;
+    bool a2a_inprocess = false;
+    // the in-process engine: (op, tensors, ints) -> a Work, or null where it does not take
+    // the op (the sidecar runs it then)
+    std::function<c10::intrusive_ptr<c10d::Work>(const std::string&, const std::vector<at::Tensor>&,
+                                                 const std::vector<int64_t>&)>
+        inprocess;
+    // what this group can capture in a CUDA graph, in words (for the refusal's message)
+    std::function<std::string()> capturable;
+    // the control plane's DestroyGroup and Abort rpcs
+    std::function<void()> on_shutdown;
+    std::function<void()> on_abort;
+  };
+
+  Backend(std::shared_ptr<Dispatcher> dispatcher, Config cfg);
+
+  const std::string getBackendName() const override { return "gocomm"; }
+  bool supportsSplitting() const override { return false; }
+  // batch_isend_irecv hands each op over on its own (the sidecar orders p2p per peer and
+  // direction, docs/decisions/0004); startCoalescing/endCoalescing still serve
+  // _coalescing_manager(device=...): the ops between run as they come, one Work for all.
+  bool supportsCoalescing() const override { return false; }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // Leave the group: the control plane's DestroyGroup; later ops raise.
+  void shutdown() override;
+  // Fail everything pending on the group, on this rank and its peers, then leave it.
+  void abort() override;
+
+  // An op whose caller waits at once and never sees a Work (the sparse all-to-all in the
+  // sidecar's NVSHMEM kernel): bufs already named (Dispatcher::cuda_ref), keep alive until
+  // the op finished; the caller's current stream on device waits for it before this
+  // returns. Its failure is logged (the sidecar breaks the group, so the next op raises).
+  void cuda_now(const std::string& op, uint8_t kind, const std::vector<wire::BufRef>& bufs,
+                std::vector<at::Tensor> keep, int device, uint64_t count);
+  // A hand-made descriptor (tests): payload's first 8 bytes are replaced by the seq.
+  c10::intrusive_ptr<Work> submit_raw(const std::string& op, const std::vector<uint8_t>& payload);
+
+  bool closed() const { return closed_; }
+  // The first failure of an op of this group, if any.
+  std::optional<std::string> broken() { return failure_->get(); }
+  const Config& config() const { return cfg_; }
+  std::shared_ptr<Dispatcher> dispatcher() const { return disp_; }
+  // What the bindings keep with the backend (the Python state of the group).
+  std::shared_ptr<void> user;
+
+  struct Op;  // one descriptor's worth of an op (backend.cc)
+
+ private:
+  c10::intrusive_ptr<Work> submit(Op& op);  // submit_op, and remembered while coalescing
+  c10::intrusive_ptr<Work> submit_op(Op& op);
+  c10::intrusive_ptr<Work> submit_cuda(Op& op, double t_limit, bool timeout_given);
+  uint8_t redop(const char* op, const c10d::ReduceOp& want, const at::Tensor& t);
+  void need_slot(const std::string& op);
+  std::string group_name() const;  // as torch named the group (its creator's name before)
+  // "<op> on group '<name>'": how a Work's errors name the op (op, group, then the cause)
+  std::string label(const std::string& op) const;
+
+  std::shared_ptr<Dispatcher> disp_;
+  Config cfg_;
+  std::shared_ptr<GroupFailure> failure_ = std::make_shared<GroupFailure>();
+  std::atomic<bool> closed_{false};
+  std::mutex cuda_mu_;  // keeps a lane's value, its stream write and its descriptor in step
+  std::array<uint32_t, 2> k_;
+  std::mutex coalesce_mu_;
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<Work>> coalesced_;
+};
+
+}  // namespace gocomm

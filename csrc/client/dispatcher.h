@@ -1,0 +1,123 @@
+// The per-process half of a sidecar session that every group shares: the ring, the host
+// arena, the CUDA IPC registrations, the table of ops in flight and the completion thread,
+// which reads the completion ring, copies CPU outputs back into the caller's tensors, frees
+// the arena space and finishes each op's Work and Future.
+#pragma once
+
+#include <c10/core/Event.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "arena.h"
+#include "cuda_driver.h"
+#include "ipc_cache.h"
+#include "ring.h"
+#include "wire.h"
+#include "work.h"
+
+namespace gocomm {
+
+// The first failure of an op of a group (the sidecar breaks the group then): ops that do not
+// pass through the sidecar (in-process kernels) raise it instead of waiting for peers.
+class GroupFailure {
+ public:
+  void mark(const std::string& why);
+  std::optional<std::string> get();
+
+ private:
+  std::mutex mu_;
+  std::optional<std::string> first_;
+};
+
+// One op in flight.
+struct Pending {
+  c10::intrusive_ptr<Work> work;  // null for ops no caller waits on (their failures are logged)
+  std::string op;  // the op and its group, as errors name them ("all_reduce on group '0'")
+  std::chrono::steady_clock::time_point deadline;
+  std::vector<Arena::Block> allocs;  // freed when the op finished
+  std::vector<std::pair<at::Tensor, const uint8_t*>> copy_out;  // (output, its bytes in the arena)
+  std::vector<at::Tensor> keep;  // alive until the op finished
+  // CUDA ops that unpack outputs on the caller's stream: recorded after the unpack; the Work
+  // finishes once it has (the outputs are in place by then)
+  std::shared_ptr<c10::Event> unpacked;
+  std::shared_ptr<GroupFailure> group;
+};
+
+// Copies n bytes between host buffers: memcpy, split over torch's intra-op threads for large
+// copies (as the tensor copy_ of the former Python client was).
+void copy_bytes(void* dst, const void* src, size_t n);
+
+// The exception_ptr of a DistBackendError with message msg (what wait() raises).
+std::exception_ptr dist_error(const std::string& msg);
+
+class Dispatcher {
+ public:
+  struct Config {
+    std::string ring_path;
+    size_t ring_bytes = 0;
+    Arena::Grow grow;
+    size_t first_segment = 16 << 20;
+    // Binds the sidecar to this process's GPU device index (once; the control plane's
+    // AttachDevice rpc): the device address of the groups' stream counters.
+    std::function<cuda::DevPtr(int)> attach_device;
+  };
+  // Extra time past an op's own deadline before the client stops waiting for the sidecar's
+  // answer (the sidecar enforces deadlines itself; this guards against a wedged sidecar).
+  static constexpr double kGrace = 30.0;
+
+  explicit Dispatcher(Config cfg);
+  ~Dispatcher();
+
+  // Hands an op to the sidecar: gives d its seq, records p, writes the descriptor (waiting
+  // for room). Throws DistBackendError once the sidecar is lost. Returns p.work.
+  c10::intrusive_ptr<Work> submit(Pending p, wire::Desc& d);
+  // Writes a control record, waiting for room.
+  void put(uint16_t type, const std::vector<uint8_t>& payload);
+  // Fails every op in flight with "gocomm <op>: <why>", refuses new ones, and releases the
+  // stream counters so that no CUDA stream stays blocked on the lost sidecar.
+  void fail_all(const std::string& why);
+  std::optional<std::string> lost();
+  // Stops the completion thread (the session closes).
+  void close();
+
+  Arena& arena() { return *arena_; }
+  // The device address of the stream counters; attaches device the first time.
+  cuda::DevPtr counters(int device);
+  // (segment, offset, length) of n bytes of CUDA memory at ptr on device (registered with the
+  // sidecar on first use; the device is made current for the driver's queries).
+  // claim: see IpcCache::ref.
+  wire::BufRef cuda_ref(uint64_t ptr, uint64_t n, int device, size_t claim = 0);
+  size_t pending_count();
+
+ private:
+  void loop();
+  void complete(const wire::Done& d);
+  void expire(std::chrono::steady_clock::time_point now);
+  void release(Pending& p);
+  static void finish(Pending& p, std::exception_ptr exc);
+
+  Config cfg_;
+  std::unique_ptr<Ring> ring_;
+  std::unique_ptr<Arena> arena_;
+  IpcCache ipc_;
+  std::atomic<uint64_t> seq_{0};
+  std::mutex mu_;
+  std::unordered_map<uint64_t, Pending> pending_;
+  std::optional<std::string> lost_;
+  std::vector<std::vector<at::Tensor>> leaked_;  // buffers of ops never answered: never reused
+  std::mutex dev_mu_;
+  int device_ = -1;
+  cuda::DevPtr counters_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace gocomm

@@ -1,0 +1,142 @@
+#include "work.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstdio>
+
+namespace gocomm {
+
+Work::Work(std::string op, std::vector<at::Tensor> result, double limit_s, c10d::OpType type)
+    : c10d::Work(-1, type),
+      op_(std::move(op)),
+      result_(std::move(result)),
+      limit_(limit_s),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+bool Work::isCompleted() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return completed_;
+}
+
+bool Work::isSuccess() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return completed_ && !exception_;
+}
+
+std::exception_ptr Work::exception() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return exception_;
+}
+
+int Work::sourceRank() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return source_;
+}
+
+std::vector<at::Tensor> Work::result() {
+  return result_;
+}
+
+void Work::synchronize() {
+  wait();
+}
+
+void Work::finish_op(std::exception_ptr exc, int source) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (completed_) {
+      return;
+    }
+    completed_ = true;
+    exception_ = exc;
+    source_ = source;
+  }
+  cv_.notify_all();
+  if (exc) {
+    future_->setError(exc);
+  } else {
+    future_->markCompleted(c10::IValue(result_));
+  }
+}
+
+bool Work::wait(std::chrono::milliseconds timeout) {
+  if (cuda_wait) {
+    if (std::exception_ptr e = exception()) {
+      std::rethrow_exception(e);
+    }
+    cuda_wait();
+    return true;
+  }
+  double limit = limit_;
+  if (timeout != kNoTimeout && timeout.count() > 0) {
+    limit = std::min(limit, timeout.count() / 1000.0);
+  }
+  std::unique_lock<std::mutex> lock(mutex_);
+  const bool done = cv_.wait_for(lock, std::chrono::duration<double>(limit), [this] { return completed_; });
+  if (!done) {
+    char secs[32];
+    std::snprintf(secs, sizeof secs, "%.0f", limit);
+    C10_THROW_ERROR(DistBackendError, "gocomm " + op_ + ": no completion from pgserver within " + secs +
+                                          "s (the sidecar enforces op deadlines itself; it may be wedged)");
+  }
+  if (exception_) {
+    std::rethrow_exception(exception_);
+  }
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Work::getFuture() {
+  return future_;
+}
+
+namespace {
+
+double longest(const std::vector<c10::intrusive_ptr<Work>>& works) {
+  double l = 1.0;
+  for (const auto& w : works) {
+    l = std::max(l, w->limit());
+  }
+  return works.empty() ? 1.0 : l;
+}
+
+}  // namespace
+
+BatchWork::BatchWork(std::string op, std::vector<c10::intrusive_ptr<Work>> works, std::vector<at::Tensor> result)
+    : Work(std::move(op), std::move(result), longest(works), c10d::OpType::COALESCED), works_(std::move(works)) {}
+
+c10::intrusive_ptr<BatchWork> BatchWork::make(std::string op, std::vector<c10::intrusive_ptr<Work>> works,
+                                              std::vector<at::Tensor> result) {
+  auto batch = c10::make_intrusive<BatchWork>(std::move(op), std::move(works), std::move(result));
+  if (batch->works_.empty()) {
+    batch->finish_op(nullptr);
+    return batch;
+  }
+  // The children's futures hold the callbacks (each holding the batch) until they ran.
+  auto remaining = std::make_shared<std::atomic<size_t>>(batch->works_.size());
+  for (auto& w : batch->works_) {
+    w->getFuture()->addCallback([self = batch, remaining](c10::ivalue::Future&) {
+      if (remaining->fetch_sub(1) != 1) {
+        return;
+      }
+      std::exception_ptr exc;
+      for (auto& c : self->works_) {
+        if (auto e = c->exception()) {
+          exc = e;
+          break;
+        }
+      }
+      self->finish_op(exc);
+    });
+  }
+  return batch;
+}
+
+bool BatchWork::wait(std::chrono::milliseconds timeout) {
+  for (auto& w : works_) {
+    w->wait(timeout);
+  }
+  return true;
+}
+
+}  // namespace gocomm

@@ -1,0 +1,155 @@
+"""The `gocomm` command (info, doctor, bench), the one version shared by the package, pgserver
+and the wheel, and the shim's refusal of a sidecar of another version. Each command runs in a
+subprocess of its own (it starts and stops its own sidecar); the wheel itself is checked by
+wheel_check.py (make test-wheel)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+OTHER = "0.0.0-other"
+TIMEOUT = 120
+
+
+def _gocomm(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("GOCOMM_")}
+    e.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "gocomm", *args], env=e, capture_output=True, text=True, timeout=TIMEOUT
+    )
+
+
+def _version_file() -> str:
+    with open(os.path.join(ROOT, "VERSION")) as f:
+        return f.read().strip()
+
+
+@pytest.fixture(scope="module")
+def other_pgserver(tmp_path_factory):
+    """A pgserver linked with another version (go build; the build cache makes it a link)."""
+    go = shutil.which("go")
+    assert go, "these tests build a pgserver of another version and need Go, as make does"
+    exe = str(tmp_path_factory.mktemp("other") / "pgserver")
+    subprocess.run(
+        [go, "build", "-trimpath", "-ldflags", f"-X main.version={OTHER}", "-o", exe, "./cmd/pgserver"],
+        cwd=ROOT,
+        check=True,
+        timeout=600,
+    )
+    return exe
+
+
+def test_one_version():
+    import gocomm
+
+    want = _version_file()
+    assert gocomm.__version__ == want
+    for exe in (os.path.join(ROOT, "bin", "pgserver"), gocomm.find_pgserver()):
+        got = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=TIMEOUT, check=True)
+        assert got.stdout.strip() == want, exe
+    assert gocomm._version.build_info()["version"] == want
+
+
+def test_sidecar_of_another_version_is_refused(other_pgserver):
+    code = (
+        "from gocomm import _sidecar\ntry:\n    _sidecar.Sidecar(0)\nexcept _sidecar.SidecarError as e:\n    print(e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GOCOMM_")}
+    env["GOCOMM_PGSERVER"] = other_pgserver
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr
+    msg = p.stdout.strip()
+    assert f"gocomm {_version_file()} cannot use pgserver {OTHER}" in msg, msg
+    assert other_pgserver in msg, msg
+
+
+def test_info_json():
+    p = _gocomm("info", "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    d = json.loads(p.stdout)
+    v = _version_file()
+    assert d["version"] == v and d["pgserver"]["version"] == v and d["sidecar"]["version"] == v
+    assert d["build"]["cuda_arch"].startswith("sm_")
+    caps = d["sidecar"]["capabilities"]
+    for fact in ("host", "gpus", "nvlink_domain", "mps", "nccl", "nvshmem"):
+        value, reason = caps[fact]
+        assert value and reason, (fact, caps[fact])
+    table = d["routes"]["table"]
+    assert set(table) == {"all_reduce", "all_to_all_single", "all_to_all_v", "moe", "other CUDA ops", "CPU tensors"}
+    assert table["CPU tensors"][0] == "host engine"
+    if caps["nvlink_domain"][0] != "yes":  # no NVLink domain here: no in-process kernel route
+        assert all(engine != "in-process kernel" for engine, _ in table.values()), table
+
+
+def test_info_text_matches_json():
+    p = _gocomm("info")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"gocomm {_version_file()} " in p.stdout
+    assert f"pgserver {_version_file()} " in p.stdout
+    for line in ("capabilities:", "engines:", "routes of a ", "nvlink_domain", "CPU tensors        host engine"):
+        assert line in p.stdout, p.stdout
+
+
+def test_doctor_passes_here():
+    p = _gocomm("doctor", "--json")
+    rows = {r["check"]: r for r in json.loads(p.stdout)}
+    for r in rows.values():
+        assert r["status"] in ("ok", "warn", "fail"), r
+        assert (r["status"] == "ok") == (r["fix"] == ""), r  # every problem names its fix
+    assert rows["torch"]["status"] == "ok" and rows["pgserver"]["status"] == "ok", rows
+    assert {"/dev/shm", "fd limit", "ptrace scope"} <= set(rows)
+    assert p.returncode == (1 if any(r["status"] == "fail" for r in rows.values()) else 0)
+
+
+def test_doctor_names_a_pgserver_of_another_version(other_pgserver):
+    p = _gocomm("doctor", env={"GOCOMM_PGSERVER": other_pgserver})
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert f"[fail] pgserver     {other_pgserver} is pgserver {OTHER}, gocomm is {_version_file()}" in p.stdout
+    assert "fix: install the matching wheel" in p.stdout
+
+
+def test_doctor_names_a_missing_pgserver(tmp_path):
+    p = _gocomm("doctor", env={"GOCOMM_PGSERVER": str(tmp_path / "nope")})
+    assert p.returncode == 1
+    assert f"[fail] pgserver     GOCOMM_PGSERVER={tmp_path / 'nope'} is not an executable file" in p.stdout
+
+
+def test_bench_names_the_benchmarks():
+    p = _gocomm("bench")
+    assert p.returncode == 2 and "gocomm bench takes one of cpu, gpu, moe" in p.stderr, p.stderr
+
+
+def test_sdist_without_go_names_what_is_missing(tmp_path):
+    """The sdist carries sources only; building it where Go is missing fails naming Go."""
+    code = "import sys; from setuptools import build_meta as b; print(b.build_sdist(sys.argv[1]))"
+    p = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert p.returncode == 0, p.stderr
+    name = p.stdout.strip().splitlines()[-1]
+    with tarfile.open(tmp_path / name) as t:
+        members = t.getnames()
+        t.extractall(tmp_path, filter="data")
+    top = name.removesuffix(".tar.gz")
+    assert f"{top}/cmd/pgserver/main.go" in members and f"{top}/python/gocomm/v1/pgserver_pb2.py" in members
+    assert not [m for m in members if "/bin/" in m or m.endswith((".cubin", ".so"))], members
+    empty = tmp_path / "empty-bin"  # PATH without go (nor g++, make, strip): all named
+    empty.mkdir()
+    p = subprocess.run(
+        [sys.executable, "setup.py", "--name"],
+        cwd=tmp_path / top,
+        env={"PATH": str(empty), "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert p.returncode != 0
+    assert "building pgserver and the kernels from source needs:\n  go: install Go" in p.stderr, p.stderr

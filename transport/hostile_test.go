@@ -1,0 +1,463 @@
+package transport
+
+import (
+	"bytes"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// fdCount is how many descriptors this process holds open.
+func fdCount(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
+}
+
+// TestFloodBeforeAuth: hundreds of connections that never finish a hello (half-open), send
+// junk, or name a group that is not here, while a group works on the same node. The node
+// holds at most its cap of unauthenticated links, the group keeps exchanging, and once the
+// flood's connections are gone so are the node's descriptors for them.
+func TestFloodBeforeAuth(t *testing.T) {
+	const capN, flood = 16, 600
+	base := fdCount(t)
+	var nodes []*Node
+	var addrs []string
+	var logged lockedBuffer
+	for r := range 2 {
+		log := quiet()
+		if r == 1 {
+			log = slog.New(slog.NewTextHandler(&logged, nil))
+		}
+		n, err := Listen(Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: log, HandshakesMax: capN, HandshakeTimeout: 2 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer n.Close()
+		nodes, addrs = append(nodes, n), append(addrs, n.Addr())
+	}
+	secret := []byte("a secret of at least sixteen bytes")
+	var eps []*Endpoint
+	for r := range 2 {
+		ep, err := nodes[r].Join(secret, r, addrs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ep.Close()
+		eps = append(eps, ep)
+	}
+	exchange := func(seq uint64) {
+		t.Helper()
+		want := bytes.Repeat([]byte{byte(seq)}, 64<<10)
+		got := make([]byte, len(want))
+		s := eps[0].Op(seq, sigF32).Send(1, Tag{}, want)
+		r := eps[1].Op(seq, sigF32).Recv(0, Tag{}, copySink{Dst: got})
+		if err := s.Wait(ctxT(t)); err != nil {
+			t.Fatalf("send %d during the flood: %v", seq, err)
+		}
+		if err := r.Wait(ctxT(t)); err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("receive %d during the flood: %v", seq, err)
+		}
+	}
+	exchange(0)
+	linked := fdCount(t)
+
+	start := time.Now()
+	var conns []net.Conn
+	unknown := hello{from: 0, to: 1}
+	rand.Read(unknown.group[:])
+	for i := range flood {
+		c, err := net.Dial("tcp", addrs[1])
+		if err != nil {
+			t.Fatalf("flood connection %d: %v", i, err)
+		}
+		switch i % 3 {
+		case 0: // half-open: never a byte
+		case 1:
+			c.Write(bytes.Repeat([]byte("junk"), 40))
+		case 2:
+			c.Write(unknown.encode())
+		}
+		conns = append(conns, c)
+		if i%50 == 0 {
+			exchange(uint64(1 + i/50))
+		}
+	}
+	nodes[1].hsMu.Lock()
+	held := len(nodes[1].pending) + nodes[1].answering
+	nodes[1].hsMu.Unlock()
+	if held > 2*capN {
+		t.Errorf("%d unauthenticated links held, cap %d", held, capN)
+	}
+	// a peer that joins during the flood still gets its links
+	late, err := nodes[0].Join([]byte("another secret of sixteen+ bytes"), 0, addrs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer late.Close()
+	late1, err := nodes[1].Join([]byte("another secret of sixteen+ bytes"), 1, addrs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer late1.Close()
+	got := make([]byte, 16)
+	r := late1.Op(0, sigF32).Recv(0, Tag{}, copySink{Dst: got})
+	if err := late.Op(0, sigF32).Send(1, Tag{}, []byte("sixteen bytes!!!")).Wait(ctxT(t)); err != nil {
+		t.Fatalf("a group joined during the flood: %v", err)
+	}
+	if err := r.Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	late.Close()
+	late1.Close()
+	for _, c := range conns {
+		c.Close()
+	}
+	// the node closed its side of the rest by now (evicted, answered, or timed out)
+	deadline := time.Now().Add(10 * time.Second)
+	for fdCount(t) > linked && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if n := fdCount(t); n > linked {
+		t.Errorf("%d descriptors after the flood, %d before (%d before the group)", n, linked, base)
+	}
+	exchange(99)
+	// warnings about the flood: about one a second, however many connections, and one
+	// that counts the rest
+	for !strings.Contains(logged.String(), "similar_lines_left_out") && time.Since(start) < 5*time.Second {
+		time.Sleep(50 * time.Millisecond)
+	}
+	lines := strings.Count(logged.String(), "level=WARN")
+	if limit := 2*int(time.Since(start)/time.Second) + 2; lines > limit {
+		t.Errorf("%d warnings logged in %v about %d rejected connections, want at most %d", lines, time.Since(start), flood, limit)
+	}
+	if !strings.Contains(logged.String(), "similar_lines_left_out") {
+		t.Errorf("the warnings do not say how many lines were left out:\n%s", logged.String())
+	}
+}
+
+// lockedBuffer is a bytes.Buffer for a logger written from several goroutines.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// TestUnknownGroupHoldsNothing: a hello for a group that is not here is answered at once
+// and the connection closed; nothing waits for the group to appear.
+func TestUnknownGroupHoldsNothing(t *testing.T) {
+	nodes, _ := listen(t, 1)
+	c, err := net.Dial("tcp", nodes[0].Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	h := hello{from: 0, to: 1}
+	rand.Read(h.group[:])
+	start := time.Now()
+	c.Write(h.encode())
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	ans, err := io.ReadAll(c)
+	if err != nil {
+		t.Fatalf("reading the answer: %v (after %v)", err, time.Since(start))
+	}
+	if len(ans) != answerSize || ans[32] != statusUnknown {
+		t.Fatalf("answer %d bytes, status %v; want %d bytes of statusUnknown", len(ans), ans, answerSize)
+	}
+	if took := time.Since(start); took > time.Second {
+		t.Fatalf("answered and closed after %v", took)
+	}
+}
+
+// TestHandshakeTimesOut: a connection that never finishes its hello is closed by the node
+// after the handshake timeout.
+func TestHandshakeTimesOut(t *testing.T) {
+	n, err := Listen(Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quiet(), HandshakeTimeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	c, err := net.Dial("tcp", n.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.Write([]byte("GCHI")) // part of a hello
+	start := time.Now()
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	_, err = c.Read(make([]byte, 1))
+	if took := time.Since(start); err == nil || took > 2*time.Second {
+		t.Fatalf("read = %v after %v, want the node to close within its 300 ms handshake timeout", err, took)
+	}
+}
+
+// fifoProbe makes a FIFO, holds it open in this process and returns the probe naming it.
+func fifoProbe(t *testing.T) probe {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "fifo")
+	if err := syscall.Mkfifo(path, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.OpenFile(path, os.O_RDWR, 0) // RDWR: does not block on a FIFO
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return probe{pid: os.Getpid(), fd: int(f.Fd())}
+}
+
+// TestProbeOnlyAfterProof: the acceptor opens the dialer's probe file only after the
+// dialer proved it holds the secret, and never a file that is not a regular one (a FIFO
+// would pin the reading goroutine).
+func TestProbeOnlyAfterProof(t *testing.T) {
+	secret := []byte("a secret of at least sixteen bytes")
+	for _, withSecret := range []bool{false, true} {
+		a, b := net.Pipe()
+		probed := false
+		done := make(chan error, 1)
+		go func() {
+			_, refs, err := acceptHandshake(a, func([16]byte) ([]byte, string, error) { return secret, "", nil },
+				func(p probe) bool { probed = true; return false })
+			if refs {
+				err = errors.New("references granted")
+			}
+			done <- err
+			a.Close()
+		}()
+		dialSecret := []byte("not the secret but sixteen bytes")
+		if withSecret {
+			dialSecret = secret
+		}
+		h := hello{group: GroupID(secret), from: 0, to: 1, probe: fifoProbe(t)}
+		b.SetDeadline(time.Now().Add(5 * time.Second))
+		hb := h.encode()
+		b.Write(hb)
+		ans := make([]byte, answerSize)
+		io.ReadFull(b, ans)
+		b.Write(mac(dialSecret, "cli", hb, ans[:32]))
+		io.ReadAll(b)
+		err := <-done
+		if withSecret != probed {
+			t.Fatalf("with the secret=%v: probed=%v", withSecret, probed)
+		}
+		if !withSecret && !errors.Is(err, ErrAuth) {
+			t.Fatalf("wrong proof: %v, want ErrAuth", err)
+		}
+	}
+	// the probe itself refuses a FIFO at once
+	n, err := Listen(Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quiet(), ShmDir: t.TempDir(),
+		Locate: func([]byte) (int, uint64, uint64, bool) { return 0, 0, 0, false }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	start := time.Now()
+	if n.canMap(fifoProbe(t)) {
+		t.Fatal("a FIFO passed the same-host probe")
+	}
+	if took := time.Since(start); took > time.Second {
+		t.Fatalf("probing a FIFO took %v", took)
+	}
+}
+
+// refuseAll closes every link rank 1 makes to the fake peer (its abort links included), so
+// that rank 1's Close need not wait out abortGrace for them.
+func (p *fakePeer) refuseAll() {
+	go func() {
+		for {
+			c, err := p.ln.Accept()
+			if err != nil {
+				return
+			}
+			c.Close()
+		}
+	}()
+}
+
+// fakeDialer is a peer that holds the secret and speaks the link protocol by hand: it
+// links to rank 1 as rank 0 offering pr, and reports whether references were granted.
+func fakeDialer(t *testing.T, addr string, secret []byte, pr probe) (net.Conn, bool) {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	refs, err := dialHandshake(c, secret, 0, 1, pr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c, refs
+}
+
+// refFrame is a p2p frame by reference into process pid's descriptor fd.
+func refFrame(pid, fd int, n uint64) []byte {
+	b := make([]byte, frameHeader+refTrailer)
+	f := frame{kind: kindP2P, seq: 7, length: n, ref: true}
+	f.encode(b)
+	le := binary.LittleEndian
+	le.PutUint32(b[frameHeader:], uint32(pid))
+	le.PutUint32(b[frameHeader+4:], uint32(fd))
+	return b
+}
+
+// waitBroken waits for ep to break and returns the cause.
+func waitBroken(t *testing.T, ep *Endpoint) error {
+	t.Helper()
+	select {
+	case <-ep.brokenC:
+		return ep.Broken()
+	case <-time.After(5 * time.Second):
+		t.Fatal("the endpoint did not break")
+		return nil
+	}
+}
+
+// TestRefWithoutNegotiation: a peer that holds the secret but was granted no references
+// (it offered no probe) sends a frame by reference: the group breaks, saying so, and
+// nothing is mapped.
+func TestRefWithoutNegotiation(t *testing.T) {
+	secret := []byte("a secret of at least sixteen bytes")
+	nodes, addrs := listen(t, 1)
+	peer := newFakePeer(t, secret)
+	peer.refuseAll()
+	ep, err := nodes[0].Join(secret, 1, []string{peer.ln.Addr().String(), addrs[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ep.Close()
+	c, refs := fakeDialer(t, addrs[0], secret, probe{})
+	if refs {
+		t.Fatal("references granted without a probe")
+	}
+	f, err := os.CreateTemp(t.TempDir(), "victim")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	f.Write(make([]byte, 1<<20))
+	c.Write(refFrame(os.Getpid(), int(f.Fd()), 64<<10))
+	cause := waitBroken(t, ep)
+	if !errors.Is(cause, ErrProtocol) || !strings.Contains(cause.Error(), "did not negotiate references") {
+		t.Fatalf("broke with %v, want a protocol error about references", cause)
+	}
+	if len(ep.peerMaps) != 0 {
+		t.Fatal("a segment was mapped")
+	}
+}
+
+// TestRefIntoAnotherProcess: references were granted for the probed process, and a frame
+// names another one: the group breaks.
+func TestRefIntoAnotherProcess(t *testing.T) {
+	secret := []byte("a secret of at least sixteen bytes")
+	n, err := Listen(Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quiet(), ShmDir: t.TempDir(),
+		Locate: func([]byte) (int, uint64, uint64, bool) { return 0, 0, 0, false }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	peer := newFakePeer(t, secret)
+	peer.refuseAll()
+	ep, err := n.Join(secret, 1, []string{peer.ln.Addr().String(), n.Addr()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ep.Close()
+	// the fake peer passes the probe with this process's own probe file
+	c, refs := fakeDialer(t, n.Addr(), secret, n.probe)
+	if !refs {
+		t.Fatal("references not granted to a peer that passed the probe")
+	}
+	c.Write(refFrame(1, 0, 64<<10)) // pid 1's stdin
+	cause := waitBroken(t, ep)
+	if !errors.Is(cause, ErrProtocol) || !strings.Contains(cause.Error(), "process 1") {
+		t.Fatalf("broke with %v, want a protocol error naming process 1", cause)
+	}
+}
+
+// TestUnmatchedBytesCapped: a peer sends many messages nobody receives. Under the cap they
+// are kept and received in full later (and the charge goes back to zero); past it the
+// group breaks with an error naming the knob, and the node's memory does not grow with
+// what the peer keeps sending.
+func TestUnmatchedBytesCapped(t *testing.T) {
+	const msg, capBytes = 60 << 10, 4 << 20
+	secret := []byte("a secret of at least sixteen bytes")
+	n, err := Listen(Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quiet(), UnmatchedMax: capBytes})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	peer := newFakePeer(t, secret)
+	peer.refuseAll()
+	ep, err := n.Join(secret, 1, []string{peer.ln.Addr().String(), n.Addr()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ep.Close()
+	c, _ := fakeDialer(t, n.Addr(), secret, probe{})
+	send := func(tag int64) {
+		hdr := make([]byte, frameHeader)
+		f := frame{kind: kindP2P, seq: uint64(tag), length: msg}
+		f.encode(hdr)
+		(&net.Buffers{hdr, bytes.Repeat([]byte{byte(tag)}, msg)}).WriteTo(c)
+	}
+	// under the cap: kept, then received
+	for tag := range int64(10) {
+		send(tag)
+	}
+	for tag := range int64(10) {
+		got := make([]byte, msg)
+		if err := ep.RecvP2P(0, tag, copySink{Dst: got}).Wait(ctxT(t)); err != nil {
+			t.Fatal(err)
+		}
+		if got[0] != byte(tag) || got[msg-1] != byte(tag) {
+			t.Fatalf("tag %d: wrong bytes", tag)
+		}
+	}
+	if held := ep.unmatched[0].Load(); held != 0 {
+		t.Fatalf("%d bytes still charged after every message was received", held)
+	}
+	// past it: 4,000 never-received sends (240 MiB) must not grow this process
+	var before runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	go func() {
+		for tag := range int64(4000) {
+			send(100 + tag)
+		}
+	}()
+	cause := waitBroken(t, ep)
+	if !errors.Is(cause, ErrUnmatchedMax) || !strings.Contains(cause.Error(), "GOCOMM_UNMATCHED_BYTES_MAX") {
+		t.Fatalf("broke with %v, want the unmatched-bytes cap", cause)
+	}
+	var after runtime.MemStats
+	runtime.ReadMemStats(&after)
+	if grew := int64(after.HeapAlloc) - int64(before.HeapAlloc); grew > 4*capBytes {
+		t.Fatalf("heap grew by %d bytes with a cap of %d", grew, capBytes)
+	}
+}
