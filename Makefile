@@ -8,8 +8,9 @@
 # make test-gpu   the GPU suite, on a machine with GPUs (see README; MPS=1 under MPS)
 # make bench-gpu  gocomm against torch NCCL on the machine's GPUs (table, JSON, PNG)
 # make bench      CPU benchmark: gocomm against gloo, 2 to 4 ranks
-# make soak       ranks that disagree, SOAK_RUNS times on one world, and a 10,000-connection
-#                 flood of a sidecar's peer port, FLOOD_TRIALS times (not part of make test)
+# make soak       ranks that disagree, SOAK_RUNS times on one world; a 10,000-connection flood
+#                 of a sidecar's peer port, FLOOD_TRIALS times; the dead-peer faults SOAK_TRIALS
+#                 times each (not part of make test)
 # make wheel      dist/gocomm-<version>-<tags>.whl and the sdist, from what `make` built (README)
 
 SHELL := /bin/bash
@@ -199,9 +200,14 @@ bench: all
 SOAK_RUNS ?= 1000
 # 10,000 unauthenticated connections to one sidecar while its group works (soak_flood.py).
 FLOOD_TRIALS ?= 20
+# Then every dead-peer fault (python/tests/faults.py: a rank, a sidecar killed, a sidecar
+# stopped, a host unreachable, the Store's host killed) at 4 KiB, 1 MiB and 64 MiB, SOAK_TRIALS
+# times each: every survivor must raise within the dead-peer limit, naming the dead rank.
+SOAK_TRIALS ?= 20
 soak: all
 	$(PY) python/tests/soak_disagree.py --runs $(SOAK_RUNS)
 	$(PY) python/tests/soak_flood.py --trials $(FLOOD_TRIALS)
+	$(PY) python/tests/soak_dead_peers.py --trials $(SOAK_TRIALS)
 
 clean:
 	rm -rf bin python/gocomm/bin python/gocomm/v1 csrc/build python/gocomm/lib python/gocomm/_C*.so $(GO_GEN) kernels/build/_obj $(KERNELS) dist .cache/wheel-build

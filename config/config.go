@@ -31,6 +31,7 @@ type Config struct {
 	A2A       A2A
 	Peers     Peers
 	Log       Log
+	Trace     Trace
 }
 
 // Peers is where peer sidecars reach this one (transport.ChooseAddress picks the address
@@ -50,6 +51,9 @@ type Peers struct {
 	// UnmatchedBytesMax caps the bytes one peer's messages that no receive matched yet may
 	// hold in this sidecar, per group.
 	UnmatchedBytesMax int64
+	// DeadTimeout is GOCOMM_PEER_DEAD_TIMEOUT_SEC: how long a peer may stay silent (no
+	// frame, not even a heartbeat) before every rank's group breaks naming it.
+	DeadTimeout time.Duration
 }
 
 // Log is how the sidecar's log file is kept.
@@ -58,6 +62,18 @@ type Log struct {
 	// files are kept (<log>.1 the newest).
 	MaxBytes int64
 	Keep     int
+}
+
+// Trace is the flight recorder's setting: the last ops of each group, dumped when a group
+// breaks, on SIGUSR1 and on request (torch's TORCH_NCCL_TRACE_BUFFER_SIZE and friends).
+type Trace struct {
+	// Size is the ops kept per group; 0 turns the recorder off.
+	Size int
+	// File is where a dump's JSON goes: this path followed by the rank (as torch's
+	// TORCH_NCCL_DEBUG_INFO_TEMP_FILE); "" puts it next to the log.
+	File string
+	// OnFailure: dump when a group breaks (a timeout, a lost peer, an abort).
+	OnFailure bool
 }
 
 // A2A is how the sparse all-to-all (all_to_all_v with its splits on the GPU) is sized and
@@ -218,6 +234,46 @@ var Params = []Param{
 		set: func(c *Config, v string) (err error) {
 			c.Log.Keep, err = intIn(v, 0, 100)
 			return err
+		},
+	},
+	{
+		Env: "GOCOMM_PEER_DEAD_TIMEOUT_SEC", Default: "5", Accepts: "seconds, 0.5 to 3600",
+		Doc: "the most a dead or silent peer holds up the others: idle links carry a heartbeat at a fifth of it, a link that carries nothing for four fifths of it (or takes none of this side's bytes for all of it) breaks the group on every rank, naming the peer, and a refused dial is retried for a quarter of it. No torch counterpart (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC is torch's watchdog's own heartbeat)",
+		set: func(c *Config, v string) error {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil || !(f >= 0.5 && f <= 3600) {
+				return errAccepts
+			}
+			c.Peers.DeadTimeout = time.Duration(f * float64(time.Second))
+			return nil
+		},
+	},
+	{
+		Env: "GOCOMM_TRACE_BUFFER_SIZE", Default: "2000", Accepts: "an integer, 0 to 1000000",
+		Doc: "the flight recorder: how many of the last ops each group keeps (0: off), as TORCH_NCCL_TRACE_BUFFER_SIZE",
+		set: func(c *Config, v string) (err error) {
+			c.Trace.Size, err = intIn(v, 0, 1000000)
+			return err
+		},
+	},
+	{
+		Env: "GOCOMM_DEBUG_INFO_TEMP_FILE", Default: "", Accepts: "a path prefix",
+		Doc: "where the flight recorder's JSON dump goes: this prefix followed by the rank, as TORCH_NCCL_DEBUG_INFO_TEMP_FILE (unset: next to the sidecar's log, its name with .trace.json for .log)",
+		set: func(c *Config, v string) error {
+			c.Trace.File = v
+			return nil
+		},
+	},
+	{
+		Env: "GOCOMM_DUMP_ON_TIMEOUT", Default: "1", Accepts: "0 or 1",
+		Doc: "1: dump the flight recorder (log and JSON file) when a group breaks: an op timed out, a peer was lost or aborted, as TORCH_NCCL_DUMP_ON_TIMEOUT",
+		set: func(c *Config, v string) error {
+			switch v {
+			case "0", "1":
+				c.Trace.OnFailure = v == "1"
+				return nil
+			}
+			return errAccepts
 		},
 	},
 }

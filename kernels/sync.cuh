@@ -10,6 +10,14 @@ __device__ __forceinline__ uint64_t now_ns() {
   return t;
 }
 
+// Whether a wait gives up: its deadline passed, or the host set the u32 word at err (pinned,
+// host-mapped: the shim sets it when the sidecar reports the group broken, e.g. a peer
+// died, so kernels waiting for that peer stop within microseconds instead of at the
+// group's timeout). Call it every few hundred spins: the word lies across PCIe.
+__device__ __forceinline__ bool give_up(uint64_t deadline, uint64_t err) {
+  return now_ns() > deadline || *reinterpret_cast<const volatile uint32_t*>(err) != 0;
+}
+
 // A signal another GPU reads: what this thread wrote before is visible to whoever acquires v.
 __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");

@@ -60,6 +60,7 @@ type Group struct {
 	running sync.WaitGroup // the executor, point-to-point ops, device ops in flight
 	stats   Stats
 	dev     gpu.Group // created by the first CUDA op
+	flight  *flight
 }
 
 // Stats are a group's counters.
@@ -77,13 +78,15 @@ type op struct {
 	release  func()
 	deadline time.Time
 	timeout  time.Duration
+	fe       *FlightEntry // its flight recorder entry
 }
 
 func newGroup(sess *Session, name string, rank, size int, globalRanks []int, timeout time.Duration) *Group {
 	g := &Group{
 		Name: name, Rank: rank, Size: size, GlobalRanks: globalRanks, Timeout: timeout,
 		sess: sess, log: sess.log,
-		stats: Stats{Ops: map[string]uint64{}},
+		stats:  Stats{Ops: map[string]uint64{}},
+		flight: newFlight(sess.srv.cfg.TraceSize),
 	}
 	g.cond = sync.NewCond(&g.mu)
 	return g
@@ -99,9 +102,25 @@ func (g *Group) connect(ep *transport.Endpoint) error {
 		return fmt.Errorf("group %d: %w", g.Handle, ErrNotFound)
 	}
 	g.ep = ep
+	ep.SetProgress(g.flight.progress)
+	ep.OnBreak(g.broke)
 	g.running.Add(1)
 	go g.execute()
 	return nil
+}
+
+// broke runs once when the group's endpoint breaks: the flight record is dumped (on a
+// failure, not on a destroy) and the client is told at once on its watch stream, so that it
+// can act on the failure even if it waits for no op of the group.
+func (g *Group) broke(cause error) {
+	if errors.Is(cause, transport.ErrClosed) {
+		return
+	}
+	srv := g.sess.srv
+	if srv.cfg.DumpOnFailure {
+		srv.dumpSoon(g, fmt.Sprintf("group %q broke: %v", g.Name, cause))
+	}
+	g.sess.notify(Event{Kind: "group_broken", Group: g.Handle, Detail: fmt.Sprintf("group %q (rank %d of %d): %v", g.Name, g.Rank, g.Size, cause)})
 }
 
 // Broken returns why the group is unusable, or nil.
@@ -178,6 +197,11 @@ func (g *Group) noteStream(d *wire.Desc) {
 func (g *Group) reject(d wire.Desc, err error) {
 	// Break and release first: when the client sees the failure, both have happened.
 	defer g.sess.complete(d.Seq, wire.StatusInvalid, -1, err.Error())
+	engine := "host"
+	if d.Device == wire.DeviceCUDA {
+		engine = "nccl"
+	}
+	g.flight.end(g.flight.record(&d, engine, 0), wire.StatusInvalid, err.Error())
 	g.count(d.Kind, true)
 	if d.Kind.Collective() || d.Device == wire.DeviceCUDA {
 		g.mu.Lock()
@@ -195,6 +219,7 @@ func (g *Group) reject(d wire.Desc, err error) {
 }
 
 func (g *Group) submit(o *op) {
+	o.fe = g.flight.record(&o.desc, "host", o.timeout)
 	g.mu.Lock()
 	if g.ep == nil || g.closing != "" {
 		why := "group is not connected"
@@ -211,6 +236,7 @@ func (g *Group) submit(o *op) {
 		g.running.Add(1)
 		ep := g.ep
 		g.mu.Unlock()
+		g.flight.start(o.fe)
 		go g.p2p(o, g.postP2P(ep, o))
 		return
 	}
@@ -281,6 +307,7 @@ func (l peerLink) Recv(ctx context.Context, peer, tag, n int) ([]byte, error) {
 // group on first use. A device op's failure breaks the whole group (design 3), and a broken
 // group aborts its device work, so peers on either engine fail instead of hanging.
 func (g *Group) submitDevice(ds gpu.Session, o *op, ptrs []uint64) {
+	o.fe = g.flight.record(&o.desc, "nccl", o.timeout)
 	g.mu.Lock()
 	if g.ep == nil || g.closing != "" {
 		why := cmp.Or(g.closing, "group is not connected")
@@ -309,6 +336,7 @@ func (g *Group) submitDevice(ds gpu.Session, o *op, ptrs []uint64) {
 	g.running.Add(1)
 	g.mu.Unlock()
 	d := &o.desc
+	g.flight.start(o.fe)
 	dev.Enqueue(gpu.Op{Desc: d, Ptrs: ptrs, Deadline: o.deadline, Done: func(err error) {
 		defer g.running.Done()
 		if err == nil {
@@ -398,6 +426,7 @@ func (g *Group) execute() {
 
 func (g *Group) runCollective(ep *transport.Endpoint, seq uint64, o *op) {
 	d := &o.desc
+	g.flight.start(o.fe)
 	if err := ep.Broken(); err != nil {
 		g.finish(o, wire.StatusBroken, -1, fmt.Sprintf("%s #%d on group %q: the group is broken: %v", d.Kind, seq, g.Name, err))
 		return
@@ -485,6 +514,9 @@ func (g *Group) failure(ctx context.Context, d *wire.Desc, seq uint64, timeout t
 }
 
 func (g *Group) finish(o *op, status int32, source int, msg string) {
+	if o.fe != nil {
+		g.flight.end(o.fe, status, msg)
+	}
 	o.release()
 	g.count(o.desc.Kind, status != wire.StatusOK)
 	if status != wire.StatusOK && status != wire.StatusAborted {

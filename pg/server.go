@@ -43,6 +43,12 @@ type Config struct {
 	// Node is what the sidecar knows of its node (node.Describe), reported by Info and, with
 	// each client's own facts, by Attach.
 	Node []node.Fact
+	// TraceSize is how many of its last ops each group's flight recorder keeps (0: none).
+	TraceSize int
+	// TraceFile names the flight record's JSON dump for a rank (nil or "": no file).
+	TraceFile func(rank int) string
+	// DumpOnFailure dumps the flight record when a group breaks.
+	DumpOnFailure bool
 }
 
 // SparseChoice is the engine all_to_all_v of a client's CUDA tensors takes, and why.
@@ -70,6 +76,8 @@ type Server struct {
 	closed   bool
 	sparse   *SparseChoice // the last attached client's, for Info
 	client   []node.Fact   // the last attached client's facts, for Info
+
+	dumpGroups []*Group // broken groups a flight record dump is on its way for (dumpSoon)
 }
 
 // ErrShutdown: the server is shutting down.
@@ -216,6 +224,7 @@ func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath strin
 		reg:          newRegistry(s.cfg.ShmDir),
 		groups:       map[uint32]*Group{},
 		done:         make(chan struct{}),
+		events:       make(chan Event, 64),
 		log:          s.log.With("session", s.nextSess, "rank", rank),
 		nccl:         hasNCCL,
 		Sparse:       choice,
@@ -258,6 +267,16 @@ func (s *Server) Groups() []*Group {
 		out = append(out, g)
 	}
 	return out
+}
+
+// Abandon is the sidecar going away without its clients having left (a signal, its client
+// process gone): every session's groups are aborted with reason, so peers fail at once
+// naming this rank; then everything closes as in Shutdown.
+func (s *Server) Abandon(reason string) {
+	for _, sess := range s.Sessions() {
+		sess.Gone(reason)
+	}
+	s.Shutdown(reason)
 }
 
 // Shutdown fails whatever is pending and closes every session.

@@ -126,7 +126,7 @@ func cluster(t *testing.T, n int, timeout time.Duration) ([]*client, []*Group) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		srv = NewServer(Config{Version: "test", ShmDir: t.TempDir()}, node, quietLog())
+		srv = NewServer(Config{Version: "test", ShmDir: t.TempDir(), TraceSize: 16}, node, quietLog())
 		t.Cleanup(func() { srv.Shutdown("test over"); node.Close() })
 		clients[r] = newClient(t, srv, r)
 		g, blob, err := clients[r].sess.CreateGroup("g", r, n, nil, timeout)

@@ -34,11 +34,13 @@ type Session struct {
 	prod    *ring.Producer
 	reg     *registry
 
-	mu     sync.Mutex
-	groups map[uint32]*Group
-	closed bool
-	done   chan struct{} // closed when the session ends
-	loop   sync.WaitGroup
+	mu       sync.Mutex
+	groups   map[uint32]*Group
+	closed   bool
+	detached bool          // the client left in order (Detach): its groups say bye, not abort
+	events   chan Event    // for the client's watch stream (Events)
+	done     chan struct{} // closed when the session ends
+	loop     sync.WaitGroup
 
 	nccl bool // the client's NCCL is loaded here
 	// Sparse is the transport all_to_all_v of this client's CUDA tensors takes.
@@ -135,6 +137,50 @@ func (sess *Session) dropIPC(p []byte) {
 		}
 	}
 }
+
+// Event is something the client hears of on its watch stream.
+type Event struct {
+	Kind   string // "group_broken"
+	Group  uint32
+	Detail string
+}
+
+// Events delivers the session's events (a group broke) to the client's watch stream.
+func (sess *Session) Events() <-chan Event { return sess.events }
+
+// notify queues an event for the watch stream; with nobody reading, events beyond the
+// queue's room are dropped (the ops' own completions still say what happened).
+func (sess *Session) notify(e Event) {
+	select {
+	case sess.events <- e:
+	default:
+	}
+}
+
+// Detach is the client leaving in order: its groups end with a bye, so peers that still
+// wait for it fail as it left, and the session closes.
+func (sess *Session) Detach(reason string) {
+	sess.mu.Lock()
+	sess.detached = true
+	sess.mu.Unlock()
+	sess.Close(reason)
+}
+
+// Gone is the client going away without Detach (it died, or its sidecar is being killed):
+// every group of the session is aborted, so each peer fails at once naming this rank,
+// instead of taking it for an orderly leave; then the session closes.
+func (sess *Session) Gone(reason string) {
+	sess.mu.Lock()
+	detached := sess.detached
+	sess.mu.Unlock()
+	if !detached {
+		sess.Abort(0, reason)
+	}
+	sess.Close(reason)
+}
+
+// ClientPID is the client process's pid, as it said at Attach.
+func (sess *Session) ClientPID() int64 { return sess.pid }
 
 // RingPath is the file holding the session's rings (the client unlinks it once mapped).
 func (sess *Session) RingPath() string { return sess.ringMem.Path }

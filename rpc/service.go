@@ -4,7 +4,9 @@
 package rpc
 
 import (
+	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -24,6 +26,7 @@ type Host struct {
 	RuntimeDir string
 	LogFile    string
 	A2A        config.A2A // the sparse all-to-all's, which the client's kernel uses too
+	TraceSize  int        // GOCOMM_TRACE_BUFFER_SIZE, which the client's own record uses too
 }
 
 // Service implements v1.PGServerServer on a pg.Server.
@@ -113,6 +116,7 @@ func (s *Service) Attach(_ context.Context, req *v1.AttachRequest) (*v1.AttachRe
 		A2A: &v1.A2AConfig{
 			RecvBytes: uint64(s.host.A2A.RecvBytes), Blocks: uint32(s.host.A2A.Blocks), Threads: uint32(s.host.A2A.Threads),
 		},
+		TraceBufferSize: uint32(s.host.TraceSize),
 	}, nil
 }
 
@@ -148,18 +152,52 @@ func (s *Service) Watch(req *v1.WatchRequest, stream v1.PGServer_WatchServer) er
 	if err != nil {
 		return toStatus(err)
 	}
+	gone := fmt.Sprintf("the training process (pid %d) went away without leaving the group", sess.ClientPID())
 	if err := stream.Send(&v1.WatchEvent{Kind: "attached"}); err != nil {
-		sess.Close("client's watch stream failed")
+		sess.Gone(gone)
 		return err
 	}
-	select {
-	case <-stream.Context().Done():
-		sess.Close("client went away")
-		return nil
-	case <-sess.Done():
-		stream.Send(&v1.WatchEvent{Kind: "shutdown", Detail: "session closed"})
-		return nil
+	for {
+		select {
+		case <-stream.Context().Done():
+			sess.Gone(gone) // a session detached first is closed already
+			return nil
+		case e := <-sess.Events():
+			stream.Send(&v1.WatchEvent{Kind: e.Kind, Group: e.Group, Detail: e.Detail})
+		case <-sess.Done():
+			stream.Send(&v1.WatchEvent{Kind: "shutdown", Detail: "session closed"})
+			return nil
+		}
 	}
+}
+
+// Detach ends a session in order (pg.Session.Detach).
+func (s *Service) Detach(_ context.Context, req *v1.DetachRequest) (*v1.DetachResponse, error) {
+	sess, err := s.srv.Session(req.Session)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	sess.Detach(cmp.Or(req.Reason, "client detached"))
+	return &v1.DetachResponse{}, nil
+}
+
+// FlightRecord returns (and with dump, writes) the flight record of every group.
+func (s *Service) FlightRecord(_ context.Context, req *v1.FlightRecordRequest) (*v1.FlightRecordResponse, error) {
+	reason := cmp.Or(req.Reason, "asked for by the client")
+	resp := &v1.FlightRecordResponse{}
+	if req.Dump {
+		path, err := s.srv.DumpFlightRecord(reason)
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "flight record: %v", err)
+		}
+		resp.Path = path
+	}
+	b, err := json.Marshal(s.srv.FlightRecord(reason))
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "flight record: %v", err)
+	}
+	resp.Json = string(b)
+	return resp, nil
 }
 
 func (s *Service) AllocSegment(_ context.Context, req *v1.AllocSegmentRequest) (*v1.AllocSegmentResponse, error) {

@@ -94,10 +94,20 @@ type Endpoint struct {
 	refID     uint64
 	peerMaps  map[mapKey][]byte // peers' segments mapped here (invariant 6)
 	unmatched []atomic.Int64    // per peer: what its early frames are charged (invariant 8)
+	progress  func() (started, finished uint64)
+	peerSeen  []PeerProgress // per peer: its progress as its last heartbeat told, and when
 
 	BytesSent, BytesReceived atomic.Uint64
 	// BytesByRef counts the bytes of BytesSent that went by reference (same host).
 	BytesByRef atomic.Uint64
+}
+
+// PeerProgress is what a peer's last heartbeat said about its side of the group: how many
+// collectives it had started and finished (so the last of each is that count minus one),
+// and when that heartbeat arrived (a busy link carries data instead of heartbeats).
+type PeerProgress struct {
+	Started, Finished uint64
+	Heard             time.Time
 }
 
 type collKey struct {
@@ -363,6 +373,49 @@ func (ep *Endpoint) OnBreak(f func(error)) {
 	}
 	ep.onBreak = append(ep.onBreak, f)
 	ep.mu.Unlock()
+}
+
+// SetProgress tells the endpoint how far this member got (collectives started and finished),
+// which its heartbeats carry to the peers.
+func (ep *Endpoint) SetProgress(f func() (started, finished uint64)) {
+	ep.mu.Lock()
+	ep.progress = f
+	ep.mu.Unlock()
+}
+
+// Peers returns each peer's progress as its heartbeats told (this rank's entry is zero).
+func (ep *Endpoint) Peers() []PeerProgress {
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	return append([]PeerProgress(nil), ep.peerSeen...)
+}
+
+// PeerTimeout is how long a peer may stay silent before it counts as dead.
+func (ep *Endpoint) PeerTimeout() time.Duration { return ep.node.peerTimeout }
+
+// heartbeat wakes every idle link five times per peer timeout, so that each sends a beat and
+// the peers' readers, which give a link up after four fifths of it in silence, know this side
+// lives. It runs until the endpoint breaks or closes.
+func (ep *Endpoint) heartbeat() {
+	t := time.NewTicker(ep.node.peerTimeout / 5)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+		case <-ep.brokenC:
+			return
+		case <-ep.ctx.Done():
+			return
+		}
+		ep.mu.Lock()
+		links := append([]*outLink(nil), ep.out...)
+		ep.mu.Unlock()
+		for _, l := range links {
+			if l != nil {
+				l.beat()
+			}
+		}
+	}
 }
 
 // Connect starts the links to every peer (in the background) instead of on first use, so

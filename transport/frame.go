@@ -21,6 +21,9 @@ const (
 	kindAbort uint8 = 3 // the sender broke the group; payload is the reason
 	kindBye   uint8 = 4 // the sender is leaving the group on purpose
 	kindAck   uint8 = 5 // the receiver is done with a payload sent by reference (seq: its id)
+	// kindBeat: the sender is alive; seq and count carry its group's progress (the last
+	// collective started and finished, each plus one, 0 for none). Sent on idle links.
+	kindBeat uint8 = 6
 )
 
 // Frame flags.
@@ -105,7 +108,7 @@ func readFrame(r io.Reader, buf []byte) (frame, error) {
 		length: le.Uint64(buf[40:]),
 		ref:    le.Uint32(buf[28:])&flagRef != 0,
 	}
-	if f.kind < kindColl || f.kind > kindAck {
+	if f.kind < kindColl || f.kind > kindBeat {
 		return frame{}, fmt.Errorf("bad frame kind %d", f.kind)
 	}
 	if f.length > maxFrame && !f.ref {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"sync"
 	"time"
 
@@ -69,15 +70,47 @@ func (p payload) keep(ep *Endpoint, f *frame, from int) (*early, error) {
 	return e, nil
 }
 
+// liveConn is an inbound link read with a deadline that every read pushes on: a peer that
+// sends nothing, not even a heartbeat, for limit is given up (os.ErrDeadlineExceeded). The
+// limit is silenceLimit of the peer timeout, so that the ranks hear of the break within it.
+type liveConn struct {
+	net.Conn
+	limit time.Duration
+}
+
+func (c liveConn) Read(b []byte) (int, error) {
+	c.SetReadDeadline(time.Now().Add(c.limit))
+	return c.Conn.Read(b)
+}
+
+// linkError says why a link to or from a peer failed; silence past the peer timeout is
+// named as such, since the connection itself never reports it.
+func (ep *Endpoint) linkError(dir string, peer int, err error) error {
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		limit := ep.node.peerTimeout
+		if dir == "came from" {
+			limit = limit * silenceLimit / 5
+		}
+		return fmt.Errorf("%w: rank %d: nothing %s it for %v (no heartbeat: its sidecar is stopped or its host unreachable)",
+			ErrPeerLost, peer, dir, limit)
+	}
+	word := "from"
+	if dir == "went to" {
+		word = "to"
+	}
+	return fmt.Errorf("%w: link %s rank %d: %v", ErrPeerLost, word, peer, err)
+}
+
 // reader runs for one inbound link: it matches frames to receives until the link closes.
 //
 // refPID is the process the link's dialer proved it can lend segments of (the handshake's
 // same-host probe); 0 where the link was granted no references, and a frame by reference
 // on it breaks the group: the peer holds the secret but breaks the protocol.
-func (ep *Endpoint) reader(from int, conn net.Conn, refPID int) {
+func (ep *Endpoint) reader(from int, raw net.Conn, refPID int) {
 	defer ep.readers.Done()
 	defer close(ep.inEnded[from]) // once any Break of this reader happened (lost, invariant 7)
-	defer conn.Close()
+	defer raw.Close()
+	conn := liveConn{raw, ep.node.peerTimeout * silenceLimit / 5}
 	hdr := make([]byte, frameHeader)
 	trailer := make([]byte, refTrailer)
 	scratch := make([]byte, 256<<10)
@@ -88,9 +121,15 @@ func (ep *Endpoint) reader(from int, conn net.Conn, refPID int) {
 			left, broken := ep.left[from], ep.broken != nil
 			ep.mu.Unlock()
 			if !left && !broken {
-				ep.Break(fmt.Errorf("%w: link from rank %d: %v", ErrPeerLost, from, err))
+				ep.Break(ep.linkError("came from", from, err))
 			}
 			return
+		}
+		if f.kind == kindBeat {
+			ep.mu.Lock()
+			ep.peerSeen[from] = PeerProgress{Started: f.seq, Finished: f.sig.Count, Heard: time.Now()}
+			ep.mu.Unlock()
+			continue
 		}
 		ep.BytesReceived.Add(f.length)
 		p := payload{conn: conn}
@@ -103,7 +142,7 @@ func (ep *Endpoint) reader(from int, conn net.Conn, refPID int) {
 				ep.Break(fmt.Errorf("rank %d: %w", from, err))
 				return
 			} else if err != nil {
-				ep.Break(fmt.Errorf("%w: link from rank %d: %v", ErrPeerLost, from, err))
+				ep.Break(ep.linkError("came from", from, err))
 				return
 			}
 		}
@@ -136,7 +175,7 @@ func (ep *Endpoint) reader(from int, conn net.Conn, refPID int) {
 			return
 		}
 		if err != nil {
-			ep.Break(fmt.Errorf("%w: link from rank %d: %v", ErrPeerLost, from, err))
+			ep.Break(ep.linkError("came from", from, err))
 			return
 		}
 	}
@@ -179,10 +218,17 @@ func (ep *Endpoint) resolveRef(from int, f *frame, conn io.Reader, trailer []byt
 	return payload{ref: m[off : off+f.length : off+f.length], ack: ack}, nil
 }
 
-// failPostedFrom fails the receives that wait on a peer that left.
+// failPostedFrom fails the receives that wait on a peer that left, and the sends by
+// reference that wait for its ack (a leaver acks nothing more).
 func (ep *Endpoint) failPostedFrom(from int) {
 	ep.mu.Lock()
 	var reqs []*Request
+	for k, r := range ep.acks {
+		if k.peer == from {
+			reqs = append(reqs, r)
+			delete(ep.acks, k)
+		}
+	}
 	for k, r := range ep.posted {
 		if k.src == from {
 			reqs = append(reqs, r)
@@ -331,6 +377,20 @@ type outLink struct {
 	err   error  // set when the link failed; queued and later messages fail with it
 	stop  string // "abort" or "bye": send the final frame after the queue, then close
 	why   error
+	// beating: the heartbeat asked for a beat; sent only when nothing else was written
+	// since the last tick (any frame tells the peer this side lives)
+	beating, wrote bool
+}
+
+// beat asks the writer for a heartbeat frame, unless it wrote something since the last ask.
+func (l *outLink) beat() {
+	l.mu.Lock()
+	if !l.wrote {
+		l.beating = true
+		l.cond.Signal()
+	}
+	l.wrote = false
+	l.mu.Unlock()
 }
 
 func (l *outLink) enqueue(m *outMsg) {
@@ -405,8 +465,14 @@ func (l *outLink) run() {
 	hdr := make([]byte, frameHeader+refTrailer)
 	for {
 		l.mu.Lock()
-		for len(l.q) == 0 && l.stop == "" && err == nil {
+		for len(l.q) == 0 && l.stop == "" && err == nil && !l.beating {
 			l.cond.Wait()
+		}
+		if err == nil && len(l.q) == 0 && l.stop == "" && l.beating {
+			l.beating = false
+			l.mu.Unlock()
+			err = l.writeBeat(conn, hdr)
+			continue
 		}
 		if err != nil || len(l.q) == 0 {
 			stop, why := l.stop, l.why
@@ -418,7 +484,7 @@ func (l *outLink) run() {
 				// endpoint's cause, so an op reports the same reason as the endpoint.
 				aborted := errors.Is(err, ErrAborted)
 				if !aborted {
-					err = fmt.Errorf("%w: link to rank %d: %v", ErrPeerLost, l.to, err)
+					err = ep.linkError("went to", l.to, err)
 				}
 				switch {
 				case stop != "": // this rank broke or left already
@@ -440,6 +506,7 @@ func (l *outLink) run() {
 		}
 		m := l.q[0]
 		l.q = l.q[1:]
+		l.wrote = true
 		l.mu.Unlock()
 		if err = l.write(conn, hdr, m, refs); err != nil {
 			// back in front: it fails with the link's error above
@@ -464,6 +531,7 @@ func (l *outLink) write(conn net.Conn, hdr []byte, m *outMsg, refs bool) error {
 			ep.acks[ackKey{l.to, id}] = m.req
 			ep.mu.Unlock()
 			f.encode(hdr)
+			conn.SetWriteDeadline(time.Now().Add(ep.node.peerTimeout))
 			le := binary.LittleEndian
 			t := hdr[frameHeader:]
 			le.PutUint32(t, uint32(ep.node.probe.pid))
@@ -483,16 +551,50 @@ func (l *outLink) write(conn net.Conn, hdr []byte, m *outMsg, refs bool) error {
 		}
 	}
 	f.encode(hdr)
-	bufs := net.Buffers{hdr[:frameHeader], m.data}
+	// The deadline moves on with every chunk: a peer that takes no byte for a peer timeout
+	// is dead, however large the frame.
+	conn.SetWriteDeadline(time.Now().Add(ep.node.peerTimeout))
+	first := min(len(m.data), writeChunk)
+	bufs := net.Buffers{hdr[:frameHeader], m.data[:first]}
 	if _, err := bufs.WriteTo(conn); err != nil {
 		return err
+	}
+	for rest := m.data[first:]; len(rest) > 0; {
+		n := min(len(rest), writeChunk)
+		conn.SetWriteDeadline(time.Now().Add(ep.node.peerTimeout))
+		if _, err := conn.Write(rest[:n]); err != nil {
+			return err
+		}
+		rest = rest[n:]
 	}
 	ep.BytesSent.Add(uint64(len(m.data)))
 	m.req.finish(nil)
 	return nil
 }
 
-// final writes the closing frame (abort with its reason, or bye), best effort.
+// silenceLimit is the fifths of the peer timeout a link may stay silent (heartbeats go at
+// one fifth): the rest is for the break to reach every rank.
+const silenceLimit = 4
+
+// writeChunk is how much of an inline payload goes out under one write deadline.
+const writeChunk = 4 << 20
+
+// writeBeat sends a heartbeat with this member's progress (kindBeat).
+func (l *outLink) writeBeat(conn net.Conn, hdr []byte) error {
+	ep := l.ep
+	f := frame{kind: kindBeat}
+	ep.mu.Lock()
+	progress := ep.progress
+	ep.mu.Unlock()
+	if progress != nil {
+		f.seq, f.sig.Count = progress()
+	}
+	f.encode(hdr)
+	conn.SetWriteDeadline(time.Now().Add(ep.node.peerTimeout))
+	_, err := conn.Write(hdr[:frameHeader])
+	return err
+}
+
 // watch reads the link this rank dialed, on which the peer writes only when it cannot
 // reach this rank otherwise: an abort (Endpoint.abortBack), which breaks the group here with
 // the peer's reason. It ends when the link closes.
@@ -509,6 +611,7 @@ func (l *outLink) watch(conn net.Conn) {
 	}
 }
 
+// final writes the closing frame (abort with its reason, or bye), best effort.
 func (l *outLink) final(conn net.Conn, hdr []byte, stop string, why error) {
 	conn.SetWriteDeadline(time.Now().Add(2 * time.Second))
 	if stop == "abort" {

@@ -29,6 +29,8 @@ type Node struct {
 	locate    func(b []byte) (fd int, ino, off uint64, ok bool)
 	probe     probe
 	probeSeg  *shm.Segment
+	// peerTimeout: a link that carries no frame for this long is dead (Config.PeerTimeout)
+	peerTimeout time.Duration
 	// handshake bounds an unauthenticated link's handshake; handshakesMax caps how many are
 	// in progress at once (the oldest is closed to make room for a new one).
 	handshake     time.Duration
@@ -83,6 +85,11 @@ type Config struct {
 	Locate func(b []byte) (fd int, ino, off uint64, ok bool)
 	// ShmDir holds the probe file peers open to check they share this host.
 	ShmDir string
+	// PeerTimeout is the most a dead or silent peer holds up the group: every link carries a
+	// heartbeat at a fifth of it when idle, and a link that carries no frame for four fifths
+	// of it, or takes none of this side's bytes for all of it, breaks the group with the
+	// peer lost. Default 5 s.
+	PeerTimeout time.Duration
 }
 
 // socketBuffer is the send and receive buffer asked for on every link: large enough to keep
@@ -102,12 +109,13 @@ func Listen(cfg Config) (*Node, error) {
 	}
 	_, port, _ := net.SplitHostPort(ln.Addr().String())
 	n := &Node{
-		ln:        ln,
-		advertise: net.JoinHostPort(cfg.Advertise, port),
-		log:       cfg.Log,
-		joinWait:  cmp.Or(cfg.JoinWait, 60*time.Second),
-		dialLimit: cmp.Or(cfg.DialTimeout, 10*time.Second),
-		handshake: cmp.Or(cfg.HandshakeTimeout, 5*time.Second),
+		ln:          ln,
+		advertise:   net.JoinHostPort(cfg.Advertise, port),
+		log:         cfg.Log,
+		joinWait:    cmp.Or(cfg.JoinWait, 60*time.Second),
+		dialLimit:   cmp.Or(cfg.DialTimeout, 10*time.Second),
+		peerTimeout: cmp.Or(cfg.PeerTimeout, 5*time.Second),
+		handshake:   cmp.Or(cfg.HandshakeTimeout, 5*time.Second),
 		// a cap of 1 would let every new connection close the one before it
 		handshakesMax: max(cmp.Or(cfg.HandshakesMax, 64), 2),
 		unmatchedMax:  cmp.Or(cfg.UnmatchedMax, 1<<30),
@@ -211,6 +219,7 @@ func (n *Node) Join(secret []byte, rank int, peers []string) (*Endpoint, error) 
 		brokenC:   make(chan struct{}),
 		inEnded:   make([]chan struct{}, size),
 		unmatched: make([]atomic.Int64, size),
+		peerSeen:  make([]PeerProgress, size),
 	}
 	for i := range ep.inEnded {
 		ep.inEnded[i] = make(chan struct{})
@@ -227,6 +236,7 @@ func (n *Node) Join(secret []byte, rank int, peers []string) (*Endpoint, error) 
 	}
 	n.groups[ep.id] = ep
 	delete(n.gone, ep.id)
+	go ep.heartbeat() // every link a peer reads gets beats, dialed eagerly (Connect) or not
 	return ep, nil
 }
 
@@ -434,7 +444,12 @@ func (n *Node) dial(ep *Endpoint, to int, quick bool) (net.Conn, bool, error) {
 			return nil, false, err
 		case errors.Is(err, errUnknownGroup): // also for an abort: the peer may be about to join
 			retry = time.Since(start) < n.joinWait
-		case errors.Is(err, syscall.ECONNREFUSED), errors.Is(err, errBusy):
+		case errors.Is(err, syscall.ECONNREFUSED):
+			// A refused connection is retried for a quarter of the peer timeout only: the
+			// peer published its address after it listened, so a refusal that lasts means it
+			// died.
+			retry = !quick && time.Since(start) < min(n.dialLimit, n.peerTimeout/4)
+		case errors.Is(err, errBusy):
 			retry = !quick && time.Since(start) < n.dialLimit
 		}
 		if !retry || ctx.Err() != nil {

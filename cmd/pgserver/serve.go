@@ -102,7 +102,7 @@ func run(args []string) error {
 	log.Info("peer address", "advertise", host, "why", why, "listen", cmp.Or(listen, host))
 	var srv *pg.Server // set before any group exists, so before Locate is ever called
 	node, err := transport.Listen(transport.Config{
-		Listen: listen, Advertise: host, Log: log,
+		Listen: listen, Advertise: host, Log: log, PeerTimeout: cfg.Peers.DeadTimeout,
 		HandshakeTimeout: cfg.Peers.HandshakeTimeout, HandshakesMax: cfg.Peers.HandshakesMax,
 		UnmatchedMax: cfg.Peers.UnmatchedBytesMax,
 		Locate:       func(b []byte) (int, uint64, uint64, bool) { return srv.Locate(b) },
@@ -115,6 +115,8 @@ func run(args []string) error {
 	if err != nil {
 		return err
 	}
+	pcfg.TraceSize, pcfg.DumpOnFailure = cfg.Trace.Size, cfg.Trace.OnFailure
+	pcfg.TraceFile = traceFile(cfg.Trace.File, o.logFile)
 	srv = pg.NewServer(pcfg, node, log)
 
 	uln, err := listenUnix(o.socket)
@@ -124,18 +126,26 @@ func run(args []string) error {
 	ln := &peerCredListener{Listener: uln, log: log, uid: os.Getuid()}
 	gs := grpc.NewServer()
 	var once sync.Once
-	stop := func(reason string) {
+	// stop is the client's Shutdown: its sessions leave in order. abandon is any other end
+	// (a signal, the parent rank gone): the groups are aborted, so peers fail at once.
+	end := func(reason string, orderly bool) {
 		once.Do(func() {
-			log.Info("shutting down", "reason", reason)
-			srv.Shutdown(reason)
+			log.Info("shutting down", "reason", reason, "orderly", orderly)
+			if orderly {
+				srv.Shutdown(reason)
+			} else {
+				srv.Abandon(reason)
+			}
 			gs.Stop()
 		})
 	}
-	rpc.NewService(srv, rpc.Host{RuntimeDir: o.runtimeDir, LogFile: o.logFile, A2A: cfg.A2A}, stop).Register(gs)
+	stop := func(reason string) { end(reason, true) }
+	abandon := func(reason string) { end(reason, false) }
+	rpc.NewService(srv, rpc.Host{RuntimeDir: o.runtimeDir, LogFile: o.logFile, A2A: cfg.A2A, TraceSize: cfg.Trace.Size}, stop).Register(gs)
 
-	handleSignals(log, stop)
+	handleSignals(log, o.parentPID, abandon, func() { srv.DumpFlightRecord("SIGUSR1") })
 	if o.parentPID > 0 {
-		go watchParent(o.parentPID, stop)
+		go watchParent(o.parentPID, abandon)
 	}
 	log.Info("serving", "version", version, "socket", o.socket, "peers", node.Addr(), "parent", o.parentPID)
 	err = gs.Serve(ln)
@@ -220,7 +230,7 @@ func openLog(path, level string, lc config.Log) (*slog.Logger, func(), error) {
 func watchParent(pid int, stop func(string)) {
 	for range time.Tick(200 * time.Millisecond) {
 		if err := unix.Kill(pid, 0); errors.Is(err, unix.ESRCH) || os.Getppid() != pid {
-			stop(fmt.Sprintf("parent process %d exited", pid))
+			stop(fmt.Sprintf("the training process (pid %d) exited without leaving the group", pid))
 			return
 		}
 	}
@@ -251,20 +261,49 @@ func engines(log *slog.Logger, cfg config.Config, spin time.Duration) (pg.Config
 	return pg.Config{Version: version, Spin: spin, Device: dev, Sparse: chooser, Node: facts}, nil
 }
 
-// handleSignals stops on SIGTERM, SIGINT and SIGHUP, and logs every goroutine's stack on
-// SIGUSR1.
-func handleSignals(log *slog.Logger, stop func(reason string)) {
+// handleSignals stops on SIGTERM, SIGINT and SIGHUP (the parent rank's death arrives as
+// SIGTERM, PDEATHSIG), and on SIGUSR1 dumps the flight record and logs every goroutine's
+// stack, and goes on serving: what a hang is waiting for.
+func handleSignals(log *slog.Logger, parent int, stop func(reason string), flight func()) {
 	sigs := make(chan os.Signal, 1)
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
-	go func() { stop(fmt.Sprintf("signal %v", <-sigs)) }()
-	// SIGUSR1 logs every goroutine's stack and goes on serving: what a hang is waiting for.
+	go func() {
+		sig := <-sigs
+		// PDEATHSIG comes as the parent's thread exits, before the parent is gone (a large
+		// process takes a while to die): up to a second tells a dead parent from a signal
+		// sent to pgserver
+		for i := 0; parent > 0 && i < 200; i++ {
+			if os.Getppid() != parent {
+				stop(fmt.Sprintf("the training process (pid %d) died", parent))
+				return
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		stop(fmt.Sprintf("pgserver got signal %v", sig))
+	}()
 	dump := make(chan os.Signal, 1)
 	signal.Notify(dump, syscall.SIGUSR1)
 	go func() {
 		for range dump {
+			flight()
 			var b strings.Builder
 			pprof.Lookup("goroutine").WriteTo(&b, 2)
 			log.Warn("goroutine dump (SIGUSR1)", "stacks", b.String())
 		}
 	}()
+}
+
+// traceFile names the flight record's dump for a rank: prefix plus the rank, as torch's
+// TORCH_NCCL_DEBUG_INFO_TEMP_FILE; without a prefix, next to the log (its name with
+// .trace.json for .log); with neither, none.
+func traceFile(prefix, logFile string) func(rank int) string {
+	return func(rank int) string {
+		switch {
+		case prefix != "":
+			return fmt.Sprintf("%s%d", prefix, rank)
+		case logFile != "":
+			return strings.TrimSuffix(logFile, ".log") + ".trace.json"
+		}
+		return ""
+	}
 }

@@ -79,7 +79,8 @@
 //
 // Reports: the output splits are always written (an overflow shows as their sum passing
 // the capacity). The host-mapped words at err (u32) are: [0] = 1 once a wait gave up (the
-// shim aborts the group at its next call), [1] = ops whose splits this rank found invalid
+// shim aborts the group at its next call; the shim also sets it when the group broke, and
+// waits then give up at once), [1] = ops whose splits this rank found invalid
 // (negative, or more rows than its input: it published zeros and sent nothing), [2] = ops
 // with a row size that differs between ranks (nothing written).
 //
@@ -143,10 +144,11 @@ __device__ __forceinline__ uint64_t* csig_of(uint64_t base, int s, int part) {
 // of an earlier op is always below any of a later one).
 __device__ __forceinline__ uint64_t stage(uint64_t epoch, int64_t k) { return (epoch << 24) | (uint64_t)k; }
 
-// Spins until *sig >= want; false (and *late set) once the deadline passed.
-__device__ __forceinline__ bool wait_ge(const uint64_t* sig, uint64_t want, uint64_t deadline, int* late) {
+// Spins until *sig >= want; false (and *late set) once the deadline passed or the shim set
+// err[0] (give_up).
+__device__ __forceinline__ bool wait_ge(const uint64_t* sig, uint64_t want, uint64_t deadline, uint64_t err, int* late) {
   for (uint32_t spins = 0; ld_acquire_sys(sig) < want; spins++) {
-    if ((spins & 255) == 255 && now_ns() > deadline) {
+    if ((spins & 255) == 255 && give_up(deadline, err)) {
       atomicExch(late, 1);
       return false;
     }
@@ -228,7 +230,7 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
     for (int j = 0; j < n + 4 && !late; j++) {
       uint64_t w;
       for (uint32_t spins = 0; ((w = row[j]) >> 32) != (epoch & 0xffffffffull); spins++) {
-        if ((spins & 255) == 255 && now_ns() > deadline) {
+        if ((spins & 255) == 255 && give_up(deadline, a.err)) {
           atomicExch(&late, 1);
           break;
         }
@@ -304,7 +306,7 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
           const int64_t chunk = staged_d ? slot / a.parts : ((len + a.parts - 1) / a.parts + 15) & ~(int64_t)15;
           const int64_t lo = min(part * chunk, len), hi = min(lo + chunk, len);
           if (hi > lo) {
-            if (threadIdx.x == 0) ok = k == 0 || wait_ge(csig_of(mine, d, part), stage(epoch, k), deadline, &late);
+            if (threadIdx.x == 0) ok = k == 0 || wait_ge(csig_of(mine, d, part), stage(epoch, k), deadline, a.err, &late);
             __syncthreads();
             if (!ok) break;
             block_copy(to + lo, in + k * sq + lo, hi - lo);
@@ -320,7 +322,7 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
           const int64_t chunk = staged_in ? slot / a.parts : ((len + a.parts - 1) / a.parts + 15) & ~(int64_t)15;
           const int64_t lo = min(part * chunk, len), hi = min(lo + chunk, len);
           if (hi > lo) {
-            if (threadIdx.x == 0) ok = wait_ge(dsig_of(mine, d, part), stage(epoch, k + 1), deadline, &late);
+            if (threadIdx.x == 0) ok = wait_ge(dsig_of(mine, d, part), stage(epoch, k + 1), deadline, a.err, &late);
             __syncthreads();
             if (!ok) break;
             if (copy_out) block_copy(out + in_off * rb + k * rq + lo, from + lo, hi - lo);

@@ -31,7 +31,8 @@
 //
 // Sums are taken in float32 in rank order 0..n-1 and rounded once, so every rank gets the
 // same bits. A wait that passes the deadline sets *err (host-mapped memory the shim checks
-// before its next op) and the block gives up; the output is then not valid.
+// before its next op) and the block gives up; the output is then not valid. A wait also
+// gives up once the shim set *err itself (the group broke: a peer is gone).
 #include <stdint.h>
 
 #include "float.cuh"
@@ -99,7 +100,7 @@ __device__ bool barrier(const ArArgs& a, int phase, uint64_t epoch, uint64_t dea
       // is 64 bits and starts at 1, so a block left unused for a while (smaller grids) has
       // an old value that never compares as new.
       if (v >= epoch) break;
-      if ((spins & 1023) == 1023 && now_ns() > deadline) {
+      if ((spins & 1023) == 1023 && give_up(deadline, a.err)) {
         *reinterpret_cast<volatile uint32_t*>(a.err) = 1;
         __threadfence_system();
         ok = false;

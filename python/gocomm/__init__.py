@@ -29,6 +29,7 @@ __all__ = [
     "__version__",
     "all_to_all_v",
     "find_pgserver",
+    "flight_record",
     "info",
     "moe",
     "receive_buffer",
@@ -81,6 +82,44 @@ def info() -> dict:
         "capabilities": dict(sc.capabilities),
         "groups": groups,
     }
+
+
+def flight_record(dump: bool = False) -> dict:
+    """The flight recorder of this process's sidecar, as torch's ProcessGroupNCCL keeps one:
+    the last ops of every group (GOCOMM_TRACE_BUFFER_SIZE per group) and how far each peer got.
+
+    Args:
+        dump: also write the record to the sidecar's log and its dump file
+            (GOCOMM_DEBUG_INFO_TEMP_FILE followed by the rank; unset: next to the log), as a
+            group that breaks or SIGUSR1 to pgserver does.
+
+    Returns:
+        {} where no sidecar runs; else {"version", "pid", "rank", "time", "reason", "groups":
+        [{"handle", "name", "rank", "size", "broken" (why, once it broke), "last_enqueued",
+        "last_started", "last_finished" (this rank's last collective seq submitted, started
+        and finished, -1: none),
+        "peers": [{"rank", "last_started", "last_finished", "heard_s_ago"}] (from the peers'
+        heartbeats), "ops": [{"id", "seq" (collective number, the same call on every rank;
+        -1: send/recv), "p2p_seq" (send/recv numbered on this rank), "op", "engine", "dtype", "reduce_op", "count", "bytes", "peer", "tag",
+        "timeout_s", "enqueued", "started", "ended", "state", "error"}, ...] (oldest first)}],
+        "path" (the dump file, when dump), "inprocess": [the last in-process kernel launches:
+        {"group", "op", "dtype", "bytes", "device", "launched"}]}.
+    """
+    import json
+
+    from . import _inprocess, _sidecar
+    from .v1 import pgserver_pb2 as pb
+
+    sc = _sidecar.current()
+    if sc is None:
+        return {}
+    resp = sc.call("FlightRecord", pb.FlightRecordRequest(dump=dump, reason="gocomm.flight_record()"))
+    rec = json.loads(resp.json)
+    rec["groups"] = rec.get("groups") or []
+    if resp.path:
+        rec["path"] = resp.path
+    rec["inprocess"] = list(_inprocess.launches)
+    return rec
 
 
 _check_environment()

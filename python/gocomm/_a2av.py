@@ -155,6 +155,11 @@ class Path:
         """Whether a kernel of this path gave up waiting for a peer."""
         return self._words[0] != 0
 
+    def give_up(self) -> None:
+        """Make the path's kernels stop waiting for peers (the group broke): a running or
+        queued one gives up at its next check, and the output is not valid."""
+        self._words[0] = 1
+
     def report(self, group: str) -> None:
         """Log what the kernels found since the last call (they cannot raise)."""
         for i, what in enumerate(

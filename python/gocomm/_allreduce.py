@@ -139,6 +139,11 @@ class Path:
         """Whether a kernel of this path gave up waiting for a peer."""
         return self._errword.value != 0
 
+    def give_up(self) -> None:
+        """Make the path's kernels stop waiting for peers (the group broke): a running or
+        queued one gives up at its next check, and the output is not valid."""
+        self._errword.value = 1
+
     def run(self, t: torch.Tensor, redop: int) -> tuple[int | None, int]:
         """Queue the all_reduce of t (in place) on the current stream; call under the group's
         CUDA lock. Returns (the event recorded after it, None while capturing a graph; the

@@ -43,6 +43,16 @@ def _seconds(timeout) -> float:
     return float(timeout)
 
 
+def _store_gone(group_name: str, rank: int, size: int, e: BaseException) -> dist.DistBackendError:
+    """The error of a group creation whose torch Store stopped answering: its host (rank 0's
+    process under env:// and tcp://) died or went away. It says so, instead of the socket's
+    own words."""
+    return dist.DistBackendError(
+        f"gocomm: creating group {group_name!r} (rank {rank} of {size}): the torch Store stopped answering "
+        f"({type(e).__name__}: {e}); its host (rank 0 under env:// and tcp://) may have died"
+    )
+
+
 class _Group(InProcessKernels):
     """The control plane's state of one gocomm group on this rank. The C++ backend holds it
     (and it holds the backend weakly), so it lives as long as the group."""
@@ -70,8 +80,11 @@ class _Group(InProcessKernels):
         # Which host each rank is on (_routes.host_id), before this process's sidecar starts:
         # a job all on one host listens on loopback only.
         host = _routes.host_id()
-        store.set(f"gocomm/host/{rank}", host)
-        hosts = [store.get(f"gocomm/host/{r}").decode() for r in range(size)]
+        try:
+            store.set(f"gocomm/host/{rank}", host)
+            hosts = [store.get(f"gocomm/host/{r}").decode() for r in range(size)]
+        except (dist.DistError, RuntimeError) as e:
+            raise _store_gone(group_name, rank, size, e) from e
         self._sc = _sidecar.get(global_rank, lambda: _sidecar.rendezvous_host(store, set(hosts) == {host}))
         resp = self._sc.call(
             "CreateGroup",
@@ -88,17 +101,22 @@ class _Group(InProcessKernels):
         self._slot = resp.counter_slot
         # Bootstrap through the group's Store: rank 0 hands out the secret peer links are
         # authenticated with; every rank publishes where its sidecar listens.
-        if rank == 0:
-            store.set("gocomm/secret", os.urandom(32).hex())
-        secret = bytes.fromhex(store.get("gocomm/secret").decode())
-        store.set(f"gocomm/boot/{rank}", resp.bootstrap)
-        store.set(f"gocomm/sparse/{rank}", f"{self._sc.sparse_transport} {host}")
-        blobs = [store.get(f"gocomm/boot/{r}") for r in range(size)]
+        try:
+            if rank == 0:
+                store.set("gocomm/secret", os.urandom(32).hex())
+            secret = bytes.fromhex(store.get("gocomm/secret").decode())
+            store.set(f"gocomm/boot/{rank}", resp.bootstrap)
+            store.set(f"gocomm/sparse/{rank}", f"{self._sc.sparse_transport} {host}")
+            blobs = [store.get(f"gocomm/boot/{r}") for r in range(size)]
+            sparse = [store.get(f"gocomm/sparse/{r}").decode() for r in range(size)]
+        except (dist.DistError, RuntimeError) as e:
+            # the Store's host (rank 0's process under env:// and tcp://) died or went away:
+            # say so, instead of the socket's own words, and leave the group to no one
+            self._sc.call("DestroyGroup", pb.DestroyGroupRequest(session=self._sc.session, group=self._handle))
+            raise _store_gone(group_name, rank, size, e) from e
         # which engine runs each op (gocomm/_routes.py), from every member's sidecar's choice
         # and host, and the knobs every rank shares
-        facts = _routes.Facts.agree(
-            [store.get(f"gocomm/sparse/{r}").decode() for r in range(size)], _allreduce.configured_max()
-        )
+        facts = _routes.Facts.agree(sparse, _allreduce.configured_max())
         self._routes = _routes.Routes(facts, group_name, self._sc.sparse_reason)
         conn = self._sc.call(
             "ConnectGroup",
@@ -112,6 +130,10 @@ class _Group(InProcessKernels):
         self._a2av: dict[int, _a2av.Path | None] = {}
         # in-process kernel launches of this group (the C++ backend orders its own CUDA ops)
         self._cuda_lock = threading.Lock()
+        # the sidecar's word that the group broke (a peer died or went silent, an op timed
+        # out), reported on the watch stream before any op of this rank may have failed
+        self._sidecar_broken: str | None = None
+        self._sc.on_group_broken(self._handle, self._sidecar_broke)
         # the group's Store, for the NVSHMEM unique id of the sidecar's all_to_all_v kernel
         # (_shmem_id), handed over at the group's first such op
         self._store = store
@@ -161,8 +183,9 @@ class _Group(InProcessKernels):
 
     @property
     def _broken(self) -> str | None:
+        """The first failure of an op of this group, else the sidecar's report that it broke."""
         b = self._ref.get()
-        return b.broken if b is not None else None
+        return (b.broken if b is not None else None) or self._sidecar_broken
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor):
         return self._ref.get()._allgather_base(output, input, torch._C._distributed_c10d.AllgatherOptions())
@@ -208,6 +231,16 @@ class _Group(InProcessKernels):
             )
         except SidecarError as e:
             log.warning("gocomm: destroying group %r: %s", self._group_name, e)
+
+    def _sidecar_broke(self, detail: str) -> None:
+        """The sidecar reports the group broken (a peer died or went silent, an op timed
+        out): later in-process ops go to the sidecar, which raises with the cause, and
+        in-process kernels waiting for a peer give up now rather than at the group's timeout."""
+        if self._sidecar_broken is None:
+            self._sidecar_broken = f"gocomm: {detail}"
+        for path in (*self._ar.values(), *self._a2av.values()):
+            if path is not None:
+                path.give_up()
 
     def _abort(self) -> None:
         """The backend's abort(): fail everything pending on the group, here and on its peers."""

@@ -175,6 +175,15 @@ KNOBS: tuple[Knob, ...] = (
         "The same on every rank",
         aliases=("GOCOMM_A2AV_HERE",),
     ),
+    Knob(
+        "GOCOMM_ASYNC_ERROR_HANDLING",
+        "2",
+        _int_in(0, 3),
+        "0, 1, 2 or 3",
+        "what a group that breaks while nobody waits on it does to the process, as TORCH_NCCL_ASYNC_ERROR_HANDLING: "
+        "0 and 2 raise from the next wait() or call on the group (the sidecar aborts the group either way); "
+        "1 and 3 tear the process down (SIGABRT) as soon as the sidecar reports the break",
+    ),
 )
 
 _BY_NAME = {k.name: k for k in KNOBS}
@@ -279,6 +288,10 @@ def ar_blocks() -> int:
 
 def a2av_inprocess() -> bool:
     return get("GOCOMM_A2AV_INPROCESS")
+
+
+def async_error_handling() -> int:
+    return get("GOCOMM_ASYNC_ERROR_HANDLING")
 
 
 @dataclass(frozen=True)

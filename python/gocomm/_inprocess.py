@@ -5,7 +5,9 @@ all_to_all_v kernel, its fallback."""
 
 from __future__ import annotations
 
+import collections
 import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -14,6 +16,28 @@ from . import _a2av, _allreduce, _capture, _cuda, _peers
 from .v1 import pgserver_pb2 as pb
 
 log = logging.getLogger("gocomm")
+
+# The in-process kernels' part of the flight record (gocomm.flight_record()["inprocess"]): the
+# last kernel launches of this process, oldest first. A launch is asynchronous: its end is
+# the stream's business, and a kernel that gave up waiting for a peer shows as the group's
+# next call raising. Sized by GOCOMM_TRACE_BUFFER_SIZE (the sidecar's reading, at attach).
+launches: collections.deque = collections.deque(maxlen=2000)
+
+
+def _launched(pg, op: str, t: torch.Tensor, idx: int) -> None:
+    global launches
+    if launches.maxlen != pg._sc.trace_size:
+        launches = collections.deque(launches, maxlen=pg._sc.trace_size)
+    launches.append(
+        {
+            "group": pg._group_name,
+            "op": op,
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "bytes": t.numel() * t.element_size(),
+            "device": idx,
+            "launched": time.time(),
+        }
+    )
 
 
 class InProcessKernels:
@@ -43,6 +67,7 @@ class InProcessKernels:
             self._fail_kernel("all_reduce")
         with self._cuda_lock, _cuda.on_device(idx):
             ev, stream = path.run(t, redop)
+        _launched(self, "all_reduce", t, idx)
         return _peers.KernelWork([t], ev, stream, idx)
 
     def _a2av_path(self, idx: int):
@@ -84,6 +109,7 @@ class InProcessKernels:
         path.report(self._group_name)
         with self._cuda_lock, _cuda.on_device(path.idx):
             ev, stream = path.run(input, ins, output, None, row)
+        _launched(self, "all_to_all_single", input, path.idx)
         return _peers.KernelWork([output], ev, stream, path.idx)
 
     def _shmem_id(self, device: torch.device) -> None:

@@ -11,9 +11,11 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+import weakref
 
 import grpc
 import torch
@@ -110,6 +112,7 @@ class Sidecar:
         self._closed = False
         self._lost: str | None = None
         self._on_lost: list = []
+        self._on_broken: dict[int, weakref.WeakMethod] = {}  # group handle -> its hook
         address = _config.sidecar()  # unix:///path: the table refuses anything else
         if address:
             self.socket = address[len("unix://") :]
@@ -139,6 +142,8 @@ class Sidecar:
                 f"pgserver on {self.socket} reported no all-to-all settings at attach: older than this shim?"
             )
         self.a2a = a2a
+        # GOCOMM_TRACE_BUFFER_SIZE as the sidecar read it: the shim's kernel launch record uses it too
+        self.trace_size = resp.trace_buffer_size
         self.info = self.call("Info", pb.InfoRequest())  # now naming that choice
         self._watch = self.stub.Watch(pb.WatchRequest(session=self.session))
         first = next(self._watch)
@@ -284,10 +289,39 @@ class Sidecar:
                 if ev.kind == "shutdown":
                     self._mark_lost(f"pgserver closed the session: {ev.detail}")
                     return
+                if ev.kind == "group_broken":
+                    self._group_broken(ev.group, ev.detail)
             self._mark_lost("pgserver closed the session")
         except grpc.RpcError as e:
             if not self._closed:
                 self._mark_lost(f"lost the connection to pgserver ({e.code().name})")
+
+    def on_group_broken(self, handle: int, method) -> None:
+        """Call method(detail) (a bound method, held weakly) when the sidecar reports group
+        handle broken."""
+        self._on_broken[handle] = weakref.WeakMethod(method)
+
+    def _group_broken(self, handle: int, detail: str) -> None:
+        """A group broke (the sidecar aborted it): ops on it raise from now on, and its
+        in-process kernels stop waiting for peers (the group's hook). With
+        GOCOMM_ASYNC_ERROR_HANDLING 1 or 3, as torch's TORCH_NCCL_ASYNC_ERROR_HANDLING, the
+        process is torn down at once instead, so a rank that waits on nothing cannot go on
+        with a broken group."""
+        log.error("gocomm: %s (flight record: %s)", detail, self.log_file or "the sidecar's log")
+        ref = self._on_broken.get(handle)
+        hook = ref() if ref is not None else None
+        if hook is not None:
+            try:
+                hook(detail)
+            except Exception as e:  # noqa: BLE001
+                log.error("gocomm: after group %d broke: %s", handle, e)
+        if _config.async_error_handling() in (1, 3):
+            sys.stderr.write(
+                f"gocomm: tearing the process down (GOCOMM_ASYNC_ERROR_HANDLING="
+                f"{_config.async_error_handling()}): {detail}\n"
+            )
+            sys.stderr.flush()
+            os.abort()
 
     def _mark_lost(self, why: str) -> None:
         if self._closed:
@@ -322,6 +356,12 @@ class Sidecar:
         if self._closed:
             return
         self._closed = True
+        session = getattr(self, "session", None)  # None where closed before attaching
+        if session is not None:
+            try:  # leaving in order: peers still waiting for this rank are told it left
+                self.stub.Detach(pb.DetachRequest(session=session, reason="client closed"), timeout=5)
+            except grpc.RpcError:
+                pass
         try:
             self._watch.cancel()
         except Exception:
