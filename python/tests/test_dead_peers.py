@@ -13,6 +13,7 @@ import shutil
 
 import faults
 import pytest
+import torch
 
 TRIALS = 2
 SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "64MiB": 64 << 20}
@@ -116,7 +117,10 @@ def test_gpu_survivors_raise_naming_the_dead_rank(fault, seed):
     so torch.cuda.synchronize() returns and the next call raises within the limit."""
     for size in (4 << 10, 1 << 20, 64 << 20):
         try:
-            res = faults.trial(fault, size, world=2, seed=seed, device="cuda")
+            # ranks sharing one GPU need the in-process kernel (NCCL takes one rank per GPU):
+            # forced there as test_graph.py forces it
+            env = {"GOCOMM_TRANSPORT": "nvshmem"} if torch.cuda.device_count() < 2 else None
+            res = faults.trial(fault, size, world=2, seed=seed, device="cuda", env=env)
         except faults.Unfit as e:
             pytest.skip(str(e))
         _check(res)
