@@ -30,6 +30,9 @@ def build_info() -> dict:
     compiled_client; {} where nothing was built."""
     try:
         with open(os.path.join(_HERE, "bin", "build.json")) as f:
-            return json.load(f)
+            info = json.load(f)
     except (OSError, ValueError):
         return {}
+    # the compiled client's own record (csrc/client.mk) says it is built, in a checkout too
+    info.setdefault("compiled_client", os.path.exists(os.path.join(_HERE, "lib", "build.json")))
+    return info
