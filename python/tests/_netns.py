@@ -42,7 +42,7 @@ def unavailable() -> str:
         return f"namespaces are Linux's; this is {sys.platform}"
     if os.geteuid() != 0:
         return "making network and mount namespaces needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN)"
-    for tool in ("unshare", "nsenter", "ip"):
+    for tool in ("unshare", "nsenter", "ip", "setpriv"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed"
     try:
@@ -68,12 +68,11 @@ def unavailable() -> str:
     return ""
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the process that started it (pytest) dies, so a
-    killed test run cannot leave a host behind (unshare's --kill-child takes the rest)."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+# Runs unshare with SIGKILL as its parent-death signal: a killed test run cannot leave a host
+# behind (unshare's --kill-child takes the rest). setpriv sets it before exec; a preexec_fn
+# would run Python in the forked child of a process with gRPC threads, which can hang there
+# (seen: the child never reached exec, and the namespace never came).
+_DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "KILL"]
 
 
 def _sh(*cmd: str, timeout: float = 20) -> None:
@@ -125,6 +124,7 @@ class Cluster:
             self.agents.append(
                 subprocess.Popen(
                     [
+                        *_DIE_WITH_PARENT,
                         "unshare",
                         "--net",
                         "--uts",
@@ -141,7 +141,6 @@ class Cluster:
                     stdout=log,
                     stderr=log,
                     start_new_session=True,
-                    preexec_fn=_die_with_parent,
                 )
             )
             log.close()
