@@ -268,6 +268,17 @@ void match_dtype(const std::string& op, const std::string& name, const at::Tenso
   }
 }
 
+// The flat form of a gather or scatter: big holds world_size times small's elements (the
+// output of all_gather_into_tensor, the input of reduce_scatter_tensor).
+void world_times(const std::string& op, const std::string& big_name, const at::Tensor& big,
+                 const std::string& small_name, const at::Tensor& small, int size) {
+  if (big.numel() != size * small.numel()) {
+    value_error("gocomm " + op + ": " + big_name + " has " + std::to_string(big.numel()) +
+                " elements, want world_size * " + small_name + " numel = " + std::to_string(size) + " * " +
+                std::to_string(small.numel()));
+  }
+}
+
 void root_in(const std::string& op, int64_t root, int size) {
   if (root < 0 || root >= size) {
     value_error("gocomm " + op + ": root rank " + std::to_string(root) + " is not in the group of " +
@@ -847,11 +858,7 @@ intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tenso
   check(cfg_.cuda_refusal, name, "input_tensor", input);
   check(cfg_.cuda_refusal, name, "output_tensor", output);
   match_dtype(name, "output_tensor", output, input);
-  if (output.numel() != size_ * input.numel()) {
-    value_error("gocomm " + name + ": output_tensor has " + std::to_string(output.numel()) +
-                " elements, want world_size * input numel = " + std::to_string(size_) + " * " +
-                std::to_string(input.numel()));
-  }
+  world_times(name, "output_tensor", output, "input", input, size_);
   Op op;
   op.name = name;
   op.kind = wire::kAllGather;
@@ -958,11 +965,7 @@ intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output, at::
   check(cfg_.cuda_refusal, name, "input", input);
   check(cfg_.cuda_refusal, name, "output", output);
   match_dtype(name, "output", output, input);
-  if (input.numel() != size_ * output.numel()) {
-    value_error("gocomm " + name + ": input has " + std::to_string(input.numel()) +
-                " elements, want world_size * output numel = " + std::to_string(size_) + " * " +
-                std::to_string(output.numel()));
-  }
+  world_times(name, "input", input, "output", output, size_);
   Op op;
   op.name = name;
   op.kind = wire::kReduceScatter;
