@@ -81,3 +81,27 @@ func TestArchMatches(t *testing.T) {
 		}
 	}
 }
+
+func TestEqualBlocks(t *testing.T) {
+	for _, c := range []struct {
+		splits []int64
+		size   int
+		m      int
+		ok     bool
+	}{
+		{[]int64{4, 4, 4, 4}, 2, 4, true},
+		{[]int64{0, 0}, 1, 0, true},
+		{[]int64{4, 4, 4, 5}, 2, 0, false},
+		{[]int64{3, 4, 4, 4}, 2, 0, false},
+		{[]int64{4, 4, 4}, 2, 0, false},
+		{nil, 0, 0, false},
+	} {
+		m, ok := equalBlocks(c.splits, c.size)
+		if m != c.m || ok != c.ok {
+			t.Errorf("equalBlocks(%v, %d) = %d, %v; want %d, %v", c.splits, c.size, m, ok, c.m, c.ok)
+		}
+	}
+	if !overlap(100, 150, 64) || overlap(100, 164, 64) || overlap(100, 100, 0) {
+		t.Error("overlap misjudges byte ranges")
+	}
+}

@@ -105,6 +105,11 @@ func enqueueNCCL(c nccl.Comm, op gpu.Op, st nccl.Stream, rank, size int, scratch
 	case wire.OpBarrier:
 		return c.AllReduce(uintptr(scratch), uintptr(scratch), 1, nccl.Float32, nccl.Sum, st)
 	case wire.OpAllToAll:
+		if m, ok := equalBlocks(d.Splits, size); ok && nccl.HasAllToAll() && !overlap(p[0], p[1], uint64(m*size*es)) {
+			// NCCL's own all-to-all, as torch's NCCL backend calls it for equal splits: one
+			// collective kernel instead of size send/recv pairs.
+			return c.AllToAll(u(p[0]), u(p[1]), m*es, nccl.Uint8, st)
+		}
 		return grouped(func() error {
 			var inOff, outOff uint64
 			for j := 0; j < size; j++ {
@@ -149,6 +154,23 @@ func enqueueNCCL(c nccl.Comm, op gpu.Op, st nccl.Stream, rank, size int, scratch
 	}
 	return fmt.Errorf("%w: %s on CUDA tensors", wire.ErrInvalid, d.Kind)
 }
+
+// equalBlocks says whether an all-to-all's splits (size input counts, then size output
+// counts) are all the same m, and m.
+func equalBlocks(splits []int64, size int) (int, bool) {
+	if len(splits) != 2*size || size == 0 {
+		return 0, false
+	}
+	for _, s := range splits {
+		if s != splits[0] {
+			return 0, false
+		}
+	}
+	return int(splits[0]), true
+}
+
+// overlap says whether the n bytes at a and at b overlap.
+func overlap(a, b, n uint64) bool { return n > 0 && a < b+n && b < a+n }
 
 // grouped runs f between ncclGroupStart and ncclGroupEnd.
 func grouped(f func() error) error {

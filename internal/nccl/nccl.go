@@ -35,6 +35,7 @@ static ncclResult_t (*p_ncclAllGather)(const void*, void*, size_t, int, ncclComm
 static ncclResult_t (*p_ncclReduceScatter)(const void*, void*, size_t, int, int, ncclComm_t, cudaStream_t);
 static ncclResult_t (*p_ncclSend)(const void*, size_t, int, int, ncclComm_t, cudaStream_t);
 static ncclResult_t (*p_ncclRecv)(void*, size_t, int, int, ncclComm_t, cudaStream_t);
+static ncclResult_t (*p_ncclAlltoAll)(const void*, void*, size_t, int, ncclComm_t, cudaStream_t);
 static ncclResult_t (*p_ncclGroupStart)(void);
 static ncclResult_t (*p_ncclGroupEnd)(void);
 
@@ -65,6 +66,8 @@ static int gn_load(const char* path, char* err, int errlen) {
 	SYM(p_ncclGroupStart, "ncclGroupStart");
 	SYM(p_ncclGroupEnd, "ncclGroupEnd");
 #undef SYM
+	// NCCL 2.28 and later: the all-to-all of equal blocks as one collective (optional).
+	*(void**)(&p_ncclAlltoAll) = dlsym(h, "ncclAlltoAll");
 	gn_lib = h;
 	return 0;
 }
@@ -89,6 +92,8 @@ static ncclResult_t gn_all_gather(const void* s, void* r, size_t n, int dt, nccl
 static ncclResult_t gn_reduce_scatter(const void* s, void* r, size_t n, int dt, int op, ncclComm_t c, cudaStream_t st) { return p_ncclReduceScatter(s, r, n, dt, op, c, st); }
 static ncclResult_t gn_send(const void* s, size_t n, int dt, int peer, ncclComm_t c, cudaStream_t st) { return p_ncclSend(s, n, dt, peer, c, st); }
 static ncclResult_t gn_recv(void* r, size_t n, int dt, int peer, ncclComm_t c, cudaStream_t st) { return p_ncclRecv(r, n, dt, peer, c, st); }
+static int gn_has_all_to_all(void) { return p_ncclAlltoAll != NULL; }
+static ncclResult_t gn_all_to_all(const void* s, void* r, size_t n, int dt, ncclComm_t c, cudaStream_t st) { return p_ncclAlltoAll(s, r, n, dt, c, st); }
 static ncclResult_t gn_group_start(void) { return p_ncclGroupStart(); }
 static ncclResult_t gn_group_end(void) { return p_ncclGroupEnd(); }
 */
@@ -338,6 +343,21 @@ func (c Comm) Recv(recv uintptr, count int, dt DataType, peer int, s Stream) err
 		return err
 	}
 	return c.enqueue("ncclRecv", C.gn_recv(ptr(recv), C.size_t(count), C.int(dt), C.int(peer), c.p, C.cudaStream_t(s)))
+}
+
+// HasAllToAll says whether the loaded NCCL has ncclAlltoAll (2.28 and later).
+func HasAllToAll() bool { return loaded() == nil && C.gn_has_all_to_all() != 0 }
+
+// AllToAll queues the exchange of equal blocks: count elements of send to each rank, count
+// from each into recv (rank order). send and recv must not overlap. Only where HasAllToAll.
+func (c Comm) AllToAll(send, recv uintptr, count int, dt DataType, s Stream) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	if C.gn_has_all_to_all() == 0 {
+		return errors.New("nccl: this NCCL has no ncclAlltoAll (2.28 and later)")
+	}
+	return c.enqueue("ncclAlltoAll", C.gn_all_to_all(ptr(send), ptr(recv), C.size_t(count), C.int(dt), c.p, C.cudaStream_t(s)))
 }
 
 // GroupStart and GroupEnd fuse the calls between them (send/recv pairs of an all-to-all).
