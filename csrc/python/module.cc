@@ -88,6 +88,8 @@ PYBIND11_MODULE(_C, m) {
       .def("close", &gocomm::Dispatcher::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("lost", &gocomm::Dispatcher::lost)
       .def("pending", &gocomm::Dispatcher::pending_count)
+      .def("live_triggers", &gocomm::Dispatcher::live_triggers,
+           "Triggers in use: ops captured in CUDA graphs that are alive (docs/decisions/0020).")
       .def("counters", &gocomm::Dispatcher::counters, py::call_guard<py::gil_scoped_release>(),
            "The device address of the stream counters; attaches the device the first time.")
       .def("segments", [](gocomm::Dispatcher& d) { return d.arena().segments(); },
