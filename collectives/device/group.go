@@ -50,7 +50,7 @@ const graphPeer = -2
 //     its own communicator (made like the collective one) and stream, in the order replays
 //     reach the sidecar, which differs from the eager order (docs/decisions/0020). After
 //     each it writes the op's trigger word D[t] = 1 on its stream; no stream counter.
-//  3a. The p2p done counter must still rise in submission order: a sequencer stream writes it,
+//     3a. The p2p done counter must still rise in submission order: a sequencer stream writes it,
 //     for op k after waiting for op k's event. Worker streams never wait for each other.
 //  4. Communicators are made on first use: rank 0 (for a pair, the sender) makes the unique
 //     id and sends it over the group's host links (PeerLink); init gives up at the op's
