@@ -46,11 +46,7 @@ const graphPeer = -2
 //     first, which is what batch_isend_irecv does on a backend that does not coalesce (torch
 //     coalesces only for its own ProcessGroup class). One direction per communicator never
 //     deadlocks, whatever order the ranks post in.
-//  3. Replays of ops captured in CUDA graphs run on a third kind of worker, the graph lane:
-//     its own communicator (made like the collective one) and stream, in the order replays
-//     reach the sidecar, which differs from the eager order (docs/decisions/0020). After
-//     each it writes the op's trigger word D[t] = 1 on its stream; no stream counter.
-//     3a. The p2p done counter must still rise in submission order: a sequencer stream writes it,
+//  3. The p2p done counter must still rise in submission order: a sequencer stream writes it,
 //     for op k after waiting for op k's event. Worker streams never wait for each other.
 //  4. Communicators are made on first use: rank 0 (for a pair, the sender) makes the unique
 //     id and sends it over the group's host links (PeerLink); init gives up at the op's
@@ -63,6 +59,10 @@ const graphPeer = -2
 //     writing far-ahead values into the counters from a stream that waits for nothing
 //     (session invariant 3): nothing stays blocked on a GPU after a failure. Each op's Done is
 //     called exactly once, however the abort and the workers interleave.
+//  7. Replays of ops captured in CUDA graphs run on a third kind of worker, the graph lane:
+//     its own communicator (made like the collective one) and stream, in the order replays
+//     reach the sidecar, which differs from the eager order (docs/decisions/0020). After
+//     each it writes the op's trigger word D[t] = 1 on its stream; no stream counter.
 type group struct {
 	s          *session
 	rank, size int
@@ -75,7 +75,7 @@ type group struct {
 	mu       sync.Mutex
 	cond     *sync.Cond
 	coll     *worker
-	graph    *worker // made by the first graph op (design 3)
+	graph    *worker // made by the first graph op (design 7)
 	pairs    map[pairKey]*worker
 	workers  int // worker goroutines running
 	inflight []*flight

@@ -124,7 +124,7 @@ func (g *group) launch(w *worker, o *dop, st cuda.Stream) error {
 		return err
 	}
 	ns := nccl.Stream(st.Handle())
-	if o.Graph { // design 3: no counters; the trigger word after the op
+	if o.Graph { // design 7: no counters; the trigger word after the op
 		if err := enqueueNCCL(comm, o.Op, ns, g.rank, g.size, g.scratch); err != nil {
 			return err
 		}
