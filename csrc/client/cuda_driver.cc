@@ -45,6 +45,7 @@ struct Api {
   Result (*userObjectRelease)(void*, unsigned) = nullptr;
   Result (*memHostRegister)(void*, size_t, unsigned) = nullptr;
   Result (*memHostGetDevicePointer)(DevPtr*, void*, unsigned) = nullptr;
+  Result (*memHostUnregister)(void*) = nullptr;
 };
 
 template <typename F>
@@ -85,6 +86,7 @@ const Api& api() {
     sym(a, a.userObjectRelease, "cuUserObjectRelease");
     sym(a, a.memHostRegister, "cuMemHostRegister_v2");
     sym(a, a.memHostGetDevicePointer, "cuMemHostGetDevicePointer_v2");
+    sym(a, a.memHostUnregister, "cuMemHostUnregister");
     a.captureInfoV3 = reinterpret_cast<decltype(a.captureInfoV3)>(dlsym(a.lib, "cuStreamGetCaptureInfo_v3"));
     if (a.captureInfoV3 == nullptr) {
       sym(a, a.captureInfoV2, "cuStreamGetCaptureInfo_v2");
@@ -159,6 +161,10 @@ DevPtr host_register(void* p, size_t n) {
   DevPtr d = 0;
   check("cuMemHostGetDevicePointer", a.memHostGetDevicePointer(&d, p, 0));
   return d;
+}
+
+bool host_unregister(void* p) {
+  return api().memHostUnregister(p) == kSuccess;
 }
 
 void write_words(int device, DevPtr addr, const uint32_t* words, size_t n) {

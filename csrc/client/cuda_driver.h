@@ -41,6 +41,8 @@ void retain_user_object(void* graph, void (*destroy)(void*), void* arg);
 // Pins n bytes of host memory at p (page-aligned) and maps them for the current context's
 // device; their device address.
 DevPtr host_register(void* p, size_t n);
+// Undoes host_register; false where the driver refused (it may be gone at exit).
+bool host_unregister(void* p);
 // Copies n u32 words to device memory at addr through a stream of its own that waits for
 // nothing, and waits for the copy. Makes the primary context of device current first.
 void write_words(int device, DevPtr addr, const uint32_t* words, size_t n);

@@ -68,6 +68,14 @@ Dispatcher::Dispatcher(Config cfg)
 
 Dispatcher::~Dispatcher() {
   close();
+  if (page_ != nullptr) {
+    // before the arena unmaps it: a later session's page may be mapped at the same address
+    try {
+      cuda::host_unregister(page_);
+    } catch (const std::exception&) {
+      // no driver left (exit): nothing to undo
+    }
+  }
 }
 
 void Dispatcher::close() {

@@ -229,6 +229,11 @@ PYBIND11_MODULE(_C, m) {
   m.attr("REC_DONE") = gocomm::wire::kRecDone;
   m.attr("REC_IPC") = gocomm::wire::kRecIpc;
   m.attr("REC_IPC_DROP") = gocomm::wire::kRecIpcDrop;
+  m.attr("REC_GRAPH_OP") = gocomm::wire::kRecGraphOp;
+  m.attr("REC_GRAPH_DROP") = gocomm::wire::kRecGraphDrop;
+  m.attr("GRAPH_OP_HEADER") = gocomm::wire::kGraphOpHeader;
+  m.attr("TRIGGER_SLOTS") = gocomm::wire::kTriggerSlots;
+  m.attr("TRIGGER_OFFSET") = gocomm::wire::kTriggerOffset;
   m.attr("CUDA_SEGMENT") = gocomm::wire::kCudaSegment;
   m.attr("DEVICE_HOST") = gocomm::wire::kDeviceHost;
   m.attr("DEVICE_CUDA") = gocomm::wire::kDeviceCuda;
