@@ -36,9 +36,9 @@ type Device struct {
 
 // Session is one client's use of its device.
 type Session interface {
-	// Counters is the CUDA IPC handle of the session's counter memory (CounterBytes of device
-	// memory the engine allocated, zeroed): the client maps it to order its streams against
-	// the engine's (see NewGroup).
+	// Counters is the CUDA IPC handle of the session's counter memory (CounterMemBytes of
+	// device memory the engine allocated, zeroed): the client maps it to order its streams
+	// against the engine's (see NewGroup), and to wait for graph ops (TriggerOffset).
 	Counters() [64]byte
 	// RegisterIPC maps an allocation of the client (CUDA IPC handle) as segment seg.
 	RegisterIPC(seg uint32, handle [64]byte, size uint64) error
@@ -64,6 +64,10 @@ type Session interface {
 	// client's stream waits for each op it submitted, so an op refused before any device
 	// group of the slot exists must still be let through (the group is broken, the op failed).
 	Release(slot int, floor [2]uint32) error
+	// ReleaseTriggers writes D[t] = 1 for each trigger t (TriggerOffset) through a stream
+	// that waits for nothing: a replaying stream waiting for a graph op that failed, or that
+	// a broken group will not run, goes on.
+	ReleaseTriggers(ts []uint32) error
 	Close() error
 }
 
@@ -81,6 +85,11 @@ type Op struct {
 	Desc     *wire.Desc
 	Ptrs     []uint64
 	Deadline time.Time
+	// Graph: the op is a replay of an op captured in a CUDA graph. It runs on the group's
+	// graph lane (its own communicator and stream, in the order replays reach it) without
+	// the stream counters, and the lane's stream writes D[Trigger] = 1 after it.
+	Graph   bool
+	Trigger uint32
 	// Done is called once, when the op finished on the GPU or failed.
 	Done func(err error)
 }
@@ -117,4 +126,13 @@ const (
 	// counters: 2^30, plus 2^24 for ready values a client wrote that the sidecar never read
 	// (descriptors still in the ring when their group went away).
 	ReleaseAhead = 1<<30 + 1<<24
+)
+
+// Graph op triggers (docs/decisions/0020): D[t], the word a replay's stream waits for, is
+// the u32 at TriggerOffset + 4*t of the counter memory; T[t], the word it writes, is in a
+// host page the client names (wire.RecGraphOp).
+const (
+	TriggerSlots    = 1024
+	TriggerOffset   = CounterBytes
+	CounterMemBytes = CounterBytes + 4*TriggerSlots
 )

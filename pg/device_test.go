@@ -53,15 +53,46 @@ func (e *fakeEngine) Check(dt wire.DType, op wire.RedOp) error {
 	return nil
 }
 func (e *fakeEngine) Attach([16]byte) (gpu.Session, error) {
-	return &fakeDevSession{e: e, segs: map[uint32]uint64{}}, nil
+	return &fakeDevSession{e: e, segs: map[uint32]uint64{}, d: map[uint32]uint32{}}, nil
 }
 
 type fakeDevSession struct {
 	e        *fakeEngine
 	mu       sync.Mutex
 	segs     map[uint32]uint64
-	released []int       // slots, in the order Release was called
-	floors   [][2]uint32 // and the floors they were released from
+	released []int             // slots, in the order Release was called
+	floors   [][2]uint32       // and the floors they were released from
+	d        map[uint32]uint32 // graph trigger words D[t] (gpu.TriggerOffset)
+	relTrig  []uint32          // triggers, in the order ReleaseTriggers released them
+}
+
+func (s *fakeDevSession) ReleaseTriggers(ts []uint32) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, t := range ts {
+		s.d[t] = 1
+		s.relTrig = append(s.relTrig, t)
+	}
+	return nil
+}
+
+// setD stands for the replaying stream's write of D[t].
+func (s *fakeDevSession) setD(t, v uint32) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.d[t] = v
+}
+
+func (s *fakeDevSession) getD(t uint32) uint32 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.d[t]
+}
+
+func (s *fakeDevSession) releasedTriggers() []uint32 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]uint32(nil), s.relTrig...)
 }
 
 func (s *fakeDevSession) Release(slot int, floor [2]uint32) error {
@@ -125,7 +156,7 @@ func (s *fakeDevSession) NewGroup(rank, size, slot int, base [2]uint32, link gpu
 	if s.e.noNew != nil {
 		return nil, s.e.noNew
 	}
-	g := &fakeDevGroup{hang: s.e.hang, fail: s.e.fail, slot: slot, base: base, joined: make(chan struct{})}
+	g := &fakeDevGroup{s: s, hang: s.e.hang, fail: s.e.fail, slot: slot, base: base, joined: make(chan struct{})}
 	go func() {
 		defer close(g.joined)
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -148,6 +179,7 @@ func (s *fakeDevSession) NewGroup(rank, size, slot int, base [2]uint32, link gpu
 func (s *fakeDevSession) Close() error { return nil }
 
 type fakeDevGroup struct {
+	s       *fakeDevSession
 	mu      sync.Mutex
 	hang    bool
 	fail    error
@@ -156,6 +188,7 @@ type fakeDevGroup struct {
 	pending []gpu.Op
 	broken  error
 	ran     []uint32 // stream values, in the order ops ran
+	graph   []uint32 // triggers of graph ops, in the order they ran
 	joined  chan struct{}
 	id      []byte // rank 0's, over the gpu.PeerLink
 	idErr   error
@@ -170,7 +203,18 @@ func (g *fakeDevGroup) Enqueue(op gpu.Op) {
 		op.Done(err)
 		return
 	}
-	g.ran = append(g.ran, op.Desc.StreamValue)
+	if op.Graph {
+		g.graph = append(g.graph, op.Trigger)
+		done := op.Done
+		op.Done = func(err error) {
+			if err == nil { // the graph lane's stream writes D[t] = 1 after the op
+				g.s.setD(op.Trigger, 1)
+			}
+			done(err)
+		}
+	} else {
+		g.ran = append(g.ran, op.Desc.StreamValue)
+	}
 	if g.hang {
 		g.pending = append(g.pending, op)
 		g.mu.Unlock()

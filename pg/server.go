@@ -230,6 +230,7 @@ func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath strin
 		Sparse:       choice,
 		Capabilities: append(append([]node.Fact(nil), s.cfg.Node...), client...),
 	}
+	sess.graphs = newTriggers(sess)
 	s.sessions[sess.ID] = sess
 	go sess.serve()
 	sess.log.Info("client attached", "pid", clientPID, "ring", mem.Path, "nccl", sess.nccl,

@@ -56,6 +56,7 @@ type Session struct {
 	// late wait of the old group is still satisfied by the new ones.
 	slotBase [gpu.CounterSlots][2]uint32
 	devLock  sync.Mutex
+	graphs   *triggers // ops captured in CUDA graphs (graph.go)
 }
 
 // AttachDevice binds the session to the client's GPU (by UUID) and returns the IPC handle of
@@ -367,6 +368,7 @@ func (sess *Session) Close(reason string) {
 		sess.srv.dropGroup(g)
 	}
 	sess.loop.Wait()
+	sess.graphs.close()
 	sess.cmpMu.Lock()
 	sess.prod = nil // no completion touches the ring after this
 	sess.cmpMu.Unlock()
@@ -411,6 +413,10 @@ func (sess *Session) serve() {
 			sess.registerIPC(rec.Payload)
 		case wire.RecIPCDrop:
 			sess.dropIPC(rec.Payload)
+		case wire.RecGraphOp:
+			sess.graphs.register(rec.Payload)
+		case wire.RecGraphDrop:
+			sess.graphs.drop(rec.Payload)
 		default:
 			seq := uint64(0)
 			if len(rec.Payload) >= 8 {

@@ -22,7 +22,17 @@ const (
 	RecIPC uint16 = 18
 	// RecIPCDrop says an allocation is gone: 0 u32 segment.
 	RecIPCDrop uint16 = 19
+	// RecGraphOp registers an op captured in a CUDA graph, client to sidecar (answered by a
+	// RecDone of the descriptor's seq; docs/decisions/0020):
+	//	0 u32 trigger index   4 u32 segment of the trigger page (host)   8 u64 its offset
+	//	16 the op's descriptor, as in a RecOp
+	RecGraphOp uint16 = 24
+	// RecGraphDrop says the graph holding a trigger's op is gone: 0 u32 trigger index.
+	RecGraphDrop uint16 = 25
 )
+
+// GraphOpHeader is the size of a RecGraphOp payload's fixed part, before its descriptor.
+const GraphOpHeader = 16
 
 // CUDASegment marks segment ids that name CUDA allocations (RecIPC); the others name host
 // segments (AllocSegment).

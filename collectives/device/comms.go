@@ -36,6 +36,9 @@ func (g *group) commOf(w *worker, deadline time.Time) (nccl.Comm, error) {
 		}
 	}()
 	n, rank, leader, tag := g.size, g.rank, 0, tagCollID
+	if w.key.peer == graphPeer {
+		tag = tagGraphID
+	}
 	if w.key.peer >= 0 {
 		n, rank, leader, tag = 2, 1, w.key.peer, tagPairID
 		if w.key.send {

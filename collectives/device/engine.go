@@ -168,10 +168,10 @@ func (e *Engine) Attach(uuid [16]byte) (gpu.Session, error) {
 		if s.ctl, err = cuda.NewStream(cuda.StreamNonBlocking); err != nil {
 			return err
 		}
-		if s.counters, err = cuda.Alloc(gpu.CounterBytes); err != nil {
+		if s.counters, err = cuda.Alloc(gpu.CounterMemBytes); err != nil {
 			return err
 		}
-		if err = s.ctl.CopyToDeviceOn(s.counters, make([]byte, gpu.CounterBytes)); err != nil {
+		if err = s.ctl.CopyToDeviceOn(s.counters, make([]byte, gpu.CounterMemBytes)); err != nil {
 			return err
 		}
 		s.countersIPC, err = cuda.ExportIPC(s.counters)
@@ -258,6 +258,29 @@ func (s *session) Release(slot int, floor [2]uint32) error {
 	s.relMu.Lock()
 	defer s.relMu.Unlock()
 	return s.do(func() error { return s.ctl.CopyToDeviceOn(s.counters+cuda.Ptr(16*slot), w[:]) })
+}
+
+// ReleaseTriggers implements gpu.Session: D[t] = 1 through ctl (invariant 3).
+func (s *session) ReleaseTriggers(ts []uint32) error {
+	one := []byte{1, 0, 0, 0}
+	s.relMu.Lock()
+	defer s.relMu.Unlock()
+	return s.do(func() error {
+		for _, t := range ts {
+			if t >= gpu.TriggerSlots {
+				return fmt.Errorf("trigger %d out of range", t)
+			}
+			if err := s.ctl.CopyToDeviceOn(s.trigger(t), one); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// trigger is the device address of D[t].
+func (s *session) trigger(t uint32) cuda.Ptr {
+	return s.counters + cuda.Ptr(gpu.TriggerOffset+4*int(t))
 }
 
 func (s *session) RegisterIPC(seg uint32, handle [64]byte, size uint64) error {

@@ -24,9 +24,13 @@ const (
 
 // PeerLink tags of the engine's control messages.
 const (
-	tagCollID = 0 // rank 0 -> every rank: the collective communicator's id
-	tagPairID = 1 // sender -> receiver: the id of their one-way communicator
+	tagCollID  = 0 // rank 0 -> every rank: the collective communicator's id
+	tagPairID  = 1 // sender -> receiver: the id of their one-way communicator
+	tagGraphID = 2 // rank 0 -> every rank: the graph lane's communicator's id
 )
+
+// graphPeer is the graph lane worker's key.peer (the collective worker's is -1).
+const graphPeer = -2
 
 // group is one rank's member of a group on the device.
 //
@@ -55,6 +59,10 @@ const (
 //     writing far-ahead values into the counters from a stream that waits for nothing
 //     (session invariant 3): nothing stays blocked on a GPU after a failure. Each op's Done is
 //     called exactly once, however the abort and the workers interleave.
+//  7. Replays of ops captured in CUDA graphs run on a third kind of worker, the graph lane:
+//     its own communicator (made like the collective one) and stream, in the order replays
+//     reach the sidecar, which differs from the eager order (docs/decisions/0020). After
+//     each it writes the op's trigger word D[t] = 1 on its stream; no stream counter.
 type group struct {
 	s          *session
 	rank, size int
@@ -67,6 +75,7 @@ type group struct {
 	mu       sync.Mutex
 	cond     *sync.Cond
 	coll     *worker
+	graph    *worker // made by the first graph op (design 7)
 	pairs    map[pairKey]*worker
 	workers  int // worker goroutines running
 	inflight []*flight
@@ -213,6 +222,18 @@ func (g *group) Enqueue(op gpu.Op) {
 		return
 	}
 	w := g.coll
+	if op.Graph {
+		if g.graph == nil {
+			g.graph = &worker{key: pairKey{peer: graphPeer}}
+			g.start(g.graph)
+		}
+		w = g.graph
+		w.queue = append(w.queue, o)
+		w.queued.Add(1)
+		g.cond.Broadcast()
+		g.mu.Unlock()
+		return
+	}
 	if k := op.Desc.Kind; k == wire.OpSend || k == wire.OpRecv {
 		key := pairKey{peer: int(op.Desc.Root), send: k == wire.OpSend}
 		if w = g.pairs[key]; w == nil {
@@ -297,10 +318,13 @@ func (g *group) Close() error {
 		return nil // the communicators were aborted
 	}
 	// ncclCommDestroy waits for the communicator's other ranks to destroy it too, so every
-	// rank destroys in one global order: the collective communicator, then the pairs by
-	// (sender, receiver). Any other order can deadlock two ranks on two pair communicators.
+	// rank destroys in one global order: the collective communicator, the graph lane's, then
+	// the pairs by (sender, receiver). Any other order can deadlock two ranks on two pair
+	// communicators.
 	key := func(w *worker) [2]int {
 		switch {
+		case w.key.peer == graphPeer:
+			return [2]int{-1, 0}
 		case w.key.peer < 0:
 			return [2]int{-1, -1}
 		case w.key.send:

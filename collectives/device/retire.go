@@ -208,6 +208,9 @@ func contains(fs []*flight, f *flight) bool {
 // allWorkers lists the collective worker and the pair workers (g.mu held).
 func (g *group) allWorkers() []*worker {
 	ws := []*worker{g.coll}
+	if g.graph != nil {
+		ws = append(ws, g.graph)
+	}
 	for _, w := range g.pairs {
 		ws = append(ws, w)
 	}
@@ -221,6 +224,11 @@ func (g *group) anyBusy() bool { return g.busyWhere(func(*dop) bool { return tru
 func (g *group) busyWhere(match func(*dop) bool) *dop {
 	if o := g.coll.busy; o != nil && match(o) {
 		return o
+	}
+	if g.graph != nil {
+		if o := g.graph.busy; o != nil && match(o) {
+			return o
+		}
 	}
 	for _, w := range g.pairs {
 		if o := w.busy; o != nil && match(o) {

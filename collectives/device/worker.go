@@ -123,11 +123,20 @@ func (g *group) launch(w *worker, o *dop, st cuda.Stream) error {
 	if err != nil {
 		return err
 	}
+	ns := nccl.Stream(st.Handle())
+	if o.Graph { // design 7: no counters; the trigger word after the op
+		if err := enqueueNCCL(comm, o.Op, ns, g.rank, g.size, g.scratch); err != nil {
+			return err
+		}
+		if err := st.WriteValue32(g.s.trigger(o.Trigger), 1); err != nil {
+			return err
+		}
+		return g.record(o, st, nil)
+	}
 	lane := w.lane()
 	if err := st.WaitValue32(g.ready[lane], d.StreamValue, cuda.WaitGEQ); err != nil {
 		return err
 	}
-	ns := nccl.Stream(st.Handle())
 	if lane == laneColl {
 		if err := enqueueNCCL(comm, o.Op, ns, g.rank, g.size, g.scratch); err != nil {
 			return err

@@ -496,12 +496,6 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
   // event for wait(); the others leave S alone until wait() makes the current stream wait
   // for done >= k. Every tensor stays referenced until the op finished, so the caching
   // allocator cannot hand its memory out while the sidecar uses it.
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
-    TORCH_CHECK(false, "gocomm " + op.name + " cannot be captured in a CUDA graph on group '" + group_name() +
-                           "': it runs in the sidecar (NCCL), which is handed each call on the host, so a replay "
-                           "would not run it. Run it outside the capture. This group can capture: " +
-                           (cfg_.capturable ? cfg_.capturable() : std::string("none of its ops")) + ".");
-  }
   need_slot(op.name);
   std::map<size_t, Tensors*> out_for;
   for (auto& [i, ts] : op.outputs) {
@@ -524,10 +518,19 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
     }
   }
   const int idx = dev.index();
-  const cuda::DevPtr counters = disp_->counters(idx) + 16 * uint64_t(cfg_.slot);
   c10::cuda::CUDAGuard guard(dev.index());
   const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(dev.index());
   const uint8_t lane = lane_of(op.kind);
+  // Under capture a collective becomes a graph op (capture_op); point-to-point ops raise
+  // before anything is queued or sent.
+  const cuda::Capture cap = cuda::capture_info(stream.stream());
+  if (cap.active && lane != 0) {
+    TORCH_CHECK(false, "gocomm " + op.name + " cannot be captured in a CUDA graph on group '" + group_name() +
+                           "': point-to-point ops run on the sidecar's per-peer NCCL communicators, which a graph "
+                           "replay does not reach. Run it outside the capture. This group can capture: " +
+                           (cfg_.capturable ? cfg_.capturable() : std::string("none of its ops")) + ".");
+  }
+  const cuda::DevPtr counters = disp_->counters(idx) + 16 * uint64_t(cfg_.slot);
   wire::Desc d;
   Tensors keep = tensors;
   std::vector<std::pair<at::Tensor, Tensors*>> unpack;
@@ -557,6 +560,19 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
     last = buf;
   }
   Tensors result = op.result ? *op.result : (last.defined() ? Tensors{last} : Tensors{});
+  if (cap.active) {
+    d.group = cfg_.handle;
+    d.kind = op.kind;
+    d.dtype = op.dtype ? uint8_t(wire_dtype(*op.dtype)) : 0;
+    d.redop = op.redop;
+    d.root = op.root;
+    d.tag = op.tag;
+    d.count = op.count;
+    d.timeout_ms = timeout_given ? uint64_t(t_limit * 1000) : 0;
+    d.splits = std::move(op.splits);
+    d.device = wire::kDeviceCuda;
+    return capture_op(op, d, stream, cap.graph, unpack, result, idx);
+  }
   auto work = c10::make_intrusive<Work>(label(op.name), result, t_limit + Dispatcher::kGrace, op.type);
   Pending p;
   p.work = work;
@@ -610,6 +626,70 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
       cuda::wait_value(c10::cuda::getCurrentCUDAStream(di).stream(), done, k);
     };
   }
+  return work;
+}
+
+namespace {
+
+// A graph's user object (Dispatcher::DropQueue): its destructor queues the trigger's drop.
+struct GraphTrigger {
+  std::shared_ptr<DropQueue> queue;
+  uint32_t t;
+};
+
+void drop_trigger(void* arg) {
+  auto* g = static_cast<GraphTrigger*>(arg);
+  {
+    std::lock_guard<std::mutex> lock(g->queue->mu);
+    g->queue->triggers.push_back(g->t);
+  }
+  delete g;
+}
+
+}  // namespace
+
+intrusive_ptr<Work> Backend::capture_op(Op& op, wire::Desc& d, const c10::cuda::CUDAStream& stream, void* graph,
+                                        std::vector<std::pair<at::Tensor, Tensors*>>& unpack, const Tensors& result,
+                                        int device) {
+  // docs/decisions/0020: the op is registered with the sidecar once, under a trigger t, and
+  // the graph holds three stream memory operations: D[t] = 0, T[t] = 1, wait for D[t] == 1.
+  // The sidecar's watcher sees T[t], runs the op on the group's graph lane and writes D[t]
+  // after it. The buffers named in d are the graph's for its lifetime (the caller's tensors,
+  // and packed ones from the graph's private pool), as with torch's NCCL.
+  if (graph == nullptr) {
+    TORCH_CHECK(false, "gocomm " + op.name + ": the CUDA graph capture on this stream was invalidated");
+  }
+  const uint32_t t = disp_->take_trigger(device);
+  Pending p;
+  p.work = c10::make_intrusive<Work>(label(op.name) + " (registering a captured op)", Tensors{}, Dispatcher::kGrace,
+                                     op.type);
+  p.op = label(op.name) + " captured in a CUDA graph";
+  p.deadline = std::chrono::steady_clock::now() + std::chrono::seconds(int(Dispatcher::kGrace));
+  try {
+    disp_->register_graph_op(std::move(p), d, t);
+  } catch (...) {
+    // refused (the sidecar keeps nothing) or lost (its triggers went with it)
+    disp_->give_back_trigger(t);
+    throw;
+  }
+  // From here the sidecar holds the op until the graph is gone.
+  // the drop is queued when the graph is gone, or at once where this fails
+  cuda::retain_user_object(graph, drop_trigger, new GraphTrigger{disp_->drops(), t});
+  const cuda::DevPtr done = disp_->done_word(t);
+  cuda::write_value(stream.stream(), done, 0);
+  cuda::write_value(stream.stream(), disp_->trigger_word(t), 1);
+  cuda::wait_value_eq(stream.stream(), done, 1);
+  for (auto& [buf, outs] : unpack) {
+    int64_t pos = 0;
+    for (auto& o : *outs) {
+      o.copy_(buf.narrow(0, pos, o.numel()).view(o.sizes()));
+      pos += o.numel();
+    }
+  }
+  // The capturing stream already waits for the op: wait() has nothing left to do.
+  auto work = c10::make_intrusive<Work>(label(op.name), result, cfg_.timeout_s, op.type);
+  work->cuda_wait = [] {};
+  work->finish_op(nullptr);
   return work;
 }
 

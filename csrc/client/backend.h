@@ -10,6 +10,7 @@
 // offered to the control plane's in-process engine first (Config::inprocess).
 #pragma once
 
+#include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <array>
@@ -142,6 +143,10 @@ class Backend : public c10d::Backend {
   c10::intrusive_ptr<Work> submit(Op& op);  // submit_op, and remembered while coalescing
   c10::intrusive_ptr<Work> submit_op(Op& op);
   c10::intrusive_ptr<Work> submit_cuda(Op& op, double t_limit, bool timeout_given);
+  // submit_cuda's path while the stream captures a CUDA graph (docs/decisions/0020)
+  c10::intrusive_ptr<Work> capture_op(Op& op, wire::Desc& d, const c10::cuda::CUDAStream& stream, void* graph,
+                                      std::vector<std::pair<at::Tensor, std::vector<at::Tensor>*>>& unpack,
+                                      const std::vector<at::Tensor>& result, int device);
   uint8_t redop(const char* op, const c10d::ReduceOp& want, const at::Tensor& t);
   void need_slot(const std::string& op);
   std::string group_name() const;  // as torch named the group (its creator's name before)

@@ -13,6 +13,10 @@ using Result = int;  // CUresult
 constexpr Result kSuccess = 0;
 constexpr int kAttrBufferId = 7;  // CU_POINTER_ATTRIBUTE_BUFFER_ID
 constexpr unsigned kWaitGeq = 0;  // CU_STREAM_WAIT_VALUE_GEQ
+constexpr unsigned kWaitEq = 1;  // CU_STREAM_WAIT_VALUE_EQ
+constexpr unsigned kHostRegisterPortableDevicemap = 1 | 2;  // CU_MEMHOSTREGISTER_PORTABLE | _DEVICEMAP
+constexpr unsigned kUserObjectNoDestructorSync = 1;  // CU_USER_OBJECT_NO_DESTRUCTOR_SYNC
+constexpr unsigned kGraphUserObjectMove = 1;  // CU_GRAPH_USER_OBJECT_MOVE
 constexpr unsigned kStreamNonBlocking = 1;
 
 struct Api {
@@ -33,6 +37,15 @@ struct Api {
   Result (*streamSynchronize)(Stream) = nullptr;
   Result (*memcpyDtoHAsync)(void*, DevPtr, size_t, Stream) = nullptr;
   Result (*memcpyHtoDAsync)(DevPtr, const void*, size_t, Stream) = nullptr;
+  // cuStreamGetCaptureInfo_v3 (12.3+, with edge data), or _v2 on older drivers
+  Result (*captureInfoV2)(Stream, int*, uint64_t*, void**, const void**, size_t*) = nullptr;
+  Result (*captureInfoV3)(Stream, int*, uint64_t*, void**, const void**, const void**, size_t*) = nullptr;
+  Result (*userObjectCreate)(void**, void*, void (*)(void*), unsigned, unsigned) = nullptr;
+  Result (*graphRetainUserObject)(void*, void*, unsigned, unsigned) = nullptr;
+  Result (*userObjectRelease)(void*, unsigned) = nullptr;
+  Result (*memHostRegister)(void*, size_t, unsigned) = nullptr;
+  Result (*memHostGetDevicePointer)(DevPtr*, void*, unsigned) = nullptr;
+  Result (*memHostUnregister)(void*) = nullptr;
 };
 
 template <typename F>
@@ -68,6 +81,16 @@ const Api& api() {
     sym(a, a.streamSynchronize, "cuStreamSynchronize");
     sym(a, a.memcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
     sym(a, a.memcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
+    sym(a, a.userObjectCreate, "cuUserObjectCreate");
+    sym(a, a.graphRetainUserObject, "cuGraphRetainUserObject");
+    sym(a, a.userObjectRelease, "cuUserObjectRelease");
+    sym(a, a.memHostRegister, "cuMemHostRegister_v2");
+    sym(a, a.memHostGetDevicePointer, "cuMemHostGetDevicePointer_v2");
+    sym(a, a.memHostUnregister, "cuMemHostUnregister");
+    a.captureInfoV3 = reinterpret_cast<decltype(a.captureInfoV3)>(dlsym(a.lib, "cuStreamGetCaptureInfo_v3"));
+    if (a.captureInfoV3 == nullptr) {
+      sym(a, a.captureInfoV2, "cuStreamGetCaptureInfo_v2");
+    }
   });
   if (!a.error.empty()) {
     throw Error("gocomm: " + a.error);
@@ -92,6 +115,79 @@ void write_value(Stream stream, DevPtr addr, uint32_t value) {
 
 void wait_value(Stream stream, DevPtr addr, uint32_t value) {
   check("cuStreamWaitValue32", api().streamWaitValue32(stream, addr, value, kWaitGeq));
+}
+
+void wait_value_eq(Stream stream, DevPtr addr, uint32_t value) {
+  check("cuStreamWaitValue32", api().streamWaitValue32(stream, addr, value, kWaitEq));
+}
+
+Capture capture_info(Stream stream) {
+  const Api& a = api();
+  int status = 0;  // CU_STREAM_CAPTURE_STATUS_NONE
+  uint64_t id = 0;
+  void* graph = nullptr;
+  const void* deps = nullptr;
+  const void* edges = nullptr;
+  size_t ndeps = 0;
+  if (a.captureInfoV3 != nullptr) {
+    check("cuStreamGetCaptureInfo", a.captureInfoV3(stream, &status, &id, &graph, &deps, &edges, &ndeps));
+  } else {
+    check("cuStreamGetCaptureInfo", a.captureInfoV2(stream, &status, &id, &graph, &deps, &ndeps));
+  }
+  Capture c;
+  c.active = status != 0;
+  c.graph = status == 1 ? graph : nullptr;  // 1: active, 2: invalidated
+  return c;
+}
+
+void retain_user_object(void* graph, void (*destroy)(void*), void* arg) {
+  const Api& a = api();
+  void* obj = nullptr;
+  Result r = a.userObjectCreate(&obj, arg, destroy, 1, kUserObjectNoDestructorSync);
+  if (r != kSuccess) {
+    destroy(arg);
+    check("cuUserObjectCreate", r);
+  }
+  r = a.graphRetainUserObject(graph, obj, 1, kGraphUserObjectMove);
+  if (r != kSuccess) {
+    a.userObjectRelease(obj, 1);  // ours was the only reference: destroy(arg) runs
+    check("cuGraphRetainUserObject", r);
+  }
+}
+
+DevPtr host_register(void* p, size_t n) {
+  const Api& a = api();
+  check("cuMemHostRegister", a.memHostRegister(p, n, kHostRegisterPortableDevicemap));
+  DevPtr d = 0;
+  check("cuMemHostGetDevicePointer", a.memHostGetDevicePointer(&d, p, 0));
+  return d;
+}
+
+bool host_unregister(void* p) {
+  return api().memHostUnregister(p) == kSuccess;
+}
+
+void write_words(int device, DevPtr addr, const uint32_t* words, size_t n) {
+  const Api& a = api();
+  int dev = 0;
+  void* ctx = nullptr;
+  check("cuDeviceGet", a.deviceGet(&dev, device));
+  check("cuDevicePrimaryCtxRetain", a.primaryCtxRetain(&ctx, dev));
+  check("cuCtxPushCurrent", a.ctxPushCurrent(ctx));
+  Stream st = nullptr;
+  Result r = a.streamCreate(&st, kStreamNonBlocking);
+  if (r == kSuccess) {
+    r = a.memcpyHtoDAsync(addr, words, 4 * n, st);
+  }
+  if (r == kSuccess) {
+    r = a.streamSynchronize(st);
+  }
+  if (st != nullptr) {
+    a.streamDestroy(st);
+  }
+  void* popped = nullptr;
+  a.ctxPopCurrent(&popped);
+  check("writing device words", r);
 }
 
 uint64_t buffer_id(DevPtr ptr) {

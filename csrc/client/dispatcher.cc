@@ -68,6 +68,14 @@ Dispatcher::Dispatcher(Config cfg)
 
 Dispatcher::~Dispatcher() {
   close();
+  if (page_ != nullptr) {
+    // before the arena unmaps it: a later session's page may be mapped at the same address
+    try {
+      cuda::host_unregister(page_);
+    } catch (const std::exception&) {
+      // no driver left (exit): nothing to undo
+    }
+  }
 }
 
 void Dispatcher::close() {
@@ -82,6 +90,11 @@ void Dispatcher::close() {
 }
 
 c10::intrusive_ptr<Work> Dispatcher::submit(Pending p, wire::Desc& d) {
+  return submit_record(std::move(p), d, wire::kRecOp, {});
+}
+
+c10::intrusive_ptr<Work> Dispatcher::submit_record(Pending p, wire::Desc& d, uint16_t type,
+                                                   const std::vector<uint8_t>& prefix) {
   c10::intrusive_ptr<Work> work = p.work;
   const std::string op = p.op;
   d.seq = ++seq_;
@@ -95,7 +108,9 @@ c10::intrusive_ptr<Work> Dispatcher::submit(Pending p, wire::Desc& d) {
     }
     pending_.emplace(d.seq, std::move(p));
   }
-  const std::vector<uint8_t> payload = wire::encode(d);
+  std::vector<uint8_t> payload = prefix;
+  const std::vector<uint8_t> desc = wire::encode(d);
+  payload.insert(payload.end(), desc.begin(), desc.end());
   if (8 + ((payload.size() + 7) & ~size_t(7)) > ring_->max_record()) {
     Pending gone;
     {
@@ -110,7 +125,7 @@ c10::intrusive_ptr<Work> Dispatcher::submit(Pending p, wire::Desc& d) {
     C10_THROW_ERROR(ValueError, "gocomm " + op + ": its descriptor (" + std::to_string(payload.size()) +
                                     " bytes) exceeds the ring's limit of " + std::to_string(ring_->max_record()));
   }
-  while (!ring_->submit(wire::kRecOp, payload.data(), payload.size())) {
+  while (!ring_->submit(type, payload.data(), payload.size())) {
     if (lost()) {
       break;  // fail_all finishes the work
     }
@@ -141,6 +156,12 @@ size_t Dispatcher::pending_count() {
 void Dispatcher::loop() {
   auto last_check = std::chrono::steady_clock::now();
   while (!stop_) {
+    send_drops();
+    // A lost sidecar no longer answers replays: their streams must still go on.
+    const bool orphans = lost().has_value() && live_triggers() > 0;
+    if (orphans) {
+      orphan_triggers();
+    }
     bool any = false;
     const bool ok = ring_->poll([&](uint16_t type, const uint8_t* p, size_t n) {
       if (type != wire::kRecDone) {
@@ -162,7 +183,7 @@ void Dispatcher::loop() {
         last_check = now;
         expire(now);
       }
-      ring_->wait(0.05);
+      ring_->wait(orphans ? 0.0005 : 0.05);
     }
   }
 }
@@ -268,7 +289,11 @@ void Dispatcher::fail_all(const std::string& why) {
   }
   if (counters != 0) {  // CUDA streams waiting on this sidecar must not hang
     try {
-      cuda::release_counters(device, counters, 4096);
+      cuda::release_counters(device, counters, wire::kTriggerOffset);
+      if (live_triggers() > 0) {  // replays waiting for D[t]; later ones: orphan_triggers
+        const std::vector<uint32_t> ones(wire::kTriggerSlots, 1);
+        cuda::write_words(device, counters + wire::kTriggerOffset, ones.data(), ones.size());
+      }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "gocomm: could not release CUDA streams waiting on the lost sidecar: %s\n", e.what());
     }
@@ -283,6 +308,7 @@ cuda::DevPtr Dispatcher::counters(int device) {
   if (device_ < 0) {
     counters_ = cfg_.attach_device(device);
     device_ = device;
+    setup_triggers();
   } else if (device != device_) {
     C10_THROW_ERROR(ValueError, "gocomm: this process already uses cuda:" + std::to_string(device_) +
                                     "; one GPU per rank (got cuda:" + std::to_string(device) + ")");
@@ -297,6 +323,133 @@ wire::BufRef Dispatcher::cuda_ref(uint64_t ptr, uint64_t n, int device, size_t c
   counters(device);  // the sidecar takes IPC handles only once the client attached its device
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   return ipc_.ref(ptr, n, claim);
+}
+
+// ----- ops captured in CUDA graphs ---------------------------------------------------------------
+
+void Dispatcher::setup_triggers() {
+  // Here, not at the first capture: pinning host memory is no call to make while a capture
+  // is open. A failure is kept and raised by the first capture, not by eager ops.
+  constexpr size_t kPage = 4096;
+  try {
+    page_block_ = arena_->alloc(2 * kPage);
+    const size_t skew = (kPage - reinterpret_cast<uintptr_t>(page_block_.ptr) % kPage) % kPage;
+    page_ = reinterpret_cast<uint32_t*>(page_block_.ptr + skew);
+    std::memset(page_, 0, kPage);
+    page_segment_ = page_block_.segment;
+    page_offset_ = page_block_.offset + skew;
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    page_dev_ = cuda::host_register(page_, kPage);
+    for (uint32_t t = wire::kTriggerSlots; t-- > 0;) {
+      free_.push_back(t);
+    }
+  } catch (const std::exception& e) {
+    page_error_ = e.what();
+    page_ = nullptr;
+  }
+}
+
+uint32_t Dispatcher::take_trigger(int device) {
+  counters(device);
+  std::lock_guard<std::mutex> lock(dev_mu_);
+  if (!page_error_.empty()) {
+    C10_THROW_ERROR(DistBackendError, "gocomm: the trigger page for ops in CUDA graphs could not be set up: " + page_error_);
+  }
+  if (free_.empty()) {
+    C10_THROW_ERROR(DistBackendError, "gocomm: more than " + std::to_string(wire::kTriggerSlots) +
+                                          " sidecar ops are captured in the CUDA graphs alive in this process");
+  }
+  const uint32_t t = free_.back();
+  free_.pop_back();
+  live_[t] = true;
+  return t;
+}
+
+void Dispatcher::give_back_trigger(uint32_t t) {
+  std::lock_guard<std::mutex> lock(dev_mu_);
+  if (t < live_.size() && live_[t]) {
+    live_[t] = false;
+    free_.push_back(t);
+  }
+}
+
+size_t Dispatcher::live_triggers() {
+  std::lock_guard<std::mutex> lock(dev_mu_);
+  return wire::kTriggerSlots - (page_ == nullptr ? wire::kTriggerSlots : free_.size());
+}
+
+cuda::DevPtr Dispatcher::trigger_word(uint32_t t) {
+  std::lock_guard<std::mutex> lock(dev_mu_);
+  return page_dev_ + 4 * uint64_t(t);
+}
+
+cuda::DevPtr Dispatcher::done_word(uint32_t t) {
+  std::lock_guard<std::mutex> lock(dev_mu_);
+  return counters_ + wire::kTriggerOffset + 4 * uint64_t(t);
+}
+
+void Dispatcher::register_graph_op(Pending p, wire::Desc& d, uint32_t t) {
+  std::vector<uint8_t> prefix(wire::kGraphOpHeader);
+  uint32_t seg;
+  uint64_t off;
+  {
+    std::lock_guard<std::mutex> lock(dev_mu_);
+    seg = page_segment_;
+    off = page_offset_;
+  }
+  std::memcpy(prefix.data(), &t, 4);
+  std::memcpy(prefix.data() + 4, &seg, 4);
+  std::memcpy(prefix.data() + 8, &off, 8);
+  c10::intrusive_ptr<Work> work = p.work;
+  submit_record(std::move(p), d, wire::kRecGraphOp, prefix);
+  work->wait();  // a host wait for this process's own sidecar: no CUDA call, no peer
+}
+
+void Dispatcher::send_drops() {
+  std::vector<uint32_t> ts;
+  {
+    std::lock_guard<std::mutex> lock(drops_->mu);
+    ts.swap(drops_->triggers);
+  }
+  for (uint32_t t : ts) {
+    if (!lost()) {
+      std::vector<uint8_t> payload(4);
+      std::memcpy(payload.data(), &t, 4);
+      try {
+        put(wire::kRecGraphDrop, payload);
+      } catch (const std::exception&) {
+        // lost meanwhile: the sidecar's triggers went with it
+      }
+    }
+    give_back_trigger(t);  // after the drop: the sidecar reads it before any new registration
+  }
+}
+
+void Dispatcher::orphan_triggers() {
+  std::vector<uint32_t> fired;
+  int device;
+  {
+    std::lock_guard<std::mutex> lock(dev_mu_);
+    if (page_ == nullptr) {
+      return;
+    }
+    device = device_;
+    for (uint32_t t = 0; t < wire::kTriggerSlots; t++) {
+      if (live_[t] && __atomic_load_n(&page_[t], __ATOMIC_ACQUIRE) != 0) {
+        __atomic_store_n(&page_[t], 0, __ATOMIC_RELEASE);
+        fired.push_back(t);
+      }
+    }
+  }
+  const uint32_t one = 1;
+  for (uint32_t t : fired) {
+    try {
+      cuda::write_words(device, done_word(t), &one, 1);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "gocomm: could not release a CUDA graph replay waiting on the lost sidecar: %s\n",
+                   e.what());
+    }
+  }
 }
 
 }  // namespace gocomm

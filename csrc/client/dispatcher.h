@@ -58,6 +58,14 @@ void copy_bytes(void* dst, const void* src, size_t n);
 // The exception_ptr of a DistBackendError with message msg (what wait() raises).
 std::exception_ptr dist_error(const std::string& msg);
 
+// Triggers whose graphs are gone, queued by the graphs' user objects (on a driver thread,
+// where neither CUDA nor the ring may be used) for the completion thread to drop. Shared, so
+// a graph that outlives its dispatcher still has somewhere to queue.
+struct DropQueue {
+  std::mutex mu;
+  std::vector<uint32_t> triggers;
+};
+
 class Dispatcher {
  public:
   struct Config {
@@ -97,7 +105,26 @@ class Dispatcher {
   wire::BufRef cuda_ref(uint64_t ptr, uint64_t n, int device, size_t claim = 0);
   size_t pending_count();
 
+  // ----- ops captured in CUDA graphs (docs/decisions/0020) -----
+  // A free trigger for an op captured on device; raises where there is none, or where the
+  // trigger page could not be set up (at device attach).
+  uint32_t take_trigger(int device);
+  // Gives back a trigger that was never registered with the sidecar.
+  void give_back_trigger(uint32_t t);
+  // Registers d as the op of trigger t with the sidecar and waits for its answer (no CUDA
+  // call: allowed while a capture is open); raises the sidecar's refusal.
+  void register_graph_op(Pending p, wire::Desc& d, uint32_t t);
+  // The device addresses of T[t] (host memory) and D[t] (the sidecar's device memory).
+  cuda::DevPtr trigger_word(uint32_t t);
+  cuda::DevPtr done_word(uint32_t t);
+  std::shared_ptr<DropQueue> drops() const { return drops_; }
+  size_t live_triggers();
+
  private:
+  c10::intrusive_ptr<Work> submit_record(Pending p, wire::Desc& d, uint16_t type, const std::vector<uint8_t>& prefix);
+  void setup_triggers();  // at attach (dev_mu_ held)
+  void send_drops();  // the completion thread: drops queued by destroyed graphs
+  void orphan_triggers();  // the completion thread, once the sidecar is lost
   void loop();
   void complete(const wire::Done& d);
   void expire(std::chrono::steady_clock::time_point now);
@@ -118,6 +145,17 @@ class Dispatcher {
   cuda::DevPtr counters_ = 0;
   std::atomic<bool> stop_{false};
   std::thread thread_;
+  // graph triggers (dev_mu_): the page (an arena block, pinned and mapped for the device),
+  // which triggers are live, and the free ones
+  Arena::Block page_block_;
+  uint32_t page_segment_ = 0;
+  size_t page_offset_ = 0;
+  uint32_t* page_ = nullptr;
+  cuda::DevPtr page_dev_ = 0;
+  std::string page_error_;
+  std::vector<bool> live_ = std::vector<bool>(wire::kTriggerSlots);
+  std::vector<uint32_t> free_;
+  std::shared_ptr<DropQueue> drops_ = std::make_shared<DropQueue>();
 };
 
 }  // namespace gocomm

@@ -15,6 +15,16 @@ constexpr uint16_t kRecOp = 16;
 constexpr uint16_t kRecDone = 17;
 constexpr uint16_t kRecIpc = 18;
 constexpr uint16_t kRecIpcDrop = 19;
+// An op captured in a CUDA graph (docs/decisions/0020): u32 trigger, u32 segment and u64
+// offset of the trigger page, then the op's descriptor; answered by a kRecDone of its seq.
+constexpr uint16_t kRecGraphOp = 24;
+// The graph holding a trigger's op is gone: u32 trigger.
+constexpr uint16_t kRecGraphDrop = 25;
+constexpr size_t kGraphOpHeader = 16;
+// Graph triggers: T words in a page of the arena, D words in the counter memory after the
+// stream counters (gpu.TriggerSlots, gpu.TriggerOffset).
+constexpr uint32_t kTriggerSlots = 1024;
+constexpr size_t kTriggerOffset = 4096;
 
 // CUDA allocations registered with kRecIpc carry this bit in their segment id.
 constexpr uint32_t kCudaSegment = 1u << 31;

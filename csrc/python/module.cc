@@ -88,6 +88,8 @@ PYBIND11_MODULE(_C, m) {
       .def("close", &gocomm::Dispatcher::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("lost", &gocomm::Dispatcher::lost)
       .def("pending", &gocomm::Dispatcher::pending_count)
+      .def("live_triggers", &gocomm::Dispatcher::live_triggers,
+           "Triggers in use: ops captured in CUDA graphs that are alive (docs/decisions/0020).")
       .def("counters", &gocomm::Dispatcher::counters, py::call_guard<py::gil_scoped_release>(),
            "The device address of the stream counters; attaches the device the first time.")
       .def("segments", [](gocomm::Dispatcher& d) { return d.arena().segments(); },
@@ -227,6 +229,11 @@ PYBIND11_MODULE(_C, m) {
   m.attr("REC_DONE") = gocomm::wire::kRecDone;
   m.attr("REC_IPC") = gocomm::wire::kRecIpc;
   m.attr("REC_IPC_DROP") = gocomm::wire::kRecIpcDrop;
+  m.attr("REC_GRAPH_OP") = gocomm::wire::kRecGraphOp;
+  m.attr("REC_GRAPH_DROP") = gocomm::wire::kRecGraphDrop;
+  m.attr("GRAPH_OP_HEADER") = gocomm::wire::kGraphOpHeader;
+  m.attr("TRIGGER_SLOTS") = gocomm::wire::kTriggerSlots;
+  m.attr("TRIGGER_OFFSET") = gocomm::wire::kTriggerOffset;
   m.attr("CUDA_SEGMENT") = gocomm::wire::kCudaSegment;
   m.attr("DEVICE_HOST") = gocomm::wire::kDeviceHost;
   m.attr("DEVICE_CUDA") = gocomm::wire::kDeviceCuda;

@@ -1,14 +1,14 @@
 """CUDA graph capture: which of a group's ops a graph can hold, and the error for the rest.
 
-An op that runs in the sidecar is handed over on the host, one descriptor per call: a graph
-would record the stream's signal to the sidecar but not the hand-off, so a replay would leave
-the outputs stale without an error. Such an op therefore raises when called under capture,
-before anything is queued or sent: the capture can end and the group stays usable. What a
-graph can hold runs as kernels in this process with no per-call host state:
-all_reduce (sum, avg of bf16, fp16, fp32) and all_to_all_single on groups whose GPUs share
-NVLink, gocomm.all_to_all_v there, and gocomm.moe.dispatch(padded=True) and combine there.
-A group's first such call on a device sets its kernel up, collectively, and must run outside
-the capture."""
+The compiled client captures every collective of CUDA tensors: an in-process kernel as
+itself, a sidecar op as a graph op (registered with the sidecar at capture, run by it at each
+replay; docs/decisions/0020). What cannot be captured is what hands the sidecar a call whose
+shape is decided on the host per call, or that the graph lane does not carry: the Python APIs
+below call refuse() for it (gocomm.all_to_all_v without the in-process kernel, moe.dispatch
+without padded), and the client refuses send/recv; each raises at capture, before anything is
+queued or sent, so the capture can end and the group stays usable. A group's first call of an
+in-process kernel on a device sets the kernel up, collectively, and must run outside the
+capture."""
 
 from __future__ import annotations
 

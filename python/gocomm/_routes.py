@@ -229,9 +229,19 @@ class Routes:
         """What a CUDA graph can hold of this group's ops, in words (for error messages)."""
         ops = []
         if self.ar_inprocess:
-            ops.append("all_reduce (sum, avg; bf16, fp16, fp32; a multiple of 16 bytes)")
+            ops.append("all_reduce (sum, avg; bf16, fp16, fp32; a multiple of 16 bytes) in-process")
         if self.a2a_inprocess:
-            ops += ["all_to_all_single", "gocomm.all_to_all_v", "gocomm.moe.dispatch(padded=True) and combine"]
-        if not ops:
-            return "none of its ops (its GPUs do not share NVLink, or its in-process kernels are off)"
+            ops += [
+                "all_to_all_single in-process",
+                "gocomm.all_to_all_v",
+                "gocomm.moe.dispatch(padded=True) and combine",
+            ]
+        # docs/decisions/0020: a collective on sidecar NCCL is registered at capture and run
+        # by the sidecar's graph lane at each replay
+        ops.append(
+            "the collectives on sidecar NCCL (all_reduce, broadcast, reduce, all_gather(_into_tensor), "
+            "reduce_scatter(_tensor), all_to_all(_single), gather, scatter and their coalesced forms); "
+            "not send/recv"
+            + ("" if self.a2a_inprocess else ", gocomm.all_to_all_v or moe.dispatch without the in-process kernels")
+        )
         return ", ".join(ops)

@@ -53,8 +53,11 @@ def test_route_table(desc, f, transport, ar, a2a, a2av, why):
     assert all(reason for _, reason in table.values()), table
     if why:
         assert any(why in reason for _, reason in table.values()), (desc, table)
-    assert ("all_reduce" in r.capturable()) == r.ar_inprocess, r.capturable()
-    assert ("all_to_all_single" in r.capturable()) == r.a2a_inprocess, r.capturable()
+    cap = r.capturable()
+    assert ("all_reduce (sum, avg; bf16, fp16, fp32" in cap) == r.ar_inprocess, cap
+    assert ("all_to_all_single in-process" in cap) == r.a2a_inprocess, cap
+    # every group's sidecar collectives are captured as graph ops (decision 0020), not p2p
+    assert "the collectives on sidecar NCCL (all_reduce, broadcast" in cap and "not send/recv" in cap, cap
 
 
 def test_fall_back():
@@ -66,7 +69,7 @@ def test_fall_back():
     r.fall_back("all_to_all_v", "timed out")
     assert not r.a2a_inprocess and r.all_to_all_v.engine == SIDECAR_NVSHMEM
     assert r.moe.engine == SIDECAR_NVSHMEM and "timed out" in r.moe.reason
-    assert r.capturable().startswith("none")
+    assert r.capturable().startswith("the collectives on sidecar NCCL"), r.capturable()
 
 
 def test_agreement():

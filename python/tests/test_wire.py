@@ -15,6 +15,7 @@ from ranklib import Checker
 ROOT = Path(__file__).resolve().parents[2]
 DESCRIPTOR_GO = ROOT / "wire" / "descriptor.go"
 DTYPE_GO = ROOT / "wire" / "dtype.go"
+GPU_GO = ROOT / "gpu" / "gpu.go"
 
 
 def _go_consts(path: Path, typ: str) -> dict[str, int]:
@@ -74,10 +75,22 @@ def test_record_types_and_devices_match_go(wire):
         wire.REC_IPC,
         wire.REC_IPC_DROP,
     )
+    assert (go16["RecGraphOp"], go16["RecGraphDrop"]) == (wire.REC_GRAPH_OP, wire.REC_GRAPH_DROP)
+    header = re.search(r"GraphOpHeader\s*=\s*(\d+)", DESCRIPTOR_GO.read_text())
+    assert header and int(header.group(1)) == wire.GRAPH_OP_HEADER
     go8 = _go_consts(DESCRIPTOR_GO, "uint8")
     assert (go8["DeviceHost"], go8["DeviceCUDA"]) == (wire.DEVICE_HOST, wire.DEVICE_CUDA)
     assert re.search(r"CUDASegment\s*=\s*1\s*<<\s*31", DESCRIPTOR_GO.read_text())
     assert wire.CUDA_SEGMENT == 1 << 31
+
+
+def test_graph_triggers_match_go(wire):
+    """Where the client finds a graph op's D word (after the stream counters) and how many
+    triggers there are: gpu/gpu.go's constants (docs/decisions/0020)."""
+    text = GPU_GO.read_text()
+    consts = {m.group(1): m.group(2) for m in re.finditer(r"^\s*(\w+)\s*=\s*(\w+)\s*$", text, re.MULTILINE)}
+    assert int(consts["TriggerSlots"]) == wire.TRIGGER_SLOTS
+    assert consts["TriggerOffset"] == "CounterBytes" and int(consts["CounterBytes"]) == wire.TRIGGER_OFFSET
 
 
 def test_dtypes_match_go(wire):
