@@ -8,7 +8,7 @@ graph can hold runs as kernels in this process with no per-call host state:
 all_reduce (sum, avg of bf16, fp16, fp32) and all_to_all_single on groups whose GPUs share
 NVLink, gocomm.all_to_all_v there, and gocomm.moe.dispatch(padded=True) and combine there.
 A group's first such call on a device sets its kernel up, collectively, and must run outside
-the capture."""
+the capture (the compiled client's engine refuses it: csrc/client/inprocess.cc, refuse_setup)."""
 
 from __future__ import annotations
 
@@ -42,12 +42,3 @@ def refuse(op: str, pg, why: str) -> None:
 # what runs an op that refuse() names, where it is the sidecar
 SIDECAR = "it runs in the sidecar (NCCL), which is handed each call on the host"
 SIDECAR_NVSHMEM = "it runs in the sidecar's NVSHMEM kernel, which is handed each call on the host"
-
-
-def refuse_setup(op: str, pg, device: int) -> None:
-    """Raise for the first call of an in-process kernel's op on a device, made under capture."""
-    raise RuntimeError(
-        f"gocomm {op} cannot be captured yet on group {pg.group_name!r}: its first call on cuda:{device} sets "
-        f"up its kernel, collectively, which a capture does not allow. Call {op} once on this group and device "
-        "before capturing."
-    )
