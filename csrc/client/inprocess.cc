@@ -685,7 +685,7 @@ std::optional<std::pair<at::Tensor, at::Tensor>> Engine::all_to_all_v(const at::
                  reinterpret_cast<uint64_t>(o.data_ptr()), o.size(0), reinterpret_cast<uint64_t>(out_splits.data_ptr()),
                  row);
   record("all_to_all_v", input, path->device());
-  return std::make_pair(o, in_splits.is_cuda() ? out_splits : out_splits.cpu());
+  return std::make_pair(o, out_splits);
 }
 
 std::shared_ptr<ArPath> Engine::setup_ar(int idx) {

@@ -247,9 +247,10 @@ class Engine {
   // all_to_all_single of CUDA tensors (ins: the checked input splits), or null.
   c10::intrusive_ptr<c10d::Work> all_to_all_single(const at::Tensor& output, const at::Tensor& input,
                                                    const std::vector<int64_t>& ins);
-  // gocomm.all_to_all_v's in-process path (the caller checked the arguments): (output,
-  // out_splits), or nothing where the group does not take it. out's rows are the capacity;
-  // without out, input's rows times the group size, at most what the receive buffer holds.
+  // gocomm.all_to_all_v's in-process path (the caller checked the arguments; ops.cc):
+  // (output, out_splits on input's device), or nothing where the group does not take it.
+  // out's rows are the capacity; without out, input's rows times the group size, at most
+  // what the receive buffer holds.
   std::optional<std::pair<at::Tensor, at::Tensor>> all_to_all_v(const at::Tensor& input, const at::Tensor& in_splits,
                                                                 const std::optional<at::Tensor>& out);
   // The all_to_all_v path on device (set up, collectively, at the first call there), or null

@@ -178,23 +178,6 @@ PYBIND11_MODULE(_C, m) {
           "ar_path", [](gocomm::Backend& b, int device) { return b.engine().ar_path(device); },
           "The in-process all_reduce path on device, or None where it is not set up there.")
       .def(
-          "all_to_all_v",
-          [](gocomm::Backend& b, const at::Tensor& input, const at::Tensor& in_splits,
-             std::optional<at::Tensor> out) -> py::object {
-            std::optional<std::pair<at::Tensor, at::Tensor>> r;
-            {
-              py::gil_scoped_release nogil;
-              r = b.engine().all_to_all_v(input, in_splits, out);
-            }
-            if (!r) {
-              return py::none();
-            }
-            return py::make_tuple(r->first, r->second);
-          },
-          py::arg("input"), py::arg("in_splits"), py::arg("out") = py::none(),
-          "gocomm.all_to_all_v by the in-process kernel: (output, out_splits), or None where it does not serve "
-          "the group.")
-      .def(
           "receive_buffer",
           [](gocomm::Backend& b, int device, int64_t nbytes) -> py::object {
             at::Tensor t;

@@ -190,8 +190,15 @@ def all_to_all_v(
             raise ValueError("gocomm all_to_all_v: out must be contiguous")
     path = _device_path(g, input)
     if isinstance(path, _client.C.A2Path):
-        # the in-process kernel, all in the compiled client (nothing here waits for the GPU)
-        return _backend.state(g)._ref.get().all_to_all_v(input, in_splits, out)
+        # the in-process kernel: one registered op of the compiled client (csrc/client/ops.cc);
+        # nothing here waits for the GPU
+        if out is None:  # input's rows times the group size, at most what recv holds at once
+            row = input.element_size() * math.prod(input.shape[1:])
+            rows = min(input.shape[0] * n, path.cap // max(row, 1))
+            out, out_splits = torch.ops.gocomm.all_to_all_v(input, in_splits, rows, g.group_name)
+        else:
+            out_splits = torch.ops.gocomm.all_to_all_v_out(input, in_splits, out, g.group_name)
+        return out, out_splits if in_splits.is_cuda else out_splits.cpu()
     if input.is_cuda and _capture.capturing():
         _capture.refuse(
             "all_to_all_v",

@@ -635,6 +635,7 @@ def test_all_to_all_v_nvshmem(worlds, seed, size, inprocess):
         w.run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
         if inprocess:
             w.run(check_all_to_all_v_graph, seed=seed, timeout=RUN_LIMIT_S)
+            w.run(check_all_to_all_v_op, seed=seed, timeout=RUN_LIMIT_S)
     finally:
         w.close()
 
@@ -701,6 +702,53 @@ def check_moe_graph(rk, seed):
             ck.same(f"replay {step} tokens per expert", got[1].cpu(), want_tpe.cpu())
             ck.same(f"replay {step} grouped tokens", got[0][: want_recv.shape[0]].cpu(), want_recv.cpu())
             ck.same(f"replay {step} combine", got[2].cpu(), want_out.cpu())
+    torch.cuda.synchronize()
+    return ck.done()
+
+
+def check_all_to_all_v_op(rk, seed):
+    """gocomm.all_to_all_v's in-process path as registered ops (torch.ops.gocomm, the compiled
+    client's csrc/client/ops.cc): all_to_all_v under torch.compile(fullgraph=True) traced
+    through its Meta kernel (the padded output's shape) and run, and all_to_all_v_out eager,
+    against the rows and counts every rank sent (rebuilt from the seed)."""
+    import gocomm
+
+    dev, _ = _setup(rk)
+    n, me = rk.size, rk.rank
+    ck = Checker("all_to_all_v as a torch op", seed, me)
+    name = dist.group.WORLD.group_name
+    h, most = 24, 9
+
+    def send_of(src):
+        return [seeded_int(seed, f"op-{src}-{d}", 0, most) for d in range(n)]
+
+    send, recv = send_of(me), [send_of(src)[me] for src in range(n)]
+    x = gen(seed, "op", me, (sum(send), h), torch.float32).to(dev)
+    want = torch.cat(
+        [
+            gen(seed, "op", src, (sum(send_of(src)), h), torch.float32)[sum(send_of(src)[:me]) :][: recv[src]]
+            for src in range(n)
+        ]
+    )
+    gocomm.all_to_all_v(x, torch.tensor(send, device=dev))  # sets the path up (collective)
+    rows = most * n
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def doubled(x, s):
+        out, got = torch.ops.gocomm.all_to_all_v(x, s, rows, name)
+        return out * 2, got + 1
+
+    with ck.case("compiled"):
+        out, got = doubled(x, torch.tensor(send, device=dev, dtype=torch.int32))
+        ck.expect("padded rows", tuple(out.shape) == (rows, h), str(tuple(out.shape)))
+        ck.same("rows", out[: sum(recv)].cpu(), want * 2)
+        ck.same("splits", got.cpu(), torch.tensor(recv, dtype=torch.int32) + 1)
+    with ck.case("out form"):
+        out = torch.full((sum(recv) + 2, h), -9.0, device=dev)
+        got = torch.ops.gocomm.all_to_all_v_out(x, torch.tensor(send), out, name)
+        ck.same("rows", out[: sum(recv)].cpu(), want)
+        ck.same("splits", got.cpu(), torch.tensor(recv))
+        ck.expect("rows past the data untouched", bool(torch.all(out[sum(recv) :] == -9.0)))
     torch.cuda.synchronize()
     return ck.done()
 

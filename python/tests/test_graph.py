@@ -280,12 +280,13 @@ def test_graph_capture(worlds, seed, size, transport):
         captured = w.run(check_captured, seed=seed, shared=shared, timeout=RUN_LIMIT_S)
         if transport and shared:
             # the other in-process captures, which test_gpu runs on a GPU per rank, here on
-            # ranks that share one: all_to_all_v (plain out, receive buffer, subgroups) and
-            # padded MoE dispatch + combine in one graph
-            from test_gpu import check_all_to_all_v_graph, check_moe_graph
+            # ranks that share one: all_to_all_v (plain out, receive buffer, subgroups),
+            # padded MoE dispatch + combine in one graph, and all_to_all_v as a compiled torch op
+            from test_gpu import check_all_to_all_v_graph, check_all_to_all_v_op, check_moe_graph
 
             w.run(check_all_to_all_v_graph, seed=seed, timeout=RUN_LIMIT_S)
             w.run(check_moe_graph, seed=seed, timeout=RUN_LIMIT_S)
+            w.run(check_all_to_all_v_op, seed=seed, timeout=RUN_LIMIT_S)
     finally:
         w.close()
     # every rank ran every case: the sidecar ops (8 to 11, with the eager rerun where each rank
