@@ -966,6 +966,52 @@ def test_all_to_all_single_inprocess(worlds, seed, size):
         w.close()
 
 
+def check_kernel_timeout(rk, seed):
+    """A peer that never joins an all_reduce: the in-process kernel gives up at the group's
+    timeout (3 s) and torch.cuda.synchronize() returns; the group's next all_reduce aborts the
+    group and raises DistBackendError naming the timeout, and the route table says why
+    all_reduce left the kernel."""
+    import datetime
+
+    dev = torch.device("cuda", rk.rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    ck = Checker("in-process kernel timeout", seed, rk.rank)
+    sub = dist.new_group(backend="gocomm", timeout=datetime.timedelta(seconds=3))
+    g = _state(sub)
+    x = torch.ones(4096, device=dev)
+    dist.all_reduce(x, group=sub)  # sets the path up (collective)
+    torch.cuda.synchronize()
+    ck.expect("in-process", g._ref.get().ar_path(dev.index) is not None, str(g._routes.table()["all_reduce"]))
+    if rk.rank == 0:
+        t0 = time.monotonic()
+        dist.all_reduce(x, group=sub)  # the peer never joins
+        torch.cuda.synchronize()  # returns once the kernel gave up
+        waited = time.monotonic() - t0
+        ck.expect("the kernel gave up at the timeout", 2.5 <= waited <= 60, f"{waited:.1f}s")
+        err = None
+        try:
+            dist.all_reduce(x, group=sub)
+        except dist.DistBackendError as e:
+            err = str(e)
+        want = "an earlier all_reduce timed out after 3s waiting for a peer"
+        ck.expect("the next call raises, naming the timeout", err is not None and want in err, str(err))
+        engine, why = g._routes.table()["all_reduce"]
+        ck.expect("the route fell back", engine == "sidecar NCCL" and "timed out" in why, f"{engine}: {why}")
+        ck.expect("the group is closed", g._closed)
+    dist.all_reduce(torch.ones(1))  # CPU, on the world: both ranks past the trial
+    return ck.done()
+
+
+def test_inprocess_kernel_timeout(worlds, seed):
+    """2 ranks with the in-process all_reduce forced (GOCOMM_TRANSPORT=nvshmem: on one GPU the
+    ranks share it through CUDA IPC)."""
+    w = worlds.fresh(2, label="kernel-timeout", env={"GOCOMM_TRANSPORT": "nvshmem"})
+    try:
+        w.run(check_kernel_timeout, seed=seed, timeout=RUN_LIMIT_S)
+    finally:
+        w.close()
+
+
 def check_transport(rk, want):
     """The sidecar's sparse transport, as the shim reads it."""
     got = _state(rk.world.pg)._sparse_transport()
