@@ -32,32 +32,24 @@ struct Backend::Op {
   c10d::OpType type = c10d::OpType::UNKNOWN;
 };
 
-namespace {
-
-using at::ScalarType;
-using c10::intrusive_ptr;
-using Tensors = std::vector<at::Tensor>;
-
-// ----- names as Python spells them (the messages match the Python client's) -----------------
-
-std::string dtype_name(ScalarType s) {
+std::string dtype_name(at::ScalarType s) {
   switch (s) {
-    case ScalarType::Bool: return "torch.bool";
-    case ScalarType::Byte: return "torch.uint8";
-    case ScalarType::Char: return "torch.int8";
-    case ScalarType::Short: return "torch.int16";
-    case ScalarType::Int: return "torch.int32";
-    case ScalarType::Long: return "torch.int64";
-    case ScalarType::Half: return "torch.float16";
-    case ScalarType::BFloat16: return "torch.bfloat16";
-    case ScalarType::Float: return "torch.float32";
-    case ScalarType::Double: return "torch.float64";
-    case ScalarType::ComplexHalf: return "torch.complex32";
-    case ScalarType::ComplexFloat: return "torch.complex64";
-    case ScalarType::ComplexDouble: return "torch.complex128";
-    case ScalarType::UInt16: return "torch.uint16";
-    case ScalarType::UInt32: return "torch.uint32";
-    case ScalarType::UInt64: return "torch.uint64";
+    case at::ScalarType::Bool: return "torch.bool";
+    case at::ScalarType::Byte: return "torch.uint8";
+    case at::ScalarType::Char: return "torch.int8";
+    case at::ScalarType::Short: return "torch.int16";
+    case at::ScalarType::Int: return "torch.int32";
+    case at::ScalarType::Long: return "torch.int64";
+    case at::ScalarType::Half: return "torch.float16";
+    case at::ScalarType::BFloat16: return "torch.bfloat16";
+    case at::ScalarType::Float: return "torch.float32";
+    case at::ScalarType::Double: return "torch.float64";
+    case at::ScalarType::ComplexHalf: return "torch.complex32";
+    case at::ScalarType::ComplexFloat: return "torch.complex64";
+    case at::ScalarType::ComplexDouble: return "torch.complex128";
+    case at::ScalarType::UInt16: return "torch.uint16";
+    case at::ScalarType::UInt32: return "torch.uint32";
+    case at::ScalarType::UInt64: return "torch.uint64";
     default: {
       std::string n = c10::toString(s);
       for (char& c : n) {
@@ -67,6 +59,14 @@ std::string dtype_name(ScalarType s) {
     }
   }
 }
+
+namespace {
+
+using at::ScalarType;
+using c10::intrusive_ptr;
+using Tensors = std::vector<at::Tensor>;
+
+// ----- names as Python spells them (the messages match the Python client's) -----------------
 
 std::string layout_name(c10::Layout l) {
   switch (l) {
@@ -340,7 +340,30 @@ uint8_t lane_of(uint8_t kind) {
 // ----- the group -----------------------------------------------------------------------------
 
 Backend::Backend(std::shared_ptr<Dispatcher> dispatcher, Config cfg)
-    : c10d::Backend(cfg.rank, cfg.size), disp_(std::move(dispatcher)), cfg_(std::move(cfg)), k_(cfg_.counter_base) {}
+    : c10d::Backend(cfg.rank, cfg.size), disp_(std::move(dispatcher)), cfg_(std::move(cfg)), k_(cfg_.counter_base) {
+  inproc::Engine::Hooks h;
+  // the collective setup's exchanges: the group's own CPU all_gather, through the sidecar
+  h.gather = [this](const at::Tensor& rec) {
+    at::Tensor out = at::empty({int64_t(size_) * rec.numel()}, rec.options());
+    at::Tensor in = rec;
+    _allgather_base(out, in, c10d::AllgatherOptions())->wait();
+    return out;
+  };
+  h.usable = [this] { return !closed_ && !failure_->get() && !disp_->lost(); };
+  h.fall_back = [this](const std::string& op, const std::string& why) {
+    if (cfg_.fall_back) {
+      cfg_.fall_back(op, why);
+    }
+  };
+  h.log = [this](int level, const std::string& msg) {
+    if (cfg_.log) {
+      cfg_.log(level, msg);
+    }
+  };
+  h.abort = [this] { abort(); };
+  engine_ = std::make_unique<inproc::Engine>(cfg_.rank, cfg_.size, cfg_.name, cfg_.timeout_s, cfg_.ar_inprocess,
+                                             cfg_.a2a_inprocess, cfg_.inprocess, std::move(h));
+}
 
 std::string Backend::group_name() const {
   const std::string& uid = getGroupUid();
@@ -827,8 +850,8 @@ const Tensors& output_list(const std::string& refusal, const std::string& op, co
 intrusive_ptr<c10d::Work> Backend::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
   const at::Tensor& t = single(cfg_.cuda_refusal, "all_reduce", "tensor", tensors);
   const uint8_t code = redop("all_reduce", opts.reduceOp, t);
-  if (cfg_.ar_inprocess && t.is_cuda() && cfg_.inprocess) {
-    if (auto w = cfg_.inprocess("all_reduce", {t}, {code})) {
+  if (cfg_.ar_inprocess && t.is_cuda()) {
+    if (auto w = engine_->all_reduce(t, code)) {
       return w;
     }
   }
@@ -1100,8 +1123,8 @@ intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Tensor&
     value_error("gocomm " + name + ": rank " + std::to_string(me) + " sends itself " + std::to_string(ins[me]) +
                 " rows (input_split_sizes) but expects " + std::to_string(outs[me]) + " (output_split_sizes)");
   }
-  if (input.is_cuda() && cfg_.a2a_inprocess && cfg_.inprocess) {
-    if (auto w = cfg_.inprocess(name, {output, input}, ins)) {
+  if (input.is_cuda() && cfg_.a2a_inprocess) {
+    if (auto w = engine_->all_to_all_single(output, input, ins)) {
       return w;
     }
   }

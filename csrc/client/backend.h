@@ -5,9 +5,9 @@
 // completion thread; CUDA tensors are named by IPC registration and the op is ordered on the
 // caller's current stream by the group's stream counters (docs/decisions/0004).
 //
-// The one place an op may still enter Python: on groups whose route table sends all_reduce
-// or all_to_all_single of CUDA tensors to an in-process kernel (NVLink groups), the op is
-// offered to the control plane's in-process engine first (Config::inprocess).
+// On groups whose route table sends all_reduce or all_to_all_single of CUDA tensors to an
+// in-process kernel (NVLink groups), the op is offered to the in-process engine first
+// (inprocess.h), which launches its kernel on the caller's stream, also without Python.
 #pragma once
 
 #include <c10/cuda/CUDAStream.h>
@@ -22,10 +22,13 @@
 #include <vector>
 
 #include "dispatcher.h"
+#include "inprocess.h"
 #include "work.h"
 
 namespace gocomm {
 
+// A dtype as Python spells it ("torch.float32").
+std::string dtype_name(at::ScalarType s);
 // The wire.DType code of a torch dtype; 0 for a dtype gocomm does not carry.
 int wire_dtype(at::ScalarType s);
 // Why op (a wire::RedOp) cannot reduce dtype on CPU tensors (the host engine, cuda=false) or
@@ -44,14 +47,14 @@ class Backend : public c10d::Backend {
     std::string name;
     // why CUDA tensors cannot be served ("" where they can): NotImplementedError's tail
     std::string cuda_refusal;
-    // the route table's choice at creation: offer these CUDA ops to `inprocess` first
+    // the route table's choice at creation: offer these CUDA ops to the in-process engine first
     bool ar_inprocess = false;
     bool a2a_inprocess = false;
-    // the in-process engine: (op, tensors, ints) -> a Work, or null where it does not take
-    // the op (the sidecar runs it then)
-    std::function<c10::intrusive_ptr<c10d::Work>(const std::string&, const std::vector<at::Tensor>&,
-                                                 const std::vector<int64_t>&)>
-        inprocess;
+    inproc::Engine::Settings inprocess;
+    // the route table's fall_back(op, why) (a setup declined, a kernel failed: rare), and the
+    // "gocomm" logger (level, message), both in the control plane
+    std::function<void(const std::string&, const std::string&)> fall_back;
+    std::function<void(int, const std::string&)> log;
     // what this group can capture in a CUDA graph, in words (for the refusal's message)
     std::function<std::string()> capturable;
     // the control plane's DestroyGroup and Abort rpcs
@@ -130,6 +133,8 @@ class Backend : public c10d::Backend {
   c10::intrusive_ptr<Work> submit_raw(const std::string& op, const std::vector<uint8_t>& payload);
 
   bool closed() const { return closed_; }
+  // The in-process engine (its paths set up at a group's first call on a device).
+  inproc::Engine& engine() { return *engine_; }
   // The first failure of an op of this group, if any.
   std::optional<std::string> broken() { return failure_->get(); }
   const Config& config() const { return cfg_; }
@@ -155,6 +160,7 @@ class Backend : public c10d::Backend {
 
   std::shared_ptr<Dispatcher> disp_;
   Config cfg_;
+  std::unique_ptr<inproc::Engine> engine_;
   std::shared_ptr<GroupFailure> failure_ = std::make_shared<GroupFailure>();
   std::atomic<bool> closed_{false};
   std::mutex cuda_mu_;  // keeps a lane's value, its stream write and its descriptor in step

@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <vector>
@@ -18,6 +19,15 @@ constexpr unsigned kHostRegisterPortableDevicemap = 1 | 2;  // CU_MEMHOSTREGISTE
 constexpr unsigned kUserObjectNoDestructorSync = 1;  // CU_USER_OBJECT_NO_DESTRUCTOR_SYNC
 constexpr unsigned kGraphUserObjectMove = 1;  // CU_GRAPH_USER_OBJECT_MOVE
 constexpr unsigned kStreamNonBlocking = 1;
+constexpr Result kNotReady = 600;  // CUDA_ERROR_NOT_READY
+constexpr int kAttrSMs = 16, kAttrMajor = 75, kAttrMinor = 76, kAttrMps = 133;  // CU_DEVICE_ATTRIBUTE_*
+constexpr unsigned kHostPortableMapped = 3;  // CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP
+constexpr unsigned kIpcLazyPeerAccess = 1;  // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+constexpr unsigned kEventNoTiming = 2;  // CU_EVENT_DISABLE_TIMING
+
+struct IpcHandle {  // CUipcMemHandle, passed by value
+  char reserved[64];
+};
 
 struct Api {
   void* lib = nullptr;
@@ -46,6 +56,25 @@ struct Api {
   Result (*memHostRegister)(void*, size_t, unsigned) = nullptr;
   Result (*memHostGetDevicePointer)(DevPtr*, void*, unsigned) = nullptr;
   Result (*memHostUnregister)(void*) = nullptr;
+  // the in-process engine's
+  Result (*ctxGetCurrent)(void**) = nullptr;
+  Result (*ctxSetCurrent)(void*) = nullptr;
+  Result (*deviceGetAttribute)(int*, int, int) = nullptr;
+  Result (*moduleLoadData)(void**, const void*) = nullptr;
+  Result (*moduleGetFunction)(Function*, void*, const char*) = nullptr;
+  Result (*launchKernel)(Function, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, Stream,
+                         void**, void**) = nullptr;
+  Result (*occupancy)(int*, Function, int, size_t) = nullptr;
+  Result (*memAlloc)(DevPtr*, size_t) = nullptr;
+  Result (*memsetD8)(DevPtr, unsigned char, size_t) = nullptr;
+  Result (*memcpyHtoD)(DevPtr, const void*, size_t) = nullptr;
+  Result (*memHostAlloc)(void**, size_t, unsigned) = nullptr;
+  Result (*ipcOpenMemHandle)(DevPtr*, IpcHandle, unsigned) = nullptr;
+  Result (*eventCreate)(Event*, unsigned) = nullptr;
+  Result (*eventRecord)(Event, Stream) = nullptr;
+  Result (*streamWaitEvent)(Stream, Event, unsigned) = nullptr;
+  Result (*eventQuery)(Event) = nullptr;
+  Result (*eventSynchronize)(Event) = nullptr;
 };
 
 template <typename F>
@@ -91,6 +120,23 @@ const Api& api() {
     if (a.captureInfoV3 == nullptr) {
       sym(a, a.captureInfoV2, "cuStreamGetCaptureInfo_v2");
     }
+    sym(a, a.ctxGetCurrent, "cuCtxGetCurrent");
+    sym(a, a.ctxSetCurrent, "cuCtxSetCurrent");
+    sym(a, a.deviceGetAttribute, "cuDeviceGetAttribute");
+    sym(a, a.moduleLoadData, "cuModuleLoadData");
+    sym(a, a.moduleGetFunction, "cuModuleGetFunction");
+    sym(a, a.launchKernel, "cuLaunchKernel");
+    sym(a, a.occupancy, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+    sym(a, a.memAlloc, "cuMemAlloc_v2");
+    sym(a, a.memsetD8, "cuMemsetD8_v2");
+    sym(a, a.memcpyHtoD, "cuMemcpyHtoD_v2");
+    sym(a, a.memHostAlloc, "cuMemHostAlloc");
+    sym(a, a.ipcOpenMemHandle, "cuIpcOpenMemHandle_v2");
+    sym(a, a.eventCreate, "cuEventCreate");
+    sym(a, a.eventRecord, "cuEventRecord");
+    sym(a, a.streamWaitEvent, "cuStreamWaitEvent");
+    sym(a, a.eventQuery, "cuEventQuery");
+    sym(a, a.eventSynchronize, "cuEventSynchronize");
   });
   if (!a.error.empty()) {
     throw Error("gocomm: " + a.error);
@@ -235,6 +281,117 @@ void release_counters(int device, DevPtr addr, size_t nbytes) {
   void* popped = nullptr;
   a.ctxPopCurrent(&popped);
   check("releasing the stream counters", r);
+}
+
+void ensure_context(int device) {
+  const Api& a = api();
+  void* cur = nullptr;
+  check("cuCtxGetCurrent", a.ctxGetCurrent(&cur));
+  if (cur != nullptr) {
+    return;
+  }
+  int dev = 0;
+  void* ctx = nullptr;
+  check("cuDeviceGet", a.deviceGet(&dev, device));
+  check("cuDevicePrimaryCtxRetain", a.primaryCtxRetain(&ctx, dev));
+  check("cuCtxSetCurrent", a.ctxSetCurrent(ctx));
+}
+
+namespace {
+int attribute(int device, int attr) {
+  const Api& a = api();
+  int dev = 0, v = 0;
+  check("cuDeviceGet", a.deviceGet(&dev, device));
+  check("cuDeviceGetAttribute", a.deviceGetAttribute(&v, attr, dev));
+  return v;
+}
+}  // namespace
+
+void capability(int device, int* major, int* minor) {
+  *major = attribute(device, kAttrMajor);
+  *minor = attribute(device, kAttrMinor);
+}
+
+int sm_count(int device) {
+  return attribute(device, kAttrSMs);
+}
+
+bool mps_client(int device) {
+  return attribute(device, kAttrMps) != 0;
+}
+
+void* module_load(const std::string& image) {
+  void* mod = nullptr;
+  check("cuModuleLoadData", api().moduleLoadData(&mod, image.data()));
+  return mod;
+}
+
+Function module_function(void* module, const char* name) {
+  Function fn = nullptr;
+  check("cuModuleGetFunction", api().moduleGetFunction(&fn, module, name));
+  return fn;
+}
+
+void launch(Function fn, unsigned grid, unsigned block, unsigned smem, Stream stream, void** params) {
+  check("cuLaunchKernel", api().launchKernel(fn, grid, 1, 1, block, 1, 1, smem, stream, params, nullptr));
+}
+
+int blocks_per_sm(Function fn, int threads) {
+  int per = 0;
+  check("cuOccupancyMaxActiveBlocksPerMultiprocessor", api().occupancy(&per, fn, threads, 0));
+  return per;
+}
+
+DevPtr mem_alloc_zeroed(size_t nbytes) {
+  DevPtr p = 0;
+  check("cuMemAlloc", api().memAlloc(&p, nbytes));
+  check("cuMemsetD8", api().memsetD8(p, 0, nbytes));
+  return p;
+}
+
+void copy_to_device(DevPtr dst, const void* src, size_t nbytes) {
+  check("cuMemcpyHtoD", api().memcpyHtoD(dst, src, nbytes));
+}
+
+void host_words(size_t nbytes, void** host, DevPtr* dev) {
+  check("cuMemHostAlloc", api().memHostAlloc(host, nbytes, kHostPortableMapped));
+  std::memset(*host, 0, nbytes);
+  check("cuMemHostGetDevicePointer", api().memHostGetDevicePointer(dev, *host, 0));
+}
+
+DevPtr ipc_open(const uint8_t handle[64]) {
+  IpcHandle h;
+  std::memcpy(h.reserved, handle, 64);
+  DevPtr p = 0;
+  check("cuIpcOpenMemHandle", api().ipcOpenMemHandle(&p, h, kIpcLazyPeerAccess));
+  return p;
+}
+
+Event event_create() {
+  Event ev = nullptr;
+  check("cuEventCreate", api().eventCreate(&ev, kEventNoTiming));
+  return ev;
+}
+
+void event_record(Event ev, Stream stream) {
+  check("cuEventRecord", api().eventRecord(ev, stream));
+}
+
+void stream_wait_event(Stream stream, Event ev) {
+  check("cuStreamWaitEvent", api().streamWaitEvent(stream, ev, 0));
+}
+
+bool event_done(Event ev) {
+  const Result r = api().eventQuery(ev);
+  if (r == kNotReady) {
+    return false;
+  }
+  check("cuEventQuery", r);
+  return true;
+}
+
+void event_sync(Event ev) {
+  check("cuEventSynchronize", api().eventSynchronize(ev));
 }
 
 }  // namespace gocomm::cuda

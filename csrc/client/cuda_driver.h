@@ -57,4 +57,44 @@ void ipc_handle(DevPtr base, uint8_t out[64]);
 // gone go on. Makes the primary context of device current first.
 void release_counters(int device, DevPtr addr, size_t nbytes);
 
+// ----- the in-process engine's calls (csrc/client/inprocess.cc) ------------------------------
+
+using Function = void*;  // CUfunction
+using Event = void*;  // CUevent
+
+// Make device's primary context current on this thread where none is (torch creates it
+// lazily, so a driver call can come before any tensor of the thread).
+void ensure_context(int device);
+// (major, minor) compute capability, and the SM count, of device.
+void capability(int device, int* major, int* minor);
+int sm_count(int device);
+// Whether contexts on device are MPS clients.
+bool mps_client(int device);
+// Load a module image (a cubin's bytes) into the current context; its kernel name.
+void* module_load(const std::string& image);
+Function module_function(void* module, const char* name);
+// Queue fn on stream: grid x block threads, smem bytes of dynamic shared memory; params
+// the driver's array of pointers to each argument (copied at the call).
+void launch(Function fn, unsigned grid, unsigned block, unsigned smem, Stream stream, void** params);
+// How many blocks of fn (threads each, no dynamic shared memory) one SM holds at once.
+int blocks_per_sm(Function fn, int threads);
+// A zeroed device allocation of its own (outside torch's allocator, so that its IPC handle
+// names it alone), in the current context; never freed.
+DevPtr mem_alloc_zeroed(size_t nbytes);
+// Copy nbytes from the host to the device, synchronously.
+void copy_to_device(DevPtr dst, const void* src, size_t nbytes);
+// bytes of zeroed pinned host memory the GPU writes to: host address, device address.
+void host_words(size_t nbytes, void** host, DevPtr* dev);
+// Map another process's allocation by its 64-byte CUDA IPC handle (in the current context).
+DevPtr ipc_open(const uint8_t handle[64]);
+// Events without timing, in the current context.
+Event event_create();
+void event_record(Event ev, Stream stream);
+// Queue on stream: wait for ev's last record.
+void stream_wait_event(Stream stream, Event ev);
+// Whether the work before ev's last record finished (no wait).
+bool event_done(Event ev);
+// Block until the work before ev's last record finished.
+void event_sync(Event ev);
+
 }  // namespace gocomm::cuda

@@ -1,12 +1,15 @@
 // gocomm._C: the Python bindings of the compiled client (csrc/client), and nothing else. The
 // control plane (python/gocomm) makes a Dispatcher per sidecar session and a Backend per
 // group; torch calls the Backend's ops directly, never through here.
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
 
 #include <memory>
+#include <optional>
 
 #include "backend.h"
+#include "cuda_driver.h"
 #include "dispatcher.h"
 #include "wire.h"
 
@@ -29,25 +32,6 @@ std::shared_ptr<py::object> hold(py::object o) {
 bool given(const py::object& o) {
   return !o.is_none();
 }
-
-// A Work the in-process engine made in Python (a torch Work subclass): the Python object is
-// kept alive with it, so that its overrides stay reachable from C++.
-class HeldWork : public c10d::Work {
- public:
-  HeldWork(std::shared_ptr<py::object> obj, c10::intrusive_ptr<c10d::Work> inner)
-      : obj_(std::move(obj)), inner_(std::move(inner)) {}
-  bool isCompleted() override { return inner_->isCompleted(); }
-  bool isSuccess() const override { return inner_->isSuccess(); }
-  std::exception_ptr exception() const override { return inner_->exception(); }
-  std::vector<at::Tensor> result() override { return inner_->result(); }
-  void synchronize() override { inner_->synchronize(); }
-  bool wait(std::chrono::milliseconds timeout) override { return inner_->wait(timeout); }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return inner_->getFuture(); }
-
- private:
-  std::shared_ptr<py::object> obj_;
-  c10::intrusive_ptr<c10d::Work> inner_;
-};
 
 // The Python state's reference to its backend, which holds the state: weak, so that the
 // group's lifetime is the ProcessGroup's.
@@ -108,8 +92,9 @@ PYBIND11_MODULE(_C, m) {
   py::class_<gocomm::Backend, c10d::Backend, c10::intrusive_ptr<gocomm::Backend>>(m, "Backend")
       .def(py::init([](std::shared_ptr<gocomm::Dispatcher> disp, int rank, int size, uint32_t handle, int slot,
                        std::array<uint32_t, 2> counter_base, double timeout_s, const std::string& name,
-                       const std::string& cuda_refusal, bool ar_inprocess, bool a2a_inprocess, py::object inprocess,
-                       py::object capturable, py::object on_shutdown, py::object on_abort, py::object state) {
+                       const std::string& cuda_refusal, bool ar_inprocess, bool a2a_inprocess,
+                       const py::dict& inprocess, py::object fall_back, py::object log, py::object capturable,
+                       py::object on_shutdown, py::object on_abort, py::object state) {
              gocomm::Backend::Config cfg;
              cfg.rank = rank;
              cfg.size = size;
@@ -121,17 +106,35 @@ PYBIND11_MODULE(_C, m) {
              cfg.cuda_refusal = cuda_refusal;
              cfg.ar_inprocess = ar_inprocess;
              cfg.a2a_inprocess = a2a_inprocess;
-             if (given(inprocess)) {
-               auto f = hold(std::move(inprocess));
-               cfg.inprocess = [f](const std::string& op, const std::vector<at::Tensor>& ts,
-                                   const std::vector<int64_t>& ints) -> c10::intrusive_ptr<c10d::Work> {
+             auto& st = cfg.inprocess;
+             for (auto [key, dst] : {std::pair{"ar_max", &st.ar_max}, std::pair{"ar_stage", &st.ar_stage},
+                                     std::pair{"ar_oneshot", &st.ar_oneshot},
+                                     std::pair{"a2a_recv_bytes", &st.a2a_recv_bytes}}) {
+               if (inprocess.contains(key)) {
+                 *dst = inprocess[key].cast<int64_t>();
+               }
+             }
+             for (auto [key, dst] : {std::pair{"ar_blocks", &st.ar_blocks}, std::pair{"a2a_threads", &st.a2a_threads},
+                                     std::pair{"a2a_blocks", &st.a2a_blocks}}) {
+               if (inprocess.contains(key)) {
+                 *dst = inprocess[key].cast<int>();
+               }
+             }
+             if (inprocess.contains("a2av")) {
+               st.a2av = inprocess["a2av"].cast<bool>();
+             }
+             if (given(fall_back)) {
+               auto f = hold(std::move(fall_back));
+               cfg.fall_back = [f](const std::string& op, const std::string& why) {
                  py::gil_scoped_acquire gil;
-                 py::object w = (*f)(op, ts, ints);
-                 if (w.is_none()) {
-                   return {};
-                 }
-                 auto inner = w.cast<c10::intrusive_ptr<c10d::Work>>();
-                 return c10::make_intrusive<HeldWork>(hold(std::move(w)), std::move(inner));
+                 (*f)(op, why);
+               };
+             }
+             if (given(log)) {
+               auto f = hold(std::move(log));
+               cfg.log = [f](int level, const std::string& msg) {
+                 py::gil_scoped_acquire gil;
+                 (*f)(level, msg);
                };
              }
              if (given(capturable)) {
@@ -156,7 +159,8 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("dispatcher"), py::arg("rank"), py::arg("size"), py::arg("handle"), py::arg("slot"),
            py::arg("counter_base"), py::arg("timeout_s"), py::arg("name"), py::arg("cuda_refusal"),
-           py::arg("ar_inprocess"), py::arg("a2a_inprocess"), py::arg("inprocess"), py::arg("capturable"),
+           py::arg("ar_inprocess"), py::arg("a2a_inprocess"), py::arg("inprocess"), py::arg("fall_back"),
+           py::arg("log"), py::arg("capturable"),
            py::arg("on_shutdown"), py::arg("on_abort"), py::arg("state"))
       .def_property_readonly("state",
                              [](gocomm::Backend& b) -> py::object {
@@ -166,6 +170,29 @@ PYBIND11_MODULE(_C, m) {
                              "The control plane's state of this group (gocomm._backend._Group).")
       .def_property_readonly("broken", &gocomm::Backend::broken, "The first failure of an op of this group, or None.")
       .def_property_readonly("closed", &gocomm::Backend::closed)
+      .def(
+          "a2av_path",
+          [](gocomm::Backend& b, int device) { return b.engine().a2av_path(device); },
+          py::call_guard<py::gil_scoped_release>(),
+          "The in-process all_to_all_v path on device (set up, collectively, at the first call there), or None "
+          "where the group does not take it.")
+      .def(
+          "ar_path", [](gocomm::Backend& b, int device) { return b.engine().ar_path(device); },
+          "The in-process all_reduce path on device, or None where it is not set up there.")
+      .def(
+          "receive_buffer",
+          [](gocomm::Backend& b, int device, int64_t nbytes) -> py::object {
+            at::Tensor t;
+            {
+              py::gil_scoped_release nogil;
+              t = b.engine().receive_buffer(device, nbytes);
+            }
+            return t.defined() ? py::cast(t) : py::none();
+          },
+          "Collective: nbytes (uint8) the peers' in-process all_to_all_v writes into, or None.")
+      .def(
+          "sidecar_broke", [](gocomm::Backend& b) { b.engine().sidecar_broke(); }, py::call_guard<py::gil_scoped_release>(),
+          "The sidecar reports the group broken: in-process kernels stop waiting for peers.")
       .def(
           "cuda_now",
           [](gocomm::Backend& b, const std::string& op, uint8_t kind,
@@ -188,6 +215,103 @@ PYBIND11_MODULE(_C, m) {
             return b.submit_raw(op, v);
           },
           "A hand-made descriptor (tests): its seq is replaced.");
+
+  namespace ip = gocomm::inproc;
+  py::class_<ip::ArPath, std::shared_ptr<ip::ArPath>>(m, "ArPath", "A group's in-process all_reduce on one device.")
+      .def_property_readonly("oneshot", &ip::ArPath::oneshot, "The largest message one-shot takes (bytes).")
+      .def_property_readonly("cap", &ip::ArPath::cap, "Bytes of the message per two-shot round.")
+      .def("failed", &ip::ArPath::failed, "Whether a kernel of this path gave up waiting for a peer.");
+  py::class_<ip::A2Path, std::shared_ptr<ip::A2Path>>(m, "A2Path",
+                                                       "A group's in-process all_to_all_v on one device.")
+      .def_property_readonly("idx", &ip::A2Path::device)
+      .def("failed", &ip::A2Path::failed, "Whether a kernel of this path gave up waiting for a peer.")
+      .def_property_readonly("cap", &ip::A2Path::cap, "The receive buffer's bytes.")
+      .def_property_readonly("outputs", &ip::A2Path::outputs, "Receive buffers: (address here, bytes).")
+      .def("report", &ip::A2Path::report, py::call_guard<py::gil_scoped_release>(),
+           "Log what the kernels found since the last call.")
+      .def(
+          "run_at",
+          [](ip::A2Path& p, uint64_t in, int64_t in_rows, uint64_t splits, bool splits32, uint64_t out,
+             int64_t out_rows, uint64_t out_splits, int64_t row) {
+            py::gil_scoped_release nogil;
+            p.exchange(in, in_rows, splits, splits32, nullptr, out, out_rows, out_splits, row);
+          },
+          py::arg("inp"), py::arg("in_rows"), py::arg("splits"), py::arg("splits32"), py::arg("out"),
+          py::arg("out_rows"), py::arg("out_splits"), py::arg("row"),
+          "Queue an exchange by addresses on the current stream (splits on the GPU).");
+  m.def(
+      "inprocess_launches",
+      [] {
+        py::list out;
+        for (const auto& l : ip::launches()) {
+          py::dict d;
+          d["group"] = l.group;
+          d["op"] = l.op;
+          d["dtype"] = l.dtype;
+          d["bytes"] = l.bytes;
+          d["device"] = l.device;
+          d["launched"] = l.launched;
+          out.append(d);
+        }
+        return out;
+      },
+      "The in-process engine's last kernel launches, oldest first.");
+  m.def("set_launch_capacity", &ip::set_launch_capacity, "How many launches the record keeps.");
+  m.def(
+      "module_why_not",
+      [](const std::string& file, int device) {
+        py::gil_scoped_release nogil;
+        return ip::Module::get(file).why_not(device);
+      },
+      "Why the kernels of the package's cubin file do not run on device ('' where they do).");
+  m.def(
+      "kernel_launch",
+      [](const std::string& file, int device, const std::string& name, unsigned grid, unsigned block, unsigned smem,
+         const std::string& sig, const std::vector<int64_t>& vals) {
+        ip::launch(file, device, name, grid, block, smem, sig, vals);
+      },
+      py::arg("file"), py::arg("device"), py::arg("name"), py::arg("grid"), py::arg("block"), py::arg("smem"),
+      py::arg("sig"), py::arg("vals"),
+      "Queue a kernel of the package's cubin file on device's current stream (sig: P address, q int64, i int32).");
+  m.def(
+      "host_words",
+      [](size_t nbytes, int device) {
+        void* host = nullptr;
+        gocomm::cuda::DevPtr dev = 0;
+        c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+        gocomm::cuda::ensure_context(device);
+        gocomm::cuda::host_words(nbytes, &host, &dev);
+        return std::make_pair(reinterpret_cast<uint64_t>(host), dev);
+      },
+      py::arg("nbytes"), py::arg("device"),
+      "Zeroed pinned host memory device's kernels write to, never freed: (host address, device address).");
+  m.def(
+      "cuda_open_ipc",
+      [](py::bytes handle, int device) {
+        std::string h = handle;
+        if (h.size() != 64) {
+          throw py::value_error("a CUDA IPC handle is 64 bytes");
+        }
+        py::gil_scoped_release nogil;
+        c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+        gocomm::cuda::ensure_context(device);
+        return gocomm::cuda::ipc_open(reinterpret_cast<const uint8_t*>(h.data()));
+      },
+      "Map another process's allocation by its CUDA IPC handle on device; its address here.");
+  m.def("cuda_mps_client", &gocomm::cuda::mps_client, "Whether contexts on device are MPS clients.");
+  m.def(
+      "cuda_ipc_probe",
+      [](int device) {
+        uint8_t h[64];
+        {
+          py::gil_scoped_release nogil;
+          c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+          gocomm::cuda::ensure_context(device);
+          gocomm::cuda::ipc_handle(gocomm::cuda::mem_alloc_zeroed(1 << 20), h);  // the process exits after
+        }
+        return py::bytes(reinterpret_cast<const char*>(h), 64);
+      },
+      "The CUDA IPC handle of a fresh 1 MiB allocation on device (gocomm doctor's check).");
 
   py::class_<BackendRef>(m, "BackendRef")
       .def(py::init([](const c10::intrusive_ptr<gocomm::Backend>& b) {

@@ -1,6 +1,6 @@
 // All-to-all with splits on the GPU in the training process: gocomm.all_to_all_v where the
-// group's GPUs map each other's memory over NVLink. The shim (python/gocomm/_a2av.py) loads
-// this module and launches gocomm_a2av_ipc on the caller's stream: one kernel launch and no
+// group's GPUs map each other's memory over NVLink. The compiled client
+// (csrc/client/inprocess.cc) loads this module and launches gocomm_a2av_ipc on the caller's stream: one kernel launch and no
 // hand-off to the sidecar, no host sync, and no host-side state that changes per op (the op
 // counter lives on the GPU), so a call can be captured in a CUDA graph and replayed.
 // The protocol is the sidecar's NVSHMEM kernel's (kernels/sidecar/a2av.cu) with CUDA IPC mappings in
@@ -101,7 +101,7 @@
 #define A2_EPOCHS (A2_CSIG + A2_MAX_RANKS * A2_MAX_PARTS * 8)
 #define A2_MAX_BLOCKS 1024
 #define A2_HEAD 65536
-static_assert(A2_TABLE == 9920, "the layout above (and gocomm/_a2av.py's _TABLE)");
+static_assert(A2_TABLE == 9920, "the layout above (and csrc/client/inprocess.cc's kA2Table)");
 static_assert(A2_EPOCHS + A2_MAX_BLOCKS * 8 <= A2_HEAD, "the signals overlap recv");
 
 struct A2Args {

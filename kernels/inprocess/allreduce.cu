@@ -1,6 +1,6 @@
 // Client-side all_reduce (sum, avg) of bf16, fp16 and fp32, any size, between GPUs that map
-// each other's memory (NVLink): the shim (python/gocomm/_allreduce.py) loads this module into
-// the training process and launches it on the caller's stream, so an all_reduce costs one
+// each other's memory (NVLink): the compiled client (csrc/client/inprocess.cc) loads this
+// module into the training process and launches it on the caller's stream, so an all_reduce costs one
 // kernel launch instead of a hand-off to the sidecar and an NCCL launch there. No NVSHMEM.
 //
 // Every rank owns a staging buffer of two halves (epoch parity picks one; an op is one epoch,

@@ -1,5 +1,6 @@
-// Client-side MoE kernels: the shim (python/gocomm/_kernels.py) loads this module into the
-// training process and launches them on the caller's stream with the driver API. No NVSHMEM.
+// Client-side MoE kernels: the compiled client (csrc/client/inprocess.cc; the launch shapes
+// are python/gocomm/_kernels.py's) loads this module into the training process and launches
+// them on the caller's stream with the driver API. No NVSHMEM.
 //
 // gocomm_moe_wsum_<dtype>: out[r] = sum over j in [offs[r], offs[r+1]) of w[j] * src[idx[j]]
 // (w may be null: weight 1), accumulated in float32 in j order and rounded once; a row with

@@ -107,7 +107,7 @@ def flight_record(dump: bool = False) -> dict:
     """
     import json
 
-    from . import _inprocess, _sidecar
+    from . import _client, _sidecar
     from .v1 import pgserver_pb2 as pb
 
     sc = _sidecar.current()
@@ -118,7 +118,7 @@ def flight_record(dump: bool = False) -> dict:
     rec["groups"] = rec.get("groups") or []
     if resp.path:
         rec["path"] = resp.path
-    rec["inprocess"] = list(_inprocess.launches)
+    rec["inprocess"] = _client.C.inprocess_launches()
     return rec
 
 

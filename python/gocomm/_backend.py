@@ -3,11 +3,11 @@ every op; this module is its control plane. The creator torch calls for a new gr
 group up with the sidecar (CreateGroup, the Store bootstrap, ConnectGroup, the route table)
 and returns the C++ backend configured with what its ops need.
 
-A group's Python state (_Group: its sidecar, routes, in-process kernel paths) is what
-gocomm.info(), the sparse and MoE APIs and the in-process engine use; state(pg) finds it.
-The one place an op still enters Python: all_reduce and all_to_all_single of CUDA tensors on
-groups whose route table sends them to an in-process kernel (NVLink groups), which the C++
-backend offers to _Group._inprocess_op first.
+A group's Python state (_Group: its sidecar, routes) is what gocomm.info() and the sparse
+and MoE APIs use; state(pg) finds it. The in-process engine (all_reduce and all_to_all_v by
+kernels this process launches, on NVLink groups) is the C++ backend's (csrc/client/inprocess.cc):
+it calls back here only when a path's setup declines or a kernel failed (the route table's
+fall_back) and to log.
 """
 
 from __future__ import annotations
@@ -15,14 +15,12 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import threading
 import weakref
 
 import torch
 import torch.distributed as dist
 
-from . import _a2av, _allreduce, _client, _config, _routes, _sidecar
-from ._inprocess import InProcessKernels
+from . import _client, _config, _routes, _sidecar
 from ._sidecar import SidecarError
 from .v1 import pgserver_pb2 as pb
 
@@ -53,7 +51,7 @@ def _store_gone(group_name: str, rank: int, size: int, e: BaseException) -> dist
     )
 
 
-class _Group(InProcessKernels):
+class _Group:
     """The control plane's state of one gocomm group on this rank. The C++ backend holds it
     (and it holds the backend weakly), so it lives as long as the group."""
 
@@ -116,20 +114,13 @@ class _Group(InProcessKernels):
             raise _store_gone(group_name, rank, size, e) from e
         # which engine runs each op (gocomm/_routes.py), from every member's sidecar's choice
         # and host, and the knobs every rank shares
-        facts = _routes.Facts.agree(sparse, _allreduce.configured_max())
+        facts = _routes.Facts.agree(sparse, _config.ar_max())
         self._routes = _routes.Routes(facts, group_name, self._sc.sparse_reason)
         conn = self._sc.call(
             "ConnectGroup",
             pb.ConnectGroupRequest(session=self._sc.session, group=self._handle, bootstrap=blobs, secret=secret),
         )
         self.transport = conn.transport
-        # the in-process kernels of all_reduce (gocomm/_allreduce.py) and all_to_all_v
-        # (gocomm/_a2av.py) per device index, where the route table sends those ops: set up at
-        # the first such op on the device (collectively)
-        self._ar: dict[int, _allreduce.Path | None] = {}
-        self._a2av: dict[int, _a2av.Path | None] = {}
-        # in-process kernel launches of this group (the C++ backend orders its own CUDA ops)
-        self._cuda_lock = threading.Lock()
         # the sidecar's word that the group broke (a peer died or went silent, an op timed
         # out), reported on the watch stream before any op of this rank may have failed
         self._sidecar_broken: str | None = None
@@ -153,18 +144,21 @@ class _Group(InProcessKernels):
             _cuda_refusal(self._sc),
             self._routes.ar_inprocess,
             self._routes.a2a_inprocess,
-            self._inprocess_op if (self._routes.ar_inprocess or self._routes.a2a_inprocess) else None,
+            _inprocess_settings(self._sc),
+            self._routes.fall_back,
+            log.log,
             self._routes.capturable,
             self._destroy,
             self._abort,
             self,
         )
         self._ref = _client.C.BackendRef(backend)
+        _client.C.set_launch_capacity(self._sc.trace_size)
         self.backend = backend  # dropped by create() once torch holds it: see backend
         _groups.add(self)
         log.info("gocomm group %r rank %d/%d on handle %d via %s", group_name, rank, size, self._handle, conn.transport)
 
-    # ----- what the in-process engine and _peers ask of a group -----------------------------
+    # ----- what the sparse and MoE APIs ask of a group -----------------------------------------
 
     def rank(self) -> int:
         return self._rank
@@ -212,12 +206,42 @@ class _Group(InProcessKernels):
         C++ backend hands it over ordered on the current stream, which waits for it."""
         self._ref.get().cuda_now(op, kind, refs, keep, idx, count)
 
-    def _inprocess_op(self, op: str, tensors: list[torch.Tensor], ints: list[int]):
-        """The in-process engine's part of an op the C++ backend offers it (NVLink groups): a
-        Work, or None where the kernel does not take it (the sidecar runs it then)."""
-        if op == "all_reduce":
-            return self._allreduce_inprocess(tensors[0], ints[0])
-        return self._all_to_all_single_inprocess(tensors[0], tensors[1], list(ints))
+    def _a2av_path(self, idx: int):
+        """The in-process all_to_all_v path on device idx (a gocomm._C.A2Path; set up,
+        collectively, at the group's first call there), or None where the group does not take
+        it. Raises (and aborts the group) once one of its kernels gave up waiting for a peer."""
+        b = self._ref.get()
+        return None if b is None else b.a2av_path(idx)
+
+    def _shmem_id(self, device: torch.device) -> None:
+        """Carry the group's NVSHMEM unique id from rank 0's sidecar (the bootstrap's root,
+        which makes it) to every other rank's through the group's torch Store. Collective:
+        each rank calls it before the group's first all_to_all_v in the sidecar's NVSHMEM
+        kernel, which makes the PE with the id. A rank 0 that cannot make one says so through
+        the Store, so the other ranks raise at once instead of at the Store's timeout."""
+        if self._shmem_ready:
+            return
+        self._need_slot("all_to_all_v")
+        self._sc.attach_device(device)
+        key = "gocomm/nvshmem_uid"
+        req = pb.ShmemIDRequest(session=self._sc.session, group=self._handle)
+        if self._rank == 0:
+            try:
+                uid = self._sc.call("ShmemID", req).id
+            except BaseException:
+                self._store.set(key, b"")
+                raise
+            self._store.set(key, uid)
+        else:
+            uid = self._store.get(key)
+            if not uid:
+                raise RuntimeError(
+                    f"gocomm all_to_all_v on group {self._group_name!r}: rank 0 could not make the NVSHMEM "
+                    "unique id (its error says why)"
+                )
+            req.id = uid
+            self._sc.call("ShmemID", req)
+        self._shmem_ready = True
 
     # ----- lifetime -------------------------------------------------------------------------
 
@@ -238,9 +262,10 @@ class _Group(InProcessKernels):
         in-process kernels waiting for a peer give up now rather than at the group's timeout."""
         if self._sidecar_broken is None:
             self._sidecar_broken = f"gocomm: {detail}"
-        for path in (*self._ar.values(), *self._a2av.values()):
-            if path is not None:
-                path.give_up()
+        ref = getattr(self, "_ref", None)  # the watch stream may report before the backend is made
+        b = ref.get() if ref is not None else None
+        if b is not None:
+            b.sidecar_broke()
 
     def _abort(self) -> None:
         """The backend's abort(): fail everything pending on the group, here and on its peers."""
@@ -262,6 +287,21 @@ class _Group(InProcessKernels):
 
     def __repr__(self) -> str:
         return f"gocomm group(rank={self._rank}, size={self._size}, name={self._group_name!r})"
+
+
+def _inprocess_settings(sc: _sidecar.Sidecar) -> dict:
+    """What the in-process engine takes from the knobs (the same on every rank; its setup
+    checks the launch shapes) and from the sidecar's all-to-all settings."""
+    return {
+        "ar_max": _config.ar_max(),
+        "ar_stage": _config.ar_stage(),
+        "ar_oneshot": _config.ar_oneshot(),
+        "ar_blocks": _config.ar_blocks(),
+        "a2av": _config.a2av_inprocess(),
+        "a2a_recv_bytes": sc.a2a.recv_bytes,
+        "a2a_threads": sc.a2a.threads,
+        "a2a_blocks": sc.a2a.blocks,
+    }
 
 
 def _cuda_refusal(sc: _sidecar.Sidecar) -> str:

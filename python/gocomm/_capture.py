@@ -8,7 +8,8 @@ below call refuse() for it (gocomm.all_to_all_v without the in-process kernel, m
 without padded), and the client refuses send/recv; each raises at capture, before anything is
 queued or sent, so the capture can end and the group stays usable. A group's first call of an
 in-process kernel on a device sets the kernel up, collectively, and must run outside the
-capture."""
+capture (the compiled client's engine refuses it: csrc/client/inprocess.cc,
+refuse_setup)."""
 
 from __future__ import annotations
 
@@ -42,12 +43,3 @@ def refuse(op: str, pg, why: str) -> None:
 # what runs an op that refuse() names, where it is the sidecar
 SIDECAR = "it runs in the sidecar (NCCL), which is handed each call on the host"
 SIDECAR_NVSHMEM = "it runs in the sidecar's NVSHMEM kernel, which is handed each call on the host"
-
-
-def refuse_setup(op: str, pg, device: int) -> None:
-    """Raise for the first call of an in-process kernel's op on a device, made under capture."""
-    raise RuntimeError(
-        f"gocomm {op} cannot be captured yet on group {pg.group_name!r}: its first call on cuda:{device} sets "
-        f"up its kernel, collectively, which a capture does not allow. Call {op} once on this group and device "
-        "before capturing."
-    )

@@ -41,11 +41,11 @@ def _pgserver() -> tuple[str, str, str]:
 def _node_routes(sc) -> tuple[int, dict]:
     """The route table of a one-host group of this node's GPUs (2 ranks without GPUs), from
     what the sidecar decided at attach: which engine each op class would use here."""
-    from . import _allreduce, _routes
+    from . import _config, _routes
 
     gpus = sc.capabilities.get("gpus", ("0", ""))[0]
     n = int(gpus) if gpus.isdigit() and int(gpus) >= 2 else 2
-    facts = _routes.Facts(size=n, transports=(sc.sparse_transport,) * n, hosts=1, ar_max=_allreduce.configured_max())
+    facts = _routes.Facts(size=n, transports=(sc.sparse_transport,) * n, hosts=1, ar_max=_config.ar_max())
     return n, _routes.Routes(facts, "gocomm info", sc.sparse_reason).table()
 
 
@@ -258,13 +258,11 @@ def _check_cuda() -> list[tuple[str, str, str, str]]:
         )
     else:
         out.append(("kernels", OK, f"kernels built for {arch}, GPU 0 is {here}", ""))
-    from . import _cuda
+    from . import _client
 
     try:
         torch.cuda.init()
-        _cuda.ensure_context(0)
-        base = _cuda.mem_alloc(1 << 20)  # an allocation of its own (the process exits after)
-        handle = _cuda.ipc_handle(base)
+        handle = _client.C.cuda_ipc_probe(0)  # an allocation of its own (the process exits after)
         # another process maps it, as a sidecar maps its rank's tensors
         r = subprocess.run([sys.executable, "-c", _IPC_OPEN, handle.hex()], capture_output=True, text=True, timeout=60)
         if r.returncode != 0:

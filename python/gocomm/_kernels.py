@@ -1,19 +1,17 @@
-"""The shim's own CUDA kernels (kernels/inprocess/moe.cu, built by make into gocomm/bin/moe.cubin),
-loaded into this process with the driver API and launched on the caller's current stream
-(Module loads the shim's other cubins the same way: gocomm/_allreduce.py's).
-Where the module is missing (a build without make's kernels step), or a tensor does not fit
-a kernel's layout, the callers fall back to torch ops."""
+"""The MoE kernels (kernels/inprocess/moe.cu, built by make into gocomm/bin/moe.cubin): their
+launch shapes and argument lists. The compiled client loads the module and launches them on
+the caller's current stream (gocomm._C.kernel_launch, csrc/client/inprocess.cc). Where the
+module is missing (a build without make's kernels step), or a tensor does not fit a kernel's
+layout, the callers fall back to torch ops."""
 
 from __future__ import annotations
 
-import ctypes
 import os
-import threading
 import warnings
 
 import torch
 
-from . import _cuda
+from . import _client
 
 _WSUM = {
     torch.bfloat16: "gocomm_moe_wsum_bf16",
@@ -21,102 +19,27 @@ _WSUM = {
     torch.float32: "gocomm_moe_wsum_f32",
 }
 
-
 _ARCH = (9, 0)  # the modules are built for sm_90 only (Makefile's CUDA_ARCH): a cubin runs on its own arch
 LOAD_FAILED = "the module does not load"
 
 
 class Module:
-    """A cubin next to the package (make copies it from kernels/build), loaded once per
-    device into this process with the driver API, and its kernels."""
+    """A cubin next to the package (make copies it from kernels/build), which the compiled
+    client loads once per device, and its kernels' argument lists."""
 
-    def __init__(self, file: str, names: tuple[str, ...], sigs: dict[str, str] | None = None):
-        self.path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", file)
-        self.names = names
-        self.sigs = sigs or {}  # kernel -> its arguments' types, for launch()
-        self._lock = threading.Lock()
-        self._funcs: dict[tuple[int, str], int] = {}  # (device index, kernel) -> CUfunction
-        self._image: bytes | None = None
-        self._why: dict[int, str] = {}  # device index -> why_not's answer
-        self._launchers: dict[tuple[int, str], _Launcher] = {}
-
-    def available(self) -> bool:
-        """Whether make built the module."""
-        return os.path.exists(self.path)
+    def __init__(self, file: str, sigs: dict[str, str]):
+        self.file, self.sigs = file, sigs
 
     def why_not(self, dev: int) -> str:
         """Why the kernels do not run on device dev ("" where they do): the module was not
         built, is built for another architecture, or does not load there (this reason starts
         with LOAD_FAILED). Asked once per device."""
-        why = self._why.get(dev)
-        if why is None:
-            cap = torch.cuda.get_device_capability(dev)
-            if not self.available():
-                why = f"{self.path} was not built (make builds it)"
-            elif cap != _ARCH:
-                why = f"the module is built for sm_{_ARCH[0]}{_ARCH[1]}; device {dev} is sm_{cap[0]}{cap[1]}"
-            else:
-                try:
-                    self.function(dev, self.names[0])
-                    why = ""
-                except (_cuda.CudaError, OSError) as e:
-                    why = f"{LOAD_FAILED} on device {dev}: {e}"
-            self._why[dev] = why
-        return why
-
-    def function(self, dev: int, name: str) -> int:
-        """The kernel name in this process's copy of the module on device dev (loaded once)."""
-        f = self._funcs.get((dev, name))
-        if f is not None:
-            return f
-        with self._lock:
-            if (dev, name) not in self._funcs:
-                if self._image is None:
-                    with open(self.path, "rb") as fh:
-                        self._image = fh.read()
-                lib = _cuda._load()
-                with _cuda.on_device(dev):
-                    _cuda.ensure_context(dev)
-                    mod = ctypes.c_void_p()
-                    _cuda._check("cuModuleLoadData", lib.cuModuleLoadData(ctypes.byref(mod), self._image))
-                    for n in self.names:
-                        fn = ctypes.c_void_p()
-                        _cuda._check("cuModuleGetFunction", lib.cuModuleGetFunction(ctypes.byref(fn), mod, n.encode()))
-                        self._funcs[(dev, n)] = fn.value
-            return self._funcs[(dev, name)]
+        return _client.C.module_why_not(self.file, dev)
 
     def launch(self, dev: int, name: str, grid: int, block: int, *vals: int, smem: int = 0) -> None:
         """Queue kernel name on dev's current stream with arguments vals, typed as the
         module's sigs say."""
-        ln = self._launchers.get((dev, name))
-        if ln is None:
-            ln = self._launchers.setdefault((dev, name), _Launcher(self.function(dev, name), self.sigs[name]))
-        with _cuda.on_device(dev):
-            _cuda.ensure_context(dev)
-            ln(grid, block, smem, _cuda.current_stream(dev), vals)
-
-
-_CTYPES = {"P": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int}
-
-
-class _Launcher:
-    """One kernel on one device with an argument array kept between launches: a launch sets
-    the values and queues the kernel (the driver copies the arguments then), so no ctypes
-    object is made per launch (host time per launch was most of an eager dispatch's)."""
-
-    def __init__(self, fn: int, sig: str):
-        self.fn, self.sig = fn, sig
-        self.args = [_CTYPES[c]() for c in sig]
-        self.params = (ctypes.c_void_p * len(sig))(*map(ctypes.addressof, self.args))
-        self.lock = threading.Lock()  # threads launching the same kernel share the array
-
-    def __call__(self, grid: int, block: int, smem: int, stream: int, vals: tuple) -> None:
-        if len(vals) != len(self.sig):  # a caller out of step with the kernel
-            raise TypeError(f"gocomm kernel launch: {len(vals)} arguments, the kernel takes {self.sig!r}")
-        with self.lock:
-            for a, v in zip(self.args, vals, strict=True):
-                a.value = v
-            _cuda.launch(self.fn, grid, block, stream, self.params, smem)
+        _client.C.kernel_launch(self.file, dev, name, grid, block, smem, self.sigs[name], vals)
 
 
 # kernels/inprocess/moe.cu's kernels and their arguments, a letter each: P an address, q an int64, i an int32
@@ -131,12 +54,12 @@ _MOE_SIGS = {
     "gocomm_moe_group": "PqqqiiPiqPPPPPPPPPP",
     "gocomm_moe_gather": "PPPPqqq",
 }
-MOE = Module("moe.cubin", tuple(_MOE_SIGS), _MOE_SIGS)
+MOE = Module("moe.cubin", _MOE_SIGS)
 
 
 def available() -> bool:
     """Whether the module was built (make's kernels step)."""
-    return MOE.available()
+    return os.path.exists(os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", MOE.file))
 
 
 _usable: dict[int, bool] = {}

@@ -1,5 +1,5 @@
-"""gocomm.moe where the group's exchange runs in this process (gocomm/_a2av.py: GPUs that
-share NVLink): dispatch is route, pack, exchange, group and gather launches over one
+"""gocomm.moe where the group's exchange runs in this process (the compiled client's
+all_to_all_v kernel, gocomm._C.A2Path: GPUs that share NVLink): dispatch is route, pack, exchange, group and gather launches over one
 workspace; combine three launches (weighted sums per received token, exchange back, sums per
 token) from what dispatch left on the GPU. A padded dispatch reads nothing on the host; the
 errors it finds on the GPU are counted in host-mapped words (_Flags) and raised later."""
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import _a2av, _cuda, _kernels
+from . import _client, _kernels
 from .sparse import _capacity_rows
 
 
@@ -38,7 +38,7 @@ class _InProcess:
 
     group: dist.ProcessGroup | None
     g: dist.ProcessGroup
-    path: _a2av.Path
+    path: _client.C.A2Path
     tokens: int
     dtype: torch.dtype
     ws: torch.Tensor  # the workspace the addresses below point into
@@ -65,8 +65,8 @@ class _Flags:
     dispatches that found an id out of range ([0]) or overflowed ([1]). The GPU only adds to
     them and the host only reads them (seen: what it reported), so none is lost."""
 
-    def __init__(self):
-        host, self.at = _cuda.host_word()
+    def __init__(self, dev: int):
+        host, self.at = _client.C.host_words(64, dev)
         self.words = (ctypes.c_uint32 * 2).from_address(host)
         self.seen = [0, 0]
 
@@ -130,7 +130,7 @@ def _flags_of(dev: int) -> _Flags:
     set the path up)."""
     f = _flags.get(dev)
     if f is None:
-        f = _flags[dev] = _Flags()
+        f = _flags[dev] = _Flags(dev)
     return f
 
 
@@ -168,9 +168,8 @@ def _dispatch_inprocess(group, g, path, x, idx, w32, experts: int, n: int, bound
             *(payload, x.data_ptr(), idx.data_ptr(), w32.data_ptr(), meta, at["send_order"], at["send_rank"]),
             *(send_cap, n, k, experts, xbytes),
         )
-    path.report(g._group_name)
-    with g._cuda_lock, _cuda.on_device(dev):
-        path.run_at(payload, send_cap, meta, False, recv, cap, recv_splits, row)
+    path.report()
+    path.run_at(payload, send_cap, meta, False, recv, cap, recv_splits, row)
     _kernels.group_at(
         dev,
         *(recv, row, id_off, w_off, k, per, recv_splits, n, cap, at["bhist"]),
@@ -226,8 +225,7 @@ def _combine_inprocess(y: torch.Tensor, hd: _InProcess) -> torch.Tensor:
         _kernels.wsum_at(
             dev, y.dtype, partial, y.data_ptr(), at["e_idx"], at["w_e"], at["e_offs"], hd.recv_rows, at["gmeta"] + 8, h
         )
-    with hd.g._cuda_lock, _cuda.on_device(dev):
-        hd.path.run_at(partial, hd.recv_rows, at["csplits"], False, back, hd.send_rows, at["back_splits"], row)
+    hd.path.run_at(partial, hd.recv_rows, at["csplits"], False, back, hd.send_rows, at["back_splits"], row)
     out = torch.empty(hd.tokens, h, dtype=y.dtype, device=y.device)
     if hd.tokens:
         _kernels.wsum_at(dev, y.dtype, out.data_ptr(), back, at["t_idx"], 0, at["t_offs"], hd.tokens, 0, h)

@@ -30,9 +30,10 @@ import dataclasses
 import logging
 import os
 
-from . import _a2av, _allreduce
-
 log = logging.getLogger("gocomm")
+
+# the most ranks the in-process kernels take (kernels/inprocess/{allreduce,a2av_ipc}.cu)
+KERNEL_MAX_RANKS = 8
 
 # engines, as the table names them
 INPROCESS = "in-process kernel"
@@ -144,12 +145,12 @@ class Routes:
             ar_why = a2a_why = ""
             if n < 2:
                 ar_why = "one rank: nothing to reduce across"
-            elif n > _allreduce.MAX_RANKS:
-                ar_why = f"{n} ranks, more than the kernel's {_allreduce.MAX_RANKS}"
+            elif n > KERNEL_MAX_RANKS:
+                ar_why = f"{n} ranks, more than the kernel's {KERNEL_MAX_RANKS}"
             elif facts.ar_max <= 0:
                 ar_why = "GOCOMM_AR_MAX=0"
-            if n > _a2av.MAX_RANKS:
-                a2a_why = f"{n} ranks, more than the kernel's {_a2av.MAX_RANKS}"
+            if n > KERNEL_MAX_RANKS:
+                a2a_why = f"{n} ranks, more than the kernel's {KERNEL_MAX_RANKS}"
         self.ar_inprocess = not ar_why
         self.a2a_inprocess = not a2a_why
         self.all_reduce = (

@@ -21,7 +21,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from . import _client, _config, _cuda, _version
+from . import _client, _config, _version
 from .v1 import pgserver_pb2 as pb
 from .v1 import pgserver_pb2_grpc as pb_grpc
 
@@ -126,7 +126,7 @@ class Sidecar:
         self._wait_ready()
         self.info = self.call("Info", pb.InfoRequest())
         self._check_version(self.info.version)
-        nccl = _cuda.nccl_path() if self.info.cuda_available and torch.cuda.is_available() else ""
+        nccl = _nccl_path() if self.info.cuda_available and torch.cuda.is_available() else ""
         resp = self.call("Attach", pb.AttachRequest(client_pid=os.getpid(), rank=rank, nccl_path=nccl))
         self.session = resp.session
         # how all_to_all_v of this process's CUDA tensors moves, chosen by the sidecar at attach
@@ -258,10 +258,10 @@ class Sidecar:
             torch.cuda.init()
             resp = self.call(
                 "AttachDevice",
-                pb.AttachDeviceRequest(session=self.session, device_uuid=_cuda.device_uuid(device)),
+                pb.AttachDeviceRequest(session=self.session, device_uuid=_device_uuid(device)),
             )
-            counters = _cuda.open_ipc(resp.counters_handle)
-            self.mps = _cuda.mps_client(device)
+            counters = _client.C.cuda_open_ipc(resp.counters_handle, idx)
+            self.mps = _client.C.cuda_mps_client(idx)
         self._device = device
         if self.mps:
             log.info(
@@ -410,3 +410,34 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
+
+
+def _device_uuid(device: torch.device) -> bytes:
+    """The 16-byte UUID of a CUDA device, as the driver reports it."""
+    u = torch.cuda.get_device_properties(device).uuid
+    b = getattr(u, "bytes", None)
+    if isinstance(b, (bytes, bytearray)) and len(b) == 16:
+        return bytes(b)
+    s = str(u).removeprefix("GPU-").replace("-", "")
+    return bytes.fromhex(s)
+
+
+def _nccl_path() -> str:
+    """The libnccl this process has loaded (torch's), else the one torch's wheel ships, else ""."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1] if line.strip() else ""
+                if os.path.basename(path).startswith("libnccl.so"):
+                    return path
+    except OSError:
+        pass
+    try:
+        import nvidia.nccl as nv
+
+        cand = os.path.join(list(nv.__path__)[0], "lib", "libnccl.so.2")
+        if os.path.exists(cand):
+            return cand
+    except ImportError:
+        pass
+    return ""

@@ -16,7 +16,7 @@ in the same row: one `gocomm.all_to_all_v` per dispatch, one per combine. On CUD
 own kernels (kernels/inprocess/moe.cu, launched on the caller's stream) route and pack the tokens, group
 what arrives by expert, and do combine's weighted sums; elsewhere, and for fp8, torch ops do.
 
-Where the group's exchange is the in-process kernel (gocomm/_a2av.py: GPUs that share
+Where the group's exchange is the in-process kernel (the compiled client's: GPUs that share
 NVLink; this path is gocomm/_moe_inprocess.py), dispatch is route, pack, exchange, group and
 gather launches over one workspace, and combine three launches (weighted sums per received
 token, exchange back, sums per token) from what dispatch left on the GPU. dispatch reads the
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import _a2av, _backend, _capture, _kernels
+from . import _backend, _capture, _client, _kernels
 from ._moe_inprocess import _combine_inprocess, _dispatch_inprocess, _flags, _InProcess, _inprocess_takes
 from .sparse import _capacity_rows, _device_path, all_to_all_v
 
@@ -134,7 +134,7 @@ def dispatch(
     w32 = topk_weights.to(device=dev, dtype=torch.float32).contiguous()
     per = num_experts // n
     path = _device_path(g, x)  # collective at the group's first call on x's device
-    inprocess = isinstance(path, _a2av.Path) and not fp8 and _inprocess_takes(x, k, per)
+    inprocess = isinstance(path, _client.C.A2Path) and not fp8 and _inprocess_takes(x, k, per)
     if not (inprocess and padded) and x.is_cuda and _capture.capturing():
         _capture.refuse(
             "moe.dispatch",

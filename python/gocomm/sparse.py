@@ -2,14 +2,14 @@
 
 Three paths. Where every rank's sidecar chose NVSHMEM (auto does on a node whose GPUs all
 share NVLink with peer atomics, when NVSHMEM loads; GOCOMM_TRANSPORT overrides), the rows move
-one-sidedly with the splits on the GPU, no host sync: by the shim's own kernel on the
-caller's stream (gocomm/_a2av.py, any such group), or, where that path cannot be set up or
+one-sidedly with the splits on the GPU, no host sync: by the in-process kernel on the
+caller's stream (the compiled client's engine, csrc/client/inprocess.cc, any such group), or, where that path cannot be set up or
 GOCOMM_A2AV_INPROCESS=0, by the sidecar's NVSHMEM kernel (the default group only). Everywhere else
 the counts are exchanged with one all_to_all, read on the host, and the rows moved with
 `all_to_all_single` on the group (NCCL grouped send/recv in the sidecar for CUDA tensors,
 the host engine for CPU tensors): one host sync. (`dist.all_to_all_single` of CUDA tensors,
-splits known on the host, takes the shim's kernel too where it serves the group:
-gocomm._backend._Group._all_to_all_single_inprocess.)
+splits known on the host, takes the in-process kernel too where it serves the group, from
+the C++ backend directly.)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import _a2av, _backend, _capture, _cuda, _peers, _wire
+from . import _backend, _capture, _client, _sidecar, _wire
 
 __all__ = ["all_to_all_v", "receive_buffer"]
 
@@ -27,8 +27,8 @@ _SPLIT_DTYPES = (torch.int32, torch.int64)
 
 
 def _device_path(g, input: torch.Tensor):
-    """How all_to_all_v of input on g moves rows with splits on the GPU: the shim's kernel
-    (a gocomm._a2av.Path), the sidecar's NVSHMEM kernel (True), or not at all (None: the
+    """How all_to_all_v of input on g moves rows with splits on the GPU: the in-process kernel
+    (a gocomm._C.A2Path), the sidecar's NVSHMEM kernel (True), or not at all (None: the
     counts go through the host). Collective at a group's first call on a device (the shim's
     kernel is set up then), so every caller calls it where all ranks do."""
     st = _backend.state(g)
@@ -43,7 +43,10 @@ def _device_path(g, input: torch.Tensor):
 
 def _capacity_rows(row_bytes: int) -> int:
     """The most rows of row_bytes the NVSHMEM path can receive."""
-    return _a2av.recv_bytes() // max(row_bytes, 1)
+    sc = _sidecar.current()
+    if sc is None:
+        raise RuntimeError("gocomm: no sidecar yet: the all-to-all's receive buffer is the sidecar's setting")
+    return sc.a2a.recv_bytes // max(row_bytes, 1)
 
 
 def _output(n, input, out, row, limit):
@@ -57,22 +60,6 @@ def _output(n, input, out, row, limit):
             f"({limit} rows of {row} bytes; raise GOCOMM_A2A_RECV_MB on every rank)"
         )
     return out
-
-
-def _inprocess(g, path, n, input, in_splits, out):
-    """all_to_all_v by the in-process kernel on the caller's stream: nothing in it waits for the
-    GPU (but for splits on the CPU: they are copied in, and out_splits back), and decode calls
-    this once per layer, so it makes as few torch ops as it can (each costs microseconds of
-    host time)."""
-    row = _a2av.row_bytes("all_to_all_v", input)
-    # any out: rows that do not fit recv at once pass through it in rounds
-    out = _output(n, input, out, row, out.shape[0] if out is not None else path.cap // max(row, 1))
-    splits = in_splits if in_splits.is_cuda and in_splits.is_contiguous() else in_splits.to(input.device).contiguous()
-    out_splits = torch.empty(n, dtype=splits.dtype, device=input.device)
-    path.report(g._group_name)
-    with g._cuda_lock, _cuda.on_device(path.idx):
-        path.run(input, splits, out, out_splits, row)
-    return out, out_splits if in_splits.is_cuda else out_splits.cpu()
 
 
 def _nvshmem(g, n, input, in_splits, out):
@@ -202,8 +189,16 @@ def all_to_all_v(
         if not out.is_contiguous():
             raise ValueError("gocomm all_to_all_v: out must be contiguous")
     path = _device_path(g, input)
-    if path is not None and path is not True:
-        return _inprocess(_backend.state(g), path, n, input, in_splits, out)
+    if isinstance(path, _client.C.A2Path):
+        # the in-process kernel: one registered op of the compiled client (csrc/client/ops.cc);
+        # nothing here waits for the GPU
+        if out is None:  # input's rows times the group size, at most what recv holds at once
+            row = input.element_size() * math.prod(input.shape[1:])
+            rows = min(input.shape[0] * n, path.cap // max(row, 1))
+            out, out_splits = torch.ops.gocomm.all_to_all_v(input, in_splits, rows, g.group_name)
+        else:
+            out_splits = torch.ops.gocomm.all_to_all_v_out(input, in_splits, out, g.group_name)
+        return out, out_splits if in_splits.is_cuda else out_splits.cpu()
     if input.is_cuda and _capture.capturing():
         _capture.refuse(
             "all_to_all_v",
@@ -257,24 +252,12 @@ def receive_buffer(
             "gocomm receive_buffer: collective setup (the ranks map each other's buffers); call it before capturing"
         )
     path = _device_path(g, torch.empty(0, dtype=dtype, device=dev))
-    if not isinstance(path, _a2av.Path):
+    if not isinstance(path, _client.C.A2Path):
         return torch.empty(shape, dtype=dtype, device=dev)
     nbytes = rows * math.prod(row_shape) * torch.empty(0, dtype=dtype).element_size()
-    # more than 2 GiB (the kernel's offsets are 32-bit): a plain tensor on every rank (share
-    # is collective, so the ranks agree)
-    big = f"{nbytes} bytes, more than the 2 GiB a receive buffer holds" if nbytes > _a2av._INT31 else ""
-    st = _backend.state(g)
-    sh = _peers.share(st, path.idx, "receive_buffer", big, nbytes, max(nbytes, 256) if not big else 0)
-    if sh is None:
+    # collective: every rank maps every rank's buffer; more than 2 GiB (the kernel's offsets
+    # are 32-bit) or a rank that cannot take part gives every rank a plain tensor
+    t = _backend.state(g)._ref.get().receive_buffer(path.idx, nbytes)
+    if t is None:
         return torch.empty(shape, dtype=dtype, device=dev)
-    why = None
-    try:
-        with st._cuda_lock, _cuda.on_device(path.idx):
-            path.add_output(sh.maps, nbytes)
-        t = _cuda.tensor_at(sh.maps[st.rank()], max(nbytes, 256), path.idx)[:nbytes].view(dtype).view(shape)
-    except Exception as e:  # noqa: BLE001 - every rank must hear of it (below)
-        why = e
-    # every rank's table names the buffer before any kernel uses it; all raise or none does
-    if not _peers.agree(st, why is None):
-        raise RuntimeError(f"gocomm receive_buffer: {why or 'a peer could not register its buffer'}")
-    return t
+    return t.view(dtype).view(shape)

@@ -367,12 +367,12 @@ def check_killed_sidecar_cuda(rk, seed):
 
 
 def check_allreduce_inprocess(rk, seed):
-    """all_reduce by the shim's own kernel (gocomm/_allreduce.py) where the GPUs share NVLink:
+    """all_reduce by the in-process kernel (the compiled client's engine) where the GPUs share NVLink:
     one-shot and two-shot sizes and the boundary between them, sum and avg, bf16/fp16/fp32,
     a misaligned view, sizes it leaves to the sidecar, back-to-back ops on alternating streams
     with no user sync; results against a float64 sum of every rank's input (rebuilt from the
     seed), and the same bits on every rank."""
-    from gocomm import _allreduce
+    from gocomm import _client
     from gocomm._backend import state
 
     dev, nccl = _setup(rk)
@@ -382,11 +382,9 @@ def check_allreduce_inprocess(rk, seed):
     x0 = torch.ones(8, device=dev)
     dist.all_reduce(x0)  # sets the path up (collective)
     want_inprocess = state(g)._routes.ar_inprocess
-    ck.expect(
-        "path set up where the GPUs share NVLink", (g._ar.get(dev.index) is not None) == want_inprocess, str(g._ar)
-    )
+    path = g._ref.get().ar_path(dev.index)
+    ck.expect("path set up where the GPUs share NVLink", (path is not None) == want_inprocess, str(path))
     ck.expect("setup result", torch.all(x0 == n).item(), str(x0.tolist()))
-    path = g._ar.get(dev.index)
     one = path.oneshot if path else 256 << 10
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         d = str(dtype).removeprefix("torch.")
@@ -449,7 +447,8 @@ def check_allreduce_inprocess(rk, seed):
         ck.expect("async result", bool(torch.all(t == n).item()))
     if path is not None:
         ck.expect("no kernel gave up", not path.failed())
-    ck.expect("module lists its kernels", len(_allreduce.MODULE.names) == 6)
+    if want_inprocess:
+        ck.expect("the module loads", _client.C.module_why_not("allreduce.cubin", dev.index) == "")
     torch.cuda.synchronize()
     return ck.done()
 
@@ -636,6 +635,7 @@ def test_all_to_all_v_nvshmem(worlds, seed, size, inprocess):
         w.run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
         if inprocess:
             w.run(check_all_to_all_v_graph, seed=seed, timeout=RUN_LIMIT_S)
+            w.run(check_all_to_all_v_op, seed=seed, timeout=RUN_LIMIT_S)
     finally:
         w.close()
 
@@ -706,8 +706,55 @@ def check_moe_graph(rk, seed):
     return ck.done()
 
 
+def check_all_to_all_v_op(rk, seed):
+    """gocomm.all_to_all_v's in-process path as registered ops (torch.ops.gocomm, the compiled
+    client's csrc/client/ops.cc): all_to_all_v under torch.compile(fullgraph=True) traced
+    through its Meta kernel (the padded output's shape) and run, and all_to_all_v_out eager,
+    against the rows and counts every rank sent (rebuilt from the seed)."""
+    import gocomm
+
+    dev, _ = _setup(rk)
+    n, me = rk.size, rk.rank
+    ck = Checker("all_to_all_v as a torch op", seed, me)
+    name = dist.group.WORLD.group_name
+    h, most = 24, 9
+
+    def send_of(src):
+        return [seeded_int(seed, f"op-{src}-{d}", 0, most) for d in range(n)]
+
+    send, recv = send_of(me), [send_of(src)[me] for src in range(n)]
+    x = gen(seed, "op", me, (sum(send), h), torch.float32).to(dev)
+    want = torch.cat(
+        [
+            gen(seed, "op", src, (sum(send_of(src)), h), torch.float32)[sum(send_of(src)[:me]) :][: recv[src]]
+            for src in range(n)
+        ]
+    )
+    gocomm.all_to_all_v(x, torch.tensor(send, device=dev))  # sets the path up (collective)
+    rows = most * n
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def doubled(x, s):
+        out, got = torch.ops.gocomm.all_to_all_v(x, s, rows, name)
+        return out * 2, got + 1
+
+    with ck.case("compiled"):
+        out, got = doubled(x, torch.tensor(send, device=dev, dtype=torch.int32))
+        ck.expect("padded rows", tuple(out.shape) == (rows, h), str(tuple(out.shape)))
+        ck.same("rows", out[: sum(recv)].cpu(), want * 2)
+        ck.same("splits", got.cpu(), torch.tensor(recv, dtype=torch.int32) + 1)
+    with ck.case("out form"):
+        out = torch.full((sum(recv) + 2, h), -9.0, device=dev)
+        got = torch.ops.gocomm.all_to_all_v_out(x, torch.tensor(send), out, name)
+        ck.same("rows", out[: sum(recv)].cpu(), want)
+        ck.same("splits", got.cpu(), torch.tensor(recv))
+        ck.expect("rows past the data untouched", bool(torch.all(out[sum(recv) :] == -9.0)))
+    torch.cuda.synchronize()
+    return ck.done()
+
+
 def check_all_to_all_v_graph(rk, seed):
-    """The shim's all_to_all_v kernel (gocomm/_a2av.py) captured in a CUDA graph and replayed
+    """The in-process all_to_all_v kernel (csrc/client/inprocess.cc) captured in a CUDA graph and replayed
     with new rows and splits, between eager calls, with no host sync in between, into a plain
     out and into a view of a receive buffer (the peers write into it); then on subgroups (of
     one rank at 2 GPUs), which only this path serves without a host sync."""
@@ -915,6 +962,52 @@ def test_all_to_all_single_inprocess(worlds, seed, size):
     w = worlds.fresh(size, label="a2a-single", env=env)
     try:
         w.run(check_all_to_all_single_inprocess, seed=seed, timeout=RUN_LIMIT_S)
+    finally:
+        w.close()
+
+
+def check_kernel_timeout(rk, seed):
+    """A peer that never joins an all_reduce: the in-process kernel gives up at the group's
+    timeout (3 s) and torch.cuda.synchronize() returns; the group's next all_reduce aborts the
+    group and raises DistBackendError naming the timeout, and the route table says why
+    all_reduce left the kernel."""
+    import datetime
+
+    dev = torch.device("cuda", rk.rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    ck = Checker("in-process kernel timeout", seed, rk.rank)
+    sub = dist.new_group(backend="gocomm", timeout=datetime.timedelta(seconds=3))
+    g = _state(sub)
+    x = torch.ones(4096, device=dev)
+    dist.all_reduce(x, group=sub)  # sets the path up (collective)
+    torch.cuda.synchronize()
+    ck.expect("in-process", g._ref.get().ar_path(dev.index) is not None, str(g._routes.table()["all_reduce"]))
+    if rk.rank == 0:
+        t0 = time.monotonic()
+        dist.all_reduce(x, group=sub)  # the peer never joins
+        torch.cuda.synchronize()  # returns once the kernel gave up
+        waited = time.monotonic() - t0
+        ck.expect("the kernel gave up at the timeout", 2.5 <= waited <= 60, f"{waited:.1f}s")
+        err = None
+        try:
+            dist.all_reduce(x, group=sub)
+        except dist.DistBackendError as e:
+            err = str(e)
+        want = "an earlier all_reduce timed out after 3s waiting for a peer"
+        ck.expect("the next call raises, naming the timeout", err is not None and want in err, str(err))
+        engine, why = g._routes.table()["all_reduce"]
+        ck.expect("the route fell back", engine == "sidecar NCCL" and "timed out" in why, f"{engine}: {why}")
+        ck.expect("the group is closed", g._closed)
+    dist.all_reduce(torch.ones(1))  # CPU, on the world: both ranks past the trial
+    return ck.done()
+
+
+def test_inprocess_kernel_timeout(worlds, seed):
+    """2 ranks with the in-process all_reduce forced (GOCOMM_TRANSPORT=nvshmem: on one GPU the
+    ranks share it through CUDA IPC)."""
+    w = worlds.fresh(2, label="kernel-timeout", env={"GOCOMM_TRANSPORT": "nvshmem"})
+    try:
+        w.run(check_kernel_timeout, seed=seed, timeout=RUN_LIMIT_S)
     finally:
         w.close()
 

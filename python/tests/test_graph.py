@@ -589,12 +589,13 @@ def test_graph_capture(worlds, seed, size, transport):
             sidecar = w.run(check_sidecar_captured, seed=seed, timeout=RUN_LIMIT_S)
         if transport and shared:
             # the other in-process captures, which test_gpu runs on a GPU per rank, here on
-            # ranks that share one: all_to_all_v (plain out, receive buffer, subgroups) and
-            # padded MoE dispatch + combine in one graph
-            from test_gpu import check_all_to_all_v_graph, check_moe_graph
+            # ranks that share one: all_to_all_v (plain out, receive buffer, subgroups),
+            # padded MoE dispatch + combine in one graph, and all_to_all_v as a compiled torch op
+            from test_gpu import check_all_to_all_v_graph, check_all_to_all_v_op, check_moe_graph
 
             w.run(check_all_to_all_v_graph, seed=seed, timeout=RUN_LIMIT_S)
             w.run(check_moe_graph, seed=seed, timeout=RUN_LIMIT_S)
+            w.run(check_all_to_all_v_op, seed=seed, timeout=RUN_LIMIT_S)
     finally:
         w.close()
     # every rank ran every case: where the in-process kernels serve the group, all_to_all_single

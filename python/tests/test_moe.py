@@ -164,7 +164,7 @@ def check_moe(rk, seed, device="cpu", per=4):
     # where the exchange runs in the shim's kernel, a padded dispatch's errors are found on
     # the GPU and raised by a combine; elsewhere dispatch raises them (the same on every rank)
     inprocess = device == "cuda" and isinstance(
-        gocomm.sparse._device_path(dist.group.WORLD, torch.empty(0, device=dev)), gocomm._a2av.Path
+        gocomm.sparse._device_path(dist.group.WORLD, torch.empty(0, device=dev)), gocomm._client.C.A2Path
     )
     hidden = 256
     experts = per * n

@@ -5,8 +5,9 @@ finds none. The control case shows the counter sees a gocomm op that is Python
 (gocomm.all_to_all_v on CPU tensors, which python/gocomm/sparse.py runs), so the test can fail.
 
 CPU tensors on worlds of 1 and 2 ranks here; CUDA tensors (marked gpu) on one GPU per rank,
-where the ops whose route table names an in-process kernel are left out and listed: those
-enter Python by design until the in-process engine is ported (docs/decisions/0016)."""
+and on 2 ranks with the in-process engine forced (GOCOMM_TRANSPORT=nvshmem; the ranks share
+one GPU through CUDA IPC where there is one), where all_reduce and all_to_all_single run as
+kernels the compiled client launches (docs/decisions/0021): counted like every other op."""
 
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def _kinds(rk, dev: torch.device) -> dict:
     return kinds
 
 
-def check_no_python_per_op(rk, seed, cuda: bool):
+def check_no_python_per_op(rk, seed, cuda: bool, only: tuple[str, ...] = ()):
     from gocomm._backend import state
 
     ck = Checker(f"python calls per op ({'cuda' if cuda else 'cpu'})", seed, rk.rank)
@@ -124,16 +125,10 @@ def check_no_python_per_op(rk, seed, cuda: bool):
         torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
-    routes = state(dist.group.WORLD)._routes
-    # in-process routes enter Python by design (the engine is not ported yet): listed, not run
-    inprocess = set()
-    if cuda and routes.ar_inprocess:
-        inprocess.add("all_reduce")
-    if cuda and routes.a2a_inprocess:
-        inprocess.add("all_to_all_single")
+    g = state(dist.group.WORLD)
     seen = {}
     for kind, op in _kinds(rk, dev).items():
-        if kind in inprocess:
+        if only and kind not in only:
             continue
         with ck.case(kind):
             for _ in range(3):  # warm: links, communicators, IPC registrations, lazy imports
@@ -154,8 +149,19 @@ def check_no_python_per_op(rk, seed, cuda: bool):
         with _Counter() as c:
             gocomm.all_to_all_v(inp, splits)
         ck.expect("the counter sees sparse.py", any(k.startswith("sparse.py") for k in c.calls), str(c.calls))
+    # which ops the in-process engine ran: its paths set up, and its launch record
+    inprocess = []
+    if cuda:
+        from gocomm import _client
+
+        b = g._ref.get()
+        ran = {r["op"] for r in _client.C.inprocess_launches()}
+        if b.ar_path(dev.index) is not None and "all_reduce" in ran:
+            inprocess.append("all_reduce")
+        if g._routes.a2a_inprocess and b.a2av_path(dev.index) is not None and "all_to_all_single" in ran:
+            inprocess.append("all_to_all_single")
     ck.done()
-    return {"ops": seen, "inprocess": sorted(inprocess)}
+    return {"ops": seen, "inprocess": inprocess}
 
 
 @pytest.mark.parametrize("size", [1, 2])
@@ -173,5 +179,23 @@ def test_no_python_per_op_cuda(worlds, seed, size):
         )
     os.environ["GOCOMM_CUDA"] = "1"
     results = worlds.get(size).run(check_no_python_per_op, seed=seed, cuda=True, timeout=600)
-    if results[0]["inprocess"]:
-        print(f"left out (in-process routes, Python by design): {results[0]['inprocess']}")
+    assert set(results[0]["ops"]) >= {"all_reduce", "broadcast", "barrier", "all_to_all_single"}
+    print(f"in-process ops (counted too): {results[0]['inprocess']}")
+
+
+@pytest.mark.gpu
+def test_no_python_per_op_cuda_inprocess(worlds, seed):
+    """2 ranks with the in-process engine forced (the sidecars take NVSHMEM as their sparse
+    transport, so the route table sends all_reduce and all_to_all_single to the in-process
+    kernels): both ops run through it, with no Python call. Only those two: on one GPU the
+    ranks' other CUDA ops would take NCCL, which refuses two ranks on a GPU."""
+    w = worlds.fresh(2, label="calls-inprocess", env={"GOCOMM_CUDA": "1", "GOCOMM_TRANSPORT": "nvshmem"})
+    try:
+        results = w.run(
+            check_no_python_per_op, seed=seed, cuda=True, only=("all_reduce", "all_to_all_single"), timeout=600
+        )
+    finally:
+        w.close()
+    for r in results:
+        assert r["inprocess"] == ["all_reduce", "all_to_all_single"], r
+        assert set(r["ops"]) == {"all_reduce", "all_to_all_single"}, r
