@@ -11,15 +11,16 @@ namespace gocomm {
 namespace {
 
 // The live caches the allocator hook tells (lock order: the allocator's lock, then this,
-// then a cache's mu_).
+// then a cache's mu_). Never destroyed: the allocator may free a segment while the process's
+// statics are being destroyed at exit.
 std::mutex& registry_mu() {
-  static std::mutex mu;
-  return mu;
+  static auto* mu = new std::mutex;
+  return *mu;
 }
 
 std::vector<IpcCache*>& registry() {
-  static std::vector<IpcCache*> caches;
-  return caches;
+  static auto* caches = new std::vector<IpcCache*>;
+  return *caches;
 }
 
 bool attach_hook() {
