@@ -7,6 +7,7 @@ import (
 	"errors"
 	"time"
 
+	"github.com/gocomm/gocomm/segment"
 	"github.com/gocomm/gocomm/wire"
 )
 
@@ -42,8 +43,10 @@ type Session interface {
 	Counters() [64]byte
 	// RegisterIPC maps an allocation of the client (CUDA IPC handle) as segment seg.
 	RegisterIPC(seg uint32, handle [64]byte, size uint64) error
-	// DropIPC unmaps a segment the client says is gone.
+	// DropIPC unmaps a segment the client says is gone, once no op holds it.
 	DropIPC(seg uint32) error
+	// Segments counts the client's allocations registered and mapped here.
+	Segments() segment.Stats
 	// Resolve bounds-checks each (seg, offset, length) and returns the device addresses,
 	// holding the segments mapped until release is called.
 	Resolve(refs []wire.BufRef) (ptrs []uint64, release func(), err error)

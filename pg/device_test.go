@@ -17,6 +17,7 @@ import (
 
 	"github.com/gocomm/gocomm/collectives/reduce"
 	"github.com/gocomm/gocomm/gpu"
+	"github.com/gocomm/gocomm/segment"
 	"github.com/gocomm/gocomm/transport"
 	"github.com/gocomm/gocomm/wire"
 )
@@ -130,6 +131,11 @@ func (s *fakeDevSession) DropIPC(seg uint32) error {
 	defer s.mu.Unlock()
 	delete(s.segs, seg)
 	return nil
+}
+func (s *fakeDevSession) Segments() segment.Stats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return segment.Stats{Live: len(s.segs), Mapped: len(s.segs)}
 }
 func (s *fakeDevSession) Resolve(refs []wire.BufRef) ([]uint64, func(), error) {
 	s.mu.Lock()
@@ -319,6 +325,13 @@ func (c *client) registerIPC(seg uint32, size uint64) {
 	c.raw(wire.RecIPC, b)
 }
 
+// dropIPC sends a wire.RecIPCDrop record for segment seg.
+func (c *client) dropIPC(seg uint32) {
+	b := make([]byte, 4)
+	binary.LittleEndian.PutUint32(b, seg)
+	c.raw(wire.RecIPCDrop, b)
+}
+
 func cudaAllReduce(g *Group, seg uint32, count, value uint64) wire.Desc {
 	return wire.Desc{Group: g.Handle, Kind: wire.OpAllReduce, DType: wire.Float32, RedOp: wire.Sum, Device: wire.DeviceCUDA,
 		Count: count, StreamValue: uint32(value), Bufs: []wire.BufRef{{Segment: seg, Length: count * 4}}}
@@ -380,6 +393,41 @@ func TestDeviceOps(t *testing.T) {
 	// a refused CUDA op breaks the group (the client's counter already counted it)
 	if g.Broken() == nil {
 		t.Fatal("the group survived a refused CUDA op")
+	}
+}
+
+// TestDropAfterOpWaitsForIt: the client drops a segment (torch freed it) right after the
+// last op naming it; the op still runs on it (serve resolved the op's segments before it read
+// the drop), and the session's counts follow the drops.
+func TestDropAfterOpWaitsForIt(t *testing.T) {
+	eng := &fakeEngine{}
+	clients, groups := deviceCluster(t, 2, 5*time.Second, eng)
+	seg := uint32(wire.CUDASegment | 1)
+	for r := range clients {
+		clients[r].registerIPC(seg, 1<<20)
+		clients[r].registerIPC(seg+1, 1<<20)
+		clients[r].submit(cudaAllReduce(groups[r], seg, 1000, 1))
+		clients[r].dropIPC(seg)
+	}
+	for r := range clients {
+		if d := clients[r].next(5 * time.Second); d.status != wire.StatusOK {
+			t.Fatalf("rank %d: op before the drop of its segment: %+v", r, d)
+		}
+	}
+	for r, c := range clients {
+		deadline := time.Now().Add(5 * time.Second)
+		for c.sess.CUDASegments().Live != 1 && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+		}
+		if st := c.sess.CUDASegments(); st.Live != 1 {
+			t.Fatalf("rank %d: %+v after one of two segments was dropped", r, st)
+		}
+	}
+	// the dropped segment is gone for later ops
+	c, g := clients[0], groups[0]
+	c.submit(cudaAllReduce(g, seg, 10, 2))
+	if d := c.next(5 * time.Second); d.status != wire.StatusInvalid || !strings.Contains(d.msg, "not registered") {
+		t.Fatalf("op on a dropped segment: %+v", d)
 	}
 }
 

@@ -13,6 +13,7 @@ import (
 	"github.com/gocomm/gocomm/gpu"
 	"github.com/gocomm/gocomm/node"
 	"github.com/gocomm/gocomm/ring"
+	"github.com/gocomm/gocomm/segment"
 	"github.com/gocomm/gocomm/shm"
 	"github.com/gocomm/gocomm/wire"
 )
@@ -137,6 +138,15 @@ func (sess *Session) dropIPC(p []byte) {
 			sess.log.Debug("drop CUDA segment", "segment", seg, "err", err)
 		}
 	}
+}
+
+// CUDASegments counts the client's CUDA allocations the device engine has mapped (none
+// before AttachDevice).
+func (sess *Session) CUDASegments() segment.Stats {
+	if ds := sess.deviceSession(); ds != nil {
+		return ds.Segments()
+	}
+	return segment.Stats{}
 }
 
 // Event is something the client hears of on its watch stream.

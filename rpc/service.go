@@ -281,6 +281,11 @@ func (s *Service) Stats(_ context.Context, req *v1.StatsRequest) (*v1.StatsRespo
 	}
 	resp := &v1.StatsResponse{}
 	for _, sess := range sessions {
+		cs := sess.CUDASegments()
+		resp.Sessions = append(resp.Sessions, &v1.SessionStats{
+			Session: sess.ID, CudaSegments: uint32(cs.Live), CudaSegmentsMapped: uint32(cs.Mapped),
+			CudaBytesMapped: cs.MappedBytes, CudaSegmentsUnmapped: cs.Unmapped,
+		})
 		for _, g := range sess.Groups() {
 			st := g.Stats()
 			resp.Groups = append(resp.Groups, &v1.GroupStats{

@@ -6,7 +6,9 @@
 //  1. Every (segment, offset, length) a descriptor names is checked against the segment's
 //     size before any byte is touched (Resolve); nothing the client writes is trusted.
 //  2. A segment is unmapped only when it was dropped and no op holds a reference to it, so
-//     an op that is still running can never touch unmapped memory.
+//     an op that is still running can never touch unmapped memory. The session resolves an
+//     op's buffers when it reads the op from the submission ring, before the next record,
+//     so a drop the client wrote after an op naming the segment waits for that op.
 package segment
 
 import (
@@ -40,8 +42,18 @@ type Mem interface {
 type Table[M Mem] struct {
 	kind string // what errors call a segment: "segment", "CUDA segment"
 
-	mu   sync.Mutex
-	segs map[uint32]*entry[M]
+	mu       sync.Mutex
+	segs     map[uint32]*entry[M]
+	unmapped uint64 // segments closed so far
+}
+
+// Stats says what a table holds: what the client registered and did not drop, what is
+// still mapped (dropped segments an op still holds included), and how many were unmapped.
+type Stats struct {
+	Live        int
+	Mapped      int
+	MappedBytes uint64
+	Unmapped    uint64
 }
 
 type entry[M Mem] struct {
@@ -87,6 +99,7 @@ func (t *Table[M]) Drop(id uint32) error {
 	unmap := e.refs == 0
 	if unmap {
 		delete(t.segs, id)
+		t.unmapped++
 	}
 	t.mu.Unlock()
 	if unmap {
@@ -132,6 +145,7 @@ func (t *Table[M]) Resolve(refs []wire.BufRef, skipEmpty bool) (mems []M, releas
 				if e.refs == 0 && e.dropped {
 					unmap = append(unmap, e)
 					delete(t.segs, e.id)
+					t.unmapped++
 				}
 			}
 			t.mu.Unlock()
@@ -141,6 +155,20 @@ func (t *Table[M]) Resolve(refs []wire.BufRef, skipEmpty bool) (mems []M, releas
 		})
 	}
 	return mems, release, nil
+}
+
+// Stats counts the table's segments.
+func (t *Table[M]) Stats() Stats {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	st := Stats{Mapped: len(t.segs), Unmapped: t.unmapped}
+	for _, e := range t.segs {
+		if !e.dropped {
+			st.Live++
+		}
+		st.MappedBytes += e.mem.Size()
+	}
+	return st
 }
 
 // Find returns a mapped segment for which match holds (dropped ones still in use included).
@@ -185,5 +213,6 @@ func (t *Table[M]) Take() []M {
 		all = append(all, e.mem)
 	}
 	t.segs = map[uint32]*entry[M]{}
+	t.unmapped += uint64(len(all))
 	return all
 }

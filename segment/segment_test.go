@@ -61,8 +61,14 @@ func TestBothKinds(t *testing.T) {
 			if err != nil || mems[0].size != 64 {
 				t.Fatal(mems, err)
 			}
+			if st := tab.Stats(); st != (Stats{Live: 1, Mapped: 1, MappedBytes: 64}) {
+				t.Fatalf("stats before the drop: %+v", st)
+			}
 			if err := tab.Drop(1); err != nil || closed != 0 {
 				t.Fatalf("drop while held: %v, closed %d", err, closed)
+			}
+			if st := tab.Stats(); st != (Stats{Live: 0, Mapped: 1, MappedBytes: 64}) {
+				t.Fatalf("stats of a dropped segment an op holds: %+v", st)
 			}
 			if _, _, err := tab.Resolve([]wire.BufRef{{Segment: 1, Length: 8}}, skipEmpty); err == nil {
 				t.Fatal("a dropped segment resolved")
@@ -71,6 +77,9 @@ func TestBothKinds(t *testing.T) {
 			release()
 			if closed != 1 {
 				t.Fatalf("closed %d times after the last release, want 1", closed)
+			}
+			if st := tab.Stats(); st != (Stats{Unmapped: 1}) {
+				t.Fatalf("stats after the last release: %+v", st)
 			}
 			if err := tab.Drop(1); !errors.Is(err, wire.ErrNotFound) {
 				t.Fatalf("second drop: %v", err)

@@ -316,6 +316,8 @@ func (s *session) RegisterIPC(seg uint32, handle [64]byte, size uint64) error {
 
 func (s *session) DropIPC(seg uint32) error { return s.segs.Drop(seg) }
 
+func (s *session) Segments() segment.Stats { return s.segs.Stats() }
+
 // Resolve implements gpu.Session: the segment table bounds-checks each buffer; an empty
 // buffer names no memory (NCCL never touches it: ptr 0).
 func (s *session) Resolve(refs []wire.BufRef) ([]uint64, func(), error) {

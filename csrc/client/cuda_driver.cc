@@ -13,6 +13,8 @@ namespace {
 using Result = int;  // CUresult
 constexpr Result kSuccess = 0;
 constexpr int kAttrBufferId = 7;  // CU_POINTER_ATTRIBUTE_BUFFER_ID
+constexpr int kAttrLegacyIpc = 10;  // CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
+constexpr int kAttrMempool = 17;  // CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE
 constexpr unsigned kWaitGeq = 0;  // CU_STREAM_WAIT_VALUE_GEQ
 constexpr unsigned kWaitEq = 1;  // CU_STREAM_WAIT_VALUE_EQ
 constexpr unsigned kHostRegisterPortableDevicemap = 1 | 2;  // CU_MEMHOSTREGISTER_PORTABLE | _DEVICEMAP
@@ -248,6 +250,20 @@ void allocation(DevPtr ptr, DevPtr* base, size_t* size) {
 
 void ipc_handle(DevPtr base, uint8_t out[64]) {
   check("cuIpcGetMemHandle", api().ipcGetMemHandle(out, base));
+}
+
+std::string no_ipc_reason(DevPtr ptr) {
+  const Api& a = api();
+  uint64_t pool = 0, legacy = 0;  // wide enough for the attribute's type, zero where unwritten
+  if (a.pointerGetAttribute(&pool, kAttrMempool, ptr) == kSuccess && pool != 0) {
+    return "it comes from a stream-ordered memory pool (cudaMallocAsync; "
+           "PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync)";
+  }
+  if (a.pointerGetAttribute(&legacy, kAttrLegacyIpc, ptr) == kSuccess && legacy == 0) {
+    return "it is virtual memory mapped with cuMemMap (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or "
+           "another allocator built on cuMemCreate)";
+  }
+  return "";
 }
 
 void release_counters(int device, DevPtr addr, size_t nbytes) {

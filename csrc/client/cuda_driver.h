@@ -52,6 +52,10 @@ uint64_t buffer_id(DevPtr ptr);
 void allocation(DevPtr ptr, DevPtr* base, size_t* size);
 // The 64-byte CUDA IPC handle of the allocation starting at base.
 void ipc_handle(DevPtr base, uint8_t out[64]);
+// Why the memory at ptr has no CUDA IPC handle, in words, or "" where the driver does not
+// say: a stream-ordered pool's memory (cudaMallocAsync) or virtual memory mapped with cuMemMap
+// (torch's expandable segments).
+std::string no_ipc_reason(DevPtr ptr);
 // Set every (ready, done) pair of the counters at addr to done = ready + 2^30, through a
 // stream of its own that waits for nothing: streams stuck on a counter of a sidecar that is
 // gone go on. Makes the primary context of device current first.

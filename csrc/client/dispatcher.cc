@@ -80,6 +80,7 @@ Dispatcher::~Dispatcher() {
 
 void Dispatcher::close() {
   stop_ = true;
+  ipc_.close();  // its sender may wait in put, which gives up once stop_ is set
   if (thread_.joinable()) {
     if (thread_.get_id() == std::this_thread::get_id()) {
       thread_.detach();
@@ -138,6 +139,9 @@ void Dispatcher::put(uint16_t type, const std::vector<uint8_t>& payload) {
   while (!ring_->submit(type, payload.data(), payload.size())) {
     if (auto why = lost()) {
       throw std::runtime_error("gocomm: " + *why);
+    }
+    if (stop_) {
+      throw std::runtime_error("gocomm: the sidecar session is closed");
     }
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }

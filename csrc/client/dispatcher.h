@@ -87,7 +87,7 @@ class Dispatcher {
   // Hands an op to the sidecar: gives d its seq, records p, writes the descriptor (waiting
   // for room). Throws DistBackendError once the sidecar is lost. Returns p.work.
   c10::intrusive_ptr<Work> submit(Pending p, wire::Desc& d);
-  // Writes a control record, waiting for room.
+  // Writes a control record, waiting for room (throws once the session is lost or closed).
   void put(uint16_t type, const std::vector<uint8_t>& payload);
   // Fails every op in flight with "gocomm <op>: <why>", refuses new ones, and releases the
   // stream counters so that no CUDA stream stays blocked on the lost sidecar.
@@ -103,6 +103,8 @@ class Dispatcher {
   // sidecar on first use; the device is made current for the driver's queries).
   // claim: see IpcCache::ref.
   wire::BufRef cuda_ref(uint64_t ptr, uint64_t n, int device, size_t claim = 0);
+  // The CUDA IPC registrations (see IpcCache).
+  IpcCache& ipc() { return ipc_; }
   size_t pending_count();
 
   // ----- ops captured in CUDA graphs (docs/decisions/0020) -----

@@ -5,12 +5,17 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include <condition_variable>
+#include <cstring>
+#include <map>
 #include <memory>
 #include <optional>
+#include <mutex>
 
 #include "backend.h"
 #include "cuda_driver.h"
 #include "dispatcher.h"
+#include "ipc_cache.h"
 #include "wire.h"
 
 namespace py = pybind11;
@@ -37,6 +42,96 @@ bool given(const py::object& o) {
 // group's lifetime is the ProcessGroup's.
 struct BackendRef {
   c10::weak_intrusive_ptr<gocomm::Backend> ref;
+};
+
+// An IpcCache over a fake driver and ring (python/tests/test_ipc_cache.py): allocations are
+// (base, size) with a fresh buffer id each; the ring records (type, segment) and can be made
+// to hold its writers, as a full ring does.
+class IpcCacheProbe {
+ public:
+  IpcCacheProbe() {
+    gocomm::IpcCache::Driver d;
+    d.buffer_id = [this](gocomm::cuda::DevPtr p) { return find(p).bid; };
+    d.allocation = [this](gocomm::cuda::DevPtr p, gocomm::cuda::DevPtr* base, size_t* size) {
+      const Alloc& a = find(p);
+      *base = a.base;
+      *size = a.size;
+    };
+    d.ipc_handle = [this](gocomm::cuda::DevPtr base, uint8_t* out) {
+      if (!find(base).ipc) {
+        throw gocomm::cuda::Error("cuIpcGetMemHandle: invalid argument");
+      }
+      std::memset(out, 0, 64);
+    };
+    d.no_ipc_reason = [](gocomm::cuda::DevPtr) { return std::string("it is virtual memory mapped with cuMemMap"); };
+    d.hook = [] { return true; };
+    cache_ = std::make_unique<gocomm::IpcCache>(
+        [this](uint16_t type, const std::vector<uint8_t>& payload) {
+          std::unique_lock<std::mutex> lock(mu_);
+          cv_.wait(lock, [this] { return !held_ || closing_; });
+          if (closing_) {
+            throw std::runtime_error("the ring is closed");
+          }
+          uint32_t seg = 0;
+          std::memcpy(&seg, payload.data(), 4);
+          records_.emplace_back(type, seg);
+        },
+        std::move(d));
+  }
+  ~IpcCacheProbe() { close(); }
+
+  uint64_t alloc(uint64_t base, uint64_t size, bool ipc) {
+    std::lock_guard<std::mutex> lock(mu_);
+    allocs_[base] = Alloc{base, size, ++bid_, ipc};
+    return bid_;
+  }
+  void free(uint64_t base) {
+    std::lock_guard<std::mutex> lock(mu_);
+    allocs_.erase(base);
+  }
+  std::vector<std::pair<uint16_t, uint32_t>> records() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return records_;
+  }
+  void hold(bool on) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      held_ = on;
+    }
+    cv_.notify_all();
+  }
+  void close() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closing_ = true;
+    }
+    cv_.notify_all();
+    cache_->close();
+  }
+  gocomm::IpcCache& cache() { return *cache_; }
+
+ private:
+  struct Alloc {
+    uint64_t base, size, bid;
+    bool ipc;
+  };
+  Alloc find(gocomm::cuda::DevPtr p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [base, a] : allocs_) {
+      if (p >= base && p < base + a.size) {
+        return a;
+      }
+    }
+    throw gocomm::cuda::Error("cuPointerGetAttribute: invalid value (no allocation there)");
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<uint64_t, Alloc> allocs_;
+  uint64_t bid_ = 0;
+  std::vector<std::pair<uint16_t, uint32_t>> records_;
+  bool held_ = false, closing_ = false;
+  std::unique_ptr<gocomm::IpcCache> cache_;  // last: destroyed first
 };
 
 }  // namespace
@@ -78,6 +173,14 @@ PYBIND11_MODULE(_C, m) {
            "The device address of the stream counters; attaches the device the first time.")
       .def("segments", [](gocomm::Dispatcher& d) { return d.arena().segments(); },
            "(id, bytes) of the host arena's segments.")
+      .def("cuda_segments", [](gocomm::Dispatcher& d) { return d.ipc().size(); },
+           "How many CUDA allocations are registered with the sidecar.")
+      .def_property_readonly("cuda_hooked", [](gocomm::Dispatcher& d) { return d.ipc().hooked(); },
+                             "Whether torch's CUDA allocator reports the memory it frees (so its registrations "
+                             "are dropped at once).")
+      .def("flush_cuda_drops", [](gocomm::Dispatcher& d, double timeout_s) { return d.ipc().flush(timeout_s); },
+           py::call_guard<py::gil_scoped_release>(), py::arg("timeout_s"),
+           "Wait until the drops of freed CUDA allocations are in the ring; False on timeout.")
       .def(
           "cuda_ref",
           [](gocomm::Dispatcher& d, uint64_t ptr, uint64_t n, int device, size_t claim) {
@@ -312,6 +415,30 @@ PYBIND11_MODULE(_C, m) {
         return py::bytes(reinterpret_cast<const char*>(h), 64);
       },
       "The CUDA IPC handle of a fresh 1 MiB allocation on device (gocomm doctor's check).");
+  py::class_<IpcCacheProbe>(m, "_IpcCacheProbe", "An IpcCache over a fake driver and ring (tests).")
+      .def(py::init<>())
+      .def("alloc", &IpcCacheProbe::alloc, py::arg("base"), py::arg("size"), py::arg("ipc") = true,
+           "A fake allocation [base, base + size); returns its buffer id.")
+      .def("free", &IpcCacheProbe::free, "Forget the fake allocation at base (torch reports nothing).")
+      .def(
+          "ref",
+          [](IpcCacheProbe& p, uint64_t ptr, uint64_t n) {
+            py::gil_scoped_release nogil;
+            auto r = p.cache().ref(ptr, n);
+            return std::make_tuple(r.segment, r.offset, r.length);
+          },
+          "IpcCache::ref.")
+      .def_static(
+          "released", [](uint64_t addr, size_t size) { gocomm::IpcCache::released(addr, size); },
+          "What torch's allocator hook calls for a segment it frees or unmaps: every live cache drops what the range "
+          "overlaps.")
+      .def("records", &IpcCacheProbe::records, "(type, segment) of every record written, in order.")
+      .def("hold", &IpcCacheProbe::hold, py::call_guard<py::gil_scoped_release>(),
+           "Make the ring's writers wait (a full ring) or let them go.")
+      .def("flush", [](IpcCacheProbe& p, double t) { return p.cache().flush(t); },
+           py::call_guard<py::gil_scoped_release>())
+      .def("size", [](IpcCacheProbe& p) { return p.cache().size(); })
+      .def("close", &IpcCacheProbe::close, py::call_guard<py::gil_scoped_release>());
 
   py::class_<BackendRef>(m, "BackendRef")
       .def(py::init([](const c10::intrusive_ptr<gocomm::Backend>& b) {

@@ -283,6 +283,21 @@ class Sidecar:
         device for the sidecar (its allocation registered once by CUDA IPC handle)."""
         return self.client.cuda_ref(ptr, n, device)
 
+    def cuda_segments(self) -> dict:
+        """This client's CUDA allocations as the sidecar maps them: registered (and not
+        dropped), mapped (dropped ones an op still holds included), bytes_mapped, and unmapped
+        since the session began."""
+        resp = self.call("Stats", pb.StatsRequest(session=self.session))
+        for s in resp.sessions:
+            if s.session == self.session:
+                return {
+                    "registered": s.cuda_segments,
+                    "mapped": s.cuda_segments_mapped,
+                    "bytes_mapped": s.cuda_bytes_mapped,
+                    "unmapped": s.cuda_segments_unmapped,
+                }
+        return {}
+
     def _watch_loop(self) -> None:
         try:
             for ev in self._watch:

@@ -1156,3 +1156,203 @@ def test_moe_route_group_kernels(seed, tokens, n, k, per):
     assert e_idx[: len(pairs)].tolist() == [p for v in in_row for p in v]
     over = _kernels.group(recv.to(dev), id_off, w_off, k, per, splits.to(dev) + cap)
     assert over[-1].cpu().tolist() == [0, 0] and int(over[2].sum()) == 0, "an overflow groups nothing"
+
+
+def _segments_settled(sc, timeout=10.0):
+    """The sidecar's counts of this client's CUDA segments once the drops the client queued
+    are in the ring and the sidecar read them (its count of registered ones equals the
+    client's) and nothing dropped is still mapped; the last counts seen after timeout."""
+    if not sc.client.flush_cuda_drops(timeout):
+        raise AssertionError(f"the client's queued drops were not written within {timeout}s")
+    deadline = time.monotonic() + timeout
+    while True:
+        s = sc.cuda_segments()
+        if s["registered"] == sc.client.cuda_segments() and s["mapped"] == s["registered"]:
+            return s
+        if time.monotonic() > deadline:
+            return s
+        time.sleep(0.02)
+
+
+def _free_memory_back(dev, want, timeout=10.0):
+    """The device's free bytes once they reach want (or after timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        free = torch.cuda.mem_get_info(dev)[0]
+        if free >= want or time.monotonic() > deadline:
+            return free
+        time.sleep(0.05)
+
+
+def _fence(dev):
+    """An all_reduce whose future completed: the completion thread has released every op's
+    tensors by then (completions arrive in order, each op's tensors are let go before its
+    Work finishes), so what the caller dropped is back in torch's allocator."""
+    t = torch.ones(16, device=dev)
+    dist.all_reduce(t, async_op=True).get_future().wait()
+
+
+def check_freed_memory_leaves_sidecar(rk, seed):
+    """CUDA memory torch gives back (empty_cache) is unmapped by the sidecar at once, so it
+    returns to the device: one 256 MiB tensor, then 200 cycles of tensors of random sizes
+    (1-40 MiB, each a segment of its own or a shared 20 MiB one) through all_reduce with
+    empty_cache every third cycle. The sidecar's count of mapped segments never grows past
+    what the allocator holds, and ends where it started."""
+    from gocomm import _sidecar
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    ck = Checker("freed CUDA memory leaves the sidecar", seed, rk.rank)
+    sc = _sidecar.current()
+    _fence(dev)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    ck.expect("torch's allocator reports what it frees", sc.client.cuda_hooked)
+    s0 = _segments_settled(sc)
+    free0 = torch.cuda.mem_get_info(dev)[0]
+    slack = 48 << 20
+    with ck.case("one 256 MiB tensor"):
+        big = torch.full((64 << 20,), 1.5, device=dev)
+        dist.all_reduce(big)
+        ck.expect("all_reduce result", bool(torch.all(big == 1.5 * rk.size).item()))
+        s1 = _segments_settled(sc)
+        ck.expect("registered while alive", s1["registered"] == s0["registered"] + 1, f"{s0} -> {s1}")
+        ck.expect("its bytes mapped", s1["bytes_mapped"] >= s0["bytes_mapped"] + (256 << 20), f"{s0} -> {s1}")
+        del big
+        _fence(dev)
+        torch.cuda.empty_cache()
+        t0 = time.monotonic()
+        s2 = _segments_settled(sc)
+        free2 = _free_memory_back(dev, free0 - slack)
+        ck.expect(
+            "unmapped by the sidecar after empty_cache",
+            s2["registered"] == s0["registered"] and s2["mapped"] == s0["mapped"] and s2["unmapped"] > s1["unmapped"],
+            f"{s0} -> {s1} -> {s2}",
+        )
+        ck.expect(
+            "the device's memory came back",
+            free2 >= free0 - slack,
+            f"free {free0 >> 20} MiB before, {free2 >> 20} MiB {time.monotonic() - t0:.2f}s after empty_cache",
+        )
+    with ck.case("200 alloc/free cycles"):
+        rng = torch.Generator().manual_seed(seed)
+        peak = 0
+        for i in range(200):
+            nbytes = int(torch.randint(1 << 20, 40 << 20, (1,), generator=rng)) & ~15
+            t = torch.full((nbytes // 4,), float(i), device=dev)
+            w = dist.all_reduce(t, async_op=i % 2 == 0)
+            if w is not None:
+                w.wait()
+            if not bool(torch.all(t == float(i) * rk.size).item()):
+                ck.fail(f"cycle {i}", f"all_reduce of {nbytes} bytes gave {t[:2].tolist()}")
+                break
+            del t, w
+            if i % 3 == 2:
+                torch.cuda.empty_cache()
+            if i % 20 == 19:
+                peak = max(peak, _segments_settled(sc)["mapped"])
+        _fence(dev)
+        torch.cuda.empty_cache()
+        s3 = _segments_settled(sc)
+        free3 = _free_memory_back(dev, free0 - slack)
+        ck.expect("mapped segments bounded while cycling", peak <= s0["mapped"] + 8, f"peak {peak}, start {s0}")
+        ck.expect(
+            "back where it started",
+            s3["registered"] == s0["registered"] and s3["mapped"] == s0["mapped"],
+            f"{s0} -> {s3}",
+        )
+        ck.expect(
+            "the device's memory came back",
+            free3 >= free0 - slack,
+            f"free {free0 >> 20} MiB before, {free3 >> 20} MiB after",
+        )
+    return ck.done()
+
+
+def test_freed_memory_leaves_the_sidecar(worlds, seed):
+    """Issue 21 item 5: cached IPC mappings are dropped when torch frees the memory."""
+    worlds.get(1).run(check_freed_memory_leaves_sidecar, seed=seed, timeout=RUN_LIMIT_S)
+
+
+def check_work_keeps_tensors_alive(rk, seed):
+    """Async ops whose caller drops every reference to its input and output at once: the
+    Work keeps them until the GPU is done. Right after the call, tensors of the same size
+    are allocated and filled on the same stream: had the input's block gone back to the
+    allocator, they would take it and overwrite it while the sidecar's NCCL reads it."""
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    ck = Checker("works keep their tensors", seed, rk.rank)
+    n, size = 8 << 20, rk.size  # 32 MiB of float32
+
+    def launch(op, x):
+        if op == "all_reduce":
+            return dist.all_reduce(x, async_op=True)
+        if op == "broadcast":
+            return dist.broadcast(x, 0, async_op=True)
+        if op == "all_gather_into_tensor":
+            return dist.all_gather_into_tensor(torch.empty(n * size, device=dev), x, async_op=True)
+        if op == "all_gather":
+            return dist.all_gather([torch.empty(n, device=dev) for _ in range(size)], x, async_op=True)
+        if op == "reduce_scatter_tensor":
+            return dist.reduce_scatter_tensor(torch.empty(n // size, device=dev), x, async_op=True)
+        if op == "all_to_all_single":
+            return dist.all_to_all_single(torch.empty(n, device=dev), x, async_op=True)
+        raise ValueError(op)
+
+    ops = ["all_reduce", "broadcast", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor"]
+    if not _state(dist.group.WORLD)._routes.a2a_inprocess:  # the kernel runs on the caller's stream
+        ops.append("all_to_all_single")
+    for op in ops:
+        with ck.case(op):
+            for i in range(6):
+                v = float(i + 1)
+                w = launch(op, torch.full((n,), v, device=dev))  # no reference kept here
+                junk = [torch.full((n,), -3.0, device=dev) for _ in range(3)]
+                w.wait()
+                want = v * size if op in ("all_reduce", "reduce_scatter_tensor") else v
+                got = w.get_future().wait()  # the op's outputs, which the Work holds
+                ok = len(got) > 0 and all(bool(torch.all(t == want).item()) for t in got)
+                if not ok:
+                    ck.fail(f"{op} #{i}", f"result {[t.flatten()[:2].tolist() for t in got]}, want {want}")
+                    break
+                del junk, w, got
+    torch.cuda.synchronize()
+    return ck.done()
+
+
+def test_work_keeps_tensors_alive(worlds, seed):
+    """Issue 21 item 5: work objects keep their tensors alive until the GPU finished."""
+    worlds.get(1).run(check_work_keeps_tensors_alive, seed=seed, timeout=RUN_LIMIT_S)
+
+
+def check_expandable_segments_refused(rk, seed):
+    """Under expandable_segments:True a CUDA tensor has no IPC handle: the sidecar op raises
+    before anything is sent, naming the cause and the fix, and the group goes on with a
+    tensor allocated with the setting off (decision 0028)."""
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    ck = Checker("expandable segments refused", seed, rk.rank)
+    with ck.case("refused with the reason"):
+        t = torch.ones(1 << 20, device=dev)
+        try:
+            dist.all_reduce(t)
+            ck.fail("refusal", "all_reduce of a tensor in an expandable segment did not raise")
+        except RuntimeError as e:
+            msg = str(e)
+            for words in ("cannot be shared with the sidecar", "cuMemMap", "expandable_segments:False"):
+                ck.expect(f"message names {words!r}", words in msg, msg)
+    with ck.case("the group goes on with cudaMalloc memory"):
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        u = torch.full((1 << 20,), 2.0, device=dev)
+        dist.all_reduce(u)
+        ck.expect("all_reduce result", bool(torch.all(u == 2.0 * rk.size).item()))
+    torch.cuda.synchronize()
+    return ck.done()
+
+
+def test_expandable_segments_refused(worlds, seed):
+    w = worlds.fresh(1, label="expandable", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    try:
+        w.run(check_expandable_segments_refused, seed=seed, timeout=RUN_LIMIT_S)
+    finally:
+        w.close()
