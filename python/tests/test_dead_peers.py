@@ -23,7 +23,7 @@ def _report(res: dict) -> str:
     lines = [f"{res['fault']} at {res['bytes']} bytes, victim rank {res['victim']}, logs in {res['logs']}"]
     for r, s in res["survivors"].items():
         lines.append(f"  rank {r}: {s.get('elapsed', float('nan')):.2f}s {s.get('message', 'never raised')[:400]}")
-    lines.append(f"  left: {res['leaks']}")
+    lines.append(f"  left: {res['leaks']}; GPU free for a new process after {res.get('gpu_ready_s')}s")
     return "\n".join(lines)
 
 
@@ -123,4 +123,10 @@ def test_gpu_survivors_raise_naming_the_dead_rank(fault, seed):
             res = faults.trial(fault, size, world=2, seed=seed, device="cuda", env=env)
         except faults.Unfit as e:
             pytest.skip(str(e))
+        for r, s in res["survivors"].items():
+            print(
+                f"{fault} {size} B rank {r}: raised after {s.get('elapsed', float('nan')):.2f}s, {s.get('ops')} ops, "
+                f"{s.get('wrong')} wrong (last op wrong: {s.get('last_wrong')}), GPU free for a new process "
+                f"after {res['gpu_ready_s']}s; {s.get('message', '')[:200]}"
+            )
         _check(res)
