@@ -274,6 +274,9 @@ func (s *Server) Groups() []*Group {
 // process gone): every session's groups are aborted with reason, so peers fail at once
 // naming this rank; then everything closes as in Shutdown.
 func (s *Server) Abandon(reason string) {
+	if s.node != nil {
+		s.node.Ending() // peers dialing a group its client made but never joined fail now
+	}
 	for _, sess := range s.Sessions() {
 		sess.Gone(reason)
 	}

@@ -31,7 +31,10 @@ import (
 // the acceptor cannot sign, because it does not know the group's secret, carry only a
 // status and no HMAC: statusUnknown (no such group here yet: the dialer retries until its
 // join wait ends, as a peer may dial before this member joined), statusLeft (this member
-// left in order) and statusBusy (the acceptor has too many links in their handshake and
+// left in order), statusGone (no such group here and there will be none: the acceptor's
+// sidecar is ending because its training process died, maybe between making its member of
+// the group and joining it, which no abort frame can tell, as the acceptor never learnt the
+// group's secret) and statusBusy (the acceptor has too many links in their handshake and
 // dropped this one: the dialer retries within its dial timeout). They can be forged by
 // whoever can also reset the connection, and grant nothing.
 //
@@ -61,6 +64,7 @@ const (
 	statusUnknown = 4
 	statusLeft    = 8
 	statusBusy    = 16
+	statusGone    = 32
 	// grant flags
 	flagRefs = 1
 	// maxReason bounds the abort reason read off a link or a handshake.
@@ -73,6 +77,7 @@ var (
 	errUnknownGroup = errors.New("the peer has not joined the group (yet)")
 	errLeft         = errors.New("the peer has left the group")
 	errBusy         = errors.New("the peer has too many links in their handshake")
+	errGone         = errors.New("its sidecar is ending (its training process died) and never joined the group")
 )
 
 // busyAnswer is the answer of statusBusy.
@@ -171,6 +176,8 @@ func dialHandshake(rw io.ReadWriter, secret []byte, from, to int, pr probe) (ref
 		return false, errLeft
 	case statusBusy:
 		return false, errBusy
+	case statusGone:
+		return false, fmt.Errorf("%w by rank %d: %w", ErrAborted, to, errGone)
 	}
 	if !hmac.Equal(ans[64:], mac(secret, "srv", hb, ans[:33])) {
 		return false, ErrAuth
@@ -261,6 +268,8 @@ func acceptHandshake(rw io.ReadWriter, lookup func(group [16]byte) (secret []byt
 			ans[32] = statusLeft
 		case errors.Is(err, errBusy):
 			ans[32] = statusBusy
+		case errors.Is(err, errGone):
+			ans[32] = statusGone
 		default:
 			return h, false, err
 		}

@@ -113,3 +113,25 @@ func TestLeaverFailsSendsWaitingForItsAck(t *testing.T) {
 	default:
 	}
 }
+
+// TestEndingPeerFailsDialersAtOnce: rank 1's sidecar is ending (its training process died
+// after it made its member of the group, before it joined): rank 0, dialing it for the
+// group, breaks at once naming rank 1, instead of retrying until that sidecar is gone and
+// then while its connections are refused.
+func TestEndingPeerFailsDialersAtOnce(t *testing.T) {
+	nodes, addrs := listen(t, 2)
+	nodes[1].Ending()
+	ep, err := nodes[0].Join([]byte("a secret of at least sixteen bytes"), 0, addrs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ep.Close()
+	start := time.Now()
+	err = ep.SendP2P(1, 1, make([]byte, 8)).Wait(ctxT(t))
+	if !errors.Is(err, ErrAborted) || !strings.Contains(err.Error(), "rank 1") || !strings.Contains(err.Error(), "never joined") {
+		t.Fatalf("send failed with %v, want rank 1's sidecar ending", err)
+	}
+	if took := time.Since(start); took > time.Second {
+		t.Fatalf("broke after %v, want at once", took)
+	}
+}

@@ -461,3 +461,45 @@ func TestUnmatchedBytesCapped(t *testing.T) {
 		t.Fatalf("heap grew by %d bytes with a cap of %d", grew, capBytes)
 	}
 }
+
+// TestUnmatchedSenderHearsWhy: rank 0 floods rank 1 with sends nobody receives until rank
+// 1's cap breaks the group. Rank 0 must break with rank 1's reason (the abort frame), never
+// with its link to rank 1 reset: rank 1 reads the flooded link dry until rank 0 closes it
+// instead of closing it with bytes unread (which resets it, and the reset could reach rank 0
+// before the abort frame on the other link). Many rounds, as the race was rare.
+func TestUnmatchedSenderHearsWhy(t *testing.T) {
+	const msg, capBytes, rounds = 60 << 10, 2 << 20, 20
+	for round := range rounds {
+		nodes, addrs := listen(t, 2)
+		eps := make([]*Endpoint, 2)
+		for r := range nodes {
+			if r == 1 {
+				nodes[r].unmatchedMax = capBytes
+			}
+			ep, err := nodes[r].Join([]byte("a secret of at least sixteen bytes"), r, addrs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			eps[r] = ep
+		}
+		data := make([]byte, msg)
+		reqs := make([]*Request, 0, 200)
+		for tag := range int64(200) {
+			reqs = append(reqs, eps[0].SendP2P(1, tag, data))
+		}
+		for r, ep := range eps {
+			cause := waitBroken(t, ep)
+			if !strings.Contains(cause.Error(), "GOCOMM_UNMATCHED_BYTES_MAX") {
+				t.Fatalf("round %d: rank %d broke with %v, want the unmatched-bytes cap", round, r, cause)
+			}
+		}
+		for _, q := range reqs {
+			if err := q.Wait(ctxT(t)); err != nil && !strings.Contains(err.Error(), "GOCOMM_UNMATCHED_BYTES_MAX") {
+				t.Fatalf("round %d: a send failed with %v, want the unmatched-bytes cap", round, err)
+			}
+		}
+		for _, ep := range eps {
+			ep.Close()
+		}
+	}
+}

@@ -172,6 +172,7 @@ func (ep *Endpoint) reader(from int, raw net.Conn, refPID int) {
 		}
 		if errors.Is(err, ErrUnmatchedMax) {
 			ep.Break(err)
+			drain(raw, abortGrace)
 			return
 		}
 		if err != nil {
@@ -179,6 +180,15 @@ func (ep *Endpoint) reader(from int, raw net.Conn, refPID int) {
 			return
 		}
 	}
+}
+
+// drain reads an inbound link dry until its peer closes it or limit passes. Closing a link
+// with bytes unread resets it, and the reset can reach the peer before the abort frame on
+// this rank's own link to it: the peer would report a lost link instead of the reason. The
+// peer closes the link once the abort arrived.
+func drain(c net.Conn, limit time.Duration) {
+	c.SetReadDeadline(time.Now().Add(limit))
+	io.Copy(io.Discard, c)
 }
 
 // resolveRef reads a reference's trailer and finds the bytes in the sender's segment,
@@ -487,7 +497,8 @@ func (l *outLink) run() {
 					err = ep.linkError("went to", l.to, err)
 				}
 				switch {
-				case stop != "": // this rank broke or left already
+				case stop != "": // this rank broke or left already: that cause, not the link's wake
+					err = ep.Broken()
 				case aborted:
 					ep.Break(err)
 					err = ep.Broken()

@@ -42,6 +42,7 @@ type Node struct {
 	groups map[[16]byte]*Endpoint
 	gone   map[[16]byte]*departed // groups this node left: a link for one is answered at once
 	closed bool
+	ending bool // Ending: a link for a group not here is answered errGone, not errUnknownGroup
 
 	hsMu      sync.Mutex
 	pending   []*handshaking // accepted links whose hello has not been answered, oldest first
@@ -262,13 +263,23 @@ func (n *Node) leave(ep *Endpoint) {
 	n.mu.Unlock()
 }
 
+// Ending tells the node its sidecar is ending because its training process died: from now
+// on a link for a group not joined here is answered errGone (the dialer breaks the group at
+// once) instead of errUnknownGroup (it would retry until this process is gone, then for a
+// quarter of the peer timeout while its connections are refused).
+func (n *Node) Ending() {
+	n.mu.Lock()
+	n.ending = true
+	n.mu.Unlock()
+}
+
 // answerLink finds what a link for group id is answered with: the group's secret, and the
 // reason it broke when it did (the handshake then hands the reason over instead of opening
 // the link). It never waits: a group not joined here is errUnknownGroup (the dialer
-// retries), one left in order errLeft.
+// retries), or errGone once the node is Ending; one left in order errLeft.
 func (n *Node) answerLink(id [16]byte) (*Endpoint, []byte, string, error) {
 	n.mu.Lock()
-	ep, d, closed := n.groups[id], n.gone[id], n.closed
+	ep, d, closed, ending := n.groups[id], n.gone[id], n.closed, n.ending
 	n.mu.Unlock()
 	switch {
 	case ep != nil:
@@ -279,6 +290,8 @@ func (n *Node) answerLink(id [16]byte) (*Endpoint, []byte, string, error) {
 		return nil, d.secret, d.reason, nil
 	case closed:
 		return nil, nil, "", fmt.Errorf("%w: this node is closing", ErrAuth)
+	case ending:
+		return nil, nil, "", errGone
 	}
 	return nil, nil, "", errUnknownGroup
 }
@@ -383,7 +396,7 @@ func (n *Node) accept(hs *handshaking) {
 		conn.Close()
 		return
 	}
-	if errors.Is(err, errUnknownGroup) || errors.Is(err, errLeft) {
+	if errors.Is(err, errUnknownGroup) || errors.Is(err, errLeft) || errors.Is(err, errGone) {
 		n.log.Debug("answered a link for a group not here", "remote", conn.RemoteAddr().String(), "from", h.from, "to", h.to, "detail", err)
 		conn.Close()
 		return

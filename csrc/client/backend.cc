@@ -429,10 +429,17 @@ intrusive_ptr<Work> Backend::submit(Op& op) {
   return w;
 }
 
+void Backend::refuse_if_broken(const std::string& op) {
+  if (auto why = failure_->broken()) {
+    C10_THROW_ERROR(DistBackendError, "gocomm " + label(op) + " failed (aborted): the group is broken: " + *why);
+  }
+}
+
 intrusive_ptr<Work> Backend::submit_op(Op& op) {
   if (closed_) {
     value_error("gocomm " + op.name + ": the process group was destroyed");
   }
+  refuse_if_broken(op.name);
   const bool timeout_given = op.timeout.count() > 0;
   const double t_limit = timeout_given ? op.timeout.count() / 1000.0 : cfg_.timeout_s;
   std::map<size_t, Tensors*> out_for;
@@ -604,6 +611,7 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                    std::chrono::duration<double>(t_limit + Dispatcher::kGrace));
   p.group = failure_;
+  p.cuda = true;
   p.keep = std::move(keep);
   d.group = cfg_.handle;
   d.kind = op.kind;
@@ -721,6 +729,7 @@ void Backend::cuda_now(const std::string& op, uint8_t kind, const std::vector<wi
   if (closed_) {
     value_error("gocomm " + op + ": the process group was destroyed");
   }
+  refuse_if_broken(op);
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
     TORCH_CHECK(false, "gocomm " + op + " cannot be captured in a CUDA graph on group '" + group_name() +
                            "': it runs in the sidecar's NVSHMEM kernel, which is handed each call on the host, so a "
@@ -738,6 +747,7 @@ void Backend::cuda_now(const std::string& op, uint8_t kind, const std::vector<wi
                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                    std::chrono::duration<double>(cfg_.timeout_s + Dispatcher::kGrace));
   p.group = failure_;
+  p.cuda = true;
   wire::Desc d;
   d.group = cfg_.handle;
   d.kind = kind;

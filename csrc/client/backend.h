@@ -137,6 +137,8 @@ class Backend : public c10d::Backend {
   inproc::Engine& engine() { return *engine_; }
   // The first failure of an op of this group, if any.
   std::optional<std::string> broken() { return failure_->get(); }
+  // The group broke (the sidecar said so on its watch stream): every later call raises why.
+  void mark_broken(const std::string& why) { failure_->mark_broken(why); }
   const Config& config() const { return cfg_; }
   std::shared_ptr<Dispatcher> dispatcher() const { return disp_; }
   // What the bindings keep with the backend (the Python state of the group).
@@ -154,6 +156,8 @@ class Backend : public c10d::Backend {
                                       const std::vector<at::Tensor>& result, int device);
   uint8_t redop(const char* op, const c10d::ReduceOp& want, const at::Tensor& t);
   void need_slot(const std::string& op);
+  // Raises once the group is broken (GroupFailure): a CUDA op's failure reaches no wait().
+  void refuse_if_broken(const std::string& op);
   std::string group_name() const;  // as torch named the group (its creator's name before)
   // "<op> on group '<name>'": how a Work's errors name the op (op, group, then the cause)
   std::string label(const std::string& op) const;

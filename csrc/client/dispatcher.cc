@@ -21,6 +21,21 @@ std::optional<std::string> GroupFailure::get() {
   return first_;
 }
 
+void GroupFailure::mark_broken(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!first_) {
+    first_ = why;
+  }
+  if (!broken_) {
+    broken_ = why;
+  }
+}
+
+std::optional<std::string> GroupFailure::broken() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return broken_;
+}
+
 void copy_bytes(void* dst, const void* src, size_t n) {
   constexpr int64_t kChunk = 1 << 20;
   if (n < 4 * size_t(kChunk)) {
@@ -240,7 +255,11 @@ void Dispatcher::release(Pending& p) {
 
 void Dispatcher::finish(Pending& p, std::exception_ptr exc) {
   if (exc && p.group) {
-    p.group->mark(what(exc));
+    if (p.cuda) {
+      p.group->mark_broken(what(exc));
+    } else {
+      p.group->mark(what(exc));
+    }
   }
   if (p.work) {
     p.work->finish_op(exc);

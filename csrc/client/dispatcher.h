@@ -26,15 +26,21 @@
 namespace gocomm {
 
 // The first failure of an op of a group (the sidecar breaks the group then): ops that do not
-// pass through the sidecar (in-process kernels) raise it instead of waiting for peers.
+// pass through the sidecar (in-process kernels) raise it instead of waiting for peers. And
+// whether the group is broken for good: the sidecar reported it broken, or a CUDA op failed.
+// A CUDA op's wait() only queues a wait on the stream (the stream is released when the op
+// fails), so its failure would reach no caller: every later call on the group raises it.
 class GroupFailure {
  public:
   void mark(const std::string& why);
   std::optional<std::string> get();
+  void mark_broken(const std::string& why);
+  std::optional<std::string> broken();
 
  private:
   std::mutex mu_;
   std::optional<std::string> first_;
+  std::optional<std::string> broken_;
 };
 
 // One op in flight.
@@ -49,6 +55,7 @@ struct Pending {
   // finishes once it has (the outputs are in place by then)
   std::shared_ptr<c10::Event> unpacked;
   std::shared_ptr<GroupFailure> group;
+  bool cuda = false;  // a CUDA op: its failure breaks the group for good (GroupFailure)
 };
 
 // Copies n bytes between host buffers: memcpy, split over torch's intra-op threads for large

@@ -272,6 +272,8 @@ PYBIND11_MODULE(_C, m) {
                              },
                              "The control plane's state of this group (gocomm._backend._Group).")
       .def_property_readonly("broken", &gocomm::Backend::broken, "The first failure of an op of this group, or None.")
+      .def("mark_broken", &gocomm::Backend::mark_broken, py::arg("why"),
+           "The group broke (the sidecar's report): every later call on it raises why.")
       .def_property_readonly("closed", &gocomm::Backend::closed)
       .def(
           "a2av_path",

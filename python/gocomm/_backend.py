@@ -258,13 +258,16 @@ class _Group:
 
     def _sidecar_broke(self, detail: str) -> None:
         """The sidecar reports the group broken (a peer died or went silent, an op timed
-        out): later in-process ops go to the sidecar, which raises with the cause, and
-        in-process kernels waiting for a peer give up now rather than at the group's timeout."""
+        out): every later call on the group raises with the cause (the compiled backend
+        refuses it: a CUDA op's wait() only queues a stream wait, so the sidecar's refusal
+        of it would reach no caller), and in-process kernels waiting for a peer give up now
+        rather than at the group's timeout."""
         if self._sidecar_broken is None:
             self._sidecar_broken = f"gocomm: {detail}"
-        ref = getattr(self, "_ref", None)  # the watch stream may report before the backend is made
+        ref = getattr(self, "_ref", None)  # None while the group is still being made
         b = ref.get() if ref is not None else None
         if b is not None:
+            b.mark_broken(detail)
             b.sidecar_broke()
 
     def _abort(self) -> None:

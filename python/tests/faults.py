@@ -39,6 +39,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIMIT_S = 5.0  # GOCOMM_PEER_DEAD_TIMEOUT_SEC's default
 HANG_TIMEOUT_S = 3.0
+# The group timeout of CUDA trials: it bounds the life of a kernel left waiting for a peer
+# that will never come (an in-process kernel gives up its waits at the group's timeout). A
+# SIGKILLed rank's kernels go on running on the GPU without it, and under MPS the server
+# takes no new client while it cleans up after a client that died with work on the GPU.
+GPU_TIMEOUT_S = 10.0
 FAULTS = ("kill_rank", "kill_sidecar", "stop_sidecar", "unreachable", "store")
 
 
@@ -67,7 +72,9 @@ def rank_main(rank: int, world: int, port: int, nbytes: int, fault: str, host: s
     import gocomm
 
     host_store = fault == "store" and rank == 0
-    timeout = datetime.timedelta(seconds=HANG_TIMEOUT_S if fault == "hang" else 60)
+    timeout = datetime.timedelta(
+        seconds=HANG_TIMEOUT_S if fault == "hang" else GPU_TIMEOUT_S if device == "cuda" else 60
+    )
     store = dist.TCPStore(host, port, world, is_master=host_store, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gocomm", rank=rank, world_size=world, timeout=timeout, store=store)
     if device == "cuda":  # ranks share the GPUs there are, round robin
@@ -82,16 +89,22 @@ def rank_main(rank: int, world: int, port: int, nbytes: int, fault: str, host: s
     else:
         x = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
 
-    wrong = 0  # ops that completed with a wrong sum: data lost
+    # ops that completed with a wrong sum: data lost, unless it is the last one on CUDA (the
+    # op in flight when the peer died returns, as CUDA ops do, with its kernel given up, and
+    # the next call raises); when the first and last of them completed
+    wrong, wrong_at, last_wrong = 0, [], False
 
     def op():
-        nonlocal wrong
+        nonlocal wrong, wrong_at, last_wrong
         x.fill_(1)
         dist.all_reduce(x)
         if device == "cuda":  # a kernel that waits for a dead peer must give up, or this hangs
             torch.cuda.synchronize()
-        if any(float(x[i]) != world for i in (0, x.numel() // 2, -1)):
+        last_wrong = any(float(x[i]) != world for i in (0, x.numel() // 2, -1))
+        if last_wrong:
             wrong += 1
+            now = time.time()
+            wrong_at = [wrong_at[0] if wrong_at else now, now]
 
     op()
     info = gocomm.info()
@@ -124,7 +137,18 @@ def rank_main(rank: int, world: int, port: int, nbytes: int, fault: str, host: s
         t = time.time()
         msg, kind = str(e), type(e).__name__
     rec = gocomm.flight_record() if fault == "hang" else {}
-    _say(event="raised", rank=rank, t=t, ops=ops, wrong=wrong, error=kind, message=msg[:2000], flight=rec)
+    _say(
+        event="raised",
+        rank=rank,
+        t=t,
+        ops=ops,
+        wrong=wrong,
+        wrong_at=wrong_at,
+        last_wrong=last_wrong,
+        error=kind,
+        message=msg[:2000],
+        flight=rec,
+    )
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
@@ -295,9 +319,21 @@ def trial(
 
     def kill_all(stopped=()):
         # what was not stopped on purpose gets 5 s to end by itself (a sidecar whose client
-        # died cleans up, and what it leaves is counted); then everything is killed
+        # died cleans up, and what it leaves is counted); then everything is killed. On a GPU
+        # the stopped are let go first and given until their kernels' waits give up to end by
+        # themselves: a training process SIGKILLed with a kernel on the GPU leaves the kernel
+        # running, and under MPS the server takes no new client until it cleaned up after it
+        # (docs/decisions/0018)
         pids = [p for r in range(world) for p in (events[r].get("ready", {}).get("sidecar"), procs[r][0].pid) if p]
         until = time.monotonic() + 5
+        if device == "cuda":
+            for pid in stopped:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except OSError:
+                    pass
+            stopped = ()
+            until = time.monotonic() + GPU_TIMEOUT_S + 5
         while time.monotonic() < until and any(not _zombie(p) for p in pids if p not in stopped):
             time.sleep(0.05)
         for r in range(world):
@@ -362,7 +398,9 @@ def trial(
             del store
     time.sleep(0.3)
     poll()
-    out = {"fault": fault, "bytes": nbytes, "victim": victim, "survivors": {}, "logs": log_dir}
+    out = {"fault": fault, "bytes": nbytes, "victim": victim, "survivors": {}, "logs": log_dir, "device": device}
+    if device == "cuda":
+        out["gpu_ready_s"], out["gpu_refusal"] = _gpu_takes_clients(GPU_TIMEOUT_S + 20)
     out["routes"] = events[0].get("ready", {}).get("routes")
     for r in survivors:
         raised = events[r].get("raised")
@@ -374,6 +412,8 @@ def trial(
                 error=raised["error"],
                 ops=raised["ops"],
                 wrong=raised.get("wrong", 0),
+                wrong_at=[w - t0 for w in raised.get("wrong_at", [])],
+                last_wrong=raised.get("last_wrong", False),
                 fds_before=events[r]["ready"]["fds"],
                 fds_after=events[r].get("after", {}).get("fds"),
                 flight=raised.get("flight"),
@@ -394,23 +434,48 @@ def trial(
     return out
 
 
+def _gpu_takes_clients(limit: float) -> tuple[float | None, str]:
+    """Seconds until a new process could use the GPU after a trial (under MPS the server
+    refuses new clients while it cleans up after one that died with work on the GPU), or
+    None and the last refusal when it could not within limit seconds."""
+    probe = "import torch; torch.ones(1, device='cuda').sum().item()"
+    t0 = time.monotonic()
+    while True:
+        r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+        if r.returncode == 0:
+            return time.monotonic() - t0, ""
+        if time.monotonic() - t0 > limit:
+            return None, (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        time.sleep(1)
+
+
 def problems(res: dict, limit: float = LIMIT_S) -> list[str]:
     """What is wrong with a trial's outcome: a survivor that did not raise within limit, or
-    whose error does not name the dead rank; leftover processes or /dev/shm files."""
+    whose error does not name the dead rank; an op that completed with a wrong result (on
+    CUDA but the last one, which was in flight when the peer died, and completed after it:
+    a CUDA op returns before it ran, and the next call raises); leftover processes or
+    /dev/shm files; a GPU that takes no new process after the trial."""
     bad = []
     v = res["victim"]
     for r, s in res["survivors"].items():
         if not s["raised"]:
             bad.append(f"rank {r} never raised")
             continue
-        if s.get("wrong"):
-            bad.append(f"rank {r}: {s['wrong']} ops completed with a wrong result")
+        lost = s.get("wrong", 0)
+        if res.get("device") == "cuda" and s.get("last_wrong") and s["wrong_at"] and s["wrong_at"][-1] > 0:
+            lost -= 1
+        if lost:
+            bad.append(
+                f"rank {r}: {lost} ops completed with a wrong result (first/last at {s['wrong_at']} s of the fault)"
+            )
         if s["elapsed"] > limit:
             bad.append(f"rank {r} raised after {s['elapsed']:.2f}s > {limit}s: {s['message'][:300]}")
         if f"rank {v}" not in s["message"] and (res["fault"] != "store" or "store" not in s["message"].lower()):
             bad.append(f"rank {r}'s error does not name rank {v}: {s['message'][:300]}")
     if res["leaks"]["processes"] or res["leaks"]["shm"]:
         bad.append(f"left behind: {res['leaks']}")
+    if res.get("device") == "cuda" and res.get("gpu_ready_s") is None:
+        bad.append(f"the GPU took no new process after the trial: {res.get('gpu_refusal')}")
     return bad
 
 

@@ -9,7 +9,10 @@ SIGSTOPped) shows in every other rank's flight record. Each trial is a world of 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import time
 
 import faults
 import pytest
@@ -23,7 +26,7 @@ def _report(res: dict) -> str:
     lines = [f"{res['fault']} at {res['bytes']} bytes, victim rank {res['victim']}, logs in {res['logs']}"]
     for r, s in res["survivors"].items():
         lines.append(f"  rank {r}: {s.get('elapsed', float('nan')):.2f}s {s.get('message', 'never raised')[:400]}")
-    lines.append(f"  left: {res['leaks']}")
+    lines.append(f"  left: {res['leaks']}; GPU free for a new process after {res.get('gpu_ready_s')}s")
     return "\n".join(lines)
 
 
@@ -123,4 +126,49 @@ def test_gpu_survivors_raise_naming_the_dead_rank(fault, seed):
             res = faults.trial(fault, size, world=2, seed=seed, device="cuda", env=env)
         except faults.Unfit as e:
             pytest.skip(str(e))
+        for r, s in res["survivors"].items():
+            print(
+                f"{fault} {size} B rank {r}: raised after {s.get('elapsed', float('nan')):.2f}s, {s.get('ops')} ops, "
+                f"{s.get('wrong')} wrong (last op wrong: {s.get('last_wrong')}), GPU free for a new process "
+                f"after {res['gpu_ready_s']}s; {s.get('message', '')[:200]}"
+            )
         _check(res)
+
+
+def check_flight_dump(rk):
+    """Three all_reduces, then rank 0 asks for its record to be dumped (the control-plane
+    RPC, gocomm.flight_record(dump=True)); returns its sidecar's pid and the dump's path."""
+    import torch.distributed as dist
+
+    import gocomm
+
+    for _ in range(3):
+        x = torch.full((1024,), float(rk.rank + 1))
+        dist.all_reduce(x)
+        assert float(x[0]) == 3.0
+    rec = gocomm.flight_record(dump=rk.rank == 0)
+    return {"pid": gocomm.info()["pid"], "path": rec.get("path")}
+
+
+def test_flight_record_dumped_on_demand(worlds, tmp_path):
+    """The record is written on demand: by the control plane's FlightRecord(dump) on rank 0,
+    by SIGUSR1 to pgserver on rank 1; each file holds the group's three all_reduces, completed."""
+    prefix = str(tmp_path / "trace_")
+    world = worlds.fresh(2, label="-flight", env={"GOCOMM_DEBUG_INFO_TEMP_FILE": prefix})
+    try:
+        res = world.run(check_flight_dump)
+        assert res[0]["path"] == prefix + "0", res
+        os.kill(res[1]["pid"], signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while not os.path.exists(prefix + "1") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for r in (0, 1):
+            with open(prefix + str(r)) as f:
+                d = json.load(f)
+            assert d["rank"] == r and d["reason"], d
+            (g,) = [g for g in d["groups"] if g["name"] == "0"]
+            ops = [o for o in g["ops"] if o["op"] == "all_reduce"]
+            assert len(ops) >= 3 and all(o["state"] == "completed" for o in ops[-3:]), json.dumps(g)[-2000:]
+            assert g["last_finished"] >= 2, g
+    finally:
+        world.kill()
