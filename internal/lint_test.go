@@ -20,8 +20,10 @@ func TestCgoOnlyUnderInternal(t *testing.T) {
 			return err
 		}
 		if d.IsDir() {
-			switch d.Name() {
-			case ".git", ".venv", ".tools", "python", "node_modules":
+			// what the go tool itself ignores (".git", ".venv", device carry folders, "_obj"),
+			// and trees of other languages
+			name := d.Name()
+			if path != root && (strings.HasPrefix(name, ".") || strings.HasPrefix(name, "_") || name == "python" || name == "node_modules") {
 				return filepath.SkipDir
 			}
 			return nil
