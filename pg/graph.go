@@ -148,15 +148,8 @@ func (tr *triggers) check(t uint32, page wire.BufRef, d wire.Desc) (*graphOp, er
 	if taken {
 		return nil, fmt.Errorf("%w: trigger %d is already live", wire.ErrInvalid, t)
 	}
-	ptrs, release, err := ds.Resolve(d.Bufs)
+	ptrs, release, err := sess.resolveCUDA(ds, d.Bufs)
 	if err != nil {
-		sess.devLock.Lock()
-		for _, b := range d.Bufs {
-			if why := sess.ipcErr[b.Segment]; why != nil {
-				err = fmt.Errorf("%w: %v", wire.ErrInvalid, why)
-			}
-		}
-		sess.devLock.Unlock()
 		return nil, err
 	}
 	timeout := g.Timeout

@@ -484,6 +484,23 @@ func (sess *Session) submit(payload []byte) {
 	g.submit(&op{desc: d, bufs: bufs, release: release, deadline: deadline, timeout: timeout})
 }
 
+// resolveCUDA maps an op's CUDA buffer refs to addresses in the sidecar; where a buffer's
+// registration failed (its mapping, or the driver's check of its claimed size), the error
+// says why instead of naming an unknown segment.
+func (sess *Session) resolveCUDA(ds gpu.Session, refs []wire.BufRef) ([]uint64, func(), error) {
+	ptrs, release, err := ds.Resolve(refs)
+	if err != nil {
+		sess.devLock.Lock()
+		for _, b := range refs {
+			if why := sess.ipcErr[b.Segment]; why != nil {
+				err = fmt.Errorf("%w: %v", wire.ErrInvalid, why)
+			}
+		}
+		sess.devLock.Unlock()
+	}
+	return ptrs, release, err
+}
+
 // submitDevice checks a CUDA op against the device engine and hands it to the group.
 func (sess *Session) submitDevice(g *Group, d wire.Desc, deadline time.Time, timeout time.Duration) {
 	ds := sess.deviceSession()
@@ -501,15 +518,8 @@ func (sess *Session) submitDevice(g *Group, d wire.Desc, deadline time.Time, tim
 		g.reject(d, fmt.Errorf("%w: recv from any rank is not supported for CUDA tensors (NCCL has no wildcard receive)", wire.ErrInvalid))
 		return
 	}
-	ptrs, release, err := ds.Resolve(d.Bufs)
+	ptrs, release, err := sess.resolveCUDA(ds, d.Bufs)
 	if err != nil {
-		sess.devLock.Lock()
-		for _, b := range d.Bufs {
-			if why := sess.ipcErr[b.Segment]; why != nil {
-				err = fmt.Errorf("%w: %v", wire.ErrInvalid, why)
-			}
-		}
-		sess.devLock.Unlock()
 		g.reject(d, err)
 		return
 	}

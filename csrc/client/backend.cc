@@ -590,17 +590,17 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
     last = buf;
   }
   Tensors result = op.result ? *op.result : (last.defined() ? Tensors{last} : Tensors{});
+  d.group = cfg_.handle;
+  d.kind = op.kind;
+  d.dtype = op.dtype ? uint8_t(wire_dtype(*op.dtype)) : 0;
+  d.redop = op.redop;
+  d.root = op.root;
+  d.tag = op.tag;
+  d.count = op.count;
+  d.timeout_ms = timeout_given ? uint64_t(t_limit * 1000) : 0;
+  d.splits = std::move(op.splits);
+  d.device = wire::kDeviceCuda;
   if (cap.active) {
-    d.group = cfg_.handle;
-    d.kind = op.kind;
-    d.dtype = op.dtype ? uint8_t(wire_dtype(*op.dtype)) : 0;
-    d.redop = op.redop;
-    d.root = op.root;
-    d.tag = op.tag;
-    d.count = op.count;
-    d.timeout_ms = timeout_given ? uint64_t(t_limit * 1000) : 0;
-    d.splits = std::move(op.splits);
-    d.device = wire::kDeviceCuda;
     return capture_op(op, d, stream, cap.graph, unpack, result, idx);
   }
   auto work = c10::make_intrusive<Work>(label(op.name), result, t_limit + Dispatcher::kGrace, op.type);
@@ -613,16 +613,6 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
   p.group = failure_;
   p.cuda = true;
   p.keep = std::move(keep);
-  d.group = cfg_.handle;
-  d.kind = op.kind;
-  d.dtype = op.dtype ? uint8_t(wire_dtype(*op.dtype)) : 0;
-  d.redop = op.redop;
-  d.root = op.root;
-  d.tag = op.tag;
-  d.count = op.count;
-  d.timeout_ms = timeout_given ? uint64_t(t_limit * 1000) : 0;
-  d.splits = std::move(op.splits);
-  d.device = wire::kDeviceCuda;
   const cuda::DevPtr ready = counters + 8 * lane, done = ready + 4;
   std::shared_ptr<c10::Event> ev;
   uint32_t k;

@@ -215,7 +215,12 @@ bool host_unregister(void* p) {
   return api().memHostUnregister(p) == kSuccess;
 }
 
-void write_words(int device, DevPtr addr, const uint32_t* words, size_t n) {
+namespace {
+
+// Runs body(api, stream) on a fresh non-blocking stream of device's primary context (pushed
+// for the call), waits for the stream, and raises naming what where any step failed.
+template <typename F>
+void on_side_stream(int device, const char* what, F&& body) {
   const Api& a = api();
   int dev = 0;
   void* ctx = nullptr;
@@ -225,7 +230,7 @@ void write_words(int device, DevPtr addr, const uint32_t* words, size_t n) {
   Stream st = nullptr;
   Result r = a.streamCreate(&st, kStreamNonBlocking);
   if (r == kSuccess) {
-    r = a.memcpyHtoDAsync(addr, words, 4 * n, st);
+    r = body(a, st);
   }
   if (r == kSuccess) {
     r = a.streamSynchronize(st);
@@ -235,7 +240,14 @@ void write_words(int device, DevPtr addr, const uint32_t* words, size_t n) {
   }
   void* popped = nullptr;
   a.ctxPopCurrent(&popped);
-  check("writing device words", r);
+  check(what, r);
+}
+
+}  // namespace
+
+void write_words(int device, DevPtr addr, const uint32_t* words, size_t n) {
+  on_side_stream(device, "writing device words",
+                 [&](const Api& a, Stream st) { return a.memcpyHtoDAsync(addr, words, 4 * n, st); });
 }
 
 uint64_t buffer_id(DevPtr ptr) {
@@ -267,36 +279,20 @@ std::string no_ipc_reason(DevPtr ptr) {
 }
 
 void release_counters(int device, DevPtr addr, size_t nbytes) {
-  const Api& a = api();
-  int dev = 0;
-  void* ctx = nullptr;
-  check("cuDeviceGet", a.deviceGet(&dev, device));
-  check("cuDevicePrimaryCtxRetain", a.primaryCtxRetain(&ctx, dev));
-  check("cuCtxPushCurrent", a.ctxPushCurrent(ctx));
-  Stream st = nullptr;
   std::vector<uint32_t> buf(nbytes / 4);
-  Result r = a.streamCreate(&st, kStreamNonBlocking);
-  if (r == kSuccess) {
-    r = a.memcpyDtoHAsync(buf.data(), addr, nbytes, st);
-  }
-  if (r == kSuccess) {
-    r = a.streamSynchronize(st);
-  }
-  if (r == kSuccess) {
-    for (size_t i = 0; i + 1 < buf.size(); i += 2) {
-      buf[i + 1] = buf[i] + (1u << 30);
+  on_side_stream(device, "releasing the stream counters", [&](const Api& a, Stream st) {
+    Result r = a.memcpyDtoHAsync(buf.data(), addr, nbytes, st);
+    if (r == kSuccess) {
+      r = a.streamSynchronize(st);
     }
-    r = a.memcpyHtoDAsync(addr, buf.data(), nbytes, st);
-  }
-  if (r == kSuccess) {
-    r = a.streamSynchronize(st);
-  }
-  if (st != nullptr) {
-    a.streamDestroy(st);
-  }
-  void* popped = nullptr;
-  a.ctxPopCurrent(&popped);
-  check("releasing the stream counters", r);
+    if (r == kSuccess) {
+      for (size_t i = 0; i + 1 < buf.size(); i += 2) {
+        buf[i + 1] = buf[i] + (1u << 30);
+      }
+      r = a.memcpyHtoDAsync(addr, buf.data(), nbytes, st);
+    }
+    return r;
+  });
 }
 
 void ensure_context(int device) {
