@@ -104,7 +104,7 @@ func InNVLinkDomain(t Topology) Fact {
 // Describe decides the node's facts once: host, GPUs, NVLink domain, SM arch and MPS.
 // topoErr says why t is nil (NVML not readable); dev is nil without a GPU engine.
 func Describe(host string, t Topology, topoErr error, dev Devices) []Fact {
-	facts := []Fact{{Host, host, "the sidecar's host name, for people: the shim tells hosts apart by boot id and /dev/shm mount (python/gocomm/_routes.py host_id)"}}
+	facts := []Fact{{Host, host, "the sidecar's host name, for people: the shim tells hosts apart by boot id and /dev/shm mount (csrc/client/routes.cc host_id)"}}
 	var arch []int
 	archErr := fmt.Errorf("this sidecar has no GPU engine")
 	if dev != nil {

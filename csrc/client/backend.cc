@@ -340,7 +340,12 @@ uint8_t lane_of(uint8_t kind) {
 // ----- the group -----------------------------------------------------------------------------
 
 Backend::Backend(std::shared_ptr<Dispatcher> dispatcher, Config cfg)
-    : c10d::Backend(cfg.rank, cfg.size), disp_(std::move(dispatcher)), cfg_(std::move(cfg)), k_(cfg_.counter_base) {
+    : c10d::Backend(cfg.rank, cfg.size),
+      disp_(std::move(dispatcher)),
+      cfg_(std::move(cfg)),
+      ar_inprocess_(cfg_.routes && cfg_.routes->ar_inprocess()),
+      a2a_inprocess_(cfg_.routes && cfg_.routes->a2a_inprocess()),
+      k_(cfg_.counter_base) {
   inproc::Engine::Hooks h;
   // the collective setup's exchanges: the group's own CPU all_gather, through the sidecar
   h.gather = [this](const at::Tensor& rec) {
@@ -351,8 +356,8 @@ Backend::Backend(std::shared_ptr<Dispatcher> dispatcher, Config cfg)
   };
   h.usable = [this] { return !closed_ && !failure_->get() && !disp_->lost(); };
   h.fall_back = [this](const std::string& op, const std::string& why) {
-    if (cfg_.fall_back) {
-      cfg_.fall_back(op, why);
+    if (cfg_.routes) {
+      cfg_.routes->fall_back(op, why);
     }
   };
   h.log = [this](int level, const std::string& msg) {
@@ -361,8 +366,8 @@ Backend::Backend(std::shared_ptr<Dispatcher> dispatcher, Config cfg)
     }
   };
   h.abort = [this] { abort(); };
-  engine_ = std::make_unique<inproc::Engine>(cfg_.rank, cfg_.size, cfg_.name, cfg_.timeout_s, cfg_.ar_inprocess,
-                                             cfg_.a2a_inprocess, cfg_.inprocess, std::move(h));
+  engine_ = std::make_unique<inproc::Engine>(cfg_.rank, cfg_.size, cfg_.name, cfg_.timeout_s, ar_inprocess_,
+                                             a2a_inprocess_, cfg_.inprocess, std::move(h));
 }
 
 std::string Backend::group_name() const {
@@ -372,6 +377,10 @@ std::string Backend::group_name() const {
 
 std::string Backend::label(const std::string& op) const {
   return op + " on group '" + group_name() + "'";
+}
+
+std::string Backend::capturable() const {
+  return cfg_.routes ? cfg_.routes->capturable() : "none of its ops";
 }
 
 void Backend::need_slot(const std::string& op) {
@@ -558,7 +567,7 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
     TORCH_CHECK(false, "gocomm " + op.name + " cannot be captured in a CUDA graph on group '" + group_name() +
                            "': point-to-point ops run on the sidecar's per-peer NCCL communicators, which a graph "
                            "replay does not reach. Run it outside the capture. This group can capture: " +
-                           (cfg_.capturable ? cfg_.capturable() : std::string("none of its ops")) + ".");
+                           capturable() + ".");
   }
   const cuda::DevPtr counters = disp_->counters(idx) + 16 * uint64_t(cfg_.slot);
   wire::Desc d;
@@ -724,7 +733,7 @@ void Backend::cuda_now(const std::string& op, uint8_t kind, const std::vector<wi
     TORCH_CHECK(false, "gocomm " + op + " cannot be captured in a CUDA graph on group '" + group_name() +
                            "': it runs in the sidecar's NVSHMEM kernel, which is handed each call on the host, so a "
                            "replay would not run it. Run it outside the capture. This group can capture: " +
-                           (cfg_.capturable ? cfg_.capturable() : std::string("none of its ops")) + ".");
+                           capturable() + ".");
   }
   need_slot(op);
   const cuda::DevPtr counters = disp_->counters(device) + 16 * uint64_t(cfg_.slot);
@@ -850,7 +859,7 @@ const Tensors& output_list(const std::string& refusal, const std::string& op, co
 intrusive_ptr<c10d::Work> Backend::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
   const at::Tensor& t = single(cfg_.cuda_refusal, "all_reduce", "tensor", tensors);
   const uint8_t code = redop("all_reduce", opts.reduceOp, t);
-  if (cfg_.ar_inprocess && t.is_cuda()) {
+  if (ar_inprocess_ && t.is_cuda()) {
     if (auto w = engine_->all_reduce(t, code)) {
       return w;
     }
@@ -1123,7 +1132,7 @@ intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Tensor&
     value_error("gocomm " + name + ": rank " + std::to_string(me) + " sends itself " + std::to_string(ins[me]) +
                 " rows (input_split_sizes) but expects " + std::to_string(outs[me]) + " (output_split_sizes)");
   }
-  if (input.is_cuda() && cfg_.a2a_inprocess) {
+  if (input.is_cuda() && a2a_inprocess_) {
     if (auto w = engine_->all_to_all_single(output, input, ins)) {
       return w;
     }

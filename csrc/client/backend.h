@@ -23,6 +23,7 @@
 
 #include "dispatcher.h"
 #include "inprocess.h"
+#include "routes.h"
 #include "work.h"
 
 namespace gocomm {
@@ -47,16 +48,14 @@ class Backend : public c10d::Backend {
     std::string name;
     // why CUDA tensors cannot be served ("" where they can): NotImplementedError's tail
     std::string cuda_refusal;
-    // the route table's choice at creation: offer these CUDA ops to the in-process engine first
-    bool ar_inprocess = false;
-    bool a2a_inprocess = false;
+    // the group's route table (routes.h): its choice at creation offers all_reduce and
+    // all_to_all_single of CUDA tensors to the in-process engine first; the engine falls a
+    // route back when a setup declines or a kernel failed; a capture refusal names what the
+    // group can capture. Null: every op goes to the sidecar.
+    std::shared_ptr<Routes> routes;
     inproc::Engine::Settings inprocess;
-    // the route table's fall_back(op, why) (a setup declined, a kernel failed: rare), and the
-    // "gocomm" logger (level, message), both in the control plane
-    std::function<void(const std::string&, const std::string&)> fall_back;
+    // the "gocomm" logger (level, message), in the control plane
     std::function<void(int, const std::string&)> log;
-    // what this group can capture in a CUDA graph, in words (for the refusal's message)
-    std::function<std::string()> capturable;
     // the control plane's DestroyGroup and Abort rpcs
     std::function<void()> on_shutdown;
     std::function<void()> on_abort;
@@ -161,9 +160,11 @@ class Backend : public c10d::Backend {
   std::string group_name() const;  // as torch named the group (its creator's name before)
   // "<op> on group '<name>'": how a Work's errors name the op (op, group, then the cause)
   std::string label(const std::string& op) const;
+  std::string capturable() const;  // what the group can capture, for a refusal's message
 
   std::shared_ptr<Dispatcher> disp_;
   Config cfg_;
+  const bool ar_inprocess_, a2a_inprocess_;  // the route table's choice at creation
   std::unique_ptr<inproc::Engine> engine_;
   std::shared_ptr<GroupFailure> failure_ = std::make_shared<GroupFailure>();
   std::atomic<bool> closed_{false};

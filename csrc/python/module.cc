@@ -16,6 +16,7 @@
 #include "cuda_driver.h"
 #include "dispatcher.h"
 #include "ipc_cache.h"
+#include "routes.h"
 #include "wire.h"
 
 namespace py = pybind11;
@@ -36,6 +37,19 @@ std::shared_ptr<py::object> hold(py::object o) {
 
 bool given(const py::object& o) {
   return !o.is_none();
+}
+
+// The "gocomm" logger's log(level, message) as the client calls it (at group setup and when a
+// route falls back: rare), or nothing where log is None.
+std::function<void(int, const std::string&)> logger(py::object log) {
+  if (!given(log)) {
+    return {};
+  }
+  auto f = hold(std::move(log));
+  return [f](int level, const std::string& msg) {
+    py::gil_scoped_acquire gil;
+    (*f)(level, msg);
+  };
 }
 
 // The Python state's reference to its backend, which holds the state: weak, so that the
@@ -192,12 +206,53 @@ PYBIND11_MODULE(_C, m) {
           "(segment, offset, length) naming n bytes of CUDA memory at ptr (registered with the sidecar once). "
           "claim (tests only): the size an allocation registered now claims instead of the driver's.");
 
+  // A group's route table (csrc/client/routes.h), made by the control plane at the group's
+  // creation and handed to its Backend; gocomm.info() and the sparse and MoE APIs read it.
+  py::class_<gocomm::Routes, std::shared_ptr<gocomm::Routes>> routes(m, "Routes");
+  routes
+      .def(py::init([](const std::vector<std::string>& choices, int64_t ar_max, const std::string& group_name,
+                       const std::string& own_reason, py::object log) {
+             return std::make_shared<gocomm::Routes>(gocomm::Facts::agree(choices, ar_max), group_name, own_reason,
+                                                     logger(std::move(log)));
+           }),
+           py::arg("choices"), py::arg("ar_max"), py::arg("group_name") = "", py::arg("own_reason") = "",
+           py::arg("log") = py::none(),
+           "The table from every member's \"<transport> <host>\" (as published through the group's Store) and "
+           "GOCOMM_AR_MAX; own_reason: why this rank's sidecar chose its transport; log: the gocomm logger's log.")
+      .def_property_readonly("size", [](const gocomm::Routes& r) { return r.facts().size; })
+      .def_property_readonly("hosts", [](const gocomm::Routes& r) { return r.facts().hosts; },
+                             "How many hosts the group's ranks are on.")
+      .def_property_readonly("transport", &gocomm::Routes::transport)
+      .def_property_readonly("transport_reason", &gocomm::Routes::transport_reason)
+      .def_property_readonly("splits_on_gpu", &gocomm::Routes::splits_on_gpu)
+      .def_property_readonly("ar_inprocess", &gocomm::Routes::ar_inprocess)
+      .def_property_readonly("a2a_inprocess", &gocomm::Routes::a2a_inprocess)
+      .def("fall_back", &gocomm::Routes::fall_back, py::arg("op"), py::arg("why"))
+      .def(
+          "table",
+          [](const gocomm::Routes& r) {
+            py::dict d;
+            for (const auto& [op, route] : r.table()) {
+              d[py::str(op)] = py::make_tuple(route.engine, route.reason);
+            }
+            return d;
+          },
+          "{op class: (engine, reason)}, for gocomm.info().")
+      .def("capturable", &gocomm::Routes::capturable,
+           "What a CUDA graph can hold of this group's ops, in words (for error messages).");
+  // the engines, as the table names them
+  routes.attr("INPROCESS") = gocomm::kInProcess;
+  routes.attr("SIDECAR_NCCL") = gocomm::kSidecarNccl;
+  routes.attr("SIDECAR_NVSHMEM") = gocomm::kSidecarNvshmem;
+  routes.attr("HOST") = gocomm::kHost;
+  m.def("host_id", &gocomm::host_id, "What tells this host from another (boot id / the /dev/shm mount's device).");
+
   py::class_<gocomm::Backend, c10d::Backend, c10::intrusive_ptr<gocomm::Backend>>(m, "Backend")
       .def(py::init([](std::shared_ptr<gocomm::Dispatcher> disp, int rank, int size, uint32_t handle, int slot,
                        std::array<uint32_t, 2> counter_base, double timeout_s, const std::string& name,
-                       const std::string& cuda_refusal, bool ar_inprocess, bool a2a_inprocess,
-                       const py::dict& inprocess, py::object fall_back, py::object log, py::object capturable,
-                       py::object on_shutdown, py::object on_abort, py::object state) {
+                       const std::string& cuda_refusal, std::shared_ptr<gocomm::Routes> routes,
+                       const py::dict& inprocess, py::object log, py::object on_shutdown, py::object on_abort,
+                       py::object state) {
              gocomm::Backend::Config cfg;
              cfg.rank = rank;
              cfg.size = size;
@@ -207,8 +262,7 @@ PYBIND11_MODULE(_C, m) {
              cfg.timeout_s = timeout_s;
              cfg.name = name;
              cfg.cuda_refusal = cuda_refusal;
-             cfg.ar_inprocess = ar_inprocess;
-             cfg.a2a_inprocess = a2a_inprocess;
+             cfg.routes = std::move(routes);
              auto& st = cfg.inprocess;
              for (auto [key, dst] : {std::pair{"ar_max", &st.ar_max}, std::pair{"ar_stage", &st.ar_stage},
                                      std::pair{"ar_oneshot", &st.ar_oneshot},
@@ -226,27 +280,7 @@ PYBIND11_MODULE(_C, m) {
              if (inprocess.contains("a2av")) {
                st.a2av = inprocess["a2av"].cast<bool>();
              }
-             if (given(fall_back)) {
-               auto f = hold(std::move(fall_back));
-               cfg.fall_back = [f](const std::string& op, const std::string& why) {
-                 py::gil_scoped_acquire gil;
-                 (*f)(op, why);
-               };
-             }
-             if (given(log)) {
-               auto f = hold(std::move(log));
-               cfg.log = [f](int level, const std::string& msg) {
-                 py::gil_scoped_acquire gil;
-                 (*f)(level, msg);
-               };
-             }
-             if (given(capturable)) {
-               auto f = hold(std::move(capturable));
-               cfg.capturable = [f] {
-                 py::gil_scoped_acquire gil;
-                 return (*f)().cast<std::string>();
-               };
-             }
+             cfg.log = logger(std::move(log));
              for (auto [src, dst] : {std::pair{&on_shutdown, &cfg.on_shutdown}, std::pair{&on_abort, &cfg.on_abort}}) {
                if (given(*src)) {
                  auto f = hold(std::move(*src));
@@ -262,9 +296,8 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("dispatcher"), py::arg("rank"), py::arg("size"), py::arg("handle"), py::arg("slot"),
            py::arg("counter_base"), py::arg("timeout_s"), py::arg("name"), py::arg("cuda_refusal"),
-           py::arg("ar_inprocess"), py::arg("a2a_inprocess"), py::arg("inprocess"), py::arg("fall_back"),
-           py::arg("log"), py::arg("capturable"),
-           py::arg("on_shutdown"), py::arg("on_abort"), py::arg("state"))
+           py::arg("routes"), py::arg("inprocess"), py::arg("log"), py::arg("on_shutdown"), py::arg("on_abort"),
+           py::arg("state"))
       .def_property_readonly("state",
                              [](gocomm::Backend& b) -> py::object {
                                auto p = std::static_pointer_cast<py::object>(b.user);

@@ -66,7 +66,7 @@ def info() -> dict:
         groups[g.group_name] = {
             "rank": g.rank(),
             "size": g.size(),
-            "hosts": g._routes.facts.hosts,
+            "hosts": g._routes.hosts,
             "transport": (g._routes.transport, g._routes.transport_reason),
             "routes": g._routes.table(),
         }

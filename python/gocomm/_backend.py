@@ -6,8 +6,8 @@ and returns the C++ backend configured with what its ops need.
 A group's Python state (_Group: its sidecar, routes) is what gocomm.info() and the sparse
 and MoE APIs use; state(pg) finds it. The in-process engine (all_reduce and all_to_all_v by
 kernels this process launches, on NVLink groups) is the C++ backend's (csrc/client/inprocess.cc):
-it calls back here only when a path's setup declines or a kernel failed (the route table's
-fall_back) and to log.
+the route table is the compiled client's too (csrc/client/routes.h: the engine falls a route
+back itself); the engine calls back here only to log, at a path's setup and when it falls back.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import _client, _config, _routes, _sidecar
+from . import _client, _config, _sidecar
 from ._sidecar import SidecarError
 from .v1 import pgserver_pb2 as pb
 
@@ -75,9 +75,9 @@ class _Group:
         self._group_name = group_name
         self._global_ranks = list(global_ranks or range(size))
         global_rank = self._global_ranks[rank] if rank < len(self._global_ranks) else rank
-        # Which host each rank is on (_routes.host_id), before this process's sidecar starts:
+        # Which host each rank is on (_C.host_id), before this process's sidecar starts:
         # a job all on one host listens on loopback only.
-        host = _routes.host_id()
+        host = _client.C.host_id()
         try:
             store.set(f"gocomm/host/{rank}", host)
             hosts = [store.get(f"gocomm/host/{r}").decode() for r in range(size)]
@@ -112,10 +112,9 @@ class _Group:
             # say so, instead of the socket's own words, and leave the group to no one
             self._sc.call("DestroyGroup", pb.DestroyGroupRequest(session=self._sc.session, group=self._handle))
             raise _store_gone(group_name, rank, size, e) from e
-        # which engine runs each op (gocomm/_routes.py), from every member's sidecar's choice
-        # and host, and the knobs every rank shares
-        facts = _routes.Facts.agree(sparse, _config.ar_max())
-        self._routes = _routes.Routes(facts, group_name, self._sc.sparse_reason)
+        # which engine runs each op (csrc/client/routes.h), from every member's sidecar's
+        # choice and host, and the knobs every rank shares
+        self._routes = _client.C.Routes(sparse, _config.ar_max(), group_name, self._sc.sparse_reason, log.log)
         conn = self._sc.call(
             "ConnectGroup",
             pb.ConnectGroupRequest(session=self._sc.session, group=self._handle, bootstrap=blobs, secret=secret),
@@ -142,12 +141,9 @@ class _Group:
             self._timeout,
             group_name,
             _cuda_refusal(self._sc),
-            self._routes.ar_inprocess,
-            self._routes.a2a_inprocess,
+            self._routes,
             _inprocess_settings(self._sc),
-            self._routes.fall_back,
             log.log,
-            self._routes.capturable,
             self._destroy,
             self._abort,
             self,

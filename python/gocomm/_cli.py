@@ -41,12 +41,12 @@ def _pgserver() -> tuple[str, str, str]:
 def _node_routes(sc) -> tuple[int, dict]:
     """The route table of a one-host group of this node's GPUs (2 ranks without GPUs), from
     what the sidecar decided at attach: which engine each op class would use here."""
-    from . import _config, _routes
+    from . import _client, _config
 
     gpus = sc.capabilities.get("gpus", ("0", ""))[0]
     n = int(gpus) if gpus.isdigit() and int(gpus) >= 2 else 2
-    facts = _routes.Facts(size=n, transports=(sc.sparse_transport,) * n, hosts=1, ar_max=_config.ar_max())
-    return n, _routes.Routes(facts, "gocomm info", sc.sparse_reason).table()
+    choices = [f"{sc.sparse_transport} here"] * n
+    return n, _client.C.Routes(choices, _config.ar_max(), "gocomm info", sc.sparse_reason).table()
 
 
 def info() -> dict:

@@ -15,7 +15,9 @@ import time
 import pytest
 from _netns import Cluster, addr, unavailable
 
-from gocomm._routes import HOST, SIDECAR_NCCL
+from gocomm._client import C
+
+HOST, SIDECAR_NCCL = C.Routes.HOST, C.Routes.SIDECAR_NCCL
 
 WHY = unavailable()
 pytestmark = pytest.mark.skipif(bool(WHY), reason=f"simulated hosts: {WHY}")

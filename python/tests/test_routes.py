@@ -1,23 +1,31 @@
-"""The route table (gocomm/_routes.py): which engine runs each op of a group, decided once from
-what the ranks agreed on; gocomm.info() shows it with the sidecar's capabilities; the
-benchmarks stay out of `import gocomm`."""
+"""The route table (the compiled client's, csrc/client/routes.h, through gocomm._C.Routes):
+which engine runs each op of a group, decided once from what the ranks agreed on; gocomm.info()
+shows it with the sidecar's capabilities; the benchmarks stay out of `import gocomm`."""
 
 from __future__ import annotations
 
+import logging
+import os
 import subprocess
 import sys
 
 import pytest
 
-from gocomm import _routes
-from gocomm._routes import HOST, INPROCESS, SIDECAR_NCCL, SIDECAR_NVSHMEM, Facts, Routes
+from gocomm._client import C
 
+Routes = C.Routes
+HOST, INPROCESS, SIDECAR_NCCL, SIDECAR_NVSHMEM = (
+    Routes.HOST,
+    Routes.INPROCESS,
+    Routes.SIDECAR_NCCL,
+    Routes.SIDECAR_NVSHMEM,
+)
 BIG = 1 << 62  # GOCOMM_AR_MAX's default: no limit
 
 
-def facts(n: int, transport: str = "nvshmem", hosts: int = 1, ar_max: int = BIG) -> Facts:
-    """n ranks whose sidecars chose transport, spread round-robin over hosts."""
-    return Facts.agree([f"{transport} host{r % hosts}" for r in range(n)], ar_max)
+def facts(n: int, transport: str = "nvshmem", hosts: int = 1, ar_max: int = BIG) -> tuple[list[str], int]:
+    """n ranks whose sidecars chose transport, spread round-robin over hosts: (choices, ar_max)."""
+    return [f"{transport} host{r % hosts}" for r in range(n)], ar_max
 
 
 @pytest.mark.parametrize(
@@ -31,7 +39,7 @@ def facts(n: int, transport: str = "nvshmem", hosts: int = 1, ar_max: int = BIG)
         ("PCIe nodes, 2 hosts", facts(4, "nccl", hosts=2), "nccl", SIDECAR_NCCL, SIDECAR_NCCL, SIDECAR_NCCL, "spans"),
         (
             "one rank on NCCL",
-            Facts.agree(["nvshmem h", "nccl h"], BIG),
+            (["nvshmem h", "nccl h"], BIG),
             "nccl",
             SIDECAR_NCCL,
             SIDECAR_NCCL,
@@ -43,13 +51,17 @@ def facts(n: int, transport: str = "nvshmem", hosts: int = 1, ar_max: int = BIG)
     ],
 )
 def test_route_table(desc, f, transport, ar, a2a, a2av, why):
-    r = Routes(f, "g")
+    r = Routes(*f, "g")
     assert r.transport == transport, desc
     assert r.splits_on_gpu == (transport == "nvshmem"), desc
-    assert (r.all_reduce.engine, r.all_to_all_single.engine, r.all_to_all_v.engine) == (ar, a2a, a2av), desc
-    assert r.ar_inprocess == (ar == INPROCESS) and r.a2a_inprocess == (a2a == INPROCESS), desc
-    assert r.moe.engine == a2av and r.dense.engine == SIDECAR_NCCL and r.cpu.engine == HOST, desc
+    assert r.size == len(f[0]) and r.hosts == len({c.split(" ")[1] for c in f[0]}), desc
     table = r.table()
+    assert list(table) == ["all_reduce", "all_to_all_single", "all_to_all_v", "moe", "other CUDA ops", "CPU tensors"]
+    engines = {op: engine for op, (engine, _) in table.items()}
+    assert (engines["all_reduce"], engines["all_to_all_single"], engines["all_to_all_v"]) == (ar, a2a, a2av), desc
+    assert r.ar_inprocess == (ar == INPROCESS) and r.a2a_inprocess == (a2a == INPROCESS), desc
+    assert engines["moe"] == a2av and engines["other CUDA ops"] == SIDECAR_NCCL, desc
+    assert engines["CPU tensors"] == HOST, desc
     assert all(reason for _, reason in table.values()), table
     if why:
         assert any(why in reason for _, reason in table.values()), (desc, table)
@@ -62,13 +74,15 @@ def test_route_table(desc, f, transport, ar, a2a, a2av, why):
 
 def test_fall_back():
     """A kernel that failed sends its op class to the sidecar for good."""
-    r = Routes(facts(4), "g")
+    r = Routes(*facts(4), "g")
     r.fall_back("all_reduce", "timed out")
-    assert not r.ar_inprocess and r.all_reduce == _routes.Route(SIDECAR_NCCL, "timed out")
+    assert not r.ar_inprocess and r.table()["all_reduce"] == (SIDECAR_NCCL, "timed out")
     assert r.a2a_inprocess
     r.fall_back("all_to_all_v", "timed out")
-    assert not r.a2a_inprocess and r.all_to_all_v.engine == SIDECAR_NVSHMEM
-    assert r.moe.engine == SIDECAR_NVSHMEM and "timed out" in r.moe.reason
+    t = r.table()
+    assert not r.a2a_inprocess and t["all_to_all_v"] == (SIDECAR_NVSHMEM, "timed out")
+    assert t["all_to_all_single"] == (SIDECAR_NCCL, "timed out")
+    assert t["moe"] == (SIDECAR_NVSHMEM, "as all_to_all_v (one host sync): timed out"), t
     assert r.capturable().startswith("the collectives on sidecar NCCL"), r.capturable()
 
 
@@ -81,7 +95,27 @@ def test_agreement():
         (["nvshmem a", "nvshmem b"], "nccl"),  # two nodes
         (["nccl a", "nccl b"], "nccl"),
     ]:
-        assert Routes(Facts.agree(choices, BIG), "g").transport == want, choices
+        assert Routes(choices, BIG, "g").transport == want, choices
+
+
+def test_mixed_transports_warn():
+    """Sidecars that chose differently leave the group on NCCL, with a warning through the log
+    the table is given (the gocomm logger's); agreeing ones log nothing."""
+    got = []
+    Routes(["nvshmem h", "nvshmem h"], BIG, "g", "", lambda level, msg: got.append((level, msg)))
+    Routes(["nccl h", "nccl h"], BIG, "g", "", lambda level, msg: got.append((level, msg)))
+    assert got == []
+    r = Routes(["nvshmem h", "nccl h"], BIG, "g", "", lambda level, msg: got.append((level, msg)))
+    why = "the sidecars chose ['nccl', 'nvshmem']"
+    assert got == [(logging.WARNING, f"gocomm group 'g': {why}; all_to_all_v takes NCCL")], got
+    assert r.transport_reason == why
+
+
+def test_host_id():
+    """A host is its boot id and /dev/shm's device, as /proc and stat(2) say."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    assert C.host_id() == f"{boot}/{os.stat('/dev/shm').st_dev:x}"
 
 
 def check_info(rk):
