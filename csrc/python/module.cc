@@ -16,6 +16,7 @@
 #include "cuda_driver.h"
 #include "dispatcher.h"
 #include "ipc_cache.h"
+#include "moe.h"
 #include "routes.h"
 #include "wire.h"
 
@@ -364,19 +365,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("idx", &ip::A2Path::device)
       .def("failed", &ip::A2Path::failed, "Whether a kernel of this path gave up waiting for a peer.")
       .def_property_readonly("cap", &ip::A2Path::cap, "The receive buffer's bytes.")
-      .def_property_readonly("outputs", &ip::A2Path::outputs, "Receive buffers: (address here, bytes).")
-      .def("report", &ip::A2Path::report, py::call_guard<py::gil_scoped_release>(),
-           "Log what the kernels found since the last call.")
-      .def(
-          "run_at",
-          [](ip::A2Path& p, uint64_t in, int64_t in_rows, uint64_t splits, bool splits32, uint64_t out,
-             int64_t out_rows, uint64_t out_splits, int64_t row) {
-            py::gil_scoped_release nogil;
-            p.exchange(in, in_rows, splits, splits32, nullptr, out, out_rows, out_splits, row);
-          },
-          py::arg("inp"), py::arg("in_rows"), py::arg("splits"), py::arg("splits32"), py::arg("out"),
-          py::arg("out_rows"), py::arg("out_splits"), py::arg("row"),
-          "Queue an exchange by addresses on the current stream (splits on the GPU).");
+      .def_property_readonly("outputs", &ip::A2Path::outputs, "Receive buffers: (address here, bytes).");
   m.def(
       "inprocess_launches",
       [] {
@@ -411,18 +400,11 @@ PYBIND11_MODULE(_C, m) {
       py::arg("file"), py::arg("device"), py::arg("name"), py::arg("grid"), py::arg("block"), py::arg("smem"),
       py::arg("sig"), py::arg("vals"),
       "Queue a kernel of the package's cubin file on device's current stream (sig: P address, q int64, i int32).");
-  m.def(
-      "host_words",
-      [](size_t nbytes, int device) {
-        void* host = nullptr;
-        gocomm::cuda::DevPtr dev = 0;
-        c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-        gocomm::cuda::ensure_context(device);
-        gocomm::cuda::host_words(nbytes, &host, &dev);
-        return std::make_pair(reinterpret_cast<uint64_t>(host), dev);
-      },
-      py::arg("nbytes"), py::arg("device"),
-      "Zeroed pinned host memory device's kernels write to, never freed: (host address, device address).");
+  m.def("moe_flags_made", &ip::moe_flags_made, py::arg("device"),
+        "Whether a padded moe.dispatch ran on device (gocomm.moe.check waits for the GPU only then).");
+  m.def("moe_flags_new", &ip::moe_flags_new, py::arg("device"),
+        "What padded moe.dispatch calls on device found on the GPU since the last ask (one error per call): 2 a "
+        "rank was sent more than its bound, 1 an id out of range, 0 nothing new, -1 no padded dispatch ran there.");
   m.def(
       "cuda_open_ipc",
       [](py::bytes handle, int device) {

@@ -17,7 +17,8 @@ own kernels (kernels/inprocess/moe.cu, launched on the caller's stream) route an
 what arrives by expert, and do combine's weighted sums; elsewhere, and for fp8, torch ops do.
 
 Where the group's exchange is the in-process kernel (the compiled client's: GPUs that share
-NVLink; this path is gocomm/_moe_inprocess.py), dispatch is route, pack, exchange, group and
+NVLink; this path is one registered op per call, torch.ops.gocomm.moe_dispatch / moe_combine
+of the compiled client, csrc/client/moe.cc), dispatch is route, pack, exchange, group and
 gather launches over one workspace, and combine three launches (weighted sums per received
 token, exchange back, sums per token) from what dispatch left on the GPU. dispatch reads the
 counts on the host once, to size its output; with padded=True it never does (its output has
@@ -34,8 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import _backend, _capture, _client, _kernels
-from ._moe_inprocess import _combine_inprocess, _dispatch_inprocess, _flags, _InProcess, _inprocess_takes
+from . import _capture, _client, _kernels
+from ._moe_inprocess import _combine_inprocess, _dispatch_inprocess, _InProcess, _inprocess_takes, raise_new
 from .sparse import _capacity_rows, _device_path, all_to_all_v
 
 __all__ = ["Handle", "check", "combine", "dispatch"]
@@ -144,9 +145,7 @@ def dispatch(
             else "on this group (or with fp8, or this shape) its exchange reads the counts on the host",
         )
     if inprocess:
-        return _dispatch_inprocess(
-            group, _backend.state(g), path, x, idx, w32, num_experts, n, max_tokens_per_rank, padded
-        )
+        return _dispatch_inprocess(group, g, x, idx, w32, num_experts, n, max_tokens_per_rank, padded)
     recv, tokens_per_expert, handle = _dispatch(
         group, g, path is not None, x, idx, w32, num_experts, n, fp8, max_tokens_per_rank
     )
@@ -247,14 +246,13 @@ def check(device: torch.device | int | None = None, num_experts: int = 0) -> Non
     dispatches there found on the GPU and no combine has raised yet: OverflowError (a rank
     was sent more tokens than its bound) or ValueError (ids out of range). Host-only: no
     collective, so a rank may call it alone (once a step, say)."""
-    if not _flags:  # no padded dispatch on the GPU path in this process (a CPU-only one too)
+    if not torch.cuda.is_initialized():  # no padded dispatch on the GPU path in this process
         return
     dev = torch.device("cuda", device) if isinstance(device, int) else device
     idx = dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()
-    f = _flags.get(idx)
-    if f is not None:
+    if _client.C.moe_flags_made(idx):  # a padded dispatch ran there
         torch.cuda.synchronize(idx)
-        f.raise_new(num_experts)
+        raise_new(idx, num_experts)
 
 
 def _group_torch(recv_local: torch.Tensor, recv_w: torch.Tensor, per: int):

@@ -706,6 +706,58 @@ def check_moe_graph(rk, seed):
     return ck.done()
 
 
+@pytest.mark.parametrize("size", [1, 2])
+def test_moe_ops_compiled(worlds, seed, size):
+    """gocomm.moe's in-process path as registered ops, traced by torch.compile."""
+    _need(size)
+    w = worlds.fresh(size, label="moeops", env={"GOCOMM_TRANSPORT": "nvshmem"})
+    try:
+        w.run(check_moe_ops_compiled, seed=seed, timeout=RUN_LIMIT_S)
+    finally:
+        w.close()
+
+
+def check_moe_ops_compiled(rk, seed):
+    """torch.ops.gocomm.moe_dispatch (padded) and moe_combine (csrc/client/moe.cc) under
+    torch.compile(fullgraph=True), traced through their Meta kernels and run, with an expert
+    step between them: the shapes the Meta kernels gave, and the grouped tokens, tokens per
+    expert and combine's sums equal, bit for bit, what gocomm.moe.dispatch / combine give
+    eagerly (with their sync) on the same inputs."""
+    import gocomm
+
+    dev, _ = _setup(rk)
+    n, me = rk.size, rk.rank
+    ck = Checker("moe ops compiled", seed, me)
+    name = dist.group.WORLD.group_name
+    per, k, h, t = 4, 3, 256, 17
+    experts, cap = per * n, t * n
+    g = torch.Generator().manual_seed(seed * 13 + me)
+    x = gen(seed, "mo", me, (t, h), torch.bfloat16).to(dev)
+    idx = torch.rand(t, experts, generator=g).argsort(dim=1)[:, :k].to(dev)
+    w = gen(seed, "mow", me, (t, k), torch.float32).abs().to(dev)
+    gocomm.moe.dispatch(x, idx, w, experts, max_tokens_per_rank=t, padded=True)  # sets the path up
+
+    def expert_step(recv):
+        return (recv.float() * 1.5 - 0.25).to(torch.bfloat16)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step(x, idx, w):
+        recv, tpe, ws, _ = torch.ops.gocomm.moe_dispatch(x, idx, w, experts, n, cap, True, name)
+        out = torch.ops.gocomm.moe_combine(expert_step(recv), ws, t, cap, k, experts, cap, t * min(n, k), name)
+        return recv, tpe, out
+
+    with ck.case("compiled"):
+        recv, tpe, out = step(x, idx, w)
+        want_recv, want_tpe, want_h = gocomm.moe.dispatch(x, idx, w, experts)
+        want_out = gocomm.moe.combine(expert_step(want_recv), want_h)
+        ck.expect("padded rows", tuple(recv.shape) == (cap * k, h), str(tuple(recv.shape)))
+        ck.same("tokens per expert", tpe.cpu(), want_tpe.cpu())
+        ck.same("grouped tokens", recv[: want_recv.shape[0]].cpu(), want_recv.cpu())
+        ck.same("combine", out.cpu(), want_out.cpu())
+    torch.cuda.synchronize()
+    return ck.done()
+
+
 def check_all_to_all_v_op(rk, seed):
     """gocomm.all_to_all_v's in-process path as registered ops (torch.ops.gocomm, the compiled
     client's csrc/client/ops.cc): all_to_all_v under torch.compile(fullgraph=True) traced

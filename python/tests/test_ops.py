@@ -35,3 +35,44 @@ def test_schemas_name_the_mutation():
 def test_cpu_tensors_are_refused():
     with pytest.raises(NotImplementedError):
         torch.ops.gocomm.all_to_all_v(torch.ones(2, 2), torch.ones(2, dtype=torch.int64), 4, "g")
+
+
+def test_moe_dispatch_meta():
+    # the padded form's shapes (moe.dispatch's in-process path; csrc/client/moe.cc): recv
+    # [cap x k, hidden] in x's dtype, tokens_per_expert [experts / ranks] int64, a uint8
+    # workspace, and no host counts
+    x = torch.empty(128, 7168, dtype=torch.bfloat16, device="meta")
+    idx = torch.empty(128, 8, dtype=torch.int64, device="meta")
+    w = torch.empty(128, 8, dtype=torch.float32, device="meta")
+    recv, tpe, ws, counts = torch.ops.gocomm.moe_dispatch(x, idx, w, 256, 2, 256, True, "g")
+    assert (recv.shape, recv.dtype, recv.device.type) == ((256 * 8, 7168), torch.bfloat16, "meta")
+    assert (tpe.shape, tpe.dtype) == ((128,), torch.int64)
+    assert ws.dtype == torch.uint8 and ws.dim() == 1 and ws.shape[0] > 0 and ws.shape[0] % 256 == 0
+    assert (counts.shape, counts.dtype) == ((0,), torch.int64)
+    # the workspace grows with what it holds: more received rows, more room
+    assert torch.ops.gocomm.moe_dispatch(x, idx, w, 256, 2, 512, True, "g")[2].shape[0] > ws.shape[0]
+    with pytest.raises(NotImplementedError, match="depend on the routing"):
+        torch.ops.gocomm.moe_dispatch(x, idx, w, 256, 2, 256, False, "g")
+    with pytest.raises(ValueError, match="spread evenly"):
+        torch.ops.gocomm.moe_dispatch(x, idx, w, 255, 2, 256, True, "g")
+
+
+def test_moe_combine_meta():
+    y = torch.empty(2048, 7168, dtype=torch.float16, device="meta")
+    ws = torch.empty(4096, dtype=torch.uint8, device="meta")
+    out = torch.ops.gocomm.moe_combine(y, ws, 128, 256, 8, 256, 256, 256, "g")
+    assert (out.shape, out.dtype, out.device.type) == ((128, 7168), torch.float16, "meta")
+
+
+def test_moe_schemas_mutate_nothing():
+    for op in (torch.ops.gocomm.moe_dispatch, torch.ops.gocomm.moe_combine):
+        s = op.default._schema
+        assert not any(arg.alias_info for arg in s.arguments), str(s)
+
+
+def test_moe_ops_refuse_cpu_tensors():
+    x = torch.ones(4, 8)
+    with pytest.raises(NotImplementedError):
+        torch.ops.gocomm.moe_dispatch(x, torch.zeros(4, 2, dtype=torch.int64), torch.ones(4, 2), 4, 2, 8, True, "g")
+    with pytest.raises(NotImplementedError):
+        torch.ops.gocomm.moe_combine(x, torch.zeros(64, dtype=torch.uint8), 4, 8, 2, 4, 8, 8, "g")

@@ -1,0 +1,326 @@
+#include "moe.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "backend.h"
+#include "inprocess.h"
+
+namespace gocomm::inproc {
+
+namespace {
+
+constexpr const char* kMoe = "moe.cubin";
+constexpr int kRouteMaxRanks = 8;  // the routing kernels keep a token's ranks in a byte
+constexpr int64_t kGroupSmem = (48 << 10) - 512;  // under 48 KiB, less the static scan and words
+
+int64_t up(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+// kernels/inprocess/moe.cu's launch shapes (python/gocomm/_kernels.py has the same for the
+// other paths)
+int64_t row_block(int64_t nbytes) {
+  return std::min<int64_t>(256, std::max<int64_t>(32, up(nbytes / 16, 32) * 32));
+}
+
+std::pair<int64_t, int64_t> route_blocks(int64_t t) {
+  const int64_t threads = std::min<int64_t>(1024, std::max<int64_t>(32, up(t, 32) * 32));
+  return {std::max<int64_t>(1, up(t, threads)), threads};
+}
+
+int64_t group_threads(int64_t per) {
+  const int64_t t = std::min<int64_t>(1024, ((kGroupSmem - per * 8) / (4 * std::max<int64_t>(per, 1)) - 1) / 32 * 32);
+  return t >= 32 ? t : 0;
+}
+
+int64_t group_blocks(int64_t cap) {
+  return std::max<int64_t>(1, std::min<int64_t>(64, up(cap, 32)));
+}
+
+const char* wsum_kernel(at::ScalarType s) {
+  switch (s) {
+    case at::kBFloat16: return "gocomm_moe_wsum_bf16";
+    case at::kHalf: return "gocomm_moe_wsum_f16";
+    case at::kFloat: return "gocomm_moe_wsum_f32";
+    default: C10_THROW_ERROR(TypeError, std::string("gocomm moe: no sums kernel for ") + c10::toString(s));
+  }
+}
+
+// The workspace's named regions (each 256-byte aligned) for one shape, as byte offsets: what
+// lives with the handle (ws), then what lives through the dispatch only (payload, recv).
+// tokens_per_expert is a tensor of its own (an output must not alias another).
+struct Carve {
+  enum {
+    kCounts, kSendOrder, kSendRank, kTIdx, kTOffs, kMask, kBcount, kBhist, kRowsSorted, kWSorted, kEIdx,
+    kWE, kEOffs, kCsplits, kBackSplits, kN
+  };
+  int64_t at[kN] = {};
+  int64_t size = 0, recv_splits = 0, gmeta = 0, recv = 0, big = 0;  // the payload at 0 of big
+
+  Carve(int64_t t, int64_t n, int64_t k, int64_t per, int64_t cap, int64_t payload_bytes, int64_t recv_bytes) {
+    const int64_t sizes[kN] = {
+        (2 * n + 4) * 8,  // meta [n + 2] (send splits, sent, bad), recv splits [n], gmeta [2] (pairs, rows)
+        t * n * 8, t * n * 4, t * n * 8, (t + 1) * 8, t, route_blocks(t).first * (n + 2) * 8,
+        group_blocks(cap) * (per + 1) * 8,
+        // a row's pairs: one per topk entry on this rank (k, duplicated ids included)
+        cap * k * 8, cap * k * 4, cap * k * 8, cap * k * 4, (cap + 1) * 8,
+        n * 8,  // what combine sends back to each rank (zeros after an overflow)
+        n * 8,
+    };
+    for (int i = 0; i < kN; i++) {
+      at[i] = size;
+      size += up(std::max<int64_t>(sizes[i], 1), 256) * 256;
+    }
+    recv_splits = at[kCounts] + (n + 2) * 8;
+    gmeta = at[kCounts] + (2 * n + 2) * 8;
+    recv = up(std::max<int64_t>(payload_bytes, 1), 256) * 256;
+    big = recv + up(std::max<int64_t>(recv_bytes, 1), 256) * 256;
+  }
+};
+
+// Queue kernel name of moe.cubin on device's current stream (sig as inprocess.h's launch says).
+void moe_launch(int dev, const char* name, int64_t grid, int64_t block, int64_t smem, const char* sig,
+                std::vector<int64_t> vals) {
+  launch(kMoe, dev, name, unsigned(grid), unsigned(block), unsigned(smem), sig, vals);
+}
+
+// The flag words of one device: host memory the routing and grouping kernels count in (padded
+// dispatches that found an id out of range [0], or overflowed [1]). The GPU only adds to them
+// and the host only reads them (seen: what it reported), so none is lost.
+struct Flags {
+  void* host = nullptr;
+  cuda::DevPtr dev = 0;
+  uint32_t seen[2] = {0, 0};
+};
+std::mutex flags_mu;
+std::map<int, Flags> flags;
+
+cuda::DevPtr flag_word(int device) {
+  std::lock_guard<std::mutex> lock(flags_mu);
+  auto it = flags.find(device);
+  if (it != flags.end()) {
+    return it->second.dev;
+  }
+  Flags f;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  cuda::ensure_context(device);
+  cuda::host_words(64, &f.host, &f.dev);
+  flags[device] = f;
+  return f.dev;
+}
+
+std::pair<Backend*, std::shared_ptr<A2Path>> path_of(const std::string& group, const at::Tensor& x,
+                                                     const char* op) {
+  auto pg = c10d::resolve_process_group(group);
+  auto* b = dynamic_cast<Backend*>(pg->getBackend(c10::DeviceType::CUDA).get());
+  if (b == nullptr) {
+    C10_THROW_ERROR(ValueError, std::string("gocomm ") + op + ": group '" + group + "' is not a gocomm group");
+  }
+  auto path = b->engine().a2av_path(x.device().index());
+  TORCH_CHECK(path, std::string("gocomm ") + op + ": the in-process kernel does not serve group '" + group + "' on " +
+                        x.device().str() + " (its route table says why: gocomm.info())");
+  return {b, path};
+}
+
+uint64_t addr(const at::Tensor& t) {
+  return reinterpret_cast<uint64_t>(t.data_ptr());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const at::Tensor& x, const at::Tensor& idx,
+                                                                         const at::Tensor& w, int64_t experts,
+                                                                         int64_t ranks, int64_t cap, bool padded,
+                                                                         std::string group) {
+  // moe.py checked the arguments; what the kernels read past without looking, checked again
+  TORCH_CHECK_VALUE(x.dim() == 2 && idx.dim() == 2 && idx.size(0) == x.size(0) && w.sizes() == idx.sizes() &&
+                        idx.scalar_type() == at::kLong && w.scalar_type() == at::kFloat && x.is_contiguous() &&
+                        idx.is_contiguous() && w.is_contiguous() && idx.device() == x.device() &&
+                        w.device() == x.device() && cap >= 0,
+                    "gocomm moe_dispatch: x [T, H] contiguous, topk_idx int64 and topk_weights float32 [T, k] "
+                    "contiguous on x's device, cap >= 0");
+  auto [b, path] = path_of(group, x, "moe.dispatch");
+  const int64_t n = b->engine().size();
+  TORCH_CHECK_VALUE(ranks == n, "gocomm moe_dispatch: group '" + group + "' has " + std::to_string(n) +
+                                    " ranks, not " + std::to_string(ranks));
+  const int64_t t = x.size(0), h = x.size(1), k = idx.size(1), per = experts / n;
+  if (n > kRouteMaxRanks) {
+    C10_THROW_ERROR(ValueError, "gocomm: the routing kernels take at most " + std::to_string(kRouteMaxRanks) +
+                                    " ranks, got " + std::to_string(n));
+  }
+  const int dev = path->device();
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+  const int64_t xbytes = h * x.element_size();
+  const int64_t id_off = xbytes, w_off = xbytes + up(k * 4, 16) * 16, row = w_off + up(k * 4, 16) * 16;
+  const int64_t send_cap = t * std::min(n, k);
+  const Carve c(t, n, k, per, cap, send_cap * row, cap * row);
+  const auto bytes = x.options().dtype(at::kByte);
+  at::Tensor ws = at::empty({c.size}, bytes);
+  at::Tensor tpe = at::empty({per}, x.options().dtype(at::kLong));
+  const uint64_t base = addr(ws);
+  auto at_ = [&](int i) { return int64_t(base + uint64_t(c.at[i])); };
+  const int64_t meta = at_(Carve::kCounts), recv_splits = int64_t(base) + c.recv_splits,
+                gmeta = int64_t(base) + c.gmeta;
+  // the payload and the exchange's output live only through this call (freed in stream order:
+  // the kernels below are queued before any reuse)
+  at::Tensor tmp = at::empty({c.big}, bytes);
+  const int64_t payload = int64_t(addr(tmp)), recv = payload + c.recv;
+  const int64_t flag = padded ? int64_t(flag_word(dev)) : 0;  // a synced dispatch raises at once
+  const int64_t xi = int64_t(addr(x)), ii = int64_t(addr(idx)), wi = int64_t(addr(w));
+  const auto [rgrid, rblock] = route_blocks(t);
+  if (rgrid == 1) {  // both passes in one launch
+    moe_launch(dev, "gocomm_moe_route", 1, rblock, 0, "PqiqiiPPPPPPPP",
+               {ii, t, k, experts, per, n, at_(Carve::kMask), at_(Carve::kBcount), meta, at_(Carve::kSendOrder),
+                at_(Carve::kSendRank), at_(Carve::kTIdx), at_(Carve::kTOffs), flag});
+  } else {
+    moe_launch(dev, "gocomm_moe_route_count", rgrid, rblock, 0, "PqiqiiPP",
+               {ii, t, k, experts, per, n, at_(Carve::kMask), at_(Carve::kBcount)});
+    moe_launch(dev, "gocomm_moe_route_place", rgrid, rblock, 0, "qiPPPPPPPP",
+               {t, n, at_(Carve::kMask), at_(Carve::kBcount), meta, at_(Carve::kSendOrder), at_(Carve::kSendRank),
+                at_(Carve::kTIdx), at_(Carve::kTOffs), flag});
+  }
+  if (send_cap) {
+    moe_launch(dev, "gocomm_moe_pack", std::min<int64_t>(send_cap, 4096), row_block(xbytes), 0, "PPPPPPPiiqiqqqq",
+               {payload, xi, ii, wi, meta, at_(Carve::kSendOrder), at_(Carve::kSendRank), n, k, experts, per, xbytes,
+                id_off, w_off, row});
+  }
+  path->report();
+  path->exchange(uint64_t(payload), send_cap, uint64_t(meta), false, nullptr, uint64_t(recv), cap,
+                 uint64_t(recv_splits), row);
+  const int64_t threads = group_threads(per), blocks = group_blocks(cap);
+  const int64_t smem = per * 8 + per * (threads + 1) * 4;
+  std::vector<int64_t> gargs = {recv, row, id_off, w_off, k, per, recv_splits, n, cap, at_(Carve::kBhist),
+                                at_(Carve::kRowsSorted), at_(Carve::kWSorted), int64_t(addr(tpe)), at_(Carve::kEIdx),
+                                at_(Carve::kWE), at_(Carve::kEOffs), gmeta, at_(Carve::kCsplits), flag};
+  if (blocks == 1) {  // both passes in one launch
+    moe_launch(dev, "gocomm_moe_group", 1, threads, smem, "PqqqiiPiqPPPPPPPPPP", std::move(gargs));
+  } else {
+    moe_launch(dev, "gocomm_moe_group_count", blocks, threads, per * (threads + 1) * 4, "PqqiiPiqP",
+               {recv, row, id_off, k, per, recv_splits, n, cap, at_(Carve::kBhist)});
+    moe_launch(dev, "gocomm_moe_group_place", blocks, threads, smem, "PqqqiiPiqPPPPPPPPPP", std::move(gargs));
+  }
+  int64_t rows = cap * k;
+  at::Tensor counts;
+  if (padded) {
+    counts = at::empty({0}, x.options().dtype(at::kLong));
+  } else {
+    counts = ws.slice(0, 0, (2 * n + 4) * 8).view(at::kLong).cpu();  // the one sync
+    const int64_t* v = counts.data_ptr<int64_t>();
+    int64_t got = 0;
+    for (int64_t r = 0; r < n; r++) {
+      got += v[n + 2 + r];
+    }
+    // an id out of range, or more rows than cap (the exchange wrote nothing): moe.py raises
+    rows = v[n + 1] != 0 || got > cap ? 0 : v[2 * n + 2];
+  }
+  at::Tensor out = at::empty({rows, h}, x.options());
+  if (rows) {
+    moe_launch(dev, "gocomm_moe_gather", std::min<int64_t>(rows, 2048), row_block(xbytes), 0, "PPPPqqq",
+               {int64_t(addr(out)), recv, at_(Carve::kRowsSorted), gmeta, rows, row, xbytes});
+  }
+  return {out, tpe, ws, counts};
+}
+
+at::Tensor combine_cuda(const at::Tensor& y_in, const at::Tensor& ws, int64_t tokens, int64_t cap, int64_t k,
+                        int64_t experts, int64_t recv_rows, int64_t send_rows, std::string group) {
+  auto [b, path] = path_of(group, y_in, "moe.combine");
+  const int64_t n = b->engine().size(), per = experts / n;
+  const int dev = path->device();
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+  const at::Tensor y = y_in.contiguous();
+  const int64_t h = y.size(1), row = h * y.element_size();
+  const Carve c(tokens, n, k, per, cap, 0, 0);
+  TORCH_CHECK_VALUE(y.dim() == 2 && ws.dim() == 1 && ws.scalar_type() == at::kByte && ws.device() == y.device() &&
+                        ws.size(0) >= c.size && recv_rows >= 0 && recv_rows <= cap && send_rows >= 0,
+                    "gocomm moe_combine: y [rows, H] and dispatch's workspace on y's device, for these sizes");
+  const uint64_t base = addr(ws);
+  auto at_ = [&](int i) { return int64_t(base + uint64_t(c.at[i])); };
+  const char* wsum = wsum_kernel(y.scalar_type());
+  const int64_t block = row_block(row);
+  at::Tensor tmp = at::empty({recv_rows * h + send_rows * h}, y.options());
+  const int64_t partial = int64_t(addr(tmp)), back = partial + recv_rows * row;
+  if (recv_rows) {  // gmeta[1]: the rows received
+    moe_launch(dev, wsum, std::min<int64_t>(recv_rows, 65535), block, 0, "PPPPPqPq",
+               {partial, int64_t(addr(y)), at_(Carve::kEIdx), at_(Carve::kWE), at_(Carve::kEOffs), recv_rows,
+                int64_t(base) + c.gmeta + 8, h});
+  }
+  path->exchange(uint64_t(partial), recv_rows, uint64_t(at_(Carve::kCsplits)), false, nullptr, uint64_t(back),
+                 send_rows, uint64_t(at_(Carve::kBackSplits)), row);
+  at::Tensor out = at::empty({tokens, h}, y.options());
+  if (tokens) {
+    moe_launch(dev, wsum, std::min<int64_t>(tokens, 65535), block, 0, "PPPPPqPq",
+               {int64_t(addr(out)), back, at_(Carve::kTIdx), 0, at_(Carve::kTOffs), tokens, 0, h});
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_meta(const at::Tensor& x, const at::Tensor& idx,
+                                                                         const at::Tensor&, int64_t experts,
+                                                                         int64_t ranks, int64_t cap, bool padded,
+                                                                         std::string) {
+  TORCH_CHECK_NOT_IMPLEMENTED(padded, "gocomm moe_dispatch: without padded its output's rows depend on the routing");
+  TORCH_CHECK_VALUE(ranks > 0 && experts > 0 && experts % ranks == 0,
+                    "gocomm moe_dispatch: num_experts must spread evenly over the ranks");
+  const int64_t t = x.size(0), h = x.size(1), k = idx.size(1), per = experts / ranks;
+  const Carve c(t, ranks, k, per, cap, 0, 0);
+  return {at::empty({cap * k, h}, x.options()), at::empty({per}, x.options().dtype(at::kLong)),
+          at::empty({c.size}, x.options().dtype(at::kByte)), at::empty({0}, x.options().dtype(at::kLong))};
+}
+
+at::Tensor combine_meta(const at::Tensor& y, const at::Tensor&, int64_t tokens, int64_t, int64_t, int64_t, int64_t,
+                        int64_t, std::string) {
+  return at::empty({tokens, y.size(1)}, y.options());
+}
+
+}  // namespace
+
+bool moe_flags_made(int device) {
+  std::lock_guard<std::mutex> lock(flags_mu);
+  return flags.count(device) != 0;
+}
+
+int moe_flags_new(int device) {
+  std::lock_guard<std::mutex> lock(flags_mu);
+  auto it = flags.find(device);
+  if (it == flags.end()) {
+    return -1;
+  }
+  Flags& f = it->second;
+  const volatile uint32_t* words = static_cast<const volatile uint32_t*>(f.host);
+  const uint32_t got[2] = {words[0], words[1]};
+  if (got[0] == f.seen[0] && got[1] == f.seen[1]) {
+    return 0;
+  }
+  const int i = got[1] != f.seen[1] ? 1 : 0;  // one error per call: the other stays for the next
+  f.seen[i] = got[i];
+  return i + 1;
+}
+
+}  // namespace gocomm::inproc
+
+TORCH_LIBRARY_FRAGMENT(gocomm, m) {
+  m.def(
+      "moe_dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, int ranks, int cap, bool padded, "
+      "str group_name) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "moe_combine(Tensor y, Tensor ws, int tokens, int cap, int k, int num_experts, int recv_rows, int send_rows, "
+      "str group_name) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gocomm, CUDA, m) {
+  m.impl("moe_dispatch", &gocomm::inproc::dispatch_cuda);
+  m.impl("moe_combine", &gocomm::inproc::combine_cuda);
+}
+
+TORCH_LIBRARY_IMPL(gocomm, Meta, m) {
+  m.impl("moe_dispatch", &gocomm::inproc::dispatch_meta);
+  m.impl("moe_combine", &gocomm::inproc::combine_meta);
+}

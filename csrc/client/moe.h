@@ -1,0 +1,30 @@
+// gocomm.moe's in-process path (the group's exchange is the compiled client's all_to_all_v
+// kernel: GPUs that share NVLink) as registered operators, so that a dispatch or a combine is
+// one dispatcher op: torch -> C++ -> the launches (kernels/inprocess/moe.cu and a2av_ipc.cu),
+// no Python between them. moe.py checks the arguments and raises the errors; moe.cc launches.
+//
+//   moe_dispatch(x, topk_idx, topk_weights, num_experts, ranks, cap, padded, group_name)
+//       -> (recv, tokens_per_expert, ws, counts)
+//     route, pack, exchange, group and gather over one workspace ws (combine reads the
+//     routing there). ranks: the group's size (the Meta kernel's too). cap: the rows the exchange receives at most. padded: recv has cap x k
+//     rows and nothing waits for the GPU (errors are counted in the device's flag words);
+//     else one sync: counts is int64 [2n + 4] on the host (meta [n + 2], recv splits [n],
+//     pairs, rows received) and recv has the pairs' rows (none where counts hold an error).
+//     A padded counts is an empty int64 tensor on x's device. Meta kernel: the padded form.
+//   moe_combine(y, ws, tokens, cap, k, num_experts, recv_rows, send_rows, group_name) -> out
+//     the weighted sums per received token, the exchange back, the sums per token: [tokens,
+//     hidden] in y's dtype. recv_rows and send_rows bound what the exchange moves each way.
+#pragma once
+
+#include <cstdint>
+
+namespace gocomm::inproc {
+
+// What padded dispatches on device found on the GPU since the last call, one error per call
+// (the other stays for the next): 2 a rank was sent more than its bound, 1 an id out of
+// range, 0 nothing new, -1 no padded dispatch ran on device (no flag words there).
+int moe_flags_new(int device);
+// Whether a padded dispatch ran on device (it made the device's flag words).
+bool moe_flags_made(int device);
+
+}  // namespace gocomm::inproc
