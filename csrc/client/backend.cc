@@ -429,6 +429,19 @@ intrusive_ptr<c10d::Work> Backend::endCoalescing() {
   return BatchWork::make("coalesced", std::move(works), {});
 }
 
+// The dispatcher's record of op, with its Work (result: the tensors the Work returns) and the
+// deadline its completion thread enforces.
+Pending Backend::pending(const Op& op, std::vector<at::Tensor> result, double t_limit) {
+  Pending p;
+  p.work = c10::make_intrusive<Work>(label(op.name), std::move(result), t_limit + Dispatcher::kGrace, op.type);
+  p.op = label(op.name);
+  p.deadline = std::chrono::steady_clock::now() +
+               std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                   std::chrono::duration<double>(t_limit + Dispatcher::kGrace));
+  p.group = failure_;
+  return p;
+}
+
 intrusive_ptr<Work> Backend::submit(Op& op) {
   intrusive_ptr<Work> w = submit_op(op);
   std::lock_guard<std::mutex> lock(coalesce_mu_);
@@ -473,15 +486,8 @@ intrusive_ptr<Work> Backend::submit_op(Op& op) {
   if (first != nullptr && first->is_cuda()) {
     return submit_cuda(op, t_limit, timeout_given);
   }
-  auto work = c10::make_intrusive<Work>(label(op.name), op.result ? *op.result : Tensors{},
-                                        t_limit + Dispatcher::kGrace, op.type);
-  Pending p;
-  p.work = work;
-  p.op = label(op.name);
-  p.deadline = std::chrono::steady_clock::now() +
-               std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                   std::chrono::duration<double>(t_limit + Dispatcher::kGrace));
-  p.group = failure_;
+  Pending p = pending(op, op.result ? *op.result : Tensors{}, t_limit);
+  auto work = p.work;
   wire::Desc d;
   Arena& arena = disp_->arena();
   try {
@@ -612,14 +618,8 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
   if (cap.active) {
     return capture_op(op, d, stream, cap.graph, unpack, result, idx);
   }
-  auto work = c10::make_intrusive<Work>(label(op.name), result, t_limit + Dispatcher::kGrace, op.type);
-  Pending p;
-  p.work = work;
-  p.op = label(op.name);
-  p.deadline = std::chrono::steady_clock::now() +
-               std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                   std::chrono::duration<double>(t_limit + Dispatcher::kGrace));
-  p.group = failure_;
+  Pending p = pending(op, result, t_limit);
+  auto work = p.work;
   p.cuda = true;
   p.keep = std::move(keep);
   const cuda::DevPtr ready = counters + 8 * lane, done = ready + 4;
