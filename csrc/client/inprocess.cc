@@ -558,6 +558,28 @@ void Engine::sidecar_broke() {
   }
 }
 
+template <typename P, typename Setup>
+std::shared_ptr<P> Engine::path_at(std::map<int, std::shared_ptr<P>>& paths, int device, const std::string& op,
+                                   const std::string& captured, Setup setup) {
+  std::unique_lock<std::mutex> lock(setup_mu_);
+  auto it = paths.find(device);
+  if (it != paths.end()) {
+    return it->second;
+  }
+  lock.unlock();  // the setup is collective: it waits for the peers
+  if (capturing()) {
+    refuse_setup(captured, name_, device);
+  }
+  std::shared_ptr<P> path = setup(device);
+  lock.lock();
+  paths[device] = path;
+  lock.unlock();
+  if (!path) {
+    h_.fall_back(op, "the in-process kernel's setup declined on cuda:" + std::to_string(device) + " (logged why)");
+  }
+  return path;
+}
+
 std::shared_ptr<ArPath> Engine::ar_path(int device) {
   std::lock_guard<std::mutex> lock(setup_mu_);
   auto it = ar_.find(device);
@@ -570,27 +592,7 @@ c10::intrusive_ptr<c10d::Work> Engine::all_reduce(const at::Tensor& t, uint8_t r
   }
   const int idx = t.device().index();
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(idx));
-  std::shared_ptr<ArPath> path;
-  {
-    std::unique_lock<std::mutex> lock(setup_mu_);
-    auto it = ar_.find(idx);
-    if (it != ar_.end()) {
-      path = it->second;
-    } else {
-      lock.unlock();
-      if (capturing()) {
-        refuse_setup("all_reduce", name_, idx);
-      }
-      path = setup_ar(idx);
-      lock.lock();
-      ar_[idx] = path;
-      if (!path) {
-        lock.unlock();
-        h_.fall_back("all_reduce",
-                     "the in-process kernel's setup declined on cuda:" + std::to_string(idx) + " (logged why)");
-      }
-    }
-  }
+  auto path = path_at(ar_, idx, "all_reduce", "all_reduce", [this](int d) { return setup_ar(d); });
   if (!path || !path->fits(t, redop)) {
     return {};
   }
@@ -612,27 +614,8 @@ std::shared_ptr<A2Path> Engine::a2av_path(int idx) {
     return nullptr;  // the other paths raise (destroyed group, the group's error, sidecar lost)
   }
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(idx));
-  std::shared_ptr<A2Path> path;
-  {
-    std::unique_lock<std::mutex> lock(setup_mu_);
-    auto it = a2_.find(idx);
-    if (it != a2_.end()) {
-      path = it->second;
-    } else {
-      lock.unlock();
-      if (capturing()) {
-        refuse_setup("all_to_all_v / all_to_all_single", name_, idx);
-      }
-      path = setup_a2(idx);
-      lock.lock();
-      a2_[idx] = path;
-      if (!path) {
-        lock.unlock();
-        h_.fall_back("all_to_all_v",
-                     "the in-process kernel's setup declined on cuda:" + std::to_string(idx) + " (logged why)");
-      }
-    }
-  }
+  auto path = path_at(a2_, idx, "all_to_all_v", "all_to_all_v / all_to_all_single",
+                      [this](int d) { return setup_a2(d); });
   if (path && path->failed()) {
     h_.fall_back("all_to_all_v", "an earlier all_to_all_v kernel timed out; the group is aborted");
     fail_kernel("all_to_all_v");
@@ -659,33 +642,21 @@ c10::intrusive_ptr<c10d::Work> Engine::all_to_all_single(const at::Tensor& outpu
                                          c10d::OpType::ALLTOALL_BASE);
 }
 
-std::optional<std::pair<at::Tensor, at::Tensor>> Engine::all_to_all_v(const at::Tensor& input,
-                                                                      const at::Tensor& in_splits,
-                                                                      const std::optional<at::Tensor>& out) {
-  auto path = a2av_path(input.device().index());
-  if (!path) {
-    return std::nullopt;
-  }
+std::pair<at::Tensor, at::Tensor> Engine::all_to_all_v(A2Path& path, const at::Tensor& input,
+                                                       const at::Tensor& in_splits, const at::Tensor& out) {
   const int64_t row = row_bytes("all_to_all_v", input, 0);
-  at::Tensor o;
-  if (out) {
-    o = *out;  // any out: rows that do not fit recv at once pass through it in rounds
-  } else {
-    std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
-    shape[0] = std::min(input.size(0) * size_, path->cap() / std::max<int64_t>(row, 1));
-    o = at::empty(shape, input.options());
-  }
+  // any out: rows that do not fit recv at once pass through it in rounds
   const at::Tensor splits = in_splits.is_cuda() && in_splits.is_contiguous()
                                 ? in_splits
                                 : in_splits.to(input.device()).contiguous();
   at::Tensor out_splits = at::empty({size_}, splits.options());
-  path->report();
-  path->exchange(reinterpret_cast<uint64_t>(input.data_ptr()), input.size(0),
+  path.report();
+  path.exchange(reinterpret_cast<uint64_t>(input.data_ptr()), input.size(0),
                  reinterpret_cast<uint64_t>(splits.data_ptr()), splits.scalar_type() == at::kInt, nullptr,
-                 reinterpret_cast<uint64_t>(o.data_ptr()), o.size(0), reinterpret_cast<uint64_t>(out_splits.data_ptr()),
+                 reinterpret_cast<uint64_t>(out.data_ptr()), out.size(0), reinterpret_cast<uint64_t>(out_splits.data_ptr()),
                  row);
-  record("all_to_all_v", input, path->device());
-  return std::make_pair(o, out_splits);
+  record("all_to_all_v", input, path.device());
+  return {out, out_splits};
 }
 
 std::shared_ptr<ArPath> Engine::setup_ar(int idx) {

@@ -247,12 +247,10 @@ class Engine {
   // all_to_all_single of CUDA tensors (ins: the checked input splits), or null.
   c10::intrusive_ptr<c10d::Work> all_to_all_single(const at::Tensor& output, const at::Tensor& input,
                                                    const std::vector<int64_t>& ins);
-  // gocomm.all_to_all_v's in-process path (the caller checked the arguments; ops.cc):
-  // (output, out_splits on input's device), or nothing where the group does not take it.
-  // out's rows are the capacity; without out, input's rows times the group size, at most
-  // what the receive buffer holds.
-  std::optional<std::pair<at::Tensor, at::Tensor>> all_to_all_v(const at::Tensor& input, const at::Tensor& in_splits,
-                                                                const std::optional<at::Tensor>& out);
+  // gocomm.all_to_all_v's in-process path (the caller checked the arguments and found the
+  // path: ops.cc): (out, out_splits on input's device); out's rows are the capacity.
+  std::pair<at::Tensor, at::Tensor> all_to_all_v(A2Path& path, const at::Tensor& input, const at::Tensor& in_splits,
+                                                 const at::Tensor& out);
   // The all_to_all_v path on device (set up, collectively, at the first call there), or null
   // where the group does not take it. Raises (and aborts the group) once one of its kernels
   // gave up waiting for a peer.
@@ -279,6 +277,11 @@ class Engine {
  private:
   std::shared_ptr<ArPath> setup_ar(int device);
   std::shared_ptr<A2Path> setup_a2(int device);
+  // paths[device], set up (collectively: setup(device)) at the group's first call there; a
+  // declined setup falls the route of op back. Raises where that first call is captured.
+  template <typename P, typename Setup>
+  std::shared_ptr<P> path_at(std::map<int, std::shared_ptr<P>>& paths, int device, const std::string& op,
+                             const std::string& captured, Setup setup);
   bool open() const;
   [[noreturn]] void fail_kernel(const std::string& op);
   // Collective (every rank calls it at the same op): see the file's top.
