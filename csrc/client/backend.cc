@@ -1,5 +1,7 @@
 #include "backend.h"
 
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -212,6 +214,18 @@ std::string reduce_refusal(ScalarType s, uint8_t op, bool cuda) {
 }
 
 namespace {
+
+// Copy each packed buffer's bytes into the outputs it stands for, in order, on the current
+// stream (ops whose outputs the sidecar cannot write in place: a list of tensors).
+void unpack_outputs(std::vector<std::pair<at::Tensor, Tensors*>>& unpack) {
+  for (auto& [buf, outs] : unpack) {
+    int64_t pos = 0;
+    for (auto& o : *outs) {
+      o.copy_(buf.narrow(0, pos, o.numel()).view(o.sizes()));
+      pos += o.numel();
+    }
+  }
+}
 
 // ----- argument checks (the same exception types and messages as the Python client) ---------
 
@@ -451,6 +465,22 @@ intrusive_ptr<Work> Backend::submit(Op& op) {
   return w;
 }
 
+Backend& Backend::of(const std::string& group, const std::string& op) {
+  auto pg = c10d::resolve_process_group(group);
+  auto* b = dynamic_cast<Backend*>(pg->getBackend(c10::DeviceType::CUDA).get());
+  if (b == nullptr) {
+    C10_THROW_ERROR(ValueError, "gocomm " + op + ": group '" + group + "' is not a gocomm group");
+  }
+  return *b;
+}
+
+std::shared_ptr<inproc::A2Path> Backend::a2av_path_for(const at::Tensor& input, const std::string& op) {
+  auto path = engine_->a2av_path(input.device().index());
+  TORCH_CHECK(path, "gocomm " + op + ": the in-process kernel does not serve group '" + group_name() + "' on " +
+                        input.device().str() + " (its route table says why: gocomm.info())");
+  return path;
+}
+
 void Backend::refuse_if_broken(const std::string& op) {
   if (auto why = failure_->broken()) {
     C10_THROW_ERROR(DistBackendError, "gocomm " + label(op) + " failed (aborted): the group is broken: " + *why);
@@ -633,13 +663,7 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
       // Queued before the descriptor goes out, so the unpack event is recorded before the
       // sidecar can report the op done (the completion waits for it).
       cuda::wait_value(stream.stream(), done, k);
-      for (auto& [buf, outs] : unpack) {
-        int64_t pos = 0;
-        for (auto& t : *outs) {
-          t.copy_(buf.narrow(0, pos, t.numel()).view(t.sizes()));
-          pos += t.numel();
-        }
-      }
+      unpack_outputs(unpack);
       ev = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
       ev->record(stream);
       p.unpacked = ev;
@@ -709,13 +733,7 @@ intrusive_ptr<Work> Backend::capture_op(Op& op, wire::Desc& d, const c10::cuda::
   cuda::write_value(stream.stream(), done, 0);
   cuda::write_value(stream.stream(), disp_->trigger_word(t), 1);
   cuda::wait_value_eq(stream.stream(), done, 1);
-  for (auto& [buf, outs] : unpack) {
-    int64_t pos = 0;
-    for (auto& o : *outs) {
-      o.copy_(buf.narrow(0, pos, o.numel()).view(o.sizes()));
-      pos += o.numel();
-    }
-  }
+  unpack_outputs(unpack);
   // The capturing stream already waits for the op: wait() has nothing left to do.
   auto work = c10::make_intrusive<Work>(label(op.name), result, cfg_.timeout_s, op.type);
   work->cuda_wait = [] {};

@@ -134,6 +134,12 @@ class Backend : public c10d::Backend {
   bool closed() const { return closed_; }
   // The in-process engine (its paths set up at a group's first call on a device).
   inproc::Engine& engine() { return *engine_; }
+  // The gocomm backend of the group named group (torch.ops.gocomm take groups by name);
+  // raises naming op where the group is not a gocomm group.
+  static Backend& of(const std::string& group, const std::string& op);
+  // Its in-process all_to_all_v path on input's device; raises naming op where the route
+  // table does not send the group's all_to_all_v there.
+  std::shared_ptr<inproc::A2Path> a2av_path_for(const at::Tensor& input, const std::string& op);
   // The first failure of an op of this group, if any.
   std::optional<std::string> broken() { return failure_->get(); }
   // The group broke (the sidecar said so on its watch stream): every later call raises why.

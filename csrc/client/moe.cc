@@ -2,7 +2,6 @@
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -121,15 +120,8 @@ cuda::DevPtr flag_word(int device) {
 
 std::pair<Backend*, std::shared_ptr<A2Path>> path_of(const std::string& group, const at::Tensor& x,
                                                      const char* op) {
-  auto pg = c10d::resolve_process_group(group);
-  auto* b = dynamic_cast<Backend*>(pg->getBackend(c10::DeviceType::CUDA).get());
-  if (b == nullptr) {
-    C10_THROW_ERROR(ValueError, std::string("gocomm ") + op + ": group '" + group + "' is not a gocomm group");
-  }
-  auto path = b->engine().a2av_path(x.device().index());
-  TORCH_CHECK(path, std::string("gocomm ") + op + ": the in-process kernel does not serve group '" + group + "' on " +
-                        x.device().str() + " (its route table says why: gocomm.info())");
-  return {b, path};
+  Backend& b = Backend::of(group, op);
+  return {&b, b.a2av_path_for(x, op)};
 }
 
 uint64_t addr(const at::Tensor& t) {

@@ -12,7 +12,6 @@
 // group_name is the ProcessGroup's (pg.group_name); the group must be a gocomm group whose
 // in-process all_to_all_v serves input's device (gocomm.all_to_all_v checks that first).
 #include <c10/util/Exception.h>
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/library.h>
 
 #include <string>
@@ -23,21 +22,10 @@
 namespace gocomm {
 namespace {
 
-Backend& backend_of(const std::string& group) {
-  auto pg = c10d::resolve_process_group(group);
-  auto* b = dynamic_cast<Backend*>(pg->getBackend(c10::DeviceType::CUDA).get());
-  if (b == nullptr) {
-    C10_THROW_ERROR(ValueError, "gocomm all_to_all_v: group '" + group + "' is not a gocomm group");
-  }
-  return *b;
-}
-
 std::pair<at::Tensor, at::Tensor> run(const at::Tensor& input, const at::Tensor& in_splits, const at::Tensor& out,
                                       const std::string& group) {
-  auto r = backend_of(group).engine().all_to_all_v(input, in_splits, out);
-  TORCH_CHECK(r, "gocomm all_to_all_v: the in-process kernel does not serve group '" + group + "' on " +
-                     input.device().str() + " (its route table says why: gocomm.info())");
-  return *r;
+  Backend& b = Backend::of(group, "all_to_all_v");
+  return b.engine().all_to_all_v(*b.a2av_path_for(input, "all_to_all_v"), input, in_splits, out);
 }
 
 std::vector<int64_t> rows_like(const at::Tensor& input, int64_t rows) {
