@@ -130,14 +130,9 @@ func (tr *triggers) check(t uint32, page wire.BufRef, d wire.Desc) (*graphOp, er
 	if g.Slot < 0 {
 		return nil, fmt.Errorf("%w: more than %d groups use CUDA tensors in this process", wire.ErrInvalid, gpu.CounterSlots)
 	}
-	ds := sess.deviceSession()
-	if ds == nil {
-		return nil, fmt.Errorf("%w: %w: the client never attached its GPU", wire.ErrInvalid, ErrNoDevice)
-	}
-	if d.Reduces() {
-		if err := sess.srv.cfg.Device.Check(d.DType, d.RedOp); err != nil {
-			return nil, fmt.Errorf("%w: %v", wire.ErrInvalid, err)
-		}
+	ds, err := sess.deviceFor(d)
+	if err != nil {
+		return nil, err
 	}
 	if err := tr.setPage(page); err != nil {
 		return nil, err

@@ -484,6 +484,21 @@ func (sess *Session) submit(payload []byte) {
 	g.submit(&op{desc: d, bufs: bufs, release: release, deadline: deadline, timeout: timeout})
 }
 
+// deviceFor is the device engine's session for a CUDA op d: an error where the client never
+// attached its GPU, or the engine cannot reduce d's type with d's op.
+func (sess *Session) deviceFor(d wire.Desc) (gpu.Session, error) {
+	ds := sess.deviceSession()
+	if ds == nil {
+		return nil, fmt.Errorf("%w: %w: the client never attached its GPU", wire.ErrInvalid, ErrNoDevice)
+	}
+	if d.Reduces() {
+		if err := sess.srv.cfg.Device.Check(d.DType, d.RedOp); err != nil {
+			return nil, fmt.Errorf("%w: %v", wire.ErrInvalid, err)
+		}
+	}
+	return ds, nil
+}
+
 // resolveCUDA maps an op's CUDA buffer refs to addresses in the sidecar; where a buffer's
 // registration failed (its mapping, or the driver's check of its claimed size), the error
 // says why instead of naming an unknown segment.
@@ -503,16 +518,10 @@ func (sess *Session) resolveCUDA(ds gpu.Session, refs []wire.BufRef) ([]uint64, 
 
 // submitDevice checks a CUDA op against the device engine and hands it to the group.
 func (sess *Session) submitDevice(g *Group, d wire.Desc, deadline time.Time, timeout time.Duration) {
-	ds := sess.deviceSession()
-	if ds == nil {
-		g.reject(d, fmt.Errorf("%w: %w: the client never attached its GPU", wire.ErrInvalid, ErrNoDevice))
+	ds, err := sess.deviceFor(d)
+	if err != nil {
+		g.reject(d, err)
 		return
-	}
-	if d.Reduces() {
-		if err := sess.srv.cfg.Device.Check(d.DType, d.RedOp); err != nil {
-			g.reject(d, fmt.Errorf("%w: %v", wire.ErrInvalid, err))
-			return
-		}
 	}
 	if d.Kind == wire.OpRecv && d.Root < 0 {
 		g.reject(d, fmt.Errorf("%w: recv from any rank is not supported for CUDA tensors (NCCL has no wildcard receive)", wire.ErrInvalid))
