@@ -78,7 +78,9 @@ if rank == 0:
         print(f"rank 0 route: {op}: {engine} ({why})", flush=True)
 dist.barrier()
 dist.destroy_process_group()
-print(f"rank {rank}/{world}: ok, gocomm {gocomm.__version__} from {os.path.dirname(gocomm.__file__)}", flush=True)
+# one write per line: the ranks share the launcher's stdout, and print's text and newline, two
+# writes where stdout is unbuffered, can interleave with the other rank's line
+os.write(1, f"rank {rank}/{world}: ok, gocomm {gocomm.__version__} from {os.path.dirname(gocomm.__file__)}\n".encode())
 """
 
 
