@@ -32,6 +32,9 @@ type Config struct {
 	Peers     Peers
 	Log       Log
 	Trace     Trace
+	// Ahead is GOCOMM_ENQUEUE_AHEAD: the most ops a device worker keeps enqueued on its
+	// stream that the GPU has not finished (see collectives/device, group design 8).
+	Ahead int
 }
 
 // Peers is where peer sidecars reach this one (transport.ChooseAddress picks the address
@@ -253,6 +256,14 @@ var Params = []Param{
 		Doc: "the flight recorder: how many of the last ops each group keeps (0: off), as TORCH_NCCL_TRACE_BUFFER_SIZE",
 		set: func(c *Config, v string) (err error) {
 			c.Trace.Size, err = intIn(v, 0, 1000000)
+			return err
+		},
+	},
+	{
+		Env: "GOCOMM_ENQUEUE_AHEAD", Default: "32", Accepts: "an integer, 1 to 4096",
+		Doc: "how many ops each of the sidecar's device streams (the collective one, each point-to-point peer and direction) holds enqueued ahead of the GPU; a stream enqueued without bound fills the driver's queue, and a blocked enqueue then holds up the ops of other streams that the queued ones wait for",
+		set: func(c *Config, v string) (err error) {
+			c.Ahead, err = intIn(v, 1, 4096)
 			return err
 		},
 	},

@@ -19,6 +19,7 @@ func TestDefaults(t *testing.T) {
 		Peers: Peers{HandshakeTimeout: 5 * time.Second, HandshakesMax: 64, UnmatchedBytesMax: 1 << 30, DeadTimeout: 5 * time.Second},
 		Log:   Log{MaxBytes: 64 << 20, Keep: 3},
 		Trace: Trace{Size: 2000, OnFailure: true},
+		Ahead: 32,
 	}
 	if got := Defaults(); got != want {
 		t.Fatalf("Defaults() = %+v, want %+v", got, want)
@@ -32,24 +33,26 @@ func TestValues(t *testing.T) {
 		want Config
 	}{
 		{"transport, any case and spaces", map[string]string{"GOCOMM_TRANSPORT": " NCCL "},
-			Config{Transport: "nccl", A2A: Defaults().A2A, Peers: Defaults().Peers, Log: Defaults().Log, Trace: Defaults().Trace}},
+			Config{Transport: "nccl", A2A: Defaults().A2A, Peers: Defaults().Peers, Log: Defaults().Log, Trace: Defaults().Trace, Ahead: 32}},
 		{"a2a settings", map[string]string{"GOCOMM_A2A_RECV_MB": "64", "GOCOMM_A2AV_BLOCKS": "2", "GOCOMM_A2AV_THREADS": "512", "GOCOMM_A2AV_DIRECT": "0"},
-			Config{Transport: "auto", A2A: A2A{RecvBytes: 64 << 20, Blocks: 2, Threads: 512}, Peers: Defaults().Peers, Log: Defaults().Log, Trace: Defaults().Trace}},
+			Config{Transport: "auto", A2A: A2A{RecvBytes: 64 << 20, Blocks: 2, Threads: 512}, Peers: Defaults().Peers, Log: Defaults().Log, Trace: Defaults().Trace, Ahead: 32}},
 		{"peers and log", map[string]string{"GOCOMM_HANDSHAKE_TIMEOUT": "2", "GOCOMM_PEER_HANDSHAKES_MAX": "8", "GOCOMM_UNMATCHED_BYTES_MAX": "1048576", "GOCOMM_LOG_MAX_MB": "1", "GOCOMM_LOG_KEEP": "0"},
-			Config{Transport: "auto", A2A: Defaults().A2A, Peers: Peers{HandshakeTimeout: 2 * time.Second, HandshakesMax: 8, UnmatchedBytesMax: 1 << 20, DeadTimeout: 5 * time.Second}, Log: Log{1 << 20, 0}, Trace: Defaults().Trace}},
+			Config{Transport: "auto", A2A: Defaults().A2A, Peers: Peers{HandshakeTimeout: 2 * time.Second, HandshakesMax: 8, UnmatchedBytesMax: 1 << 20, DeadTimeout: 5 * time.Second}, Log: Log{1 << 20, 0}, Trace: Defaults().Trace, Ahead: 32}},
 		{"dead peers and the flight recorder", map[string]string{"GOCOMM_PEER_DEAD_TIMEOUT_SEC": "1.5", "GOCOMM_TRACE_BUFFER_SIZE": "0", "GOCOMM_DEBUG_INFO_TEMP_FILE": "/tmp/t_", "GOCOMM_DUMP_ON_TIMEOUT": "0"},
 			Config{Transport: "auto", A2A: Defaults().A2A, Peers: func() Peers {
 				p := Defaults().Peers
 				p.DeadTimeout = 1500 * time.Millisecond
 				return p
-			}(), Log: Defaults().Log, Trace: Trace{File: "/tmp/t_"}}},
+			}(), Log: Defaults().Log, Trace: Trace{File: "/tmp/t_"}, Ahead: 32}},
+		{"enqueue window", map[string]string{"GOCOMM_ENQUEUE_AHEAD": "4"},
+			Config{Transport: "auto", A2A: Defaults().A2A, Peers: Defaults().Peers, Log: Defaults().Log, Trace: Defaults().Trace, Ahead: 4}},
 		{"empty is unset", map[string]string{"GOCOMM_A2AV_BLOCKS": " "}, Defaults()},
 		{"peer address", map[string]string{"GOCOMM_ADVERTISE_ADDR": "10.0.0.7", "GOCOMM_SOCKET_IFNAME": "ib0", "GOCOMM_LISTEN_ADDR": "0.0.0.0:0"},
 			Config{Transport: "auto", A2A: Defaults().A2A, Peers: func() Peers {
 				p := Defaults().Peers
 				p.Advertise, p.Ifname, p.Listen = "10.0.0.7", "ib0", "0.0.0.0:0"
 				return p
-			}(), Log: Defaults().Log, Trace: Defaults().Trace}},
+			}(), Log: Defaults().Log, Trace: Defaults().Trace, Ahead: 32}},
 	} {
 		got, warns, err := Load(env(tc.env))
 		if err != nil || len(warns) != 0 || got != tc.want {

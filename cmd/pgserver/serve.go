@@ -258,6 +258,7 @@ func engines(log *slog.Logger, cfg config.Config, spin time.Duration) (pg.Config
 	facts := gonode.Describe(hostname, topo, topoErr, dev)
 	log.Info("node capabilities", "facts", facts)
 	dev.A2A = cfg.A2A
+	dev.Ahead = cfg.Ahead
 	return pg.Config{Version: version, Spin: spin, Device: dev, Sparse: chooser, Node: facts}, nil
 }
 

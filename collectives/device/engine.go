@@ -30,6 +30,9 @@ type Engine struct {
 	// Spin is how long a device worker polls for its next op before sleeping (see
 	// group.spin); zero never spins.
 	Spin time.Duration
+	// Ahead is the most ops a worker keeps enqueued on its stream unfinished (group design
+	// 8; config.Config.Ahead). Zero or less: config's default.
+	Ahead int
 	// A2A sizes and shapes the NVSHMEM all-to-all (config.A2A; cmd/pgserver sets it from
 	// the environment before any client attaches).
 	A2A     config.A2A
@@ -160,7 +163,11 @@ func (e *Engine) Attach(uuid [16]byte) (gpu.Session, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &session{log: e.log, spin: e.Spin, a2a: e.A2A, dev: dev, ctx: ctx, segs: segment.New[ipcSeg]("CUDA segment")}
+	ahead := e.Ahead
+	if ahead <= 0 {
+		ahead = config.Defaults().Ahead
+	}
+	s := &session{log: e.log, spin: e.Spin, ahead: ahead, a2a: e.A2A, dev: dev, ctx: ctx, segs: segment.New[ipcSeg]("CUDA segment")}
 	e.mu.Lock()
 	s.shmem = nvshmem.New(s, e.log, e.A2A, e.nvshmemPath)
 	e.mu.Unlock()
@@ -203,6 +210,7 @@ func (e *Engine) Attach(uuid [16]byte) (gpu.Session, error) {
 type session struct {
 	log         *slog.Logger
 	spin        time.Duration
+	ahead       int
 	a2a         config.A2A
 	dev         cuda.Device
 	ctx         cuda.Context

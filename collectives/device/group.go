@@ -63,6 +63,15 @@ const graphPeer = -2
 //     its own communicator (made like the collective one) and stream, in the order replays
 //     reach the sidecar, which differs from the eager order (docs/decisions/0020). After
 //     each it writes the op's trigger word D[t] = 1 on its stream; no stream counter.
+//  8. A worker keeps at most session.ahead of its ops enqueued and unfinished (launched, not
+//     yet retired by the poller); past that it waits for a retirement. The client submits
+//     ops far ahead of the GPU, and each queued op waits on its stream for the client's
+//     ready counter: enqueued without bound they fill the driver's queue, whose next enqueue
+//     then blocks, and a blocked enqueue holds up other streams' ops that the queued waits
+//     depend on (the p2p sequencer's done writes, the other direction's NCCL call): 1,000
+//     blocking send/recv pairs between two GPUs hung that way. The wait is per worker, so it
+//     only ever waits for its own stream's earlier ops, which need nothing enqueued after
+//     them: it cannot deadlock.
 type group struct {
 	s          *session
 	rank, size int
@@ -120,6 +129,7 @@ type worker struct {
 	queue  []*dop
 	busy   *dop // being enqueued: the watchdog's view of a stuck NCCL call
 	comm   nccl.Comm
+	ahead  int // ops enqueued on this worker's stream and not yet retired (design 8)
 }
 
 func (w *worker) lane() int {
@@ -132,6 +142,7 @@ func (w *worker) lane() int {
 // dop is a gpu.Op whose Done runs once.
 type dop struct {
 	gpu.Op
+	w    *worker // the worker that enqueues it
 	once sync.Once
 }
 
@@ -228,6 +239,7 @@ func (g *group) Enqueue(op gpu.Op) {
 			g.start(g.graph)
 		}
 		w = g.graph
+		o.w = w
 		w.queue = append(w.queue, o)
 		w.queued.Add(1)
 		g.cond.Broadcast()
@@ -245,6 +257,7 @@ func (g *group) Enqueue(op gpu.Op) {
 	if lane, v := w.lane(), op.Desc.StreamValue; int32(v-g.floor[lane]) > 0 {
 		g.floor[lane] = v
 	}
+	o.w = w
 	w.queue = append(w.queue, o)
 	w.queued.Add(1)
 	g.cond.Broadcast()

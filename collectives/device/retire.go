@@ -170,6 +170,11 @@ func (g *group) poll() {
 					keep = append(keep, f)
 				}
 			}
+			for _, f := range retired {
+				if w := f.op.w; w != nil && w.ahead > 0 {
+					w.ahead-- // design 8: its worker may enqueue another
+				}
+			}
 			g.inflight = keep
 			g.retired++
 			g.cond.Broadcast() // sleeping workers spin again

@@ -56,6 +56,9 @@ func (g *group) work(w *worker) {
 		for len(w.queue) == 0 && !g.closing && g.broken == nil && (g.s.spin <= 0 || g.retired == retired) {
 			g.cond.Wait()
 		}
+		for len(w.queue) > 0 && w.ahead >= g.s.ahead && g.broken == nil {
+			g.cond.Wait() // design 8: the poller retires one of this stream's ops
+		}
 		if len(w.queue) == 0 {
 			stop := g.closing || g.broken != nil
 			g.mu.Unlock()
@@ -70,6 +73,7 @@ func (g *group) work(w *worker) {
 		broken := g.broken
 		if broken == nil {
 			w.busy = o
+			w.ahead++          // counted before the poller can retire it
 			g.cond.Broadcast() // the watchdog watches busy ops
 		}
 		g.mu.Unlock()
@@ -80,6 +84,9 @@ func (g *group) work(w *worker) {
 		err := g.launch(w, o, st)
 		g.mu.Lock()
 		w.busy = nil
+		if err != nil {
+			w.ahead-- // never flew (an op that failed after flying aborts the group anyway)
+		}
 		g.mu.Unlock()
 		if err != nil {
 			err = fmt.Errorf("%s: %w", o.Desc.Kind, err)
