@@ -5,6 +5,8 @@ every failing case of a check instead of stopping at the first."""
 from __future__ import annotations
 
 import contextlib
+import sys
+import time
 import traceback
 import zlib
 
@@ -227,12 +229,17 @@ class Checker:
     def case(self, label: str):
         """A case: an exception in it is recorded, and the check goes on with the next case."""
         self.cases += 1
+        t0, failed = time.monotonic(), len(self.failures)
+        print(f"  case {label} ...", end="", file=sys.stderr, flush=True)
         try:
             yield
         except Exception as e:  # noqa: BLE001
             tb = traceback.extract_tb(e.__traceback__)
             where = f" (at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno})" if tb else ""
             self.fail(label, f"raised {type(e).__name__}: {e}{where}")
+        # each case's outcome in the rank's log, so a run cut short still says where it was
+        why = "; ".join(self.failures[failed:])[:2000]
+        print(f" {'FAILED ' + why if why else 'ok'} in {time.monotonic() - t0:.2f}s", file=sys.stderr, flush=True)
 
     def same(self, label: str, got: torch.Tensor, want: torch.Tensor) -> None:
         why = same(got, want)
