@@ -69,7 +69,7 @@ const graphPeer = -2
 //     ready counter: enqueued without bound they fill the driver's queue, whose next enqueue
 //     then blocks, and a blocked enqueue holds up other streams' ops that the queued waits
 //     depend on (the p2p sequencer's done writes, the other direction's NCCL call): 1,000
-//     blocking send/recv pairs between two GPUs hung that way. The wait is per worker, so it
+//     blocking send/recv pairs between two GPUs hung, most likely that way. The wait is per worker, so it
 //     only ever waits for its own stream's earlier ops, which need nothing enqueued after
 //     them: it cannot deadlock.
 type group struct {
