@@ -69,6 +69,9 @@ func parseFlags(args []string) (options, error) {
 }
 
 func run(args []string) error {
+	if len(args) > 0 && args[0] == "doctor" {
+		return doctor(args[1:], os.Stdout)
+	}
 	o, err := parseFlags(args)
 	if err != nil {
 		return err

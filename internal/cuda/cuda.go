@@ -32,6 +32,7 @@ typedef struct { char bytes[16]; } CUuuid;
 
 static void* gc_lib;
 static CUresult (*p_cuInit)(unsigned int);
+static CUresult (*p_cuDriverGetVersion)(int*);
 static CUresult (*p_cuDeviceGetCount)(int*);
 static CUresult (*p_cuDeviceGet)(CUdevice*, int);
 static CUresult (*p_cuDeviceGetAttribute)(int*, int, CUdevice);
@@ -74,6 +75,7 @@ static int gc_load(const char* path, char* err, int errlen) {
 	}
 #define SYM(var, name) do { *(void**)(&var) = dlsym(h, name); if (!var) { snprintf(err, errlen, "symbol %s missing", name); return -1; } } while (0)
 	SYM(p_cuInit, "cuInit");
+	SYM(p_cuDriverGetVersion, "cuDriverGetVersion");
 	SYM(p_cuDeviceGetCount, "cuDeviceGetCount");
 	SYM(p_cuDeviceGet, "cuDeviceGet");
 	SYM(p_cuDeviceGetAttribute, "cuDeviceGetAttribute");
@@ -111,6 +113,7 @@ static int gc_load(const char* path, char* err, int errlen) {
 
 static int gc_loaded(void) { return gc_lib != NULL; }
 static CUresult gc_cuInit(unsigned int f) { return p_cuInit(f); }
+static CUresult gc_cuDriverGetVersion(int* v) { return p_cuDriverGetVersion(v); }
 static CUresult gc_cuDeviceGetCount(int* n) { return p_cuDeviceGetCount(n); }
 static CUresult gc_cuDeviceGet(CUdevice* d, int i) { return p_cuDeviceGet(d, i); }
 static CUresult gc_cuDeviceGetAttribute(int* v, int a, CUdevice d) { return p_cuDeviceGetAttribute(v, a, d); }
@@ -197,6 +200,19 @@ func Load() error {
 		loadErr = nil
 	})
 	return loadErr
+}
+
+// DriverVersion is the CUDA version the driver supports, as the driver reports it (13000
+// for 13.0).
+func DriverVersion() (int, error) {
+	if err := loaded(); err != nil {
+		return 0, err
+	}
+	var v C.int
+	if err := check("cuDriverGetVersion", C.gc_cuDriverGetVersion(&v)); err != nil {
+		return 0, err
+	}
+	return int(v), nil
 }
 
 func loaded() error {

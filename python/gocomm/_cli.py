@@ -9,10 +9,8 @@ gocomm bench {cpu,gpu,moe} [args]        the benchmarks (gocomm.bench)
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import resource
 import subprocess
 import sys
 
@@ -132,8 +130,7 @@ def _check_torch() -> tuple[str, str, str]:
     return OK, f"torch {here} (built for {built})", ""
 
 
-def _check_pgserver() -> tuple[str, str, str]:
-    exe, pv, err = _pgserver()
+def _check_pgserver(exe: str, pv: str, err: str) -> tuple[str, str, str]:
     if err:
         return FAIL, err, "reinstall the gocomm wheel, or set GOCOMM_PGSERVER to a pgserver of this version"
     if pv != _version.__version__:
@@ -141,109 +138,42 @@ def _check_pgserver() -> tuple[str, str, str]:
     return OK, f"{exe} runs, version {pv}", ""
 
 
-def _check_shm() -> tuple[str, str, str]:
+def _node_checks(exe: str) -> list[tuple[str, str, str, str]]:
+    """pgserver's node checks (shared memory, fd limit, ptrace scope, the driver against what
+    torch and the kernels need, a CUDA IPC mapping of a tensor of ours in its process):
+    `pgserver doctor`, which sees the node as the sidecar will."""
+    import torch
+
+    args = [exe, "doctor"]
+    for who, v in (("torch", torch.version.cuda or ""), ("the kernels' nvcc", _version.build_info().get("nvcc", ""))):
+        if v:
+            args += ["--needs-cuda", f"{who}={v}"]
+    ipc_err = ""
+    if torch.cuda.is_available():
+        from . import _client
+
+        try:
+            torch.cuda.init()
+            args += ["--ipc", _client.C.cuda_ipc_probe(0).hex()]  # our allocation; pgserver maps it
+        except Exception as e:  # noqa: BLE001
+            ipc_err = f"CUDA IPC of a tensor: this process could not export one: {e}"
     try:
-        st = os.statvfs("/dev/shm")
-    except OSError as e:
-        return WARN, f"/dev/shm: {e}; shared memory falls back to the runtime directory", "mount a tmpfs on /dev/shm"
-    size = st.f_frsize * st.f_blocks
-    free = st.f_frsize * st.f_bavail
-    found = f"/dev/shm {size / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
-    fix = "give the container more (docker run --shm-size=16g) or mount -o remount,size=16g /dev/shm"
-    if free < 256 << 20:
-        return FAIL, found + " (CPU tensors are staged there: each rank's arena starts at 16 MiB and doubles)", fix
-    if free < 2 << 30:
-        return WARN, found + " (large CPU collectives need more)", fix
-    return OK, found, ""
-
-
-def _check_fds() -> tuple[str, str, str]:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    found = f"open files: soft {soft}, hard {hard}"
-    if soft < 4096:
-        fix = f"ulimit -n {hard if hard != resource.RLIM_INFINITY and hard >= 4096 else 65536} before the job"
-        return WARN, found + " (each rank holds sockets to every peer and shared-memory segments)", fix
-    return OK, found, ""
-
-
-def _check_ptrace() -> tuple[str, str, str]:
-    path = "/proc/sys/kernel/yama/ptrace_scope"
-    try:
-        with open(path) as f:
-            scope = int(f.read().strip())
-    except OSError:
-        return OK, "no Yama LSM: pidfd_getfd between a rank and its sidecar is allowed", ""
-    if scope == 0:
-        return OK, f"{path} = 0: pidfd_getfd between a rank and its sidecar is allowed", ""
-    return (
-        WARN,
-        f"{path} = {scope}: a sidecar cannot take file descriptors from its rank (pidfd_getfd, the by-reference path)",
-        "sysctl -w kernel.yama.ptrace_scope=0, or run with CAP_SYS_PTRACE",
-    )
-
-
-def _driver_cuda() -> int:
-    """The CUDA version the driver supports (e.g. 13000), 0 without a driver."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return 0
-    v = ctypes.c_int()
-    return v.value if lib.cuDriverGetVersion(ctypes.byref(v)) == 0 else 0
-
-
-# run in a child process: open the CUDA IPC handle in argv[1] (hex) on device 0, as a sidecar does
-_IPC_OPEN = """
-import ctypes, sys
-cu = ctypes.CDLL("libcuda.so.1")
-class H(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
-cu.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), H, ctypes.c_uint]
-dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
-h = H.from_buffer_copy(bytes.fromhex(sys.argv[1]))
-for name, rc in (("cuInit", lambda: cu.cuInit(0)), ("cuDeviceGet", lambda: cu.cuDeviceGet(ctypes.byref(dev), 0)),
-                 ("cuDevicePrimaryCtxRetain", lambda: cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)),
-                 ("cuCtxSetCurrent", lambda: cu.cuCtxSetCurrent(ctx)),
-                 ("cuIpcOpenMemHandle", lambda: cu.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, 1))):
-    err = rc()
-    if err:
-        sys.exit(f"{name}: CUDA error {err}")
-cu.cuIpcCloseMemHandle(ptr)
-"""
+        r = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        rows = [(x["check"], x["status"], x["found"], x["fix"]) for x in json.loads(r.stdout)]
+    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError) as e:
+        return [("node", FAIL, f"{exe} doctor: {e}", "reinstall the gocomm wheel")]
+    if ipc_err:
+        rows.append(("CUDA IPC", FAIL, ipc_err, "unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"))
+    return rows
 
 
 def _check_cuda() -> list[tuple[str, str, str, str]]:
+    """The torch-side CUDA checks: a GPU torch sees, the kernels' arch, MPS."""
     import torch
 
-    out = []
-    drv = _driver_cuda()
-    if not drv:
-        return [("CUDA", OK, "no CUDA driver: CPU tensors only (the host engine)", "")]
-    drv_s = f"{drv // 1000}.{drv % 1000 // 10}"
-    want = [("torch", torch.version.cuda or "")]
-    nvcc = _version.build_info().get("nvcc", "")
-    if nvcc:
-        want.append(("the kernels' nvcc", nvcc))
-    for who, v in want:
-        if not v:
-            continue
-        major, minor = (int(x) for x in v.split(".")[:2])
-        if major * 1000 + minor * 10 > drv:
-            out.append(
-                (
-                    "driver",
-                    FAIL,
-                    f"driver supports CUDA {drv_s}, {who} needs {v}",
-                    "upgrade the NVIDIA driver (or install a gocomm/torch built for this CUDA)",
-                )
-            )
-        else:
-            out.append(("driver", OK, f"driver supports CUDA {drv_s} >= {who}'s {v}", ""))
     if not torch.cuda.is_available():
-        out.append(
-            ("CUDA", WARN, f"driver {drv_s} but torch sees no GPU", "check CUDA_VISIBLE_DEVICES and /dev/nvidia*")
-        )
-        return out
+        return []
+    out = []
     arch = _version.build_info().get("cuda_arch", "")
     cap = torch.cuda.get_device_capability(0)
     here = f"sm_{cap[0]}{cap[1]}"
@@ -258,26 +188,6 @@ def _check_cuda() -> list[tuple[str, str, str, str]]:
         )
     else:
         out.append(("kernels", OK, f"kernels built for {arch}, GPU 0 is {here}", ""))
-    from . import _client
-
-    try:
-        torch.cuda.init()
-        handle = _client.C.cuda_ipc_probe(0)  # an allocation of its own (the process exits after)
-        # another process maps it, as a sidecar maps its rank's tensors
-        r = subprocess.run([sys.executable, "-c", _IPC_OPEN, handle.hex()], capture_output=True, text=True, timeout=60)
-        if r.returncode != 0:
-            raise RuntimeError(f"another process could not map it: {(r.stdout + r.stderr).strip()[-300:]}")
-        out.append(("CUDA IPC", OK, "another process maps a tensor's memory by its CUDA IPC handle", ""))
-    except Exception as e:  # noqa: BLE001
-        out.append(
-            (
-                "CUDA IPC",
-                FAIL,
-                f"CUDA IPC of a tensor: {e}",
-                "unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; in a container, share the host's IPC "
-                "namespace (docker --ipc=host); MIG instances and some vGPUs have no CUDA IPC",
-            )
-        )
     from . import launch
 
     env = dict(os.environ)
@@ -298,13 +208,15 @@ def _check_cuda() -> list[tuple[str, str, str, str]]:
 
 def doctor() -> list[tuple[str, str, str, str]]:
     """[(check, status, found, fix)] for what a job needs on this machine."""
-    rows = [
-        ("torch", *_check_torch()),
-        ("pgserver", *_check_pgserver()),
-        ("/dev/shm", *_check_shm()),
-        ("fd limit", *_check_fds()),
-        ("ptrace scope", *_check_ptrace()),
-    ]
+    rows = [("torch", *_check_torch())]
+    exe, pv, err = _pgserver()
+    rows.append(("pgserver", *_check_pgserver(exe, pv, err)))
+    if not err:
+        rows += _node_checks(exe)
+    import torch
+
+    if any(r[0] == "driver" for r in rows) and not torch.cuda.is_available():
+        rows.append(("CUDA", WARN, "a driver, but torch sees no GPU", "check CUDA_VISIBLE_DEVICES and /dev/nvidia*"))
     return rows + _check_cuda()
 
 
