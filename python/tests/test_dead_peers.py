@@ -112,20 +112,29 @@ def test_flight_record_shows_the_hung_rank(seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("route", ["auto", "sidecar_nccl"])
 @pytest.mark.parametrize("fault", ["kill_rank", "kill_sidecar", "stop_sidecar"])
-def test_gpu_survivors_raise_naming_the_dead_rank(fault, seed):
+def test_gpu_survivors_raise_naming_the_dead_rank(fault, route, seed):
     """CUDA tensors, 2 ranks (sharing the GPUs there are: on one GPU, the in-process
-    all_reduce kernel; on two, the route the group takes): a rank's death reaches the other's
-    kernels or NCCL (the sidecar aborts the group, and the shim makes its kernels stop waiting),
-    so torch.cuda.synchronize() returns and the next call raises within the limit."""
+    all_reduce kernel; on two, the route the group takes, and the sidecar's NCCL forced): a
+    rank's death reaches the other's kernels or NCCL (the sidecar aborts the group, and the
+    shim makes its kernels stop waiting), so torch.cuda.synchronize() returns and the next
+    call raises within the limit."""
+    if route == "sidecar_nccl" and torch.cuda.device_count() < 2:
+        pytest.skip(f"the sidecar's NCCL takes one rank per GPU; this machine has {torch.cuda.device_count()}")
     for size in (4 << 10, 1 << 20, 64 << 20):
         try:
             # ranks sharing one GPU need the in-process kernel (NCCL takes one rank per GPU):
             # forced there as test_graph.py forces it
             env = {"GOCOMM_TRANSPORT": "nvshmem"} if torch.cuda.device_count() < 2 else None
+            if route == "sidecar_nccl":
+                env = {"GOCOMM_TRANSPORT": "nccl"}
             res = faults.trial(fault, size, world=2, seed=seed, device="cuda", env=env)
         except faults.Unfit as e:
             pytest.skip(str(e))
+        if route == "sidecar_nccl":
+            took = next(iter(res["routes"].values()))["all_reduce"][0]
+            assert took == "sidecar NCCL", f"all_reduce took {took}: {res['routes']}"
         for r, s in res["survivors"].items():
             print(
                 f"{fault} {size} B rank {r}: raised after {s.get('elapsed', float('nan')):.2f}s, {s.get('ops')} ops, "
