@@ -24,3 +24,46 @@ def test_tee_prints_and_keeps(capsys):
         print("a row")
     assert printed == ["a row\n"]
     assert capsys.readouterr().out == "a row\n"
+
+
+def test_fsdp_bench_on_cpu():
+    """The FSDP2 benchmark runs end to end (gocomm against gloo on CPU, a tiny model): both
+    backends train the same model from the same weights, so their losses agree (the
+    benchmark exits 1 when they differ by more than its tolerance)."""
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gocomm.bench.fsdp",
+            "--device",
+            "cpu",
+            "--world",
+            "2",
+            "--layers",
+            "2",
+            "--dim",
+            "64",
+            "--ff",
+            "128",
+            "--heads",
+            "4",
+            "--vocab",
+            "256",
+            "--seq",
+            "32",
+            "--batch",
+            "2",
+            "--steps",
+            "4",
+            "--tolerance",
+            "1e-4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "gocomm / gloo:" in p.stdout and "largest loss difference over 4 steps" in p.stdout, p.stdout
