@@ -58,7 +58,7 @@ KERNEL_SRC := $(wildcard kernels/sidecar/*.cu kernels/inprocess/*.cu)
 KERNELS   := $(patsubst %.cu,kernels/build/%.cubin,$(notdir $(KERNEL_SRC)))
 vpath %.cu kernels/sidecar kernels/inprocess
 
-.PHONY: all venv tools gen kernels build client python test lint test-go test-py test-wheel wheel package test-gpu bench bench-gpu bench-moe bench-fsdp soak clean
+.PHONY: all venv tools gen kernels build client python test lint test-go test-py test-wheel wheel package test-gpu bench bench-gpu bench-moe bench-fsdp bench-links soak clean
 
 all: build client python
 
@@ -191,6 +191,11 @@ bench-moe:
 	@if [ "$(MPS)" = 1 ]; then PYTHONPATH=python $(GPU_PY) -c 'import os, gocomm.launch as l; print("MPS started:", l.start_mps(dict(os.environ)))'; fi
 	$(GPU_ENV) PYTHONPATH=python $(GPU_PY) -m gocomm.bench.moe --transport $(TRANSPORT) --json bench_moe.json --png bench_moe.png --perf docs/perf.md; rc=$$?; \
 	  if [ "$(MPS)" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi; exit $$rc
+
+# The link ceiling: every GPU pushing to every other at once, copy engines and SM stores (what
+# MoE prefill is read against; run it in the same lease as bench-moe).
+bench-links:
+	$(GPU_ENV) PYTHONPATH=python $(GPU_PY) -m gocomm.bench.links --perf docs/perf.md
 
 # An FSDP2 (fully_shard) training step of a ~1B-parameter transformer, gocomm against NCCL in
 # the same job: step time and the losses of 20 steps (exit 1 if they differ).

@@ -3,7 +3,7 @@
 gocomm info [--json]                     this build and this node, as a sidecar sees it
 gocomm doctor [--json]                   what a job needs here, each check ok/warn/fail
 gocomm launch [--mps] -- <torchrun args> a job, under MPS where asked (gocomm.launch)
-gocomm bench {cpu,gpu,moe,fsdp} [args]   the benchmarks (gocomm.bench)
+gocomm bench {cpu,gpu,moe,fsdp,links} [args]  the benchmarks (gocomm.bench)
 """
 
 from __future__ import annotations
@@ -232,13 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("doctor", help="check what a job needs here; exits 1 on a failed check")
     p.add_argument("--json", action="store_true")
     sub.add_parser("launch", help="gocomm launch [--mps] -- <torchrun args>", add_help=False)
-    p = sub.add_parser("bench", help="gocomm bench {cpu,gpu,moe,fsdp} [args] (--help for each)", add_help=False)
+    p = sub.add_parser("bench", help="gocomm bench {cpu,gpu,moe,fsdp,links} [args] (--help for each)", add_help=False)
     if argv[:1] in (["launch"], ["bench"]):  # their own parsers take the rest
         if argv[0] == "launch":
             from . import launch
 
             return launch.main(argv[1:])
-        kinds = ("cpu", "gpu", "moe", "fsdp")
+        kinds = ("cpu", "gpu", "moe", "fsdp", "links")
         if len(argv) < 2 or argv[1] not in kinds:
             ap.error(f"gocomm bench takes one of {', '.join(kinds)}, then that benchmark's arguments")
         import importlib

@@ -124,7 +124,7 @@ def test_doctor_names_a_missing_pgserver(tmp_path):
 
 def test_bench_names_the_benchmarks():
     p = _gocomm("bench")
-    assert p.returncode == 2 and "gocomm bench takes one of cpu, gpu, moe, fsdp" in p.stderr, p.stderr
+    assert p.returncode == 2 and "gocomm bench takes one of cpu, gpu, moe, fsdp, links" in p.stderr, p.stderr
 
 
 def test_sdist_without_go_names_what_is_missing(tmp_path):
