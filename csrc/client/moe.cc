@@ -9,50 +9,17 @@
 #include <mutex>
 #include <string>
 #include <tuple>
-#include <vector>
 
 #include "backend.h"
 #include "inprocess.h"
+#include "moe_kernels.h"
 
 namespace gocomm::inproc {
 
 namespace {
 
-constexpr const char* kMoe = "moe.cubin";
-constexpr int kRouteMaxRanks = 8;  // the routing kernels keep a token's ranks in a byte
-constexpr int64_t kGroupSmem = (48 << 10) - 512;  // under 48 KiB, less the static scan and words
-
 int64_t up(int64_t a, int64_t b) {
   return (a + b - 1) / b;
-}
-
-// kernels/inprocess/moe.cu's launch shapes (python/gocomm/_kernels.py has the same for the
-// other paths)
-int64_t row_block(int64_t nbytes) {
-  return std::min<int64_t>(256, std::max<int64_t>(32, up(nbytes / 16, 32) * 32));
-}
-
-std::pair<int64_t, int64_t> route_blocks(int64_t t) {
-  const int64_t threads = std::min<int64_t>(1024, std::max<int64_t>(32, up(t, 32) * 32));
-  return {std::max<int64_t>(1, up(t, threads)), threads};
-}
-
-int64_t group_threads(int64_t per) {
-  const int64_t t = std::min<int64_t>(1024, ((kGroupSmem - per * 8) / (4 * std::max<int64_t>(per, 1)) - 1) / 32 * 32);
-  return t >= 32 ? t : 0;
-}
-
-int64_t group_blocks(int64_t cap) {
-  return std::max<int64_t>(1, std::min<int64_t>(64, up(cap, 32)));
-}
-
-const char* wsum_kernel(at::ScalarType s) {
-  switch (s) {
-    case at::kBFloat16: return "gocomm_moe_wsum_bf16";
-    case at::kHalf: return "gocomm_moe_wsum_f16";
-    case at::kFloat: return "gocomm_moe_wsum_f32";
-    default: C10_THROW_ERROR(TypeError, std::string("gocomm moe: no sums kernel for ") + c10::toString(s));
-  }
 }
 
 // The workspace's named regions (each 256-byte aligned) for one shape, as byte offsets: what
@@ -69,8 +36,8 @@ struct Carve {
   Carve(int64_t t, int64_t n, int64_t k, int64_t per, int64_t cap, int64_t payload_bytes, int64_t recv_bytes) {
     const int64_t sizes[kN] = {
         (2 * n + 4) * 8,  // meta [n + 2] (send splits, sent, bad), recv splits [n], gmeta [2] (pairs, rows)
-        t * n * 8, t * n * 4, t * n * 8, (t + 1) * 8, t, route_blocks(t).first * (n + 2) * 8,
-        group_blocks(cap) * (per + 1) * 8,
+        t * n * 8, t * n * 4, t * n * 8, (t + 1) * 8, t, moe::route_blocks(t).first * (n + 2) * 8,
+        moe::group_blocks(cap) * (per + 1) * 8,
         // a row's pairs: one per topk entry on this rank (k, duplicated ids included)
         cap * k * 8, cap * k * 4, cap * k * 8, cap * k * 4, (cap + 1) * 8,
         n * 8,  // what combine sends back to each rank (zeros after an overflow)
@@ -86,12 +53,6 @@ struct Carve {
     big = recv + up(std::max<int64_t>(recv_bytes, 1), 256) * 256;
   }
 };
-
-// Queue kernel name of moe.cubin on device's current stream (sig as inprocess.h's launch says).
-void moe_launch(int dev, const char* name, int64_t grid, int64_t block, int64_t smem, const char* sig,
-                std::vector<int64_t> vals) {
-  launch(kMoe, dev, name, unsigned(grid), unsigned(block), unsigned(smem), sig, vals);
-}
 
 // The flag words of one device: host memory the routing and grouping kernels count in (padded
 // dispatches that found an id out of range [0], or overflowed [1]). The GPU only adds to them
@@ -144,14 +105,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const a
   TORCH_CHECK_VALUE(ranks == n, "gocomm moe_dispatch: group '" + group + "' has " + std::to_string(n) +
                                     " ranks, not " + std::to_string(ranks));
   const int64_t t = x.size(0), h = x.size(1), k = idx.size(1), per = experts / n;
-  if (n > kRouteMaxRanks) {
-    C10_THROW_ERROR(ValueError, "gocomm: the routing kernels take at most " + std::to_string(kRouteMaxRanks) +
-                                    " ranks, got " + std::to_string(n));
-  }
+  moe::check_ranks(n);
   const int dev = path->device();
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
   const int64_t xbytes = h * x.element_size();
-  const int64_t id_off = xbytes, w_off = xbytes + up(k * 4, 16) * 16, row = w_off + up(k * 4, 16) * 16;
+  const moe::Row layout = moe::row_layout(xbytes, k);
+  const int64_t row = layout.bytes;
   const int64_t send_cap = t * std::min(n, k);
   const Carve c(t, n, k, per, cap, send_cap * row, cap * row);
   const auto bytes = x.options().dtype(at::kByte);
@@ -167,38 +126,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const a
   const int64_t payload = int64_t(addr(tmp)), recv = payload + c.recv;
   const int64_t flag = padded ? int64_t(flag_word(dev)) : 0;  // a synced dispatch raises at once
   const int64_t xi = int64_t(addr(x)), ii = int64_t(addr(idx)), wi = int64_t(addr(w));
-  const auto [rgrid, rblock] = route_blocks(t);
-  if (rgrid == 1) {  // both passes in one launch
-    moe_launch(dev, "gocomm_moe_route", 1, rblock, 0, "PqiqiiPPPPPPPP",
-               {ii, t, k, experts, per, n, at_(Carve::kMask), at_(Carve::kBcount), meta, at_(Carve::kSendOrder),
-                at_(Carve::kSendRank), at_(Carve::kTIdx), at_(Carve::kTOffs), flag});
-  } else {
-    moe_launch(dev, "gocomm_moe_route_count", rgrid, rblock, 0, "PqiqiiPP",
-               {ii, t, k, experts, per, n, at_(Carve::kMask), at_(Carve::kBcount)});
-    moe_launch(dev, "gocomm_moe_route_place", rgrid, rblock, 0, "qiPPPPPPPP",
-               {t, n, at_(Carve::kMask), at_(Carve::kBcount), meta, at_(Carve::kSendOrder), at_(Carve::kSendRank),
-                at_(Carve::kTIdx), at_(Carve::kTOffs), flag});
-  }
+  const moe::Routing routing{meta,          at_(Carve::kSendOrder), at_(Carve::kSendRank), at_(Carve::kTIdx),
+                             at_(Carve::kTOffs), at_(Carve::kMask),      at_(Carve::kBcount)};
+  moe::route(dev, ii, t, k, experts, n, routing, flag);
   if (send_cap) {
-    moe_launch(dev, "gocomm_moe_pack", std::min<int64_t>(send_cap, 4096), row_block(xbytes), 0, "PPPPPPPiiqiqqqq",
-               {payload, xi, ii, wi, meta, at_(Carve::kSendOrder), at_(Carve::kSendRank), n, k, experts, per, xbytes,
-                id_off, w_off, row});
+    moe::pack(dev, payload, xi, ii, wi, routing, send_cap, n, k, experts, xbytes);
   }
   path->report();
   path->exchange(uint64_t(payload), send_cap, uint64_t(meta), false, nullptr, uint64_t(recv), cap,
                  uint64_t(recv_splits), row);
-  const int64_t threads = group_threads(per), blocks = group_blocks(cap);
-  const int64_t smem = per * 8 + per * (threads + 1) * 4;
-  std::vector<int64_t> gargs = {recv, row, id_off, w_off, k, per, recv_splits, n, cap, at_(Carve::kBhist),
-                                at_(Carve::kRowsSorted), at_(Carve::kWSorted), int64_t(addr(tpe)), at_(Carve::kEIdx),
-                                at_(Carve::kWE), at_(Carve::kEOffs), gmeta, at_(Carve::kCsplits), flag};
-  if (blocks == 1) {  // both passes in one launch
-    moe_launch(dev, "gocomm_moe_group", 1, threads, smem, "PqqqiiPiqPPPPPPPPPP", std::move(gargs));
-  } else {
-    moe_launch(dev, "gocomm_moe_group_count", blocks, threads, per * (threads + 1) * 4, "PqqiiPiqP",
-               {recv, row, id_off, k, per, recv_splits, n, cap, at_(Carve::kBhist)});
-    moe_launch(dev, "gocomm_moe_group_place", blocks, threads, smem, "PqqqiiPiqPPPPPPPPPP", std::move(gargs));
-  }
+  const moe::Grouping grouping{at_(Carve::kRowsSorted), at_(Carve::kWSorted), int64_t(addr(tpe)),
+                               at_(Carve::kEIdx),       at_(Carve::kWE),      at_(Carve::kEOffs),
+                               gmeta,                   at_(Carve::kCsplits), at_(Carve::kBhist)};
+  moe::group(dev, recv, layout, k, per, recv_splits, n, cap, grouping, flag);
   int64_t rows = cap * k;
   at::Tensor counts;
   if (padded) {
@@ -215,8 +155,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const a
   }
   at::Tensor out = at::empty({rows, h}, x.options());
   if (rows) {
-    moe_launch(dev, "gocomm_moe_gather", std::min<int64_t>(rows, 2048), row_block(xbytes), 0, "PPPPqqq",
-               {int64_t(addr(out)), recv, at_(Carve::kRowsSorted), gmeta, rows, row, xbytes});
+    moe::gather(dev, int64_t(addr(out)), recv, at_(Carve::kRowsSorted), gmeta, rows, row, xbytes);
   }
   return {out, tpe, ws, counts};
 }
@@ -235,21 +174,19 @@ at::Tensor combine_cuda(const at::Tensor& y_in, const at::Tensor& ws, int64_t to
                     "gocomm moe_combine: y [rows, H] and dispatch's workspace on y's device, for these sizes");
   const uint64_t base = addr(ws);
   auto at_ = [&](int i) { return int64_t(base + uint64_t(c.at[i])); };
-  const char* wsum = wsum_kernel(y.scalar_type());
-  const int64_t block = row_block(row);
+  const at::ScalarType dtype = y.scalar_type();
+  moe::check_sums(dtype);
   at::Tensor tmp = at::empty({recv_rows * h + send_rows * h}, y.options());
   const int64_t partial = int64_t(addr(tmp)), back = partial + recv_rows * row;
   if (recv_rows) {  // gmeta[1]: the rows received
-    moe_launch(dev, wsum, std::min<int64_t>(recv_rows, 65535), block, 0, "PPPPPqPq",
-               {partial, int64_t(addr(y)), at_(Carve::kEIdx), at_(Carve::kWE), at_(Carve::kEOffs), recv_rows,
-                int64_t(base) + c.gmeta + 8, h});
+    moe::wsum(dev, dtype, partial, int64_t(addr(y)), at_(Carve::kEIdx), at_(Carve::kWE), at_(Carve::kEOffs),
+              recv_rows, int64_t(base) + c.gmeta + 8, h);
   }
   path->exchange(uint64_t(partial), recv_rows, uint64_t(at_(Carve::kCsplits)), false, nullptr, uint64_t(back),
                  send_rows, uint64_t(at_(Carve::kBackSplits)), row);
   at::Tensor out = at::empty({tokens, h}, y.options());
   if (tokens) {
-    moe_launch(dev, wsum, std::min<int64_t>(tokens, 65535), block, 0, "PPPPPqPq",
-               {int64_t(addr(out)), back, at_(Carve::kTIdx), 0, at_(Carve::kTOffs), tokens, 0, h});
+    moe::wsum(dev, dtype, int64_t(addr(out)), back, at_(Carve::kTIdx), 0, at_(Carve::kTOffs), tokens, 0, h);
   }
   return out;
 }

@@ -2,6 +2,7 @@
 // control plane (python/gocomm) makes a Dispatcher per sidecar session and a Backend per
 // group; torch calls the Backend's ops directly, never through here.
 #include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
 
@@ -17,6 +18,7 @@
 #include "dispatcher.h"
 #include "ipc_cache.h"
 #include "moe.h"
+#include "moe_kernels.h"
 #include "routes.h"
 #include "wire.h"
 
@@ -391,15 +393,15 @@ PYBIND11_MODULE(_C, m) {
         return ip::Module::get(file).why_not(device);
       },
       "Why the kernels of the package's cubin file do not run on device ('' where they do).");
+  // these may warn (the module does not load): torch's wrapper makes that a Python warning
+  m.def("moe_usable", torch::wrap_pybind_function_no_gil(&ip::moe::usable), py::arg("device"),
+        "Whether the MoE kernels (moe.cubin) run on device; warns once where the module does not load.");
+  m.def("moe_takes", torch::wrap_pybind_function_no_gil(&ip::moe::takes), py::arg("x"), py::arg("k"), py::arg("per"),
+        "Whether moe.dispatch's in-process path takes x with k choices and per experts a rank (and combine of "
+        "x's dtype): bf16, fp16 or fp32 rows of a multiple of 16 bytes, contiguous, on a device the kernels run on.");
   m.def(
-      "kernel_launch",
-      [](const std::string& file, int device, const std::string& name, unsigned grid, unsigned block, unsigned smem,
-         const std::string& sig, const std::vector<int64_t>& vals) {
-        ip::launch(file, device, name, grid, block, smem, sig, vals);
-      },
-      py::arg("file"), py::arg("device"), py::arg("name"), py::arg("grid"), py::arg("block"), py::arg("smem"),
-      py::arg("sig"), py::arg("vals"),
-      "Queue a kernel of the package's cubin file on device's current stream (sig: P address, q int64, i int32).");
+      "moe_row_bytes", [](int64_t xbytes, int64_t k) { return ip::moe::row_layout(xbytes, k).bytes; },
+      py::arg("xbytes"), py::arg("k"), "dispatch's packed row's bytes for tokens of xbytes and k choices.");
   m.def("moe_flags_made", &ip::moe_flags_made, py::arg("device"),
         "Whether a padded moe.dispatch ran on device (gocomm.moe.check waits for the GPU only then).");
   m.def("moe_flags_new", &ip::moe_flags_new, py::arg("device"),

@@ -12,22 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import _client, _kernels
+from . import _client
 from .sparse import _capacity_rows
-
-
-def _inprocess_takes(x: torch.Tensor, k: int, per: int) -> bool:
-    """Whether the kernels take dispatch of x (and combine of its dtype) on their own."""
-    xbytes = x.shape[1] * x.element_size()
-    return (
-        x.dtype in _kernels._WSUM
-        and k > 0
-        and xbytes % 16 == 0
-        and x.is_contiguous()
-        and x.data_ptr() % 16 == 0
-        and _kernels.usable(x.device)
-        and _kernels.group_threads(per) > 0
-    )
 
 
 @dataclass
@@ -75,7 +61,7 @@ def _dispatch_inprocess(group, g, x, idx, w32, experts: int, n: int, bound, padd
     if bound is not None:
         cap = bound * n  # rows the exchange takes
     else:
-        cap = _capacity_rows(_kernels.row_layout(x.shape[1] * x.element_size(), k)[2])
+        cap = _capacity_rows(_client.C.moe_row_bytes(x.shape[1] * x.element_size(), k))
     out, tpe, ws, counts = torch.ops.gocomm.moe_dispatch.default(x, idx, w32, experts, n, cap, padded, g.group_name)
     hd = _InProcess(group, g.group_name, x.device.index, t, x.dtype, ws, k, experts, cap, cap * k, cap, t * min(n, k))
     if padded:

@@ -24,7 +24,9 @@ token, exchange back, sums per token) from what dispatch left on the GPU. dispat
 counts on the host once, to size its output; with padded=True it never does (its output has
 the most rows max_tokens_per_rank allows), so dispatch and combine can be captured in one
 CUDA graph. Elsewhere (NCCL, the sidecar's NVSHMEM kernel, the host engine) the counts cross
-the host once more, as all_to_all_v needs.
+the host once more, as all_to_all_v needs; there the kernels run as three other ops of the
+compiled client around the exchange (torch.ops.gocomm.moe_route_pack, moe_group and moe_wsum,
+csrc/client/moe_kernels.cc, where every kernel's launch shape lives once for both paths).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import _capture, _client, _kernels
-from ._moe_inprocess import _combine_inprocess, _dispatch_inprocess, _InProcess, _inprocess_takes, raise_new
+from . import _capture, _client
+from ._moe_inprocess import _combine_inprocess, _dispatch_inprocess, _InProcess, raise_new
 from .sparse import _capacity_rows, _device_path, all_to_all_v
 
 __all__ = ["Handle", "check", "combine", "dispatch"]
@@ -135,7 +137,7 @@ def dispatch(
     w32 = topk_weights.to(device=dev, dtype=torch.float32).contiguous()
     per = num_experts // n
     path = _device_path(g, x)  # collective at the group's first call on x's device
-    inprocess = isinstance(path, _client.C.A2Path) and not fp8 and _inprocess_takes(x, k, per)
+    inprocess = isinstance(path, _client.C.A2Path) and not fp8 and _client.C.moe_takes(x, k, per)
     if not (inprocess and padded) and x.is_cuda and _capture.capturing():
         _capture.refuse(
             "moe.dispatch",
@@ -169,8 +171,9 @@ def _dispatch(group, g, nv: bool, x, idx, w32, num_experts: int, n: int, fp8: bo
     dev = x.device
     k = idx.shape[1]
     per = num_experts // n
-    routed = None if fp8 else _kernels.route_pack(x, idx, w32, num_experts, n)
-    if routed is not None:
+    # the compiled client's op ([] where the kernels do not take x: torch ops route it)
+    routed = torch.ops.gocomm.moe_route_pack(x, idx, w32, num_experts, n) if x.is_cuda and not fp8 else []
+    if routed:
         # Two kernels route and pack on the GPU; ids out of range choose nothing there and
         # raise after the exchange (every rank takes part in it, so none is left waiting).
         payload, meta, send_order, t_idx, t_offs = routed
@@ -191,7 +194,7 @@ def _dispatch(group, g, nv: bool, x, idx, w32, num_experts: int, n: int, fp8: bo
     recv_p, recv_t = all_to_all_v(payload, send_splits, group=g, out=out)
     recv_t = recv_t.to(dev, torch.int64)
     # Routed on the GPU: grouped by expert there too, before the one read of the counts.
-    grouped = _kernels.group(recv_p, offs[1], offs[2], k, per, recv_t) if meta is not None else None
+    grouped = torch.ops.gocomm.moe_group(recv_p, offs[1], offs[2], k, per, recv_t) if meta is not None else []
     first = [meta, recv_t] if meta is not None else [send_splits, recv_t]
     counts = torch.cat([*first, grouped[-1]] if grouped else first).tolist()
     if meta is not None:
@@ -369,17 +372,18 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
     dev = y.device
     g = handle.group if handle.group is not None else dist.group.WORLD
     rows = sum(handle.recv_splits)
-    if y.is_cuda and y.dtype == handle.dtype and _kernels.usable(y.device):
-        # Two launches of one kernel, each reading its input once: every received token's
-        # expert rows weighted and summed (float32, one rounding), sent back, then every
-        # token's partial sums added up in rank order.
+    if y.is_cuda and y.dtype == handle.dtype and _client.C.moe_usable(y.device.index):
+        # Two launches of one kernel (the compiled client's op; [] where it does not take the
+        # rows), each reading its input once: every received token's expert rows weighted and
+        # summed (float32, one rounding), sent back, then every token's partial sums added up
+        # in rank order.
         e_idx, e_offs, t_idx, t_offs = _sums_of(handle, rows, dev)
-        partial = torch.empty(rows, h, dtype=y.dtype, device=dev)
-        if _kernels.wsum(partial, y.contiguous(), e_idx, handle.weights[e_idx], e_offs):
-            back = _move(partial, handle.recv_splits, handle.send_splits, g)
-            out = torch.empty(handle.tokens, h, dtype=y.dtype, device=dev)
-            if _kernels.wsum(out, back, t_idx, None, t_offs):
-                return out
+        partial = torch.ops.gocomm.moe_wsum(y.contiguous(), e_idx, handle.weights[e_idx], e_offs, rows)
+        if partial:
+            back = _move(partial[0], handle.recv_splits, handle.send_splits, g)
+            out = torch.ops.gocomm.moe_wsum(back, t_idx, None, t_offs, handle.tokens)
+            if out:
+                return out[0]
     partial = torch.zeros(rows, h, dtype=torch.float32, device=dev)
     partial.index_add_(0, handle.rows, y.float().mul_(handle.weights.unsqueeze(1)))
     back = _move(partial.to(handle.dtype), handle.recv_splits, handle.send_splits, g)

@@ -1087,18 +1087,28 @@ def test_moe_cuda_nccl_forced(worlds, seed, size):
         w.close()
 
 
+def _moe_kernels_device() -> torch.device:
+    """cuda:0, where the MoE kernels (gocomm/bin/moe.cubin) must run: skips on a GPU of
+    another architecture (the module is built for sm_90 only)."""
+    from gocomm import _client
+
+    dev = torch.device("cuda", 0)
+    built = os.path.join(os.path.dirname(os.path.abspath(_client.__file__)), "bin", "moe.cubin")
+    assert os.path.exists(built), "make builds gocomm/bin/moe.cubin"
+    why = _client.C.module_why_not("moe.cubin", 0)
+    if torch.cuda.get_device_capability(dev) != (9, 0):
+        pytest.skip(why)
+    assert _client.C.moe_usable(0), why  # built for this GPU: it must load
+    return dev
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_moe_wsum_kernel(seed, dtype):
-    """combine's kernel (kernels/inprocess/moe.cu) against a float64 sum of the same terms: random
-    segments, empty ones among them, weighted and not; rows it cannot take fall back."""
-    from gocomm import _kernels
-
-    assert _kernels.available(), "make builds gocomm/bin/moe.cubin"
+    """combine's kernel (kernels/inprocess/moe.cu) through torch.ops.gocomm.moe_wsum against a
+    float64 sum of the same terms: random segments, empty ones among them, weighted and not;
+    rows it cannot take fall back."""
+    dev = _moe_kernels_device()
     g = torch.Generator().manual_seed(seed)
-    dev = torch.device("cuda", 0)
-    if torch.cuda.get_device_capability(dev) != _kernels._ARCH:
-        pytest.skip(_kernels.why_not(dev))
-    assert _kernels.usable(dev), _kernels.why_not(dev)  # built for this GPU: it must load
     n_src, rows, h = 300, 97, 7168 if dtype != torch.float32 else 1028
     src = (torch.randn(n_src, h, generator=g) * 3).to(dtype)
     counts = torch.randint(0, 5, (rows,), generator=g)
@@ -1111,18 +1121,25 @@ def test_moe_wsum_kernel(seed, dtype):
         want = torch.zeros(rows, h, dtype=torch.float64)
         terms = src.double()[idx] * (weights.double().unsqueeze(1) if weights is not None else 1.0)
         want.index_add_(0, torch.repeat_interleave(torch.arange(rows), counts), terms)
-        out = torch.full((rows, h), float("nan"), dtype=dtype, device=dev)
-        wd = weights.to(dev) if weights is not None else None
-        assert _kernels.wsum(out, src.to(dev), idx.to(dev), wd, offs.to(dev))
+        args = (src.to(dev), idx.to(dev), weights.to(dev) if weights is not None else None, offs.to(dev), rows)
+        # NaNs in a block of the output's size, freed just before the op allocates its output
+        # (its first allocation: the inputs need no conversion), which the caching allocator
+        # most likely hands it: rows the kernel did not write would not read zero
+        torch.full((rows, h), float("nan"), dtype=dtype, device=dev)
+        (out,) = torch.ops.gocomm.moe_wsum(*args)
+        assert (out.shape, out.dtype, out.device) == ((rows, h), dtype, dev)
         got = out.cpu().double()
         err = ((got - want).abs() / (want.abs() + 1)).max().item()
         assert err <= tol, f"{dtype} weighted={weights is not None}: max relative error {err}"
         assert torch.all(got[counts == 0] == 0), "rows without terms are zero"
-        again = torch.empty_like(out)
-        _kernels.wsum(again, src.to(dev), idx.to(dev), wd, offs.to(dev))
+        (again,) = torch.ops.gocomm.moe_wsum(*args)
         assert torch.equal(out, again), "the same sum every time"
-    odd = torch.zeros(rows, 7, dtype=dtype, device=dev)  # 7 elements: not a multiple of 16 bytes
-    assert not _kernels.wsum(odd, torch.zeros(n_src, 7, dtype=dtype, device=dev), idx.to(dev), None, offs.to(dev))
+    odd = torch.zeros(n_src, 7, dtype=dtype, device=dev)  # 7 elements: not a multiple of 16 bytes
+    assert torch.ops.gocomm.moe_wsum(odd, idx.to(dev), None, offs.to(dev), rows) == [], "torch ops take it"
+    f64 = torch.zeros(n_src, 2, dtype=torch.float64, device=dev)  # 16 bytes, but no kernel for float64
+    assert torch.ops.gocomm.moe_wsum(f64, idx.to(dev), None, offs.to(dev), rows) == []
+    (empty,) = torch.ops.gocomm.moe_wsum(src.to(dev), idx[:0].to(dev), None, offs[:1].to(dev), 0)
+    assert empty.shape == (0, h)
 
 
 @pytest.mark.parametrize(
@@ -1141,13 +1158,9 @@ def test_moe_route_group_kernels(seed, tokens, n, k, per):
     """dispatch's routing, packing and grouping kernels on one GPU against a reference built
     in Python from the same ids: every slot, split and offset, more tokens and rows than one
     block takes, -1 entries, ids repeated within a token (more pairs per row than experts
-    per rank), an id out of range, and an overflow that groups nothing."""
-    from gocomm import _kernels
-
-    dev = torch.device("cuda", 0)
-    if torch.cuda.get_device_capability(dev) != _kernels._ARCH:
-        pytest.skip(_kernels.why_not(dev))
-    assert _kernels.usable(dev), _kernels.why_not(dev)
+    per rank), an id out of range, and an overflow that groups nothing: torch.ops.gocomm's
+    moe_route_pack and moe_group, which moe.dispatch's NCCL and NVSHMEM paths run."""
+    dev = _moe_kernels_device()
     g = torch.Generator().manual_seed(seed)
     experts, h = per * n, 64
     idx = torch.randint(0, experts, (tokens, k), generator=g)  # repeats within a token too
@@ -1158,9 +1171,10 @@ def test_moe_route_group_kernels(seed, tokens, n, k, per):
     ranks_of = [sorted({int(e) // per for e in idx[t] if e >= 0}) for t in range(tokens)]
     slots = [(r, t) for r in range(n) for t in range(tokens) if r in ranks_of[t]]
     if tokens == 0:
-        assert _kernels.route_pack(x.to(dev), idx.to(dev), w.to(dev), experts, n) is None  # torch ops take it
+        assert torch.ops.gocomm.moe_route_pack(x.to(dev), idx.to(dev), w.to(dev), experts, n) == []  # torch ops
     else:
-        payload, meta, send_order, t_idx, t_offs = _kernels.route_pack(x.to(dev), idx.to(dev), w.to(dev), experts, n)
+        routed = torch.ops.gocomm.moe_route_pack(x.to(dev), idx.to(dev), w.to(dev), experts, n)
+        payload, meta, send_order, t_idx, t_offs = routed
         meta, send_order, t_idx, t_offs = meta.cpu(), send_order.cpu(), t_idx.cpu(), t_offs.cpu()
         assert meta.tolist() == [sum(1 for r, _ in slots if r == q) for q in range(n)] + [len(slots), 0]
         assert send_order[: len(slots)].tolist() == [t for _, t in slots]
@@ -1179,11 +1193,12 @@ def test_moe_route_group_kernels(seed, tokens, n, k, per):
             dtype=torch.int32,
         ).view(-1, k)
         assert torch.equal(ids, want_ids)
-        ranks9 = _kernels.route_pack(x.to(dev), idx.to(dev), w.to(dev), 9 * per, 9)
-        assert ranks9 is None, "a token's ranks are a byte: more than 8 go to torch ops"
+        ranks9 = torch.ops.gocomm.moe_route_pack(x.to(dev), idx.to(dev), w.to(dev), 9 * per, 9)
+        assert ranks9 == [], "a token's ranks are a byte: more than 8 go to torch ops"
         bad = idx.clone()
         bad[tokens // 2, 0] = experts + 3
-        assert _kernels.route_pack(x.to(dev), bad.to(dev), w.to(dev), experts, n)[1][n + 1].item() == 1
+        bad_meta = torch.ops.gocomm.moe_route_pack(x.to(dev), bad.to(dev), w.to(dev), experts, n)[1]
+        assert bad_meta[n + 1].item() == 1
     # grouping: rows as one rank receives them (local ids in [0, per) or -1), weights
     rows_n = 3 * tokens + 5
     cap = rows_n + 7
@@ -1195,7 +1210,7 @@ def test_moe_route_group_kernels(seed, tokens, n, k, per):
     recv[:rows_n, id_off : id_off + k * 4] = local.contiguous().view(torch.uint8)
     recv[:rows_n, w_off : w_off + k * 4] = wts.contiguous().view(torch.uint8)
     splits = torch.tensor([rows_n // n] * (n - 1) + [rows_n - rows_n // n * (n - 1)])
-    got = _kernels.group(recv.to(dev), id_off, w_off, k, per, splits.to(dev))
+    got = torch.ops.gocomm.moe_group(recv.to(dev), id_off, w_off, k, per, splits.to(dev))
     rows_sorted, w_sorted, tpe, e_idx, e_offs, gmeta = (v.cpu() for v in got)
     pairs = [(e, r, j) for e in range(per) for r in range(rows_n) for j in range(k) if local[r, j] == e]
     assert gmeta.tolist() == [len(pairs), rows_n]
@@ -1206,7 +1221,7 @@ def test_moe_route_group_kernels(seed, tokens, n, k, per):
     in_row = [[place[(r, j)] for j in range(k) if local[r, j] >= 0] for r in range(rows_n)]
     assert e_offs[: rows_n + 1].tolist() == [sum(len(v) for v in in_row[:r]) for r in range(rows_n + 1)]
     assert e_idx[: len(pairs)].tolist() == [p for v in in_row for p in v]
-    over = _kernels.group(recv.to(dev), id_off, w_off, k, per, splits.to(dev) + cap)
+    over = torch.ops.gocomm.moe_group(recv.to(dev), id_off, w_off, k, per, splits.to(dev) + cap)
     assert over[-1].cpu().tolist() == [0, 0] and int(over[2].sum()) == 0, "an overflow groups nothing"
 
 

@@ -76,3 +76,34 @@ def test_moe_ops_refuse_cpu_tensors():
         torch.ops.gocomm.moe_dispatch(x, torch.zeros(4, 2, dtype=torch.int64), torch.ones(4, 2), 4, 2, 8, True, "g")
     with pytest.raises(NotImplementedError):
         torch.ops.gocomm.moe_combine(x, torch.zeros(64, dtype=torch.uint8), 4, 8, 2, 4, 8, 8, "g")
+
+
+def test_moe_kernel_ops_schemas():
+    # the other paths' launches (csrc/client/moe_kernels.cc): each returns [] where the kernels
+    # do not take the input, so moe.py falls back to torch ops; test_gpu runs them
+    for op in (torch.ops.gocomm.moe_route_pack, torch.ops.gocomm.moe_group, torch.ops.gocomm.moe_wsum):
+        s = op.default._schema
+        assert not any(arg.alias_info for arg in s.arguments), str(s)
+        assert [str(r.type) for r in s.returns] == ["List[Tensor]"], str(s)
+    x = torch.ones(4, 8)
+    with pytest.raises(NotImplementedError):  # moe.py routes CPU tensors with torch ops
+        torch.ops.gocomm.moe_route_pack(x, torch.zeros(4, 2, dtype=torch.int64), torch.ones(4, 2), 4, 2)
+    with pytest.raises(NotImplementedError):
+        torch.ops.gocomm.moe_wsum(x, torch.zeros(0, dtype=torch.int64), None, torch.zeros(5, dtype=torch.int64), 4)
+
+
+def test_moe_row_layout():
+    # the kernels' packed row (moe_row_bytes, what the in-process path sizes its receive
+    # capacity by) is the one moe.py's _layout gives the same parts: x, int32 ids, float32 weights
+    from gocomm import _client, moe
+
+    for h, dtype, k in [
+        (7168, torch.bfloat16, 8),
+        (64, torch.float32, 1),
+        (8, torch.float16, 4),
+        (2048, torch.bfloat16, 5),
+    ]:
+        x = torch.empty(0, h, dtype=dtype)
+        parts = [x, torch.empty(0, k, dtype=torch.int32), torch.empty(0, k, dtype=torch.float32)]
+        assert _client.C.moe_row_bytes(h * x.element_size(), k) == moe._layout(parts)[1], (h, dtype, k)
+    assert not _client.C.moe_takes(torch.ones(4, 8), 2, 4), "CPU tensors take torch ops"

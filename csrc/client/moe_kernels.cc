@@ -1,0 +1,271 @@
+#include "moe_kernels.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <vector>
+
+#include "inprocess.h"
+
+namespace gocomm::inproc::moe {
+
+namespace {
+
+constexpr const char* kModule = "moe.cubin";
+constexpr int64_t kGroupSmem = (48 << 10) - 512;  // under 48 KiB, less the static scan and words
+
+int64_t up(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+// The block of the kernels that take a row of nbytes (a multiple of 16) per block: a thread
+// per 16 bytes, in whole warps, at most 256.
+int64_t row_block(int64_t nbytes) {
+  return std::min<int64_t>(256, std::max<int64_t>(32, up(nbytes / 16, 32) * 32));
+}
+
+// Queue kernel name of moe.cubin on device's current stream; sig: a letter per argument, as
+// moe.cu declares them (P an address, q an int64, i an int32).
+void launch_moe(int dev, const char* name, int64_t grid, int64_t block, int64_t smem, const char* sig,
+                const std::vector<int64_t>& vals) {
+  launch(kModule, dev, name, unsigned(grid), unsigned(block), unsigned(smem), sig, vals);
+}
+
+const char* wsum_kernel(at::ScalarType s) {
+  switch (s) {
+    case at::kBFloat16: return "gocomm_moe_wsum_bf16";
+    case at::kHalf: return "gocomm_moe_wsum_f16";
+    case at::kFloat: return "gocomm_moe_wsum_f32";
+    default: return nullptr;
+  }
+}
+
+int64_t addr(const at::Tensor& t) {
+  return int64_t(reinterpret_cast<uintptr_t>(t.data_ptr()));
+}
+
+// t's address, 0 for an empty tensor (the kernels read none of it)
+int64_t addr_or_0(const at::Tensor& t) {
+  return t.numel() ? addr(t) : 0;
+}
+
+std::vector<at::Tensor> route_pack_cuda(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
+                                        int64_t experts, int64_t n) {
+  const int64_t t = x.dim() == 2 ? x.size(0) : 0, xbytes = x.dim() == 2 ? x.size(1) * x.element_size() : 0;
+  if (!x.is_cuda() || !usable(x.get_device()) || t == 0 || xbytes % 16 || !x.is_contiguous() || addr(x) % 16 ||
+      idx.dim() != 2 || idx.size(1) == 0 || n > kRouteMaxRanks) {
+    return {};
+  }
+  // moe.py made them so; the kernels read them without looking
+  TORCH_CHECK_VALUE(idx.size(0) == t && w.sizes() == idx.sizes() && idx.scalar_type() == at::kLong &&
+                        w.scalar_type() == at::kFloat && idx.is_contiguous() && w.is_contiguous() &&
+                        idx.device() == x.device() && w.device() == x.device() && n > 0 && experts > 0 &&
+                        experts % n == 0,
+                    "gocomm moe_route_pack: topk_idx int64 and topk_weights float32 [T, k] contiguous on x's "
+                    "device, num_experts a multiple of ranks");
+  const int dev = x.get_device();
+  c10::cuda::CUDAGuard guard(x.device());
+  const int64_t k = idx.size(1);
+  const auto on = x.options();
+  at::Tensor meta = at::empty({n + 2}, on.dtype(at::kLong));
+  at::Tensor send_order = at::empty({t * n}, on.dtype(at::kLong));
+  at::Tensor send_rank = at::empty({t * n}, on.dtype(at::kInt));
+  at::Tensor payload = at::empty({t * n, row_layout(xbytes, k).bytes}, on.dtype(at::kByte));
+  at::Tensor t_idx = at::empty({t * n}, on.dtype(at::kLong));
+  at::Tensor t_offs = at::empty({t + 1}, on.dtype(at::kLong));
+  at::Tensor mask = at::empty({t}, on.dtype(at::kByte));
+  at::Tensor bcount = at::empty({route_blocks(t).first * (n + 2)}, on.dtype(at::kLong));
+  const Routing r{addr(meta), addr(send_order), addr(send_rank), addr(t_idx), addr(t_offs), addr(mask), addr(bcount)};
+  route(dev, addr(idx), t, k, experts, n, r, 0);
+  pack(dev, addr(payload), addr(x), addr(idx), addr(w), r, t * n, n, k, experts, xbytes);
+  // mask and bcount were made on this stream: freeing them now is safe, the caching allocator
+  // reuses memory in stream order
+  return {payload, meta, send_order, t_idx, t_offs};
+}
+
+std::vector<at::Tensor> group_cuda(const at::Tensor& recv, int64_t id_off, int64_t w_off, int64_t k, int64_t per,
+                                   const at::Tensor& out_splits) {
+  if (!recv.is_cuda() || !usable(recv.get_device()) || !group_threads(per) || !recv.is_contiguous() || k == 0) {
+    return {};
+  }
+  TORCH_CHECK_VALUE(recv.dim() == 2 && recv.scalar_type() == at::kByte && k > 0 && id_off >= 0 &&
+                        id_off + k * 4 <= recv.size(1) && w_off >= 0 && w_off + k * 4 <= recv.size(1),
+                    "gocomm moe_group: recv [rows, row] uint8 holding k local ids at id_off and k weights at w_off");
+  const int dev = recv.get_device();
+  c10::cuda::CUDAGuard guard(recv.device());
+  const int64_t cap = recv.size(0);
+  const auto on = recv.options();
+  const at::Tensor splits = out_splits.to(recv.device(), at::kLong).contiguous();
+  at::Tensor rows_sorted = at::empty({cap * k}, on.dtype(at::kLong));
+  at::Tensor w_sorted = at::empty({cap * k}, on.dtype(at::kFloat));
+  at::Tensor tpe = at::empty({per}, on.dtype(at::kLong));
+  at::Tensor e_idx = at::empty({cap * k}, on.dtype(at::kLong));
+  at::Tensor e_offs = at::empty({cap + 1}, on.dtype(at::kLong));
+  at::Tensor gmeta = at::empty({2}, on.dtype(at::kLong));
+  at::Tensor bhist = at::empty({group_blocks(cap) * (per + 1)}, on.dtype(at::kLong));
+  const Grouping g{addr(rows_sorted), addr(w_sorted), addr(tpe), addr(e_idx), 0, addr(e_offs), addr(gmeta), 0,
+                   addr(bhist)};
+  group(dev, addr(recv), Row{id_off, w_off, recv.size(1)}, k, per, addr(splits), splits.numel(), cap, g, 0);
+  return {rows_sorted, w_sorted, tpe, e_idx, e_offs, gmeta};
+}
+
+std::vector<at::Tensor> wsum_cuda(const at::Tensor& src, const at::Tensor& idx_in,
+                                  const std::optional<at::Tensor>& w_in, const at::Tensor& offs_in, int64_t rows) {
+  const int64_t h = src.dim() == 2 ? src.size(1) : 0;
+  if (!src.is_cuda() || !usable(src.get_device()) || !wsum_kernel(src.scalar_type()) || src.dim() != 2 ||
+      (h * src.element_size()) % 16 || !src.is_contiguous() || addr(src) % 16) {
+    return {};
+  }
+  TORCH_CHECK_VALUE(rows >= 0 && offs_in.numel() == rows + 1,
+                    "gocomm moe_wsum: offs holds rows + 1 offsets, got " + std::to_string(offs_in.numel()) +
+                        " for " + std::to_string(rows) + " rows");
+  const int dev = src.get_device();
+  c10::cuda::CUDAGuard guard(src.device());
+  at::Tensor out = at::empty({rows, h}, src.options());
+  if (rows == 0) {
+    return {out};
+  }
+  // made (or used) on this stream: freeing them after the launch is safe, the caching
+  // allocator reuses memory in stream order
+  const at::Tensor idx = idx_in.to(src.device(), at::kLong).contiguous();
+  const at::Tensor offs = offs_in.to(src.device(), at::kLong).contiguous();
+  at::Tensor w;
+  if (w_in.has_value()) {
+    w = w_in->to(src.device(), at::kFloat).contiguous();
+  }
+  wsum(dev, src.scalar_type(), addr(out), addr_or_0(src), addr_or_0(idx), w.defined() ? addr_or_0(w) : 0, addr(offs),
+       rows, 0, h);
+  return {out};
+}
+
+}  // namespace
+
+std::string why_not(int device) {
+  return Module::get(kModule).why_not(device);
+}
+
+bool usable(int device) {
+  const std::string why = why_not(device);
+  if (why.rfind(kLoadFailed, 0) == 0) {
+    static std::mutex mu;
+    static std::set<int> warned;
+    std::lock_guard<std::mutex> lock(mu);
+    if (warned.insert(device).second) {
+      TORCH_WARN("gocomm: MoE kernels fall back to torch ops: ", why);
+    }
+  }
+  return why.empty();
+}
+
+bool takes(const at::Tensor& x, int64_t k, int64_t per) {
+  const int64_t xbytes = x.dim() == 2 ? x.size(1) * x.element_size() : 1;
+  return x.is_cuda() && wsum_kernel(x.scalar_type()) != nullptr && k > 0 && xbytes % 16 == 0 && x.is_contiguous() &&
+         addr(x) % 16 == 0 && usable(x.get_device()) && group_threads(per) > 0;
+}
+
+Row row_layout(int64_t xbytes, int64_t k) {
+  const int64_t w_off = xbytes + up(k * 4, 16) * 16;
+  return {xbytes, w_off, w_off + up(k * 4, 16) * 16};
+}
+
+std::pair<int64_t, int64_t> route_blocks(int64_t t) {
+  const int64_t threads = std::min<int64_t>(1024, std::max<int64_t>(32, up(t, 32) * 32));
+  return {std::max<int64_t>(1, up(t, threads)), threads};
+}
+
+// about 32 rows a block (one block of 64 threads for 256 rows took 21 us where 8 blocks took 11.7)
+int64_t group_blocks(int64_t cap) {
+  return std::max<int64_t>(1, std::min<int64_t>(64, up(cap, 32)));
+}
+
+// the histogram is per x (threads + 1) int32 in shared memory, after per int64
+int64_t group_threads(int64_t per) {
+  const int64_t t =
+      std::min<int64_t>(1024, ((kGroupSmem - per * 8) / (4 * std::max<int64_t>(per, 1)) - 1) / 32 * 32);
+  return t >= 32 ? t : 0;
+}
+
+void check_ranks(int64_t n) {
+  if (n > kRouteMaxRanks) {
+    C10_THROW_ERROR(ValueError, "gocomm: the routing kernels take at most " + std::to_string(kRouteMaxRanks) +
+                                    " ranks, got " + std::to_string(n));
+  }
+}
+
+void check_sums(at::ScalarType dtype) {
+  if (wsum_kernel(dtype) == nullptr) {
+    C10_THROW_ERROR(TypeError, std::string("gocomm moe: no sums kernel for ") + c10::toString(dtype));
+  }
+}
+
+void route(int dev, int64_t idx, int64_t t, int64_t k, int64_t experts, int64_t n, const Routing& r, int64_t flag) {
+  check_ranks(n);
+  const int64_t per = experts / n;
+  const auto [grid, block] = route_blocks(t);
+  if (grid == 1) {  // both passes in one launch
+    launch_moe(dev, "gocomm_moe_route", 1, block, 0, "PqiqiiPPPPPPPP",
+               {idx, t, k, experts, per, n, r.mask, r.bcount, r.meta, r.send_order, r.send_rank, r.t_idx, r.t_offs,
+                flag});
+    return;
+  }
+  launch_moe(dev, "gocomm_moe_route_count", grid, block, 0, "PqiqiiPP",
+             {idx, t, k, experts, per, n, r.mask, r.bcount});
+  launch_moe(dev, "gocomm_moe_route_place", grid, block, 0, "qiPPPPPPPP",
+             {t, n, r.mask, r.bcount, r.meta, r.send_order, r.send_rank, r.t_idx, r.t_offs, flag});
+}
+
+void pack(int dev, int64_t payload, int64_t x, int64_t idx, int64_t w, const Routing& r, int64_t rows, int64_t n,
+          int64_t k, int64_t experts, int64_t xbytes) {
+  const Row row = row_layout(xbytes, k);
+  launch_moe(dev, "gocomm_moe_pack", std::min<int64_t>(rows, 4096), row_block(xbytes), 0, "PPPPPPPiiqiqqqq",
+             {payload, x, idx, w, r.meta, r.send_order, r.send_rank, n, k, experts, experts / n, xbytes, row.id_off,
+              row.w_off, row.bytes});
+}
+
+void group(int dev, int64_t recv, const Row& row, int64_t k, int64_t per, int64_t out_splits, int64_t n, int64_t cap,
+           const Grouping& g, int64_t flag) {
+  const int64_t threads = group_threads(per), blocks = group_blocks(cap);
+  const int64_t smem = per * 8 + per * (threads + 1) * 4;
+  const std::vector<int64_t> args = {recv,          row.bytes, row.id_off, row.w_off, k,       per,    out_splits,
+                                     n,             cap,       g.bhist,    g.rows_sorted, g.w_sorted, g.tpe, g.e_idx,
+                                     g.w_e,         g.e_offs,  g.gmeta,    g.back,    flag};
+  if (blocks == 1) {  // both passes in one launch
+    launch_moe(dev, "gocomm_moe_group", 1, threads, smem, "PqqqiiPiqPPPPPPPPPP", args);
+    return;
+  }
+  launch_moe(dev, "gocomm_moe_group_count", blocks, threads, per * (threads + 1) * 4, "PqqiiPiqP",
+             {recv, row.bytes, row.id_off, k, per, out_splits, n, cap, g.bhist});
+  launch_moe(dev, "gocomm_moe_group_place", blocks, threads, smem, "PqqqiiPiqPPPPPPPPPP", args);
+}
+
+void gather(int dev, int64_t out, int64_t src, int64_t rows, int64_t count, int64_t cap, int64_t stride,
+            int64_t nbytes) {
+  launch_moe(dev, "gocomm_moe_gather", std::min<int64_t>(cap, 2048), row_block(nbytes), 0, "PPPPqqq",
+             {out, src, rows, count, cap, stride, nbytes});
+}
+
+void wsum(int dev, at::ScalarType dtype, int64_t out, int64_t src, int64_t idx, int64_t w, int64_t offs, int64_t rows,
+          int64_t nrows, int64_t h) {
+  check_sums(dtype);
+  launch_moe(dev, wsum_kernel(dtype), std::min<int64_t>(rows, 65535), row_block(h * c10::elementSize(dtype)), 0, "PPPPPqPq",
+             {out, src, idx, w, offs, rows, nrows, h});
+}
+
+}  // namespace gocomm::inproc::moe
+
+TORCH_LIBRARY_FRAGMENT(gocomm, m) {
+  m.def("moe_route_pack(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, int ranks) -> Tensor[]");
+  m.def("moe_group(Tensor recv, int id_off, int w_off, int k, int per, Tensor out_splits) -> Tensor[]");
+  m.def("moe_wsum(Tensor src, Tensor idx, Tensor? weights, Tensor offs, int rows) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(gocomm, CUDA, m) {
+  m.impl("moe_route_pack", &gocomm::inproc::moe::route_pack_cuda);
+  m.impl("moe_group", &gocomm::inproc::moe::group_cuda);
+  m.impl("moe_wsum", &gocomm::inproc::moe::wsum_cuda);
+}

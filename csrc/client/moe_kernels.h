@@ -1,0 +1,99 @@
+// kernels/inprocess/moe.cu's launches (moe.cubin, loaded by inprocess.cc's Module): each
+// kernel's launch shape and argument types, once, for both of gocomm.moe's GPU paths. The
+// in-process ops (moe.cc) launch them over one workspace; the other paths (NCCL, the sidecar's
+// NVSHMEM kernel: their exchange is gocomm.all_to_all_v, between the launches) call three
+// registered ops of their own, each [] where the kernels do not take the input (then moe.py
+// uses torch ops):
+//
+//   moe_route_pack(x, topk_idx, topk_weights, num_experts, ranks) -> Tensor[]
+//     [payload [T*n, row] uint8 whose first meta[n] rows are filled, meta int64 [n+2] (rows
+//     per rank, their sum, 1 if an id was out of range), send_order int64 [T*n] (the token of
+//     each row), t_idx int64 [T*n], t_offs int64 [T+1] (token t's rows are
+//     t_idx[t_offs[t]:t_offs[t+1]])]. topk_idx int64 and topk_weights float32 [T, k] on x's
+//     device, contiguous. Two launches, no sync.
+//   moe_group(recv, id_off, w_off, k, per, out_splits) -> Tensor[]
+//     dispatch's receive side: recv [cap, row] uint8 as route_pack packs it, its first
+//     sum(out_splits) rows received. [rows_sorted int64 [cap*k], w_sorted float32 [cap*k],
+//     tokens_per_expert int64 [per], e_idx int64 [cap*k], e_offs int64 [cap+1], gmeta int64
+//     [2] = (pairs, rows)]. Two launches, no sync.
+//   moe_wsum(src, idx, weights, offs, rows) -> Tensor[]
+//     [out [rows, H] in src's dtype]: out[r] = sum over j in [offs[r], offs[r+1]) of
+//     weights[j] * src[idx[j]] in float32, rounded once (a row without terms is zero).
+//     idx int64, weights float32 (None: weight 1), offs int64 [rows+1].
+//
+// No Meta kernels: whether the kernels take the input is known only on the device, and these
+// paths read the counts on the host anyway (never captured, never traced).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+namespace gocomm::inproc::moe {
+
+constexpr int64_t kRouteMaxRanks = 8;  // the routing kernels keep a token's ranks in a byte
+// ValueError where the routing kernels do not take n ranks (more than kRouteMaxRanks).
+void check_ranks(int64_t n);
+// TypeError where no sums kernel takes dtype (they take bf16, fp16 and fp32).
+void check_sums(at::ScalarType dtype);
+
+// Why the kernels do not run on device ("" where they do): the module was not built, is built
+// for another architecture, or does not load there.
+std::string why_not(int device);
+// Whether they do; warns once per device where the module does not load.
+bool usable(int device);
+// Whether the in-process path's kernels take dispatch of x with k choices and per experts a
+// rank (and combine of x's dtype).
+bool takes(const at::Tensor& x, int64_t k, int64_t per);
+
+// dispatch's packed row for tokens of xbytes (a multiple of 16) and k choices: x, the local
+// ids (int32 [k]) at id_off, the weights (float32 [k]) at w_off; every part 16-byte aligned,
+// as moe.py's _layout lays it.
+struct Row {
+  int64_t id_off, w_off, bytes;
+};
+Row row_layout(int64_t xbytes, int64_t k);
+
+// The routing kernels' grid and block for t tokens (a thread per token).
+std::pair<int64_t, int64_t> route_blocks(int64_t t);
+// The grouping kernels' grid for at most cap received rows.
+int64_t group_blocks(int64_t cap);
+// The grouping kernels' block for per local experts; 0 where per is too many.
+int64_t group_threads(int64_t per);
+
+// The launches, by address, on device's current stream (moe.cu says what each buffer holds).
+
+// What routing writes: meta [n+2], send_order [t*n], send_rank int32 [t*n], t_idx [t*n], t_offs
+// [t+1]; mask (t bytes) and bcount (route_blocks(t).first x (n+2) int64) are its scratch.
+struct Routing {
+  int64_t meta, send_order, send_rank, t_idx, t_offs, mask, bcount;
+};
+// gocomm_moe_route_count and _place (one launch where one block takes every token) for t
+// tokens of k choices among experts, n ranks (check_ranks); flag: 0 or a host word that counts
+// padded dispatches' ids out of range.
+void route(int dev, int64_t idx, int64_t t, int64_t k, int64_t experts, int64_t n, const Routing& r, int64_t flag);
+// gocomm_moe_pack: payload (rows of row_layout(xbytes, k), at most `rows` of them) gets the r.meta[n]
+// rows routing placed.
+void pack(int dev, int64_t payload, int64_t x, int64_t idx, int64_t w, const Routing& r, int64_t rows, int64_t n,
+          int64_t k, int64_t experts, int64_t xbytes);
+
+// What grouping writes (w_e and back: 0 for none); bhist holds group_blocks(cap) x (per+1) int64.
+struct Grouping {
+  int64_t rows_sorted, w_sorted, tpe, e_idx, w_e, e_offs, gmeta, back, bhist;
+};
+// gocomm_moe_group_count and _place (one launch where one block takes every row): recv holds
+// at most cap rows of row bytes, the first sum(out_splits[:n]) received; flag as route's.
+void group(int dev, int64_t recv, const Row& row, int64_t k, int64_t per, int64_t out_splits, int64_t n, int64_t cap,
+           const Grouping& g, int64_t flag);
+// gocomm_moe_gather: out[p] = the first nbytes of src's row rows[p] (rows stride apart), for p
+// below the int64 count at address count and below cap.
+void gather(int dev, int64_t out, int64_t src, int64_t rows, int64_t count, int64_t cap, int64_t stride,
+            int64_t nbytes);
+// gocomm_moe_wsum_<dtype> (check_sums): rows is the most rows,
+// nrows (0: none) the address of an int64 count on the GPU that may cut them.
+void wsum(int dev, at::ScalarType dtype, int64_t out, int64_t src, int64_t idx, int64_t w, int64_t offs, int64_t rows,
+          int64_t nrows, int64_t h);
+
+}  // namespace gocomm::inproc::moe
