@@ -145,10 +145,10 @@ void check_dispatch(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
   TORCH_CHECK_VALUE(experts > 0 && experts % n == 0, "gocomm moe.dispatch: " + std::to_string(experts) +
                                                          " experts do not spread evenly over " + std::to_string(n) +
                                                          " ranks");
-  TORCH_CHECK_VALUE(cap >= 0, "gocomm moe_dispatch: cap must be >= 0, got " + std::to_string(cap));
   // padded: cap is max_tokens_per_rank x n
   TORCH_CHECK_VALUE(!padded || cap >= t * n, "gocomm moe.dispatch: max_tokens_per_rank " + std::to_string(cap / n) +
                                                  " < this rank's " + std::to_string(t) + " tokens");
+  TORCH_CHECK_VALUE(cap >= 0, "gocomm moe_dispatch: cap must be >= 0, got " + std::to_string(cap));
   const auto s = x.scalar_type();
   TORCH_CHECK_NOT_IMPLEMENTED((s == at::kBFloat16 || s == at::kHalf || s == at::kFloat) && idx.size(1) > 0 &&
                                   (x.size(1) * x.element_size()) % 16 == 0 && x.is_contiguous() &&
