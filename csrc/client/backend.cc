@@ -34,6 +34,14 @@ struct Backend::Op {
   c10d::OpType type = c10d::OpType::UNKNOWN;
 };
 
+std::string shape_name(at::IntArrayRef s) {
+  std::string r = "(";
+  for (size_t i = 0; i < s.size(); i++) {
+    r += (i ? ", " : "") + std::to_string(s[i]);
+  }
+  return r + (s.size() == 1 ? ",)" : ")");
+}
+
 std::string dtype_name(at::ScalarType s) {
   switch (s) {
     case at::ScalarType::Bool: return "torch.bool";
@@ -476,8 +484,8 @@ Backend& Backend::of(const std::string& group, const std::string& op) {
 
 std::shared_ptr<inproc::A2Path> Backend::a2av_path_for(const at::Tensor& input, const std::string& op) {
   auto path = engine_->a2av_path(input.device().index());
-  TORCH_CHECK(path, "gocomm " + op + ": the in-process kernel does not serve group '" + group_name() + "' on " +
-                        input.device().str() + " (its route table says why: gocomm.info())");
+  TORCH_CHECK_NOT_IMPLEMENTED(path, "gocomm " + op + ": the in-process kernel does not serve group '" + group_name() +
+                                        "' on " + input.device().str() + " (its route table says why: gocomm.info())");
   return path;
 }
 

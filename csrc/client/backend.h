@@ -30,6 +30,8 @@ namespace gocomm {
 
 // A dtype as Python spells it ("torch.float32").
 std::string dtype_name(at::ScalarType s);
+// A shape as Python prints a tuple ("(5,)", "(2, 3)").
+std::string shape_name(at::IntArrayRef s);
 // The wire.DType code of a torch dtype; 0 for a dtype gocomm does not carry.
 int wire_dtype(at::ScalarType s);
 // Why op (a wire::RedOp) cannot reduce dtype on CPU tensors (the host engine, cuda=false) or
@@ -137,8 +139,10 @@ class Backend : public c10d::Backend {
   // The gocomm backend of the group named group (torch.ops.gocomm take groups by name);
   // raises naming op where the group is not a gocomm group.
   static Backend& of(const std::string& group, const std::string& op);
-  // Its in-process all_to_all_v path on input's device; raises naming op where the route
-  // table does not send the group's all_to_all_v there.
+  // Its in-process all_to_all_v path on input's device; raises NotImplementedError naming op
+  // where the route table does not send the group's all_to_all_v there (or no longer does: the
+  // group destroyed or broken), before the op has done anything, so that a caller that cached
+  // the path (python/gocomm/sparse.py) can forget it and take another.
   std::shared_ptr<inproc::A2Path> a2av_path_for(const at::Tensor& input, const std::string& op);
   // The first failure of an op of this group, if any.
   std::optional<std::string> broken() { return failure_->get(); }

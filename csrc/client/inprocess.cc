@@ -60,14 +60,6 @@ std::string repr_of(const std::string& s) {
   return "'" + s + "'";
 }
 
-std::string shape_of(at::IntArrayRef s) {
-  std::string r = "(";
-  for (size_t i = 0; i < s.size(); i++) {
-    r += (i ? ", " : "") + std::to_string(s[i]);
-  }
-  return r + (s.size() == 1 ? ",)" : ")");
-}
-
 // Why an exception turned a path off, as Python named it.
 std::string why_of(const std::exception& e) {
   if (dynamic_cast<const cuda::Error*>(&e) != nullptr) {
@@ -92,7 +84,7 @@ int64_t row_bytes(const std::string& op, const at::Tensor& inp, int64_t out_rows
   }
   if (std::max({inp.size(0), out_rows, row}) > kInt31) {
     C10_THROW_ERROR(ValueError, "gocomm " + op + ": at most 2^31 - 1 rows of at most 2^31 - 1 bytes, got " +
-                                    shape_of(inp.sizes()) +
+                                    shape_name(inp.sizes()) +
                                     (out_rows ? " and " + std::to_string(out_rows) + " output rows" : ""));
   }
   return row;

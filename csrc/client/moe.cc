@@ -89,21 +89,49 @@ uint64_t addr(const at::Tensor& t) {
   return reinterpret_cast<uint64_t>(t.data_ptr());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const at::Tensor& x, const at::Tensor& idx,
-                                                                         const at::Tensor& w, int64_t experts,
-                                                                         int64_t ranks, int64_t cap, bool padded,
-                                                                         std::string group) {
-  // moe.py checked the arguments; what the kernels read past without looking, checked again
-  TORCH_CHECK_VALUE(x.dim() == 2 && idx.dim() == 2 && idx.size(0) == x.size(0) && w.sizes() == idx.sizes() &&
-                        idx.scalar_type() == at::kLong && w.scalar_type() == at::kFloat && x.is_contiguous() &&
-                        idx.is_contiguous() && w.is_contiguous() && idx.device() == x.device() &&
-                        w.device() == x.device() && cap >= 0,
-                    "gocomm moe_dispatch: x [T, H] contiguous, topk_idx int64 and topk_weights float32 [T, k] "
-                    "contiguous on x's device, cap >= 0");
+// gocomm.moe.dispatch's arguments on a group of n ranks, with the errors moe.py raises on its
+// other paths (its fast path leaves them to the op); then whether the kernels take x
+// (moe_kernels' takes, the rule moe.py's slow path asks through _C.moe_takes):
+// NotImplementedError where not, and moe.py takes its other paths. Raised before
+// anything is done.
+void check_dispatch(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w, int64_t experts, int64_t n,
+                    int64_t cap, bool padded) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "gocomm moe.dispatch: x must be [tokens, hidden], got shape " + shape_name(x.sizes()));
+  const int64_t t = x.size(0);
+  TORCH_CHECK_VALUE(idx.dim() == 2 && idx.size(0) == t && w.sizes() == idx.sizes(),
+                    "gocomm moe.dispatch: topk_idx " + shape_name(idx.sizes()) + " and topk_weights " +
+                        shape_name(w.sizes()) + " must both be [" + std::to_string(t) + ", k]");
+  TORCH_CHECK_TYPE(c10::isIntegralType(idx.scalar_type(), false),
+                   "gocomm moe.dispatch: topk_idx must hold integers, got " + dtype_name(idx.scalar_type()));
+  TORCH_CHECK_VALUE(experts > 0 && experts % n == 0, "gocomm moe.dispatch: " + std::to_string(experts) +
+                                                         " experts do not spread evenly over " + std::to_string(n) +
+                                                         " ranks");
+  // padded: cap is max_tokens_per_rank x n
+  TORCH_CHECK_VALUE(!padded || cap >= t * n, "gocomm moe.dispatch: max_tokens_per_rank " + std::to_string(cap / n) +
+                                                 " < this rank's " + std::to_string(t) + " tokens");
+  TORCH_CHECK_VALUE(cap >= 0, "gocomm moe_dispatch: cap must be >= 0, got " + std::to_string(cap));
+  const auto s = x.scalar_type();
+  TORCH_CHECK_NOT_IMPLEMENTED(moe::takes(x, idx.size(1), experts / n),
+                              "gocomm moe.dispatch: the in-process kernels do not take x (" + dtype_name(s) +
+                                  ", rows of a multiple of 16 bytes, contiguous, 16-byte aligned) with k " +
+                                  std::to_string(idx.size(1)) + " and " + std::to_string(experts / n) +
+                                  " experts per rank");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const at::Tensor& x,
+                                                                         const at::Tensor& topk_idx,
+                                                                         const at::Tensor& topk_weights,
+                                                                         int64_t experts, int64_t ranks, int64_t cap,
+                                                                         bool padded, std::string group) {
   auto [b, path] = path_of(group, x, "moe.dispatch");
   const int64_t n = b->engine().size();
   TORCH_CHECK_VALUE(ranks == n, "gocomm moe_dispatch: group '" + group + "' has " + std::to_string(n) +
                                     " ranks, not " + std::to_string(ranks));
+  check_dispatch(x, topk_idx, topk_weights, experts, n, cap, padded);
+  // int64 ids and float32 weights on x's device, contiguous, as the kernels read them (no copy
+  // where they are)
+  const at::Tensor idx = topk_idx.to(x.device(), at::kLong).contiguous();
+  const at::Tensor w = topk_weights.to(x.device(), at::kFloat).contiguous();
   const int64_t t = x.size(0), h = x.size(1), k = idx.size(1), per = experts / n;
   moe::check_ranks(n);
   const int dev = path->device();
@@ -162,6 +190,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const a
 
 at::Tensor combine_cuda(const at::Tensor& y_in, const at::Tensor& ws, int64_t tokens, int64_t cap, int64_t k,
                         int64_t experts, int64_t recv_rows, int64_t send_rows, std::string group) {
+  // moe.py checked y's rows, dtype and device against dispatch's; the rest here
+  TORCH_CHECK_VALUE(y_in.dim() == 2, "gocomm moe.combine: y must be [rows, hidden], got shape " +
+                                         shape_name(y_in.sizes()));
+  TORCH_CHECK_VALUE((y_in.size(1) * y_in.element_size()) % 16 == 0,
+                    "gocomm moe.combine: y's rows must be a multiple of 16 bytes like dispatch's x, got " +
+                        std::to_string(y_in.size(1)));
   auto [b, path] = path_of(group, y_in, "moe.combine");
   const int64_t n = b->engine().size(), per = experts / n;
   const int dev = path->device();

@@ -1,7 +1,9 @@
 // gocomm.moe's in-process path (the group's exchange is the compiled client's all_to_all_v
 // kernel: GPUs that share NVLink) as registered operators, so that a dispatch or a combine is
 // one dispatcher op: torch -> C++ -> the launches (kernels/inprocess/moe.cu and a2av_ipc.cu),
-// no Python between them. moe.py checks the arguments and raises the errors; moe.cc launches.
+// no Python between them. The ops check the arguments, and raise NotImplementedError before
+// doing anything where the kernels do not take x or the path no longer serves the group
+// (moe.py then takes its other paths); moe.py raises the errors the GPU found.
 //
 //   moe_dispatch(x, topk_idx, topk_weights, num_experts, ranks, cap, padded, group_name)
 //       -> (recv, tokens_per_expert, ws, counts)
@@ -11,6 +13,8 @@
 //     else one sync: counts is int64 [2n + 4] on the host (meta [n + 2], recv splits [n],
 //     pairs, rows received) and recv has the pairs' rows (none where counts hold an error).
 //     A padded counts is an empty int64 tensor on x's device. Meta kernel: the padded form.
+//     topk_idx: any integer dtype, topk_weights: any float dtype, either on any device
+//     (copied as int64 / float32 to x's device where they are not so).
 //   moe_combine(y, ws, tokens, cap, k, num_experts, recv_rows, send_rows, group_name) -> out
 //     the weighted sums per received token, the exchange back, the sums per token: [tokens,
 //     hidden] in y's dtype. recv_rows and send_rows bound what the exchange moves each way.

@@ -30,6 +30,29 @@ log = logging.getLogger("gocomm")
 _groups: weakref.WeakSet = weakref.WeakSet()
 
 
+class Served:
+    """A group whose in-process all_to_all_v serves a CUDA device: what gocomm.all_to_all_v
+    and gocomm.moe would otherwise look up on every call (see served)."""
+
+    __slots__ = ("group", "name", "size", "cap", "moe")
+
+    def __init__(self, group: _Group, name: str, size: int, cap: int):
+        self.group = group  # the group's state, whose destroy drops the entry
+        self.name = name  # the group's name, which torch.ops.gocomm take
+        self.size = size
+        self.cap = cap  # the receive buffer's bytes
+        self.moe = False  # gocomm.moe's kernels run on the device too (moe.dispatch found so)
+
+
+# (ProcessGroup, device index) -> Served, made by the group's first all_to_all_v or
+# moe.dispatch on that device (which sets the path up, collectively). Their fast paths call the
+# registered op (csrc/client/ops.cc, moe.cc) with no other lookup or check; the op checks the
+# arguments and raises NotImplementedError, before doing anything, where the path no longer
+# serves the group (destroyed, broken, the sidecar gone), and the caller then drops the entry
+# and takes its other paths. A destroyed group drops its entries (_Group._destroy).
+served: dict = {}
+
+
 # The longest timeout the sidecar takes (wire.MaxTimeout, 100 years): a longer one, such as
 # timedelta.max, is sent as this instead of overflowing into a short or negative one.
 _MAX_TIMEOUT_S = 100 * 365 * 24 * 3600
@@ -243,6 +266,9 @@ class _Group:
 
     def _destroy(self) -> None:
         """The backend's shutdown(): leave the group (pending ops fail, peer links close)."""
+        for key, e in list(served.items()):
+            if e.group is self:
+                served.pop(key, None)
         if self._sc.lost:
             return
         try:

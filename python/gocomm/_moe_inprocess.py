@@ -12,8 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import _client
-from .sparse import _capacity_rows
+from . import _backend, _client
+
+# the ops (csrc/client/moe.cc), called as overloads: the packet's call resolves the overload
+_DISPATCH = torch.ops.gocomm.moe_dispatch.default
+_COMBINE = torch.ops.gocomm.moe_combine.default
 
 
 @dataclass
@@ -54,22 +57,22 @@ def raise_new(device: int, experts: int) -> None:
         )
 
 
-def _dispatch_inprocess(group, g, x, idx, w32, experts: int, n: int, bound, padded: bool):
-    """dispatch where the exchange is the in-process kernel: one op, no host sync when padded
-    (else one, in the op, to size the output)."""
-    t, k = x.shape[0], idx.shape[1]
-    if bound is not None:
-        cap = bound * n  # rows the exchange takes
-    else:
-        cap = _capacity_rows(_client.C.moe_row_bytes(x.shape[1] * x.element_size(), k))
-    out, tpe, ws, counts = torch.ops.gocomm.moe_dispatch.default(x, idx, w32, experts, n, cap, padded, g.group_name)
-    hd = _InProcess(group, g.group_name, x.device.index, t, x.dtype, ws, k, experts, cap, cap * k, cap, t * min(n, k))
+def _dispatch_inprocess(group, fast: _backend.Served, x, topk_idx, topk_weights, experts: int, cap: int, padded: bool):
+    """dispatch where the exchange is the in-process kernel: one op, which checks the arguments
+    and converts topk_idx / topk_weights where they are not int64 / float32 on x's device; no
+    host sync when padded (else one, in the op, to size the output). cap: the rows the exchange
+    takes. NotImplementedError where the kernels do not take x, or no longer serve the group
+    (nothing was done)."""
+    n = fast.size
+    out, tpe, ws, counts = _DISPATCH(x, topk_idx, topk_weights, experts, n, cap, padded, fast.name)
+    t, k = x.shape[0], topk_idx.shape[1]
+    hd = _InProcess(group, fast.name, x.get_device(), t, x.dtype, ws, k, experts, cap, cap * k, cap, t * min(n, k))
     if padded:
         return out, tpe, hd
     counts = counts.tolist()
     send, bad, recv_n = counts[:n], counts[n + 1], counts[n + 2 : 2 * n + 2]
     if bad:
-        lo, hi = torch.stack(torch.aminmax(idx)).tolist()
+        lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
         raise ValueError(
             f"gocomm moe.dispatch: topk_idx must be in [-1, {experts}), got {lo}..{hi} "
             "(those entries were sent nowhere)"
@@ -89,16 +92,12 @@ def _combine_inprocess(y: torch.Tensor, hd: _InProcess) -> torch.Tensor:
     back, the token side's sums) from the routing dispatch left on the GPU; no sync."""
     if y.dim() != 2 or y.shape[0] != hd.y_rows:
         raise ValueError(f"gocomm moe.combine: y must be [{hd.y_rows}, hidden] (dispatch's rows), got {tuple(y.shape)}")
-    if y.dtype != hd.dtype or y.device.index != hd.device:
+    if y.dtype != hd.dtype or y.get_device() != hd.device:
         raise ValueError(
             f"gocomm moe.combine: y must be {hd.dtype} on cuda:{hd.device} like dispatch's x, got {y.dtype} on {y.device}"
         )
-    h = y.shape[1]
-    if (h * y.element_size()) % 16:
-        raise ValueError(f"gocomm moe.combine: y's rows must be a multiple of 16 bytes like dispatch's x, got {h}")
-    out = torch.ops.gocomm.moe_combine.default(
-        y, hd.ws, hd.tokens, hd.cap, hd.k, hd.experts, hd.recv_rows, hd.send_rows, hd.name
-    )
+    # the op checks the rest (rows of a multiple of 16 bytes)
+    out = _COMBINE(y, hd.ws, hd.tokens, hd.cap, hd.k, hd.experts, hd.recv_rows, hd.send_rows, hd.name)
     if hd.send_splits is None:  # padded: what the GPU found, after this pair's last exchange
         raise_new(hd.device, hd.experts)
     return out

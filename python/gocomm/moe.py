@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import _capture, _client
+from . import _backend, _capture, _client
 from ._moe_inprocess import _combine_inprocess, _dispatch_inprocess, _InProcess, raise_new
 from .sparse import _capacity_rows, _device_path, all_to_all_v
 
@@ -112,6 +112,17 @@ def dispatch(
         int64 tensor of E/n counts on x's device; handle is for combine.
     """
     g = group if group is not None else dist.group.WORLD
+    if padded and not fp8 and max_tokens_per_rank is not None:
+        # the fast path: the group's in-process kernels serve x's device (found at an earlier
+        # dispatch); the op checks the arguments and converts topk_idx / topk_weights
+        fast = _backend.served.get((g, x.get_device()))
+        if fast is not None and fast.moe:
+            try:
+                return _dispatch_inprocess(
+                    group, fast, x, topk_idx, topk_weights, num_experts, max_tokens_per_rank * fast.size, True
+                )
+            except NotImplementedError:  # the kernels do not take x (dtype, alignment), or the path is gone
+                _backend.served.pop((g, x.get_device()), None)
     n = dist.get_world_size(g)
     if x.dim() != 2:
         raise ValueError(f"gocomm moe.dispatch: x must be [tokens, hidden], got shape {tuple(x.shape)}")
@@ -147,7 +158,13 @@ def dispatch(
             else "on this group (or with fp8, or this shape) its exchange reads the counts on the host",
         )
     if inprocess:
-        return _dispatch_inprocess(group, g, x, idx, w32, num_experts, n, max_tokens_per_rank, padded)
+        fast = _backend.served[g, x.get_device()]
+        fast.moe = True  # the kernels run on x's device: later padded calls take the fast path
+        if max_tokens_per_rank is not None:
+            cap = max_tokens_per_rank * n  # rows the exchange takes
+        else:
+            cap = _capacity_rows(_client.C.moe_row_bytes(h * x.element_size(), k))
+        return _dispatch_inprocess(group, fast, x, idx, w32, num_experts, cap, padded)
     recv, tokens_per_expert, handle = _dispatch(
         group, g, path is not None, x, idx, w32, num_experts, n, fp8, max_tokens_per_rank
     )

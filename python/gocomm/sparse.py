@@ -24,21 +24,42 @@ from . import _backend, _capture, _client, _sidecar, _wire
 __all__ = ["all_to_all_v", "receive_buffer"]
 
 _SPLIT_DTYPES = (torch.int32, torch.int64)
+# the in-process path's ops (csrc/client/ops.cc), called as overloads: the packet's call
+# resolves the overload on every call
+_A2AV = torch.ops.gocomm.all_to_all_v.default
+_A2AV_OUT = torch.ops.gocomm.all_to_all_v_out.default
 
 
 def _device_path(g, input: torch.Tensor):
     """How all_to_all_v of input on g moves rows with splits on the GPU: the in-process kernel
-    (a gocomm._C.A2Path), the sidecar's NVSHMEM kernel (True), or not at all (None: the
-    counts go through the host). Collective at a group's first call on a device (the shim's
-    kernel is set up then), so every caller calls it where all ranks do."""
+    (a gocomm._C.A2Path, remembered in _backend.served for the fast paths), the sidecar's
+    NVSHMEM kernel (True), or not at all (None: the counts go through the host). Collective at
+    a group's first call on a device (the shim's kernel is set up then), so every caller calls
+    it where all ranks do."""
     st = _backend.state(g)
     routes = getattr(st, "_routes", None)
     if not input.is_cuda or routes is None or not routes.splits_on_gpu:
         return None
-    path = st._a2av_path(input.get_device())
+    idx = input.get_device()
+    path = st._a2av_path(idx)
     if path is not None:
+        if (g, idx) not in _backend.served:
+            _backend.served[g, idx] = _backend.Served(st, g.group_name, st.size(), path.cap)
         return path
     return True if g is dist.group.WORLD else None
+
+
+def _inprocess(fast: _backend.Served, input, in_splits, out):
+    """all_to_all_v in the in-process kernel: one registered op (csrc/client/ops.cc), which
+    checks the arguments; nothing here waits for the GPU. NotImplementedError where the kernel
+    no longer serves the group (nothing was done)."""
+    if out is None:  # input's rows times the group size, at most what recv holds at once
+        rows = input.shape[0] if input.dim() else 0  # a 0-d input: the op raises
+        row = input.element_size() * math.prod(input.shape[1:])
+        out, out_splits = _A2AV(input, in_splits, min(rows * fast.size, fast.cap // max(row, 1)), fast.name)
+    else:
+        out_splits = _A2AV_OUT(input, in_splits, out, fast.name)
+    return out, out_splits if in_splits.is_cuda else out_splits.cpu()
 
 
 def _capacity_rows(row_bytes: int) -> int:
@@ -166,6 +187,15 @@ def all_to_all_v(
         replayed graph would not).
     """
     g = group if group is not None else dist.group.WORLD
+    if isinstance(input, torch.Tensor) and isinstance(in_splits, torch.Tensor):
+        # the fast path: the group's in-process kernel serves input's device (found at an
+        # earlier call); the op checks the arguments
+        fast = _backend.served.get((g, input.get_device()))
+        if fast is not None:
+            try:
+                return _inprocess(fast, input, in_splits, out)
+            except NotImplementedError:  # the path is gone (destroyed, broken): the others say why
+                _backend.served.pop((g, input.get_device()), None)
     n = dist.get_world_size(g)
     if not isinstance(input, torch.Tensor) or not isinstance(in_splits, torch.Tensor):
         raise TypeError("gocomm all_to_all_v: input and in_splits must be tensors")
@@ -190,15 +220,7 @@ def all_to_all_v(
             raise ValueError("gocomm all_to_all_v: out must be contiguous")
     path = _device_path(g, input)
     if isinstance(path, _client.C.A2Path):
-        # the in-process kernel: one registered op of the compiled client (csrc/client/ops.cc);
-        # nothing here waits for the GPU
-        if out is None:  # input's rows times the group size, at most what recv holds at once
-            row = input.element_size() * math.prod(input.shape[1:])
-            rows = min(input.shape[0] * n, path.cap // max(row, 1))
-            out, out_splits = torch.ops.gocomm.all_to_all_v(input, in_splits, rows, g.group_name)
-        else:
-            out_splits = torch.ops.gocomm.all_to_all_v_out(input, in_splits, out, g.group_name)
-        return out, out_splits if in_splits.is_cuda else out_splits.cpu()
+        return _inprocess(_backend.served[g, input.get_device()], input, in_splits, out)
     if input.is_cuda and _capture.capturing():
         _capture.refuse(
             "all_to_all_v",

@@ -754,6 +754,44 @@ def check_moe_ops_compiled(rk, seed):
         ck.same("tokens per expert", tpe.cpu(), want_tpe.cpu())
         ck.same("grouped tokens", recv[: want_recv.shape[0]].cpu(), want_recv.cpu())
         ck.same("combine", out.cpu(), want_out.cpu())
+    with ck.case("fast path"):
+        # a padded dispatch after the first takes gocomm.moe's fast path (_backend.served): the
+        # op converts topk_idx / topk_weights (int32 and float64 on the CPU here, exact) and
+        # checks the arguments, with the errors of moe.py's other paths, before anything runs
+        fast = gocomm._backend.served.get((dist.group.WORLD, dev.index))
+        ck.expect("served", fast is not None and fast.moe, str(fast))
+        slow = gocomm.moe._device_path
+
+        def no_slow(*a):  # the fast path never looks the route up
+            raise AssertionError("moe.dispatch took its slow path")
+
+        gocomm.moe._device_path = no_slow
+        try:
+            recv, tpe, hd = gocomm.moe.dispatch(
+                x, idx.int().cpu(), w.double().cpu(), experts, max_tokens_per_rank=t, padded=True
+            )
+        finally:
+            gocomm.moe._device_path = slow
+        out = gocomm.moe.combine(expert_step(recv), hd)
+        ck.same("converted: tokens per expert", tpe.cpu(), want_tpe.cpu())
+        ck.same("converted: grouped tokens", recv[: want_recv.shape[0]].cpu(), want_recv.cpu())
+        ck.same("converted: combine", out.cpu(), want_out.cpu())
+        for label, args, err, words in (
+            ("float ids", (x, idx.float(), w, experts), TypeError, "hold integers"),
+            ("no experts", (x, idx, w, 0), ValueError, "spread evenly"),
+            ("shapes", (x, idx[1:], w, experts), ValueError, "must both be"),
+            ("1-D x", (x[0], idx, w, experts), ValueError, "[tokens, hidden]"),
+        ):
+            try:
+                gocomm.moe.dispatch(*args, max_tokens_per_rank=t, padded=True)
+                ck.fail(label, "no error")
+            except err as e:
+                ck.expect(label, words in str(e), str(e))
+        try:
+            gocomm.moe.dispatch(x, idx, w, experts, max_tokens_per_rank=t - 1, padded=True)
+            ck.fail("bound", "no error")
+        except ValueError as e:
+            ck.expect("bound", f"max_tokens_per_rank {t - 1} < this rank's {t} tokens" in str(e), str(e))
     torch.cuda.synchronize()
     return ck.done()
 
@@ -801,6 +839,42 @@ def check_all_to_all_v_op(rk, seed):
         ck.same("rows", out[: sum(recv)].cpu(), want)
         ck.same("splits", got.cpu(), torch.tensor(recv))
         ck.expect("rows past the data untouched", bool(torch.all(out[sum(recv) :] == -9.0)))
+    with ck.case("fast path"):
+        # later calls take gocomm.all_to_all_v's fast path (_backend.served); the op checks the
+        # arguments, with the errors of the wrapper's other paths, before anything is sent
+        ck.expect("served", (dist.group.WORLD, dev.index) in gocomm._backend.served, "no entry")
+        slow = gocomm.sparse._device_path
+
+        def no_slow(*a):  # the fast path never looks the route up
+            raise AssertionError("all_to_all_v took its slow path")
+
+        gocomm.sparse._device_path = no_slow
+        try:
+            z = torch.zeros(n + 5, h, device=dev)
+            s64 = torch.zeros(n, dtype=torch.int64, device=dev)
+            for label, args, kw, words in (
+                ("wrong length", (z, torch.zeros(n + 1, dtype=torch.int64, device=dev)), {}, ["in_splits", str(n)]),
+                ("float splits", (z, torch.zeros(n, device=dev)), {}, ["int32/int64"]),
+                ("0-d input", (z[0, 0], s64), {}, ["at least one dimension"]),
+                ("strided input", (z.t(), s64), {}, ["input must be contiguous"]),
+                (
+                    "out's dtype",
+                    (z, s64),
+                    {"out": torch.zeros(4, h, dtype=torch.float64, device=dev)},
+                    ["does not match"],
+                ),
+                ("strided out", (z, s64), {"out": torch.zeros(h, 4, device=dev).t()}, ["out must be contiguous"]),
+            ):
+                try:
+                    gocomm.all_to_all_v(*args, **kw)
+                    ck.fail(label, "no error")
+                except ValueError as e:
+                    ck.expect(label, all(w in str(e) for w in words), str(e))
+            out, got = gocomm.all_to_all_v(x, torch.tensor(send, device=dev), out=torch.empty(rows, h, device=dev))
+        finally:
+            gocomm.sparse._device_path = slow
+        ck.same("rows after", out[: sum(recv)].cpu(), want)
+        ck.same("splits after", got.cpu(), torch.tensor(recv))
     torch.cuda.synchronize()
     return ck.done()
 
