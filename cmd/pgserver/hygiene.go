@@ -60,8 +60,8 @@ func privateDir(dir string) error {
 }
 
 // socketName matches the control sockets pgserver makes (pgserver-<pid>.sock) and the shim
-// names (pgserver-<client pid>-r<rank>.sock); the pid is the process the socket lives with.
-var socketName = regexp.MustCompile(`^pgserver-(\d+)(-r\d+)?\.sock$`)
+// names (pgserver-<client pid>-r<rank>.sock), and the fd sockets beside them (.fd.sock); the pid is the process the socket lives with.
+var socketName = regexp.MustCompile(`^pgserver-(\d+)(-r\d+)?(\.fd)?\.sock$`)
 
 // removeStaleSockets deletes the control sockets in dir left by sidecars that died without
 // cleaning up (SIGKILL): this user's sockets whose process is gone, or that refuse a
