@@ -1,7 +1,7 @@
 // The per-process half of a sidecar session that every group shares: the ring, the host
-// arena, the CUDA IPC registrations (and the fd socket they use), the table of ops in flight and the completion thread,
-// which reads the completion ring, copies CPU outputs back into the caller's tensors, frees
-// the arena space and finishes each op's Work and Future.
+// arena, the CUDA registrations (and the fd socket that takes chunks), the table of ops in
+// flight and the completion thread, which reads the completion ring, copies CPU outputs back
+// into the caller's tensors, frees the arena space and finishes each op's Work and Future.
 #pragma once
 
 #include <c10/core/Event.h>

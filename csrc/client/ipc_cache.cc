@@ -144,24 +144,32 @@ wire::BufRef IpcCache::ref(cuda::DevPtr ptr, uint64_t n, size_t claim) {
   if (known(&r)) {  // registered by another thread meanwhile
     return r;
   }
-  if (drv_.mapped(ptr)) {
-    return register_chunks(ptr, n);
-  }
-  if (!have_bid) {
-    drv_.buffer_id(ptr);  // raises the driver's error
-  }
+  // a CUDA IPC handle where the allocation has one (cudaMalloc: everything that had one before
+  // chunks were taken), else the chunks where the memory was mapped with cuMemMap
   cuda::DevPtr base = 0;
   size_t size = 0;
-  drv_.allocation(ptr, &base, &size);
   uint8_t handle[64];
-  try {
-    drv_.ipc_handle(base, handle);
-  } catch (const cuda::Error& err) {
+  std::string ipc_err;
+  if (have_bid) {
+    try {
+      drv_.allocation(ptr, &base, &size);
+      drv_.ipc_handle(base, handle);
+    } catch (const cuda::Error& err) {
+      ipc_err = err.what();
+    }
+  }
+  if (!have_bid || !ipc_err.empty()) {
+    if (drv_.mapped(ptr)) {
+      return register_chunks(ptr, n);
+    }
+    if (!have_bid) {
+      drv_.buffer_id(ptr);  // raises the driver's error
+    }
     std::string why = drv_.no_ipc_reason(ptr);
     throw std::runtime_error(
         "gocomm: this tensor's memory cannot be shared with the sidecar, which maps a CUDA tensor's allocation by "
         "its CUDA IPC handle, or its chunks by file descriptor where it was mapped with cuMemMap (" +
-        std::string(err.what()) + ")" + (why.empty() ? "" : ": " + why) +
+        ipc_err + ")" + (why.empty() ? "" : ": " + why) +
         ". Allocate the tensors handed to gocomm with torch's caching allocator (PYTORCH_CUDA_ALLOC_CONF without "
         "backend:cudaMallocAsync); see docs/decisions/0029-expandable-segments.md");
   }
@@ -255,13 +263,32 @@ wire::BufRef IpcCache::register_chunks(cuda::DevPtr ptr, uint64_t n) {
   for (uint64_t s : sizes) {
     total += s;
   }
+  std::vector<uint32_t> stale;  // IPC registrations these addresses outlived, unreported (invariant 4)
   {
     std::lock_guard<std::mutex> lock(mu_);
+    for (auto e = entries_.begin(); e != entries_.end();) {
+      if (overlaps(e->second.base, e->second.size, bases[0], total)) {
+        stale.push_back(e->second.segment);
+        e = entries_.erase(e);
+      } else {
+        ++e;
+      }
+    }
     runs_.push_back(Entry{seg, bases[0], total, false});
   }
+  bool handed = false;  // the fds are send_fds_'s to close from its call on
   try {
-    send_fds_(seg, fds, sizes);  // closes the fds
+    for (uint32_t s : stale) {
+      put_(wire::kRecIpcDrop, wire::encode_ipc_drop(s));
+    }
+    handed = true;
+    send_fds_(seg, fds, sizes);
   } catch (const std::exception& err) {
+    if (!handed) {
+      for (int fd : fds) {
+        ::close(fd);
+      }
+    }
     std::lock_guard<std::mutex> lock(mu_);
     auto it = std::find_if(runs_.begin(), runs_.end(), [&](const Entry& e) { return e.segment == seg; });
     if (it != runs_.end()) {

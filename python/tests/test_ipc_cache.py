@@ -2,8 +2,10 @@
 driver and ring (gocomm._C._IpcCacheProbe), so it runs without a GPU: what it writes into the ring
 when tensors are registered, when torch's allocator reports memory it gave back (the hook), and
 when addresses come back under a new allocation that nobody reported; and that the hook never
-waits for the ring. The same cache on a GPU, against the sidecar: test_gpu.py
-(test_freed_memory_leaves_the_sidecar)."""
+waits for the ring. Memory mapped with cuMemMap (expandable segments) goes as chunks by fd:
+over a fake sidecar, a real FdChannel against a fake fd socket, and pgserver's own fd socket.
+The same cache on a GPU, against the sidecar: test_gpu.py (test_freed_memory_leaves_the_sidecar,
+test_expandable_segments)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import time
 import pytest
 
 MiB = 1 << 20
+CHUNKS = 0x7F0000000000  # where the fake chunks (memory mapped with cuMemMap) lie
 
 
 @pytest.fixture
@@ -122,13 +125,18 @@ def test_hook_never_waits_for_the_ring(probe, C):
     assert sorted(drops) == sorted(segs)
 
 
-def test_registration_and_release_race(probe, C):
+@pytest.mark.parametrize("kind", ["ipc", "chunks"])
+def test_registration_and_release_race(probe, C, kind):
     """Threads register and the hook releases at once, many rounds: every registration in
-    the ring is dropped at most once, and never before it was registered."""
+    the ring is dropped at most once, and never before it was registered. chunks: runs of one
+    to three chunks mapped with cuMemMap, registered over the (fake) fd socket."""
     rng = random.Random(time.time_ns())
     bases = [0x100000000 + i * 2 * MiB for i in range(16)]
-    for base in bases:
-        probe.alloc(base, 2 * MiB)
+    if kind == "ipc":
+        for base in bases:
+            probe.alloc(base, 2 * MiB)
+    else:
+        probe.map_chunks(bases[0], 2 * MiB, len(bases))
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -136,7 +144,11 @@ def test_registration_and_release_race(probe, C):
         r = random.Random(rng.random())
         try:
             while not stop.is_set():
-                probe.ref(r.choice(bases) + r.randrange(2 * MiB - 64), 64)
+                if kind == "ipc":
+                    probe.ref(r.choice(bases) + r.randrange(2 * MiB - 64), 64)
+                else:
+                    i = r.randrange(len(bases) - 2)
+                    probe.ref(bases[i] + r.randrange(2 * MiB), r.randrange(1, 4 * MiB))
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
@@ -155,7 +167,7 @@ def test_registration_and_release_race(probe, C):
     records = _flush(probe)
     registered, dropped = set(), set()
     for typ, seg in records:
-        if typ == C.REC_IPC:
+        if typ in (C.REC_IPC, C._IpcCacheProbe.FD_RECORD):
             assert seg not in registered, f"segment {seg:#x} registered twice"
             registered.add(seg)
         else:
@@ -163,11 +175,22 @@ def test_registration_and_release_race(probe, C):
             assert seg not in dropped, f"segment {seg:#x} dropped twice"
             dropped.add(seg)
     assert dropped == registered and probe.size() == 0
+    assert _probe_fds() == []
+
+
+def test_chunks_replace_an_unreported_allocation(probe, C):
+    """Chunks mapped over addresses an IPC registration covered (its allocation freed with no
+    report) drop that registration before registering the run."""
+    probe.alloc(CHUNKS, 20 * MiB)
+    seg_a, _, _ = probe.ref(CHUNKS, 64)
+    probe.free(CHUNKS)
+    probe.map_chunks(CHUNKS, 20 * MiB, 1)
+    seg_b, _, _ = probe.ref(CHUNKS + 64, 64)
+    assert probe.records() == [(C.REC_IPC, seg_a), (C.REC_IPC_DROP, seg_a), (C._IpcCacheProbe.FD_RECORD, seg_b)]
+    assert probe.size() == 1
 
 
 # ----- memory mapped with cuMemMap (torch's expandable segments): chunks by fd (decision 0029)
-
-CHUNKS = 0x7F0000000000  # where the fake chunks are mapped
 
 
 def _probe_fds() -> list[str]:
