@@ -120,20 +120,26 @@ func run(args []string) error {
 	}
 	pcfg.TraceSize, pcfg.DumpOnFailure = cfg.Trace.Size, cfg.Trace.OnFailure
 	pcfg.TraceFile = traceFile(cfg.Trace.File, o.logFile)
-	// the fd socket beside the control socket: chunks of CUDA memory by file descriptor
-	pcfg.FDSocket = strings.TrimSuffix(o.socket, ".sock") + ".fd.sock"
-	fdln, err := listenFDSocket(pcfg.FDSocket)
+	// the fd socket beside the control socket: chunks of CUDA memory by file descriptor. Where
+	// it cannot be made (a path past the 107 bytes a unix socket takes), the sidecar runs
+	// without it: clients are told none, and refuse such memory saying so.
+	fdPath := strings.TrimSuffix(o.socket, ".sock") + ".fd.sock"
+	fdln, err := listenFDSocket(fdPath)
 	if err != nil {
-		return err
+		log.Warn("no fd socket: tensors in expandable segments will be refused", "err", err)
+	} else {
+		pcfg.FDSocket = fdPath
+		defer os.Remove(fdPath)
+		defer fdln.Close()
 	}
-	defer os.Remove(pcfg.FDSocket)
-	defer fdln.Close()
 	srv = pg.NewServer(pcfg, node, log)
-	go func() {
-		if err := srv.ServeFDs(fdln); err != nil {
-			log.Error("fd socket", "err", err)
-		}
-	}()
+	if fdln != nil {
+		go func() {
+			if err := srv.ServeFDs(fdln); err != nil {
+				log.Error("fd socket", "err", err)
+			}
+		}()
+	}
 
 	uln, err := listenUnix(o.socket)
 	if err != nil {
