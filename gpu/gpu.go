@@ -43,6 +43,11 @@ type Session interface {
 	Counters() [64]byte
 	// RegisterIPC maps an allocation of the client (CUDA IPC handle) as segment seg.
 	RegisterIPC(seg uint32, handle [64]byte, size uint64) error
+	// RegisterVMM maps, as segment seg, an allocation of the client made of physical chunks
+	// (cuMemCreate, torch's expandable segments) that lie back to back in its address space:
+	// fds[i] is chunk i's POSIX file descriptor (exported by the client, passed over the fd
+	// socket), sizes[i] its length. The fds stay the caller's to close. DropIPC drops it too.
+	RegisterVMM(seg uint32, fds []int, sizes []uint64) error
 	// DropIPC unmaps a segment the client says is gone, once no op holds it.
 	DropIPC(seg uint32) error
 	// Segments counts the client's allocations registered and mapped here.

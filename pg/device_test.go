@@ -61,10 +61,11 @@ type fakeDevSession struct {
 	e        *fakeEngine
 	mu       sync.Mutex
 	segs     map[uint32]uint64
-	released []int             // slots, in the order Release was called
-	floors   [][2]uint32       // and the floors they were released from
-	d        map[uint32]uint32 // graph trigger words D[t] (gpu.TriggerOffset)
-	relTrig  []uint32          // triggers, in the order ReleaseTriggers released them
+	vmm      map[uint32][]string // RegisterVMM: what each chunk's fd named (/proc/self/fd) when it was called
+	released []int               // slots, in the order Release was called
+	floors   [][2]uint32         // and the floors they were released from
+	d        map[uint32]uint32   // graph trigger words D[t] (gpu.TriggerOffset)
+	relTrig  []uint32            // triggers, in the order ReleaseTriggers released them
 }
 
 func (s *fakeDevSession) ReleaseTriggers(ts []uint32) error {
@@ -124,6 +125,31 @@ func (s *fakeDevSession) RegisterIPC(seg uint32, _ [64]byte, size uint64) error 
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.segs[seg] = size
+	return nil
+}
+
+// RegisterVMM records the file each fd names; a chunk of 7 x 2 MiB stands for one the driver
+// refuses.
+func (s *fakeDevSession) RegisterVMM(seg uint32, fds []int, sizes []uint64) error {
+	var total uint64
+	names := make([]string, len(fds))
+	for i, fd := range fds {
+		if sizes[i] == 7<<21 {
+			return errors.New("cuMemMap: CUDA_ERROR_INVALID_VALUE")
+		}
+		total += sizes[i]
+		names[i], _ = os.Readlink(fmt.Sprintf("/proc/self/fd/%d", fd))
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, dup := s.segs[seg]; dup {
+		return fmt.Errorf("%w: CUDA segment %d registered twice", wire.ErrInvalid, seg)
+	}
+	s.segs[seg] = total
+	if s.vmm == nil {
+		s.vmm = map[uint32][]string{}
+	}
+	s.vmm[seg] = names
 	return nil
 }
 func (s *fakeDevSession) DropIPC(seg uint32) error {

@@ -5,12 +5,14 @@
 package pg
 
 import (
+	"crypto/rand"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/gocomm/gocomm/gpu"
@@ -49,6 +51,8 @@ type Config struct {
 	TraceFile func(rank int) string
 	// DumpOnFailure dumps the flight record when a group breaks.
 	DumpOnFailure bool
+	// FDSocket is where ServeFDs listens, told to clients at Attach ("" where it does not).
+	FDSocket string
 }
 
 // SparseChoice is the engine all_to_all_v of a client's CUDA tensors takes, and why.
@@ -77,7 +81,8 @@ type Server struct {
 	sparse   *SparseChoice // the last attached client's, for Info
 	client   []node.Fact   // the last attached client's facts, for Info
 
-	dumpGroups []*Group // broken groups a flight record dump is on its way for (dumpSoon)
+	dumpGroups []*Group     // broken groups a flight record dump is on its way for (dumpSoon)
+	fdUID      atomic.Int64 // the uid an fd socket's peer must run as: ours
 }
 
 // ErrShutdown: the server is shutting down.
@@ -92,10 +97,12 @@ func NewServer(cfg Config, node *transport.Node, log *slog.Logger) *Server {
 		cfg.RingBytes = 1 << 20
 	}
 	transport.SetOpNames(func(op uint8) string { return wire.OpKind(op).String() })
-	return &Server{
+	s := &Server{
 		cfg: cfg, node: node, log: log, started: time.Now(),
 		sessions: map[uint64]*Session{}, groups: map[uint32]*Group{},
 	}
+	s.fdUID.Store(int64(os.Getuid()))
+	return s
 }
 
 // Version of the server.
@@ -208,6 +215,11 @@ func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath strin
 		mem.Close()
 		return nil, err
 	}
+	var token FDToken
+	if _, err := rand.Read(token[:]); err != nil {
+		mem.Close()
+		return nil, err
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
@@ -229,6 +241,7 @@ func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath strin
 		nccl:         hasNCCL,
 		Sparse:       choice,
 		Capabilities: append(append([]node.Fact(nil), s.cfg.Node...), client...),
+		fdToken:      token,
 	}
 	sess.graphs = newTriggers(sess)
 	s.sessions[sess.ID] = sess

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"sync"
 	"time"
 
@@ -58,6 +59,12 @@ type Session struct {
 	slotBase [gpu.CounterSlots][2]uint32
 	devLock  sync.Mutex
 	graphs   *triggers // ops captured in CUDA graphs (graph.go)
+
+	// the fd socket (fdchan.go)
+	fdToken   FDToken
+	vmmMu     sync.Mutex // registrations by fd, and the session's end (fdchan.go, invariant 4)
+	vmmClosed bool
+	fdConns   []*net.UnixConn
 }
 
 // AttachDevice binds the session to the client's GPU (by UUID) and returns the IPC handle of
@@ -382,6 +389,7 @@ func (sess *Session) Close(reason string) {
 	sess.cmpMu.Lock()
 	sess.prod = nil // no completion touches the ring after this
 	sess.cmpMu.Unlock()
+	sess.closeFDConns() // before the device session goes: no registration maps after this
 	var errDev error
 	if ds := sess.deviceSession(); ds != nil {
 		errDev = ds.Close()

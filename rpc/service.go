@@ -109,6 +109,7 @@ func (s *Service) Attach(_ context.Context, req *v1.AttachRequest) (*v1.AttachRe
 	if err != nil {
 		return nil, toStatus(err)
 	}
+	token := sess.FDToken()
 	return &v1.AttachResponse{
 		Session: sess.ID, RingPath: sess.RingPath(), RingBytes: uint64(sess.RingBytes()),
 		SparseTransport: sess.Sparse.Engine, SparseReason: sess.Sparse.Reason,
@@ -117,6 +118,7 @@ func (s *Service) Attach(_ context.Context, req *v1.AttachRequest) (*v1.AttachRe
 			RecvBytes: uint64(s.host.A2A.RecvBytes), Blocks: uint32(s.host.A2A.Blocks), Threads: uint32(s.host.A2A.Threads),
 		},
 		TraceBufferSize: uint32(s.host.TraceSize),
+		FdSocket:        s.srv.FDSocket(), FdToken: token[:],
 	}, nil
 }
 

@@ -156,8 +156,8 @@ func checkCUDA(want needs, ipc string) []checkRow {
 func checkIPC(hexHandle string) checkRow {
 	fail := func(err error) checkRow {
 		return checkRow{"CUDA IPC", statusFail, fmt.Sprintf("CUDA IPC of a tensor: another process could not map it: %v", err),
-			"unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; in a container, share the host's IPC " +
-				"namespace (docker --ipc=host); MIG instances and some vGPUs have no CUDA IPC"}
+			"in a container, share the host's IPC namespace (docker --ipc=host); MIG instances and some vGPUs " +
+				"have no CUDA IPC"}
 	}
 	b, err := hex.DecodeString(hexHandle)
 	var h cuda.IPCHandle

@@ -60,10 +60,11 @@ func privateDir(dir string) error {
 }
 
 // socketName matches the control sockets pgserver makes (pgserver-<pid>.sock) and the shim
-// names (pgserver-<client pid>-r<rank>.sock); the pid is the process the socket lives with.
-var socketName = regexp.MustCompile(`^pgserver-(\d+)(-r\d+)?\.sock$`)
+// names (pgserver-<client pid>-r<rank>.sock), and the fd sockets beside them (.fd.sock,
+// SOCK_SEQPACKET); the pid is the process the socket lives with.
+var socketName = regexp.MustCompile(`^pgserver-(\d+)(-r\d+)?(\.fd)?\.sock$`)
 
-// removeStaleSockets deletes the control sockets in dir left by sidecars that died without
+// removeStaleSockets deletes the control and fd sockets in dir left by sidecars that died without
 // cleaning up (SIGKILL): this user's sockets whose process is gone, or that refuse a
 // connection twice. It returns the paths removed.
 func removeStaleSockets(dir string) []string {
@@ -83,7 +84,11 @@ func removeStaleSockets(dir string) []string {
 			continue
 		}
 		pid, _ := strconv.Atoi(m[1])
-		if pid != os.Getpid() && (errors.Is(unix.Kill(pid, 0), unix.ESRCH) || refuses(path) && refuses(path)) {
+		network := "unix"
+		if m[3] != "" {
+			network = "unixpacket"
+		}
+		if pid != os.Getpid() && (errors.Is(unix.Kill(pid, 0), unix.ESRCH) || refuses(network, path) && refuses(network, path)) {
 			if os.Remove(path) == nil {
 				removed = append(removed, path)
 			}
@@ -92,11 +97,12 @@ func removeStaleSockets(dir string) []string {
 	return removed
 }
 
-// refuses reports whether nothing listens on the unix socket at path (a brief pause first,
-// so a sidecar between bind and listen is not taken for a dead one).
-func refuses(path string) bool {
+// refuses reports whether nothing listens on the unix socket at path, of network "unix" or
+// "unixpacket" (a brief pause first, so a sidecar between bind and listen is not taken for a
+// dead one).
+func refuses(network, path string) bool {
 	time.Sleep(50 * time.Millisecond)
-	c, err := net.DialTimeout("unix", path, time.Second)
+	c, err := net.DialTimeout(network, path, time.Second)
 	if err == nil {
 		c.Close()
 		return false

@@ -78,8 +78,18 @@ func TestStaleSockets(t *testing.T) {
 	// a live pid whose socket nobody listens on (a sidecar SIGKILLed, its pid reused)
 	refused := filepath.Join(dir, fmt.Sprintf("pgserver-%d.sock", os.Getppid()))
 	live := filepath.Join(dir, fmt.Sprintf("pgserver-%d-r0.sock", os.Getppid()))
-	for _, p := range []string{dead, deadClient, refused} {
-		ln, err := net.Listen("unix", p)
+	// the fd sockets beside them (SOCK_SEQPACKET): one of a process that is gone, one
+	// nobody listens on, a live one
+	deadFD := filepath.Join(dir, fmt.Sprintf("pgserver-%d-r3.fd.sock", cmd.Process.Pid))
+	refusedFD := filepath.Join(dir, fmt.Sprintf("pgserver-%d.fd.sock", os.Getppid()))
+	liveFD := filepath.Join(dir, fmt.Sprintf("pgserver-%d-r0.fd.sock", os.Getppid()))
+	stale := []string{dead, deadClient, refused, deadFD, refusedFD}
+	for _, p := range stale {
+		network := "unix"
+		if strings.HasSuffix(p, ".fd.sock") {
+			network = "unixpacket"
+		}
+		ln, err := net.Listen(network, p)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -91,18 +101,23 @@ func TestStaleSockets(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ln.Close()
+	lnFD, err := net.Listen("unixpacket", liveFD)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lnFD.Close()
 	other := filepath.Join(dir, "pgserver-1.log")
 	os.WriteFile(other, nil, 0o600)
 	removed := removeStaleSockets(dir)
-	if len(removed) != 3 {
-		t.Errorf("removed %v, want the 3 stale sockets", removed)
+	if len(removed) != len(stale) {
+		t.Errorf("removed %v, want the %d stale sockets", removed, len(stale))
 	}
-	for _, p := range []string{dead, deadClient, refused} {
+	for _, p := range stale {
 		if _, err := os.Lstat(p); err == nil {
 			t.Errorf("%s is still there", p)
 		}
 	}
-	for _, p := range []string{live, other} {
+	for _, p := range []string{live, liveFD, other} {
 		if _, err := os.Lstat(p); err != nil {
 			t.Errorf("%s was removed", p)
 		}

@@ -120,7 +120,26 @@ func run(args []string) error {
 	}
 	pcfg.TraceSize, pcfg.DumpOnFailure = cfg.Trace.Size, cfg.Trace.OnFailure
 	pcfg.TraceFile = traceFile(cfg.Trace.File, o.logFile)
+	// the fd socket beside the control socket: chunks of CUDA memory by file descriptor. Where
+	// it cannot be made (a path past the 107 bytes a unix socket takes), the sidecar runs
+	// without it: clients are told none, and refuse such memory saying so.
+	fdPath := strings.TrimSuffix(o.socket, ".sock") + ".fd.sock"
+	fdln, err := listenFDSocket(fdPath)
+	if err != nil {
+		log.Warn("no fd socket: tensors in expandable segments will be refused", "err", err)
+	} else {
+		pcfg.FDSocket = fdPath
+		defer os.Remove(fdPath)
+		defer fdln.Close()
+	}
 	srv = pg.NewServer(pcfg, node, log)
+	if fdln != nil {
+		go func() {
+			if err := srv.ServeFDs(fdln); err != nil {
+				log.Error("fd socket", "err", err)
+			}
+		}()
+	}
 
 	uln, err := listenUnix(o.socket)
 	if err != nil {
@@ -206,6 +225,25 @@ func listenUnix(path string) (net.Listener, error) {
 	if err := os.Chmod(path, 0o600); err != nil {
 		ln.Close()
 		return nil, fmt.Errorf("control socket: %w", err)
+	}
+	return ln, nil
+}
+
+// listenFDSocket creates the fd socket (SOCK_SEQPACKET), for this user only.
+func listenFDSocket(path string) (*net.UnixListener, error) {
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("fd socket: %w", err)
+	}
+	old := unix.Umask(0o177)
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+	unix.Umask(old)
+	if err != nil {
+		return nil, fmt.Errorf("fd socket: %w", err)
+	}
+	ln.SetUnlinkOnClose(false)
+	if err := os.Chmod(path, 0o600); err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("fd socket: %w", err)
 	}
 	return ln, nil
 }

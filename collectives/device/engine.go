@@ -6,6 +6,7 @@ package device
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"log/slog"
 	"runtime"
@@ -223,16 +224,40 @@ type session struct {
 	segs *segment.Table[ipcSeg]
 }
 
-// ipcSeg is a client's allocation mapped by CUDA IPC.
+// ipcSeg is a client's allocation mapped by CUDA IPC or, where chunks is set, made of
+// physical chunks (cuMemCreate: torch's expandable segments) imported by file descriptor and
+// mapped back to back in a reservation of the session's own (RegisterVMM).
 type ipcSeg struct {
-	s    *session
-	ptr  cuda.Ptr
-	size uint64
+	s      *session
+	ptr    cuda.Ptr
+	size   uint64
+	chunks []uint64 // each chunk's length, mapped in order from ptr; nil for CUDA IPC
 }
 
 func (g ipcSeg) Size() uint64 { return g.size }
 
-func (g ipcSeg) Close() error { return g.s.do(func() error { return cuda.CloseIPC(g.ptr) }) }
+func (g ipcSeg) Close() error { return g.s.do(g.unmap) }
+
+// unmap runs with the context current (invariant 1).
+func (g ipcSeg) unmap() error {
+	if g.chunks == nil {
+		return cuda.CloseIPC(g.ptr)
+	}
+	return unmapChunks(g.ptr, g.chunks, g.size)
+}
+
+// unmapChunks unmaps the chunks mapped from p on and frees the reservation of reserved
+// bytes there; the physical memory goes once the client released it too.
+func unmapChunks(p cuda.Ptr, chunks []uint64, reserved uint64) error {
+	var errs []error
+	off := uint64(0)
+	for _, n := range chunks {
+		errs = append(errs, cuda.Unmap(p+cuda.Ptr(off), n))
+		off += n
+	}
+	errs = append(errs, cuda.FreeAddress(p, reserved))
+	return errors.Join(errs...)
+}
 
 // Do implements nvshmem.Session (do).
 func (s *session) Do(f func() error) error { return s.do(f) }
@@ -322,6 +347,71 @@ func (s *session) RegisterIPC(seg uint32, handle [64]byte, size uint64) error {
 	return nil
 }
 
+// vmmAlign aligns a reservation for chunks, whose lengths must be multiples of it: 2 MiB, the
+// allocation granularity of CUDA GPUs (torch's chunks are 2 MiB and 20 MiB), so that every
+// chunk's place in the reservation is aligned as cuMemMap requires.
+const vmmAlign = 2 << 20
+
+// maxVMMBytes bounds one segment's reservation (a client's word; far above any GPU's memory).
+const maxVMMBytes = 1 << 42
+
+// RegisterVMM implements gpu.Session: each chunk is imported (cuMemImportFromShareableHandle),
+// mapped at its place in a reservation of the sum of their lengths, and its handle released
+// at once (the mapping keeps the memory); then the range is made readable and writable by
+// the session's device. Any failure undoes what was mapped and frees the reservation. The
+// driver refuses a length larger than the chunk it imported.
+func (s *session) RegisterVMM(seg uint32, fds []int, sizes []uint64) error {
+	if s.segs.Has(seg) {
+		return fmt.Errorf("%w: CUDA segment %d registered twice", wire.ErrInvalid, seg)
+	}
+	if len(fds) == 0 || len(fds) != len(sizes) {
+		return fmt.Errorf("%w: CUDA segment %d: %d chunks, %d lengths", wire.ErrInvalid, seg, len(fds), len(sizes))
+	}
+	var total uint64
+	for i, n := range sizes {
+		if n == 0 || n%vmmAlign != 0 || n > maxVMMBytes-total {
+			return fmt.Errorf("%w: CUDA segment %d: chunk %d of %d bytes is not a multiple of 2 MiB, or the segment is too large",
+				wire.ErrInvalid, seg, i, n)
+		}
+		total += n
+	}
+	var p cuda.Ptr
+	err := s.do(func() (err error) {
+		if p, err = cuda.ReserveAddress(total, vmmAlign); err != nil {
+			return err
+		}
+		off := uint64(0)
+		for i, fd := range fds {
+			h, err := cuda.ImportFD(fd)
+			if err == nil {
+				err = cuda.Map(p+cuda.Ptr(off), sizes[i], h)
+				if rerr := h.Release(); rerr != nil {
+					s.log.Warn("release an imported chunk's handle", "segment", seg, "chunk", i, "err", rerr)
+				}
+			}
+			if err != nil {
+				unmapChunks(p, sizes[:i], total)
+				return fmt.Errorf("chunk %d of %d: %w", i, len(fds), err)
+			}
+			off += sizes[i]
+		}
+		if err := cuda.SetAccess(p, total, s.dev); err != nil {
+			unmapChunks(p, sizes, total)
+			return err
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("map the client's chunks (segment %d, %d bytes in %d chunks): %w", seg, total, len(fds), err)
+	}
+	g := ipcSeg{s: s, ptr: p, size: total, chunks: append([]uint64(nil), sizes...)}
+	if err := s.segs.Add(seg, g); err != nil {
+		g.Close()
+		return err
+	}
+	return nil
+}
+
 func (s *session) DropIPC(seg uint32) error { return s.segs.Drop(seg) }
 
 func (s *session) Segments() segment.Stats { return s.segs.Stats() }
@@ -346,7 +436,7 @@ func (s *session) Close() error {
 	segs := s.segs.Take()
 	return s.do(func() error {
 		for _, g := range segs {
-			cuda.CloseIPC(g.ptr)
+			g.unmap()
 		}
 		s.ctl.Destroy()
 		cuda.Free(s.counters)

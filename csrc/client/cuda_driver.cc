@@ -15,6 +15,11 @@ constexpr Result kSuccess = 0;
 constexpr int kAttrBufferId = 7;  // CU_POINTER_ATTRIBUTE_BUFFER_ID
 constexpr int kAttrLegacyIpc = 10;  // CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
 constexpr int kAttrMempool = 17;  // CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE
+constexpr int kAttrHandleTypes = 14;  // CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES
+constexpr int kAttrMappingSize = 18;  // CU_POINTER_ATTRIBUTE_MAPPING_SIZE
+constexpr int kAttrMappingBase = 19;  // CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR
+constexpr int kHandlePosixFd = 1;  // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+constexpr int kHandleFabric = 8;  // CU_MEM_HANDLE_TYPE_FABRIC
 constexpr unsigned kWaitGeq = 0;  // CU_STREAM_WAIT_VALUE_GEQ
 constexpr unsigned kWaitEq = 1;  // CU_STREAM_WAIT_VALUE_EQ
 constexpr unsigned kHostRegisterPortableDevicemap = 1 | 2;  // CU_MEMHOSTREGISTER_PORTABLE | _DEVICEMAP
@@ -40,6 +45,10 @@ struct Api {
   Result (*pointerGetAttribute)(void*, int, DevPtr) = nullptr;
   Result (*memGetAddressRange)(DevPtr*, size_t*, DevPtr) = nullptr;
   Result (*ipcGetMemHandle)(void*, DevPtr) = nullptr;
+  // CUmemGenericAllocationHandle is an unsigned long long
+  Result (*memRetainAllocationHandle)(unsigned long long*, void*) = nullptr;
+  Result (*memExportToShareableHandle)(void*, unsigned long long, int, unsigned long long) = nullptr;
+  Result (*memRelease)(unsigned long long) = nullptr;
   Result (*deviceGet)(int*, int) = nullptr;
   Result (*primaryCtxRetain)(void**, int) = nullptr;
   Result (*ctxPushCurrent)(void*) = nullptr;
@@ -103,6 +112,9 @@ const Api& api() {
     sym(a, a.pointerGetAttribute, "cuPointerGetAttribute");
     sym(a, a.memGetAddressRange, "cuMemGetAddressRange_v2");
     sym(a, a.ipcGetMemHandle, "cuIpcGetMemHandle");
+    sym(a, a.memRetainAllocationHandle, "cuMemRetainAllocationHandle");
+    sym(a, a.memExportToShareableHandle, "cuMemExportToShareableHandle");
+    sym(a, a.memRelease, "cuMemRelease");
     sym(a, a.deviceGet, "cuDeviceGet");
     sym(a, a.primaryCtxRetain, "cuDevicePrimaryCtxRetain");
     sym(a, a.ctxPushCurrent, "cuCtxPushCurrent_v2");
@@ -276,6 +288,47 @@ std::string no_ipc_reason(DevPtr ptr) {
            "another allocator built on cuMemCreate)";
   }
   return "";
+}
+
+bool mapped_memory(DevPtr ptr) {
+  const Api& a = api();
+  uint64_t pool = 0, legacy = 0, base = 0;
+  return a.pointerGetAttribute(&pool, kAttrMempool, ptr) == kSuccess && pool == 0 &&
+         a.pointerGetAttribute(&legacy, kAttrLegacyIpc, ptr) == kSuccess && legacy == 0 &&
+         a.pointerGetAttribute(&base, kAttrMappingBase, ptr) == kSuccess && base != 0;
+}
+
+void mapping(DevPtr ptr, DevPtr* base, size_t* size) {
+  const Api& a = api();
+  uint64_t b = 0, n = 0;  // a CUdeviceptr and a size_t: 8 bytes each
+  check("cuPointerGetAttribute(MAPPING_BASE_ADDR)", a.pointerGetAttribute(&b, kAttrMappingBase, ptr));
+  check("cuPointerGetAttribute(MAPPING_SIZE)", a.pointerGetAttribute(&n, kAttrMappingSize, ptr));
+  *base = b;
+  *size = n;
+}
+
+int export_fd(DevPtr base) {
+  const Api& a = api();
+  unsigned long long h = 0;
+  check("cuMemRetainAllocationHandle", a.memRetainAllocationHandle(&h, reinterpret_cast<void*>(base)));
+  int fd = -1;
+  const Result r = a.memExportToShareableHandle(&fd, h, kHandlePosixFd, 0);
+  a.memRelease(h);  // the retain's reference only: torch holds its own, the fd another
+  check("cuMemExportToShareableHandle", r);
+  return fd;
+}
+
+std::string no_fd_reason(DevPtr ptr) {
+  uint64_t types = 0;  // a bitmask of CUmemAllocationHandleType, zero where unwritten
+  if (api().pointerGetAttribute(&types, kAttrHandleTypes, ptr) != kSuccess || (types & kHandlePosixFd) != 0) {
+    return "";
+  }
+  if (types & kHandleFabric) {
+    return "it was created with a fabric handle only (CU_MEM_HANDLE_TYPE_FABRIC: torch picks it on IMEX systems), "
+           "which gocomm does not import";
+  }
+  return "it was created with no exportable handle (TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=0, the default of fbcode "
+         "builds of torch)";
 }
 
 void release_counters(int device, DevPtr addr, size_t nbytes) {

@@ -56,6 +56,18 @@ void ipc_handle(DevPtr base, uint8_t out[64]);
 // say: a stream-ordered pool's memory (cudaMallocAsync) or virtual memory mapped with cuMemMap
 // (torch's expandable segments).
 std::string no_ipc_reason(DevPtr ptr);
+// Whether the memory at ptr is virtual memory mapped with cuMemMap (torch's expandable
+// segments): no legacy CUDA IPC handle, no stream-ordered pool, and a mapping the driver names.
+bool mapped_memory(DevPtr ptr);
+// (base, size) of the one cuMemMap mapping holding ptr (a chunk of an expandable segment).
+void mapping(DevPtr ptr, DevPtr* base, size_t* size);
+// A POSIX file descriptor of the physical allocation mapped at base, for another process to
+// import (cuMemRetainAllocationHandle, cuMemExportToShareableHandle, cuMemRelease of the
+// retained handle: the fd holds the allocation on its own). The caller closes it.
+int export_fd(DevPtr base);
+// Why the allocation mapped at ptr cannot be exported to a POSIX fd, in words, or "" where
+// the driver does not say: it was created with a fabric handle only, or with none.
+std::string no_fd_reason(DevPtr ptr);
 // Set every (ready, done) pair of the counters at addr to done = ready + 2^30, through a
 // stream of its own that waits for nothing: streams stuck on a counter of a sidecar that is
 // gone go on. Makes the primary context of device current first.

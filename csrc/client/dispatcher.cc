@@ -77,7 +77,13 @@ Dispatcher::Dispatcher(Config cfg)
     : cfg_(std::move(cfg)),
       ring_(std::make_unique<Ring>(cfg_.ring_path, cfg_.ring_bytes)),
       arena_(std::make_unique<Arena>(cfg_.grow, cfg_.first_segment)),
+      fd_(cfg_.fd_socket, cfg_.session, cfg_.fd_token),
       ipc_([this](uint16_t type, const std::vector<uint8_t>& payload) { put(type, payload); }) {
+  if (fd_.configured()) {
+    ipc_.set_send_fds([this](uint32_t seg, const std::vector<int>& fds, const std::vector<uint64_t>& sizes) {
+      fd_.send(seg, fds, sizes);
+    });
+  }
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -96,6 +102,7 @@ Dispatcher::~Dispatcher() {
 void Dispatcher::close() {
   stop_ = true;
   ipc_.close();  // its sender may wait in put, which gives up once stop_ is set
+  fd_.close();
   if (thread_.joinable()) {
     if (thread_.get_id() == std::this_thread::get_id()) {
       thread_.detach();

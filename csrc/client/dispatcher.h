@@ -1,7 +1,7 @@
 // The per-process half of a sidecar session that every group shares: the ring, the host
-// arena, the CUDA IPC registrations, the table of ops in flight and the completion thread,
-// which reads the completion ring, copies CPU outputs back into the caller's tensors, frees
-// the arena space and finishes each op's Work and Future.
+// arena, the CUDA registrations (and the fd socket that takes chunks), the table of ops in
+// flight and the completion thread, which reads the completion ring, copies CPU outputs back
+// into the caller's tensors, frees the arena space and finishes each op's Work and Future.
 #pragma once
 
 #include <c10/core/Event.h>
@@ -18,6 +18,7 @@
 
 #include "arena.h"
 #include "cuda_driver.h"
+#include "fd_channel.h"
 #include "ipc_cache.h"
 #include "ring.h"
 #include "wire.h"
@@ -83,6 +84,11 @@ class Dispatcher {
     // Binds the sidecar to this process's GPU device index (once; the control plane's
     // AttachDevice rpc): the device address of the groups' stream counters.
     std::function<cuda::DevPtr(int)> attach_device;
+    // The sidecar's fd socket and this session's id and token there (Attach), for memory
+    // mapped with cuMemMap (FdChannel); no socket: such memory is refused.
+    std::string fd_socket;
+    uint64_t session = 0;
+    std::string fd_token;
   };
   // Extra time past an op's own deadline before the client stops waiting for the sidecar's
   // answer (the sidecar enforces deadlines itself; this guards against a wedged sidecar).
@@ -143,6 +149,7 @@ class Dispatcher {
   Config cfg_;
   std::unique_ptr<Ring> ring_;
   std::unique_ptr<Arena> arena_;
+  FdChannel fd_;  // before ipc_, which sends through it
   IpcCache ipc_;
   std::atomic<uint64_t> seq_{0};
   std::mutex mu_;

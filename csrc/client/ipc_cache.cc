@@ -2,6 +2,8 @@
 
 #include <c10/cuda/CUDACachingAllocator.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -57,6 +59,10 @@ IpcCache::Driver IpcCache::Driver::real() {
   d.allocation = cuda::allocation;
   d.ipc_handle = [](cuda::DevPtr base, uint8_t* out) { cuda::ipc_handle(base, out); };
   d.no_ipc_reason = cuda::no_ipc_reason;
+  d.mapped = cuda::mapped_memory;
+  d.mapping = cuda::mapping;
+  d.export_fd = cuda::export_fd;
+  d.no_fd_reason = cuda::no_fd_reason;
   d.hook = attach_hook;
   return d;
 }
@@ -65,6 +71,11 @@ IpcCache::IpcCache(Put put, Driver driver) : put_(std::move(put)), drv_(std::mov
   sender_ = std::thread([this] { send_loop(); });
   std::lock_guard<std::mutex> lock(registry_mu());
   registry().push_back(this);
+}
+
+void IpcCache::set_send_fds(SendFds send) {
+  std::lock_guard<std::mutex> reg(reg_mu_);
+  send_fds_ = std::move(send);
 }
 
 IpcCache::~IpcCache() {
@@ -91,14 +102,33 @@ void IpcCache::close() {
   }
 }
 
+bool IpcCache::known_run(cuda::DevPtr ptr, uint64_t n, wire::BufRef* out) {
+  for (const Entry& e : runs_) {
+    if (e.ready && ptr >= e.base && ptr + n <= e.base + e.size) {
+      *out = wire::BufRef{e.segment, ptr - e.base, n};
+      return true;
+    }
+  }
+  return false;
+}
+
 wire::BufRef IpcCache::ref(cuda::DevPtr ptr, uint64_t n, size_t claim) {
   if (n == 0) {
     return wire::BufRef{wire::kCudaSegment, 0, 0};
   }
-  const uint64_t bid = drv_.buffer_id(ptr);
+  uint64_t bid = 0;
+  bool have_bid = true;
+  try {
+    bid = drv_.buffer_id(ptr);
+  } catch (const cuda::Error&) {  // said again below where it matters (not for chunks)
+    have_bid = false;
+  }
   auto known = [&](wire::BufRef* out) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = entries_.find(bid);
+    if (known_run(ptr, n, out)) {
+      return true;
+    }
+    auto it = have_bid ? entries_.find(bid) : entries_.end();
     if (it == entries_.end() || !it->second.ready) {
       return false;
     }
@@ -114,21 +144,34 @@ wire::BufRef IpcCache::ref(cuda::DevPtr ptr, uint64_t n, size_t claim) {
   if (known(&r)) {  // registered by another thread meanwhile
     return r;
   }
+  // a CUDA IPC handle where the allocation has one (cudaMalloc: everything that had one before
+  // chunks were taken), else the chunks where the memory was mapped with cuMemMap
   cuda::DevPtr base = 0;
   size_t size = 0;
-  drv_.allocation(ptr, &base, &size);
   uint8_t handle[64];
-  try {
-    drv_.ipc_handle(base, handle);
-  } catch (const cuda::Error& err) {
+  std::string ipc_err;
+  if (have_bid) {
+    try {
+      drv_.allocation(ptr, &base, &size);
+      drv_.ipc_handle(base, handle);
+    } catch (const cuda::Error& err) {
+      ipc_err = err.what();
+    }
+  }
+  if (!have_bid || !ipc_err.empty()) {
+    if (drv_.mapped(ptr)) {
+      return register_chunks(ptr, n);
+    }
+    if (!have_bid) {
+      drv_.buffer_id(ptr);  // raises the driver's error
+    }
     std::string why = drv_.no_ipc_reason(ptr);
     throw std::runtime_error(
         "gocomm: this tensor's memory cannot be shared with the sidecar, which maps a CUDA tensor's allocation by "
-        "its CUDA IPC handle (" +
-        std::string(err.what()) + ")" + (why.empty() ? "" : ": " + why) +
-        ". Only memory from cudaMalloc has one: unset expandable_segments in PYTORCH_CUDA_ALLOC_CONF, or allocate "
-        "the tensors handed to gocomm with it off (torch.cuda.memory._set_allocator_settings("
-        "\"expandable_segments:False\")); see docs/decisions/0028-expandable-segments-refused.md");
+        "its CUDA IPC handle, or its chunks by file descriptor where it was mapped with cuMemMap (" +
+        ipc_err + ")" + (why.empty() ? "" : ": " + why) +
+        ". Allocate the tensors handed to gocomm with torch's caching allocator (PYTORCH_CUDA_ALLOC_CONF without "
+        "backend:cudaMallocAsync); see docs/decisions/0029-expandable-segments.md");
   }
   const uint32_t seg = wire::kCudaSegment | next_++;
   std::vector<uint32_t> stale;  // registrations this allocation replaced unreported (invariant 4)
@@ -165,6 +208,108 @@ wire::BufRef IpcCache::ref(cuda::DevPtr ptr, uint64_t n, size_t claim) {
   return wire::BufRef{seg, ptr - base, n};
 }
 
+wire::BufRef IpcCache::register_chunks(cuda::DevPtr ptr, uint64_t n) {
+  const char* const what = "gocomm: this tensor lives in memory mapped with cuMemMap (torch's expandable segments)";
+  if (!hooked_) {
+    throw std::runtime_error(std::string(what) +
+                             ", which the sidecar maps only where torch's caching allocator reports what it unmaps, "
+                             "and this allocator does not (see the message above)");
+  }
+  if (!send_fds_) {
+    throw std::runtime_error(std::string(what) + ", and this sidecar has no fd socket to take its chunks");
+  }
+  // the chunks [ptr, ptr + n) spans, back to back
+  std::vector<cuda::DevPtr> bases;
+  std::vector<uint64_t> sizes;
+  cuda::DevPtr at = ptr;
+  for (;;) {
+    cuda::DevPtr base = 0;
+    size_t size = 0;
+    drv_.mapping(at, &base, &size);
+    if (size == 0 || base > at || (!bases.empty() && base != at)) {
+      throw std::runtime_error(std::string(what) + ", and the driver reports a mapping of " + std::to_string(size) +
+                               " bytes at " + std::to_string(base) + " for address " + std::to_string(at));
+    }
+    bases.push_back(base);
+    sizes.push_back(size);
+    if (base + size >= ptr + n) {
+      break;
+    }
+    if (bases.size() == kMaxChunks) {
+      throw std::runtime_error(std::string(what) + " and spans more than " + std::to_string(kMaxChunks) +
+                               " of its chunks, more than the sidecar takes for one tensor");
+    }
+    at = base + size;
+  }
+  std::vector<int> fds;
+  fds.reserve(bases.size());
+  for (cuda::DevPtr b : bases) {
+    try {
+      fds.push_back(drv_.export_fd(b));
+    } catch (const cuda::Error& err) {
+      for (int fd : fds) {
+        ::close(fd);
+      }
+      std::string why = drv_.no_fd_reason(b);
+      throw std::runtime_error(std::string(what) + ", and a chunk of it cannot be exported to a file descriptor (" +
+                               err.what() + ")" + (why.empty() ? "" : ": " + why) +
+                               ". Unset expandable_segments in PYTORCH_CUDA_ALLOC_CONF, or allocate the tensors "
+                               "handed to gocomm with it off (torch.cuda.memory._set_allocator_settings("
+                               "\"expandable_segments:False\")); see docs/decisions/0029-expandable-segments.md");
+    }
+  }
+  const uint32_t seg = wire::kCudaSegment | next_++;
+  uint64_t total = 0;
+  for (uint64_t s : sizes) {
+    total += s;
+  }
+  std::vector<uint32_t> stale;  // IPC registrations these addresses outlived, unreported (invariant 4)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto e = entries_.begin(); e != entries_.end();) {
+      if (overlaps(e->second.base, e->second.size, bases[0], total)) {
+        stale.push_back(e->second.segment);
+        e = entries_.erase(e);
+      } else {
+        ++e;
+      }
+    }
+    runs_.push_back(Entry{seg, bases[0], total, false});
+  }
+  bool handed = false;  // the fds are send_fds_'s to close from its call on
+  try {
+    for (uint32_t s : stale) {
+      put_(wire::kRecIpcDrop, wire::encode_ipc_drop(s));
+    }
+    handed = true;
+    send_fds_(seg, fds, sizes);
+  } catch (const std::exception& err) {
+    if (!handed) {
+      for (int fd : fds) {
+        ::close(fd);
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = std::find_if(runs_.begin(), runs_.end(), [&](const Entry& e) { return e.segment == seg; });
+    if (it != runs_.end()) {
+      runs_.erase(it);
+    }
+    // the sidecar may have mapped it all the same (an answer that came too late): dropped,
+    // as an unknown segment's drop is ignored
+    drops_.push_back(seg);
+    queued_++;
+    cv_.notify_all();
+    throw std::runtime_error(err.what());
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Entry& e : runs_) {
+    if (e.segment == seg) {
+      e.ready = true;
+    }
+  }
+  return wire::BufRef{seg, ptr - bases[0], n};
+}
+
 void IpcCache::released(cuda::DevPtr addr, size_t size) {
   try {
     std::lock_guard<std::mutex> lock(registry_mu());
@@ -185,6 +330,16 @@ void IpcCache::forget(cuda::DevPtr addr, size_t size) {
         queued_++;
         any = true;
         e = entries_.erase(e);
+      } else {
+        ++e;
+      }
+    }
+    for (auto e = runs_.begin(); e != runs_.end();) {
+      if (overlaps(e->base, e->size, addr, size)) {
+        drops_.push_back(e->segment);
+        queued_++;
+        any = true;
+        e = runs_.erase(e);
       } else {
         ++e;
       }
@@ -230,7 +385,7 @@ bool IpcCache::flush(double timeout_s) {
 
 size_t IpcCache::size() {
   std::lock_guard<std::mutex> lock(mu_);
-  return entries_.size();
+  return entries_.size() + runs_.size();
 }
 
 }  // namespace gocomm

@@ -1,7 +1,10 @@
-// CUDA allocations of this process registered with the sidecar by CUDA IPC handle (kRecIpc
-// records), keyed by the driver's buffer id, so that a descriptor names a tensor's bytes as
-// (segment, offset, length). The sidecar's mapping keeps the allocation's memory alive, so a
-// registration is dropped (kRecIpcDrop) as soon as torch gives the memory back:
+// CUDA allocations of this process registered with the sidecar, so that a descriptor names a
+// tensor's bytes as (segment, offset, length): by CUDA IPC handle (kRecIpc records), keyed by
+// the driver's buffer id; or, for memory mapped with cuMemMap (torch's expandable segments),
+// as the run of chunks the tensor spans, each chunk's POSIX fd passed over the sidecar's fd
+// socket (FdChannel; docs/decisions/0029-expandable-segments.md), keyed by address range.
+// The sidecar's mapping keeps the memory alive, so a registration is dropped (kRecIpcDrop,
+// both kinds) as soon as torch gives the memory back:
 //
 //  1. torch's caching allocator reports every segment it frees (SEGMENT_FREE: empty_cache,
 //     a release under memory pressure, a CUDA graph's pool) and unmaps (SEGMENT_UNMAP) to a
@@ -17,7 +20,13 @@
 //     reads the op, and unmaps a dropped segment only once no op holds it.
 //  4. Memory torch's allocator does not report (another allocator, a tracker torch refuses)
 //     is dropped lazily: an allocation that shows up with a new buffer id over addresses a
-//     registration covers replaces it.
+//     registration covers replaces it. Chunks are registered only where the allocator reports
+//     what it unmaps (nothing tells a chunk unmapped and another mapped at its addresses).
+//  5. Chunks are registered synchronously: the fd socket's answer (the sidecar mapped them)
+//     comes before ref returns, so before any op naming the segment is in the ring; their
+//     drops go through the ring, written under reg_mu_ like every drop (invariant 3). A run
+//     of chunks stays registered while none of it is unmapped; a tensor inside a registered
+//     run reuses it, one that reaches past it registers the run it spans.
 #pragma once
 
 #include <atomic>
@@ -40,18 +49,34 @@ class IpcCache {
   // put writes a control record into the submission ring (waiting for room; throws once the
   // session is lost or closed).
   using Put = std::function<void(uint16_t type, const std::vector<uint8_t>& payload)>;
+  // send_fds has the sidecar map chunks (fds[i] of sizes[i] bytes, back to back) as segment
+  // seg and returns once it did (throws with its words otherwise); it closes every fd
+  // (FdChannel::send).
+  using SendFds =
+      std::function<void(uint32_t seg, const std::vector<int>& fds, const std::vector<uint64_t>& sizes)>;
   // The driver's answers about an allocation (cuda_driver.h; tests fake them).
   struct Driver {
     std::function<uint64_t(cuda::DevPtr)> buffer_id;
     std::function<void(cuda::DevPtr, cuda::DevPtr*, size_t*)> allocation;
     std::function<void(cuda::DevPtr, uint8_t*)> ipc_handle;  // throws cuda::Error
     std::function<std::string(cuda::DevPtr)> no_ipc_reason;
+    // memory mapped with cuMemMap: whether ptr is, the mapping (chunk) holding it, an fd of
+    // the chunk at base (throws cuda::Error), and why there is none
+    std::function<bool(cuda::DevPtr)> mapped;
+    std::function<void(cuda::DevPtr, cuda::DevPtr*, size_t*)> mapping;
+    std::function<int(cuda::DevPtr)> export_fd;
+    std::function<std::string(cuda::DevPtr)> no_fd_reason;
     // Attaches the allocator hook (invariant 1); false where torch's allocator refuses it.
     std::function<bool()> hook;
     static Driver real();
   };
 
+  // The most chunks one registration spans (pg/fdchan.go: 80 GiB of 20 MiB chunks).
+  static constexpr size_t kMaxChunks = 4096;
+
   IpcCache(Put put, Driver driver = Driver::real());
+  // Where chunks go (invariant 5); until set, memory mapped with cuMemMap is refused.
+  void set_send_fds(SendFds send);
   ~IpcCache();
   IpcCache(const IpcCache&) = delete;
   IpcCache& operator=(const IpcCache&) = delete;
@@ -68,7 +93,7 @@ class IpcCache {
   bool flush(double timeout_s);
   // Stops the sender (queued drops are not sent: the session is ending) and leaves the hook.
   void close();
-  // Registrations held.
+  // Registrations held (both kinds).
   size_t size();
   // Whether torch's allocator reports the memory it releases to this cache (known once
   // something was registered).
@@ -82,6 +107,10 @@ class IpcCache {
     bool ready;  // its kRecIpc is in the ring
   };
   void forget(cuda::DevPtr addr, size_t size);
+  // Registers the chunks [ptr, ptr + n) spans (invariant 5); reg_mu_ held.
+  wire::BufRef register_chunks(cuda::DevPtr ptr, uint64_t n);
+  // A ready run of chunks holding [ptr, ptr + n); mu_ held.
+  bool known_run(cuda::DevPtr ptr, uint64_t n, wire::BufRef* out);
   void send_loop();
 
   Put put_;
@@ -91,6 +120,8 @@ class IpcCache {
   std::mutex mu_;  // the map and the drop queue; held only briefly (invariant 1)
   std::condition_variable cv_;
   std::unordered_map<uint64_t, Entry> entries_;  // buffer id -> registration
+  std::vector<Entry> runs_;  // runs of chunks (invariant 5)
+  SendFds send_fds_;  // under reg_mu_
   std::vector<uint32_t> drops_;  // queued for the sender
   uint64_t queued_ = 0, sent_ = 0;  // drops queued and written (or given up) so far
   bool stop_ = false;

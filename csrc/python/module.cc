@@ -6,6 +6,10 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <map>
@@ -16,6 +20,7 @@
 #include "backend.h"
 #include "cuda_driver.h"
 #include "dispatcher.h"
+#include "fd_channel.h"
 #include "ipc_cache.h"
 #include "moe.h"
 #include "moe_kernels.h"
@@ -63,9 +68,14 @@ struct BackendRef {
 
 // An IpcCache over a fake driver and ring (python/tests/test_ipc_cache.py): allocations are
 // (base, size) with a fresh buffer id each; the ring records (type, segment) and can be made
-// to hold its writers, as a full ring does.
+// to hold its writers, as a full ring does. Chunks (memory mapped with cuMemMap) are
+// allocations of their own whose fds are memory files (memfd) named gocomm-probe-<base>; their
+// registrations go to a fake sidecar that records them, in the ring's record list as
+// (kFdRecord, segment), and closes the fds, or, once connect was called, over a real fd socket.
 class IpcCacheProbe {
  public:
+  static constexpr uint16_t kFdRecord = 0xfd;
+
   IpcCacheProbe() {
     gocomm::IpcCache::Driver d;
     d.buffer_id = [this](gocomm::cuda::DevPtr p) { return find(p).bid; };
@@ -80,8 +90,23 @@ class IpcCacheProbe {
       }
       std::memset(out, 0, 64);
     };
-    d.no_ipc_reason = [](gocomm::cuda::DevPtr) { return std::string("it is virtual memory mapped with cuMemMap"); };
-    d.hook = [] { return true; };
+    d.no_ipc_reason = [](gocomm::cuda::DevPtr) { return std::string("it comes from a stream-ordered memory pool"); };
+    d.mapped = [this](gocomm::cuda::DevPtr p) { return find(p).chunk; };
+    d.mapping = d.allocation;
+    d.export_fd = [this](gocomm::cuda::DevPtr base) {
+      if (!find(base).fd) {
+        throw gocomm::cuda::Error("cuMemExportToShareableHandle: invalid argument");
+      }
+      int fd = memfd_create(("gocomm-probe-" + std::to_string(base)).c_str(), MFD_CLOEXEC);
+      if (fd < 0) {
+        throw gocomm::cuda::Error("memfd_create failed");
+      }
+      return fd;
+    };
+    d.no_fd_reason = [](gocomm::cuda::DevPtr) {
+      return std::string("it was created with no exportable handle (TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=0)");
+    };
+    d.hook = [this] { return hooked_.load(); };
     cache_ = std::make_unique<gocomm::IpcCache>(
         [this](uint16_t type, const std::vector<uint8_t>& payload) {
           std::unique_lock<std::mutex> lock(mu_);
@@ -94,13 +119,42 @@ class IpcCacheProbe {
           records_.emplace_back(type, seg);
         },
         std::move(d));
+    cache_->set_send_fds([this](uint32_t seg, const std::vector<int>& fds, const std::vector<uint64_t>& sizes) {
+      if (channel_) {
+        channel_->send(seg, fds, sizes);
+        std::lock_guard<std::mutex> lock(mu_);
+        records_.emplace_back(kFdRecord, seg);
+        return;
+      }
+      std::vector<std::string> names;
+      for (int fd : fds) {
+        char buf[256] = {0};
+        ssize_t n = readlink(("/proc/self/fd/" + std::to_string(fd)).c_str(), buf, sizeof buf - 1);
+        names.emplace_back(buf, n > 0 ? static_cast<size_t>(n) : 0);
+        ::close(fd);
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      if (refuse_) {
+        throw std::runtime_error("gocomm: the sidecar could not map this tensor's memory chunks: refused (fake)");
+      }
+      records_.emplace_back(kFdRecord, seg);
+      sent_[seg] = std::make_pair(names, sizes);
+    });
   }
   ~IpcCacheProbe() { close(); }
 
   uint64_t alloc(uint64_t base, uint64_t size, bool ipc) {
     std::lock_guard<std::mutex> lock(mu_);
-    allocs_[base] = Alloc{base, size, ++bid_, ipc};
+    allocs_[base] = Alloc{base, size, ++bid_, ipc, false, false};
     return bid_;
+  }
+  // count chunks of size bytes mapped back to back from base; exportable: whether they have
+  // a POSIX fd handle
+  void map_chunks(uint64_t base, uint64_t size, int count, bool exportable) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int i = 0; i < count; i++) {
+      allocs_[base + i * size] = Alloc{base + i * size, size, ++bid_, false, true, exportable};
+    }
   }
   void free(uint64_t base) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -109,6 +163,20 @@ class IpcCacheProbe {
   std::vector<std::pair<uint16_t, uint32_t>> records() {
     std::lock_guard<std::mutex> lock(mu_);
     return records_;
+  }
+  // What the fake sidecar got for segment seg: the files its fds named, and the lengths.
+  std::pair<std::vector<std::string>, std::vector<uint64_t>> sent(uint32_t seg) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return sent_.at(seg);
+  }
+  void refuse(bool on) {
+    std::lock_guard<std::mutex> lock(mu_);
+    refuse_ = on;
+  }
+  void set_hooked(bool on) { hooked_ = on; }
+  // Registrations go over the fd socket at path from now on.
+  void connect(const std::string& path, uint64_t session, const std::string& token, double timeout_s) {
+    channel_ = std::make_unique<gocomm::FdChannel>(path, session, token, timeout_s);
   }
   void hold(bool on) {
     {
@@ -130,7 +198,7 @@ class IpcCacheProbe {
  private:
   struct Alloc {
     uint64_t base, size, bid;
-    bool ipc;
+    bool ipc, chunk, fd;
   };
   Alloc find(gocomm::cuda::DevPtr p) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -147,7 +215,10 @@ class IpcCacheProbe {
   std::map<uint64_t, Alloc> allocs_;
   uint64_t bid_ = 0;
   std::vector<std::pair<uint16_t, uint32_t>> records_;
-  bool held_ = false, closing_ = false;
+  std::map<uint32_t, std::pair<std::vector<std::string>, std::vector<uint64_t>>> sent_;
+  bool held_ = false, closing_ = false, refuse_ = false;
+  std::atomic<bool> hooked_{true};
+  std::unique_ptr<gocomm::FdChannel> channel_;  // set before any registration (tests)
   std::unique_ptr<gocomm::IpcCache> cache_;  // last: destroyed first
 };
 
@@ -159,8 +230,12 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<gocomm::Dispatcher, std::shared_ptr<gocomm::Dispatcher>>(m, "Dispatcher")
       .def(py::init([](const std::string& ring_path, size_t ring_bytes, py::object grow, size_t first_segment,
-                       py::object attach_device) {
+                       py::object attach_device, const std::string& fd_socket, uint64_t session,
+                       const std::string& fd_token) {
              gocomm::Dispatcher::Config cfg;
+             cfg.fd_socket = fd_socket;
+             cfg.session = session;
+             cfg.fd_token = fd_token;
              cfg.ring_path = ring_path;
              cfg.ring_bytes = ring_bytes;
              cfg.first_segment = first_segment;
@@ -178,7 +253,7 @@ PYBIND11_MODULE(_C, m) {
              return std::make_shared<gocomm::Dispatcher>(std::move(cfg));
            }),
            py::arg("ring_path"), py::arg("ring_bytes"), py::arg("grow"), py::arg("first_segment"),
-           py::arg("attach_device"))
+           py::arg("attach_device"), py::arg("fd_socket") = "", py::arg("session") = 0, py::arg("fd_token") = "")
       .def("fail_all", &gocomm::Dispatcher::fail_all, py::call_guard<py::gil_scoped_release>(),
            "Fail every op in flight with 'gocomm <op>: why', refuse new ones, release the stream counters.")
       .def("close", &gocomm::Dispatcher::close, py::call_guard<py::gil_scoped_release>())
@@ -438,6 +513,16 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<>())
       .def("alloc", &IpcCacheProbe::alloc, py::arg("base"), py::arg("size"), py::arg("ipc") = true,
            "A fake allocation [base, base + size); returns its buffer id.")
+      .def("map_chunks", &IpcCacheProbe::map_chunks, py::arg("base"), py::arg("size"), py::arg("count"),
+           py::arg("exportable") = true,
+           "count fake chunks of size bytes mapped with cuMemMap back to back from base (with a POSIX fd handle "
+           "where exportable).")
+      .def("sent", &IpcCacheProbe::sent, "(files the fds named, lengths) the fake sidecar got for a segment.")
+      .def("refuse", &IpcCacheProbe::refuse, "Make the fake sidecar refuse registrations of chunks.")
+      .def("set_hooked", &IpcCacheProbe::set_hooked, "Whether torch's allocator takes the hook (fake).")
+      .def("connect", &IpcCacheProbe::connect, py::arg("path"), py::arg("session"), py::arg("token"),
+           py::arg("timeout_s") = 10.0, "Send registrations of chunks over the real fd socket at path.")
+      .def_readonly_static("FD_RECORD", &IpcCacheProbe::kFdRecord)
       .def("free", &IpcCacheProbe::free, "Forget the fake allocation at base (torch reports nothing).")
       .def(
           "ref",

@@ -29,6 +29,9 @@ typedef unsigned long long CUdeviceptr;
 typedef struct { char bytes[64]; } CUipcMemHandle;
 typedef struct { char bytes[64]; } CUipcEventHandle;
 typedef struct { char bytes[16]; } CUuuid;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct { int type; int id; } CUmemLocation;             // CU_MEM_LOCATION_TYPE_DEVICE = 1
+typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc; // 12 bytes, as cuda.h
 
 static void* gc_lib;
 static CUresult (*p_cuInit)(unsigned int);
@@ -63,6 +66,13 @@ static CUresult (*p_cuMemFree)(CUdeviceptr);
 static CUresult (*p_cuMemGetAddressRange)(CUdeviceptr*, size_t*, CUdeviceptr);
 static CUresult (*p_cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
 static CUresult (*p_cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream);
+static CUresult (*p_cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle*, void*, int);
+static CUresult (*p_cuMemAddressReserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long);
+static CUresult (*p_cuMemAddressFree)(CUdeviceptr, size_t);
+static CUresult (*p_cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+static CUresult (*p_cuMemUnmap)(CUdeviceptr, size_t);
+static CUresult (*p_cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t);
+static CUresult (*p_cuMemRelease)(CUmemGenericAllocationHandle);
 
 // gc_load opens the library and resolves every symbol; it returns the name of the first
 // missing symbol (or the dlerror text) in err, and -1, on failure.
@@ -106,6 +116,13 @@ static int gc_load(const char* path, char* err, int errlen) {
 	SYM(p_cuMemGetAddressRange, "cuMemGetAddressRange_v2");
 	SYM(p_cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
 	SYM(p_cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
+	SYM(p_cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle");
+	SYM(p_cuMemAddressReserve, "cuMemAddressReserve");
+	SYM(p_cuMemAddressFree, "cuMemAddressFree");
+	SYM(p_cuMemMap, "cuMemMap");
+	SYM(p_cuMemUnmap, "cuMemUnmap");
+	SYM(p_cuMemSetAccess, "cuMemSetAccess");
+	SYM(p_cuMemRelease, "cuMemRelease");
 #undef SYM
 	gc_lib = h;
 	return 0;
@@ -163,6 +180,22 @@ static CUresult gc_cuMemFree(CUdeviceptr p) { return p_cuMemFree(p); }
 static CUresult gc_cuMemGetAddressRange(CUdeviceptr* b, size_t* n, CUdeviceptr p) { return p_cuMemGetAddressRange(b, n, p); }
 static CUresult gc_cuMemcpyDtoHAsync(void* d, CUdeviceptr s, size_t n, CUstream st) { return p_cuMemcpyDtoHAsync(d, s, n, st); }
 static CUresult gc_cuMemcpyHtoDAsync(CUdeviceptr d, const void* s, size_t n, CUstream st) { return p_cuMemcpyHtoDAsync(d, s, n, st); }
+// a POSIX fd is passed as the pointer-sized value itself (cuMemImportFromShareableHandle)
+static CUresult gc_cuMemImportFd(CUmemGenericAllocationHandle* h, int fd) { return p_cuMemImportFromShareableHandle(h, (void*)(uintptr_t)fd, 1); }
+static CUresult gc_cuMemAddressReserve(CUdeviceptr* p, size_t n, size_t align) { return p_cuMemAddressReserve(p, n, align, 0, 0); }
+static CUresult gc_cuMemAddressFree(CUdeviceptr p, size_t n) { return p_cuMemAddressFree(p, n); }
+static CUresult gc_cuMemMap(CUdeviceptr p, size_t n, CUmemGenericAllocationHandle h) { return p_cuMemMap(p, n, 0, h, 0); }
+static CUresult gc_cuMemUnmap(CUdeviceptr p, size_t n) { return p_cuMemUnmap(p, n); }
+// read-write access (CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3) for one device (CU_MEM_LOCATION_TYPE_DEVICE = 1)
+static CUresult gc_cuMemSetAccessRW(CUdeviceptr p, size_t n, int dev) {
+	CUmemAccessDesc d;
+	memset(&d, 0, sizeof d);
+	d.location.type = 1;
+	d.location.id = dev;
+	d.flags = 3;
+	return p_cuMemSetAccess(p, n, &d, 1);
+}
+static CUresult gc_cuMemRelease(CUmemGenericAllocationHandle h) { return p_cuMemRelease(h); }
 */
 import "C"
 
@@ -498,6 +531,70 @@ func ExportIPC(p Ptr) (IPCHandle, error) {
 		return h, err
 	}
 	return h, check("cuIpcGetMemHandle", C.gc_cuIpcGetMemHandle(unsafe.Pointer(&h[0]), C.CUdeviceptr(p)))
+}
+
+// MemHandle is a physical allocation of the virtual memory API (CUmemGenericAllocationHandle).
+type MemHandle uint64
+
+// ImportFD takes another process's physical allocation by the POSIX file descriptor it
+// exported (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR). The fd stays the caller's to close; the
+// handle is released with Release.
+func ImportFD(fd int) (MemHandle, error) {
+	if err := loaded(); err != nil {
+		return 0, err
+	}
+	var h C.CUmemGenericAllocationHandle
+	return MemHandle(h), check("cuMemImportFromShareableHandle", C.gc_cuMemImportFd(&h, C.int(fd)))
+}
+
+// Release drops the handle; the physical memory lives on while a mapping of it remains.
+func (h MemHandle) Release() error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuMemRelease", C.gc_cuMemRelease(C.CUmemGenericAllocationHandle(h)))
+}
+
+// ReserveAddress reserves size bytes of virtual addresses aligned to align (both multiples of
+// the allocation granularity).
+func ReserveAddress(size, align uint64) (Ptr, error) {
+	if err := loaded(); err != nil {
+		return 0, err
+	}
+	var p C.CUdeviceptr
+	return Ptr(p), check("cuMemAddressReserve", C.gc_cuMemAddressReserve(&p, C.size_t(size), C.size_t(align)))
+}
+
+// FreeAddress gives back a reservation of ReserveAddress (nothing may be mapped in it).
+func FreeAddress(p Ptr, size uint64) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuMemAddressFree", C.gc_cuMemAddressFree(C.CUdeviceptr(p), C.size_t(size)))
+}
+
+// Map maps the first size bytes of h at p, inside a reservation.
+func Map(p Ptr, size uint64, h MemHandle) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuMemMap", C.gc_cuMemMap(C.CUdeviceptr(p), C.size_t(size), C.CUmemGenericAllocationHandle(h)))
+}
+
+// Unmap undoes one Map (p and size as mapped).
+func Unmap(p Ptr, size uint64) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuMemUnmap", C.gc_cuMemUnmap(C.CUdeviceptr(p), C.size_t(size)))
+}
+
+// SetAccess lets dev read and write the mapped range [p, p+size).
+func SetAccess(p Ptr, size uint64, dev Device) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuMemSetAccess", C.gc_cuMemSetAccessRW(C.CUdeviceptr(p), C.size_t(size), C.int(dev)))
 }
 
 // Alloc allocates n bytes of device memory in the current context.

@@ -34,6 +34,12 @@ func TestNotLoadedIsAnError(t *testing.T) {
 	if err := (Stream{}).WriteValue32(0, 1); !errors.Is(err, ErrNotLoaded) {
 		t.Fatalf("WriteValue32 = %v", err)
 	}
+	if _, err := ImportFD(0); !errors.Is(err, ErrNotLoaded) {
+		t.Fatalf("ImportFD = %v, want ErrNotLoaded", err)
+	}
+	if err := SetAccess(0, 1<<21, 0); !errors.Is(err, ErrNotLoaded) {
+		t.Fatalf("SetAccess = %v, want ErrNotLoaded", err)
+	}
 	if _, err := LoadModule([]byte{1}); !errors.Is(err, ErrNotLoaded) {
 		t.Fatalf("LoadModule = %v", err)
 	}

@@ -163,7 +163,15 @@ def _node_checks(exe: str) -> list[tuple[str, str, str, str]]:
     except (OSError, subprocess.TimeoutExpired, ValueError, KeyError) as e:
         return [("node", FAIL, f"{exe} doctor: {e}", "reinstall the gocomm wheel")]
     if ipc_err:
-        rows.append(("CUDA IPC", FAIL, ipc_err, "unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"))
+        rows.append(
+            (
+                "CUDA IPC",
+                FAIL,
+                ipc_err,
+                "in a container, share the host's IPC namespace (docker --ipc=host); MIG instances and some vGPUs "
+                "have no CUDA IPC",
+            )
+        )
     return rows
 
 

@@ -151,8 +151,19 @@ class Sidecar:
             raise SidecarError(f"pgserver answered the watch with {first.kind!r}")
         self._device: torch.device | None = None
         self.mps = False
-        # the session's data plane: ring, arena (its first segment now), IPC registrations
-        self.client = _client.C.Dispatcher(resp.ring_path, resp.ring_bytes, self._grow, 16 << 20, self._attach)
+        # the session's data plane: ring, arena (its first segment now), IPC registrations, and
+        # the fd socket that takes the chunks of expandable segments (decision 0029)
+        self.fd_socket, self.fd_token = resp.fd_socket, resp.fd_token
+        self.client = _client.C.Dispatcher(
+            resp.ring_path,
+            resp.ring_bytes,
+            self._grow,
+            16 << 20,
+            self._attach,
+            fd_socket=resp.fd_socket,
+            session=self.session,
+            fd_token=resp.fd_token,
+        )
         threading.Thread(target=self._watch_loop, name="gocomm-watch", daemon=True).start()
 
     def _start(self, rank: int, rendezvous: str) -> str:

@@ -1466,21 +1466,147 @@ def test_work_keeps_tensors_alive(worlds, seed):
     worlds.get(1).run(check_work_keeps_tensors_alive, seed=seed, timeout=RUN_LIMIT_S)
 
 
-def check_expandable_segments_refused(rk, seed):
-    """Under expandable_segments:True a CUDA tensor has no IPC handle: the sidecar op raises
-    before anything is sent, naming the cause and the fix, and the group goes on with a
-    tensor allocated with the setting off (decision 0028)."""
+def _dense_ops_exact(ck, rk, dev, seed, tag, sizes):
+    """all_reduce, all_gather_into_tensor, reduce_scatter_tensor and broadcast of float32
+    tensors of each size (elements), each against the float64 sum or the exact copy of every
+    rank's input (gen makes them on any rank)."""
+    for n in sizes:
+        key = f"{tag}-{n}"
+        xs = [gen(seed, key, r, (n,), torch.float32, small=True) for r in range(rk.size)]
+        ref = torch.stack([x.double() for x in xs]).sum(0)
+        with ck.case(f"{tag}: all_reduce of {n * 4} bytes"):
+            x = xs[rk.rank].to(dev)
+            dist.all_reduce(x)
+            err = (x.double().cpu() - ref).abs().max().item()
+            ck.expect("close to the float64 sum", err <= 1e-5 * rk.size, f"max error {err}")
+        with ck.case(f"{tag}: all_gather_into_tensor of {n * 4} bytes"):
+            out = torch.empty(n * rk.size, device=dev)
+            dist.all_gather_into_tensor(out, xs[rk.rank].to(dev))
+            ck.expect("every rank's input, exactly", torch.equal(out.cpu(), torch.cat(xs)))
+        with ck.case(f"{tag}: reduce_scatter_tensor of {n * 4} bytes"):
+            ys = [gen(seed, f"{tag}-rs-{n}", r, (n * rk.size,), torch.float32, small=True) for r in range(rk.size)]
+            want = torch.stack([y.double() for y in ys]).sum(0)[rk.rank * n : (rk.rank + 1) * n]
+            out = torch.empty(n, device=dev)
+            dist.reduce_scatter_tensor(out, ys[rk.rank].to(dev))
+            err = (out.double().cpu() - want).abs().max().item()
+            ck.expect("close to the float64 sum", err <= 1e-5 * rk.size, f"max error {err}")
+        with ck.case(f"{tag}: broadcast of {n * 4} bytes"):
+            x = xs[rk.rank].to(dev)
+            dist.broadcast(x, 0)
+            ck.expect("rank 0's input, exactly", torch.equal(x.cpu(), xs[0]))
+
+
+def check_expandable_segments(rk, seed, drops: bool):
+    """Under expandable_segments:True (decision 0029) CUDA tensors reach the sidecar as the
+    chunks they span, by fd: dense ops on tensors of one small-pool chunk, inside one 20 MiB
+    chunk and across several are right; ops in flight while torch unmaps other chunks stay
+    right; empty_cache (SEGMENT_UNMAP) drops the sidecar's mappings and gives the memory back
+    to the device; tensors allocated after are registered anew and right."""
+    from gocomm import _sidecar
+
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
-    ck = Checker("expandable segments refused", seed, rk.rank)
+    ck = Checker("expandable segments", seed, rk.rank)
+    sc = _sidecar.current()
+    sizes = [1000, 3 << 18, 13 << 20]  # 4 KB, 3 MiB, 52 MiB (three or more 20 MiB chunks)
+    _fence(dev)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    ck.expect("torch's allocator reports what it unmaps", sc.client.cuda_hooked)
+    probe = torch.empty(13 << 20, device=dev)
+    expandable = any(seg.get("is_expandable") for seg in torch.cuda.memory_snapshot())
+    ck.expect("the tensors live in expandable segments", expandable, "no segment has is_expandable")
+    del probe
+    torch.cuda.empty_cache()
+    s0 = _segments_settled(sc)
+    free0 = torch.cuda.mem_get_info(dev)[0]
+    slack = 48 << 20
+    _dense_ops_exact(ck, rk, dev, seed, "first", sizes)
+    s1 = _segments_settled(sc)
+    ck.expect("registered while alive", s1["registered"] > s0["registered"], f"{s0} -> {s1}")
+    ck.expect("their chunks mapped", s1["bytes_mapped"] >= s0["bytes_mapped"] + (52 << 20), f"{s0} -> {s1}")
+    with ck.case("ops in flight while torch unmaps other chunks"):
+        keep = [torch.full((n,), 1.0 + i, device=dev) for i, n in enumerate(sizes)]
+        gone = [torch.full((n,), -1.0, device=dev) for n in sizes]
+        for t in gone:
+            dist.all_reduce(t)
+        _fence(dev)  # the sidecar is done with `gone`: freed, its chunks can go
+        works = [dist.all_reduce(t, async_op=True) for t in keep]
+        del gone
+        torch.cuda.empty_cache()  # unmaps the chunks only `gone` used
+        for w in works:
+            w.wait()
+        for i, t in enumerate(keep):
+            ck.expect(f"all_reduce #{i}", bool(torch.all(t == (1.0 + i) * rk.size).item()), str(t[:2].tolist()))
+        del keep, works
+    _fence(dev)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    t0 = time.monotonic()
+    s2 = _segments_settled(sc)
+    free2 = _free_memory_back(dev, free0 - slack) if drops else free0
+    ck.expect("some chunks unmapped by the sidecar after empty_cache", s2["unmapped"] > s1["unmapped"], f"{s1} -> {s2}")
+    if drops:
+        ck.expect(
+            "every chunk unmapped by the sidecar after empty_cache",
+            s2["registered"] == s0["registered"] and s2["mapped"] == s0["mapped"],
+            f"{s0} -> {s1} -> {s2}",
+        )
+        ck.expect(
+            "the device's memory came back",
+            free2 >= free0 - slack,
+            f"free {free0 >> 20} MiB before, {free2 >> 20} MiB {time.monotonic() - t0:.2f}s after empty_cache",
+        )
+    _dense_ops_exact(ck, rk, dev, seed, "again", sizes)
+    torch.cuda.synchronize()
+    return ck.done()
+
+
+def test_expandable_segments(worlds, seed):
+    """Issue 21 item 5: tensors in torch's expandable segments through the sidecar's NCCL: the
+    ops right before, during and after torch unmaps chunks, and the sidecar unmapping some."""
+    w = worlds.fresh(1, label="expandable", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    try:
+        w.run(check_expandable_segments, seed=seed, drops=False, timeout=RUN_LIMIT_S)
+    finally:
+        w.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="on an H100 (2026-11-24) one 20 MiB chunk stayed mapped by the sidecar after empty_cache, "
+    "and 60 MiB of device memory did not come back: not yet known whether a tensor of the test "
+    "still holds it or the drop missed it",
+)
+def test_expandable_segments_all_dropped(worlds, seed):
+    """After empty_cache every chunk the sidecar mapped is unmapped and the memory is back."""
+    w = worlds.fresh(1, label="expandable-drops", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    try:
+        w.run(check_expandable_segments, seed=seed, drops=True, timeout=RUN_LIMIT_S)
+    finally:
+        w.close()
+
+
+def check_expandable_segments_without_fd_refused(rk, seed):
+    """Chunks torch made with no exportable handle (TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=0) are
+    refused before anything is sent, naming the cause and the fix, and the group goes on with
+    a tensor allocated with expandable segments off (decision 0029)."""
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    ck = Checker("expandable segments without fds refused", seed, rk.rank)
     with ck.case("refused with the reason"):
         t = torch.ones(1 << 20, device=dev)
         try:
             dist.all_reduce(t)
-            ck.fail("refusal", "all_reduce of a tensor in an expandable segment did not raise")
+            ck.fail("refusal", "all_reduce of a chunk with no fd handle did not raise (torch ignored the variable?)")
         except RuntimeError as e:
             msg = str(e)
-            for words in ("cannot be shared with the sidecar", "cuMemMap", "expandable_segments:False"):
+            for words in (
+                "cuMemMap",
+                "cannot be exported to a file descriptor",
+                "TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=0",
+                "expandable_segments:False",
+            ):
                 ck.expect(f"message names {words!r}", words in msg, msg)
     with ck.case("the group goes on with cudaMalloc memory"):
         torch.cuda.memory._set_allocator_settings("expandable_segments:False")
@@ -1491,9 +1617,10 @@ def check_expandable_segments_refused(rk, seed):
     return ck.done()
 
 
-def test_expandable_segments_refused(worlds, seed):
-    w = worlds.fresh(1, label="expandable", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+def test_expandable_segments_without_fd_refused(worlds, seed):
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC": "0"}
+    w = worlds.fresh(1, label="expandable-nofd", env=env)
     try:
-        w.run(check_expandable_segments_refused, seed=seed, timeout=RUN_LIMIT_S)
+        w.run(check_expandable_segments_without_fd_refused, seed=seed, timeout=RUN_LIMIT_S)
     finally:
         w.close()
