@@ -173,7 +173,7 @@ func (s *Server) fdHello(c *net.UnixConn, buf, oob []byte) (*Session, error) {
 	if err != nil {
 		return nil, err
 	}
-	uid, pid, err := unixPeer(c)
+	uid, pid, err := UnixPeer(c)
 	if err != nil {
 		return nil, err
 	}
@@ -194,8 +194,9 @@ func (s *Server) fdHello(c *net.UnixConn, buf, oob []byte) (*Session, error) {
 	return sess, nil
 }
 
-// unixPeer is the uid and pid of the process at the other end of c.
-func unixPeer(c *net.UnixConn) (uid, pid int, err error) {
+// UnixPeer is the uid and pid of the process at the other end of c (SO_PEERCRED): the fd
+// socket's check here, the control socket's in cmd/pgserver.
+func UnixPeer(c *net.UnixConn) (uid, pid int, err error) {
 	raw, err := c.SyscallConn()
 	if err != nil {
 		return -1, 0, err

@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/gocomm/gocomm/pg"
 )
 
 // privateDir makes dir (0700) or checks that an existing one is this user's own, private
@@ -147,21 +149,7 @@ func peerUID(c net.Conn) (int, int, error) {
 	if !ok {
 		return -1, 0, errors.New("not a unix socket")
 	}
-	raw, err := uc.SyscallConn()
-	if err != nil {
-		return -1, 0, err
-	}
-	var cred *unix.Ucred
-	var cerr error
-	if err := raw.Control(func(fd uintptr) {
-		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-	}); err != nil {
-		return -1, 0, err
-	}
-	if cerr != nil {
-		return -1, 0, cerr
-	}
-	return int(cred.Uid), int(cred.Pid), nil
+	return pg.UnixPeer(uc)
 }
 
 // rotatingFile is the sidecar's log file: past max bytes it is renamed <path>.1 (older ones

@@ -52,3 +52,14 @@ def record(path: str, key: str, text: str) -> None:
     doc = pat.sub(lambda _: section, doc) if pat.search(doc) else doc.rstrip() + "\n\n" + section + "\n"
     with open(path, "w") as f:
         f.write(doc)
+
+
+def save(perf: str | None, key: str, text: str, json_path: str | None, data) -> None:
+    """A benchmark's outputs: its table in perf's section for key (record), its rows as JSON."""
+    if perf:
+        record(perf, key, text)
+    if json_path:
+        import json
+
+        with open(json_path, "w") as f:
+            json.dump(data, f, indent=1)

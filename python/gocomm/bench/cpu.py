@@ -12,7 +12,6 @@ and bus bandwidth in the nccl-tests convention, and gocomm's time over gloo's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import socket
@@ -133,11 +132,7 @@ def main(argv=None) -> int:
             g, b = r["gocomm"] * 1e6, r["gloo"] * 1e6
             bw = r["bytes"] / r["gocomm"] / 1e9 * _busbw(r["op"], r["world"])
             print(f"{r['op']:18s} {r['world']:5d} {_fmt(r['bytes']):>6s} {g:11.1f} {b:11.1f} {g / b:11.2f} {bw:11.2f}")
-    if args.perf:
-        _perf.record(args.perf, f"bench.cpu: {os.cpu_count()} cores", printed[0])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    _perf.save(args.perf, f"bench.cpu: {os.cpu_count()} cores", printed[0], args.json, results)
     return 0
 
 

@@ -17,7 +17,6 @@ dtype; a difference past the tolerance fails the run: exit 1).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -184,11 +183,7 @@ def main(argv=None) -> int:
                 f"{label:8s} {statistics.median(t) * 1e3:17.1f} {min(t) * 1e3:8.1f} {max(t) * 1e3:8.1f} {lo[0]:11.4f} {lo[-1]:10.4f}"
             )
         print(f"gocomm / {base}: {tg / tb:.3f}; largest loss difference over {args.steps} steps: {diff:.3g}")
-    if args.perf:
-        _perf.record(args.perf, f"bench.fsdp: {machine}", printed[0])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    _perf.save(args.perf, f"bench.fsdp: {machine}", printed[0], args.json, res)
     if diff > args.tolerance:
         print(f"gocomm.bench.fsdp: the losses differ by {diff:.3g}, more than {args.tolerance}", file=sys.stderr)
         return 1
