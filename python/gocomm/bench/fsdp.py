@@ -94,7 +94,8 @@ def _worker(rank, world, port, args, q):
         "base": DeviceMesh.from_group(base, dev.type),
     }
     models = {name: _sharded(args, mesh, dev) for name, mesh in meshes.items()}
-    nparams = sum(p.numel() for p in Model(args.vocab, args.dim, args.ff, args.layers, args.heads).parameters())
+    # the sharded parameters are DTensors: numel() is the whole parameter's
+    nparams = sum(p.numel() for p in models["gocomm"][0].parameters())
     times = {name: [] for name in models}
     losses = {name: [] for name in models}
 
@@ -118,9 +119,9 @@ def _worker(rank, world, port, args, q):
                 torch.cuda.synchronize(dev)
             dt = time.perf_counter() - t0
             if step >= args.warmup:
-                # the slowest rank's time, and the loss averaged over the ranks
-                t = torch.tensor([dt, loss.item()], dtype=torch.float64)
-                tt = t.clone()
+                # the slowest rank's time, and the loss averaged over the ranks (on dev: the
+                # baseline is NCCL on GPUs, which takes CUDA tensors only)
+                tt = torch.tensor([dt, loss.item()], dtype=torch.float64, device=dev)
                 dist.all_reduce(tt[:1], op=dist.ReduceOp.MAX, group=base)
                 dist.all_reduce(tt[1:], group=base)
                 times[name].append(tt[0].item())
