@@ -330,6 +330,12 @@ class World:
         self.alive = False
         self.procs, self.conns = [], []
 
+    def __enter__(self) -> World:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         """Stop the ranks cleanly (they destroy their groups), killing whatever lingers."""
         if not self.alive:
@@ -474,7 +480,7 @@ class Worlds:
         return w
 
     def fresh(self, size: int, label: str = "", env: dict[str, str] | None = None) -> World:
-        """A world of its own (the caller closes it), for tests that wreck their world or
+        """A world of its own (the caller closes it: `with worlds.fresh(...) as w:`), for tests that wreck their world or
         need env set in its ranks and sidecars (set while they start, then restored)."""
         saved = {k: os.environ.get(k) for k in env or {}}
         os.environ.update(env or {})  # inherited by the ranks and, through them, the sidecars

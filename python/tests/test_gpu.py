@@ -535,11 +535,8 @@ def test_allreduce_inprocess_rounds(worlds, seed, size):
     """The same checks with 1 MiB staging rounds: two-shot messages pass in up to 17
     rounds, the last one short, and ops of several rounds follow each other on two streams."""
     _need(size)
-    w = worlds.fresh(size, label="ar-rounds", env={"GOCOMM_AR_STAGE": "1M"})
-    try:
+    with worlds.fresh(size, label="ar-rounds", env={"GOCOMM_AR_STAGE": "1M"}) as w:
         w.run(check_allreduce_inprocess, seed=seed, timeout=RUN_LIMIT_S)
-    finally:
-        w.close()
 
 
 def test_stream_semantics(worlds, seed):
@@ -554,12 +551,9 @@ def test_ddp_cuda(worlds, seed):
 
 def test_killed_sidecar_cuda(worlds, seed):
     _need(2)
-    w = worlds.fresh(2, label="gpukill")
-    try:
+    with worlds.fresh(2, label="gpukill") as w:
         out = w.run(check_killed_sidecar_cuda, seed=seed, timeout=120)
         print(out)
-    finally:
-        w.close()
 
 
 @pytest.mark.parametrize("size", [2, 4, 8])
@@ -628,16 +622,13 @@ def check_all_to_all_v_nvshmem(rk, seed, inprocess):
 def test_all_to_all_v_nvshmem(worlds, seed, size, inprocess):
     _need(size)
     env = {"GOCOMM_TRANSPORT": "nvshmem", "GOCOMM_A2AV_INPROCESS": "1" if inprocess else "0"}
-    w = worlds.fresh(size, label="nvshmem" + ("" if inprocess else "-sidecar"), env=env)
-    try:
+    with worlds.fresh(size, label="nvshmem" + ("" if inprocess else "-sidecar"), env=env) as w:
         w.run(check_all_to_all_v_nvshmem, seed=seed, inprocess=inprocess, timeout=RUN_LIMIT_S)
         # dispatch/combine on that path (one exchange of tokens with their routing)
         w.run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
         if inprocess:
             w.run(check_all_to_all_v_graph, seed=seed, timeout=RUN_LIMIT_S)
             w.run(check_all_to_all_v_op, seed=seed, timeout=RUN_LIMIT_S)
-    finally:
-        w.close()
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
@@ -645,12 +636,9 @@ def test_moe_graph(worlds, seed, size):
     """dispatch/combine where the exchange runs in this process (one rank too), padded and
     captured in a CUDA graph, then the whole MoE check on the same world."""
     _need(size)
-    w = worlds.fresh(size, label="moegraph", env={"GOCOMM_TRANSPORT": "nvshmem"})
-    try:
+    with worlds.fresh(size, label="moegraph", env={"GOCOMM_TRANSPORT": "nvshmem"}) as w:
         w.run(check_moe_graph, seed=seed, timeout=RUN_LIMIT_S)
         w.run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
-    finally:
-        w.close()
 
 
 def check_moe_graph(rk, seed):
@@ -710,11 +698,8 @@ def check_moe_graph(rk, seed):
 def test_moe_ops_compiled(worlds, seed, size):
     """gocomm.moe's in-process path as registered ops, traced by torch.compile."""
     _need(size)
-    w = worlds.fresh(size, label="moeops", env={"GOCOMM_TRANSPORT": "nvshmem"})
-    try:
+    with worlds.fresh(size, label="moeops", env={"GOCOMM_TRANSPORT": "nvshmem"}) as w:
         w.run(check_moe_ops_compiled, seed=seed, timeout=RUN_LIMIT_S)
-    finally:
-        w.close()
 
 
 def check_moe_ops_compiled(rk, seed):
@@ -1085,11 +1070,8 @@ def check_all_to_all_single_inprocess(rk, seed):
 def test_all_to_all_single_inprocess(worlds, seed, size):
     _need(size)
     env = {"GOCOMM_TRANSPORT": "nvshmem", "GOCOMM_A2A_RECV_MB": "1"}
-    w = worlds.fresh(size, label="a2a-single", env=env)
-    try:
+    with worlds.fresh(size, label="a2a-single", env=env) as w:
         w.run(check_all_to_all_single_inprocess, seed=seed, timeout=RUN_LIMIT_S)
-    finally:
-        w.close()
 
 
 def check_kernel_timeout(rk, seed):
@@ -1131,11 +1113,8 @@ def check_kernel_timeout(rk, seed):
 def test_inprocess_kernel_timeout(worlds, seed):
     """2 ranks with the in-process all_reduce forced (GOCOMM_TRANSPORT=nvshmem: on one GPU the
     ranks share it through CUDA IPC)."""
-    w = worlds.fresh(2, label="kernel-timeout", env={"GOCOMM_TRANSPORT": "nvshmem"})
-    try:
+    with worlds.fresh(2, label="kernel-timeout", env={"GOCOMM_TRANSPORT": "nvshmem"}) as w:
         w.run(check_kernel_timeout, seed=seed, timeout=RUN_LIMIT_S)
-    finally:
-        w.close()
 
 
 def check_transport(rk, want):
@@ -1152,13 +1131,10 @@ def test_moe_cuda_nccl_forced(worlds, seed, size):
     PCIe-only box (issue 4): all_to_all_v and dispatch/combine on CUDA tensors."""
     _need(size)
     forced = {"GOCOMM_TRANSPORT": "nccl", "NCCL_P2P_DISABLE": "1"}
-    w = worlds.fresh(size, label="ncclforced", env=forced)
-    try:
+    with worlds.fresh(size, label="ncclforced", env=forced) as w:
         w.run(check_transport, want="nccl", timeout=RUN_LIMIT_S)
         w.run(check_all_to_all_v, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
         w.run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
-    finally:
-        w.close()
 
 
 def _moe_kernels_device() -> torch.device:
@@ -1565,11 +1541,8 @@ def check_expandable_segments(rk, seed, drops: bool):
 def test_expandable_segments(worlds, seed):
     """Issue 21 item 5: tensors in torch's expandable segments through the sidecar's NCCL: the
     ops right before, during and after torch unmaps chunks, and the sidecar unmapping some."""
-    w = worlds.fresh(1, label="expandable", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
-    try:
+    with worlds.fresh(1, label="expandable", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) as w:
         w.run(check_expandable_segments, seed=seed, drops=False, timeout=RUN_LIMIT_S)
-    finally:
-        w.close()
 
 
 @pytest.mark.xfail(
@@ -1580,11 +1553,8 @@ def test_expandable_segments(worlds, seed):
 )
 def test_expandable_segments_all_dropped(worlds, seed):
     """After empty_cache every chunk the sidecar mapped is unmapped and the memory is back."""
-    w = worlds.fresh(1, label="expandable-drops", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
-    try:
+    with worlds.fresh(1, label="expandable-drops", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) as w:
         w.run(check_expandable_segments, seed=seed, drops=True, timeout=RUN_LIMIT_S)
-    finally:
-        w.close()
 
 
 def check_expandable_segments_without_fd_refused(rk, seed):
@@ -1619,8 +1589,5 @@ def check_expandable_segments_without_fd_refused(rk, seed):
 
 def test_expandable_segments_without_fd_refused(worlds, seed):
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC": "0"}
-    w = worlds.fresh(1, label="expandable-nofd", env=env)
-    try:
+    with worlds.fresh(1, label="expandable-nofd", env=env) as w:
         w.run(check_expandable_segments_without_fd_refused, seed=seed, timeout=RUN_LIMIT_S)
-    finally:
-        w.close()

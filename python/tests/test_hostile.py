@@ -144,11 +144,8 @@ def test_flood_with_lowered_fd_limit(worlds):
     cap of unauthenticated links (GOCOMM_PEER_HANDSHAKES_MAX, twice: before and after their
     hello) beyond its baseline, and its fds are back at the baseline within 10 s after.
     (make soak floods 10,000 connections at the default limits: soak_flood.py.)"""
-    world = worlds.fresh(2, label="-flood")
-    try:
+    with worlds.fresh(2, label="-flood") as world:
         r = flood_trial(world, 1500, fd_headroom=300)
-    finally:
-        world.close()
     print(f"flood: {r}")
     assert not r["failures"], r
 
