@@ -1514,7 +1514,9 @@ def check_expandable_segments(rk, seed):
             w.wait()
         for i, t in enumerate(keep):
             ck.expect(f"all_reduce #{i}", bool(torch.all(t == (1.0 + i) * rk.size).item()), str(t[:2].tolist()))
-        del keep, works, t  # t: the loop's last tensor, which would keep its chunks mapped
+        # t and w: the loops' last tensor and Work (which holds its tensors), that would keep
+        # their chunks in use
+        del keep, works, t, w
     _fence(dev)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
