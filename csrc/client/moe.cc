@@ -96,16 +96,8 @@ uint64_t addr(const at::Tensor& t) {
 // anything is done.
 void check_dispatch(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w, int64_t experts, int64_t n,
                     int64_t cap, bool padded) {
-  TORCH_CHECK_VALUE(x.dim() == 2, "gocomm moe.dispatch: x must be [tokens, hidden], got shape " + shape_name(x.sizes()));
+  moe::check_args(x, idx, w, experts, n);
   const int64_t t = x.size(0);
-  TORCH_CHECK_VALUE(idx.dim() == 2 && idx.size(0) == t && w.sizes() == idx.sizes(),
-                    "gocomm moe.dispatch: topk_idx " + shape_name(idx.sizes()) + " and topk_weights " +
-                        shape_name(w.sizes()) + " must both be [" + std::to_string(t) + ", k]");
-  TORCH_CHECK_TYPE(c10::isIntegralType(idx.scalar_type(), false),
-                   "gocomm moe.dispatch: topk_idx must hold integers, got " + dtype_name(idx.scalar_type()));
-  TORCH_CHECK_VALUE(experts > 0 && experts % n == 0, "gocomm moe.dispatch: " + std::to_string(experts) +
-                                                         " experts do not spread evenly over " + std::to_string(n) +
-                                                         " ranks");
   // padded: cap is max_tokens_per_rank x n
   TORCH_CHECK_VALUE(!padded || cap >= t * n, "gocomm moe.dispatch: max_tokens_per_rank " + std::to_string(cap / n) +
                                                  " < this rank's " + std::to_string(t) + " tokens");

@@ -54,6 +54,8 @@ int64_t addr_or_0(const at::Tensor& t) {
   return t.numel() ? addr(t) : 0;
 }
 
+}  // namespace
+
 std::vector<at::Tensor> route_pack_cuda(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
                                         int64_t experts, int64_t n) {
   const int64_t t = x.dim() == 2 ? x.size(0) : 0, xbytes = x.dim() == 2 ? x.size(1) * x.element_size() : 0;
@@ -142,8 +144,6 @@ std::vector<at::Tensor> wsum_cuda(const at::Tensor& src, const at::Tensor& idx_i
        rows, 0, h);
   return {out};
 }
-
-}  // namespace
 
 std::string why_not(int device) {
   return Module::get(kModule).why_not(device);

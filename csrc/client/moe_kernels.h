@@ -28,16 +28,30 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace gocomm::inproc::moe {
 
 constexpr int64_t kRouteMaxRanks = 8;  // the routing kernels keep a token's ranks in a byte
+// gocomm.moe.dispatch's checks of x [T, H], topk_idx and topk_weights [T, k] and num_experts on
+// a group of n ranks, on every path, with the errors its docstring names (ValueError, TypeError).
+void check_args(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w, int64_t experts, int64_t n);
 // ValueError where the routing kernels do not take n ranks (more than kRouteMaxRanks).
 void check_ranks(int64_t n);
 // TypeError where no sums kernel takes dtype (they take bf16, fp16 and fp32).
 void check_sums(at::ScalarType dtype);
+
+// The three ops' bodies (moe_route_pack, moe_group, moe_wsum above), which moe_any.cc's paths
+// call too: each [] where the kernels do not take the input.
+std::vector<at::Tensor> route_pack_cuda(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
+                                        int64_t experts, int64_t n);
+std::vector<at::Tensor> group_cuda(const at::Tensor& recv, int64_t id_off, int64_t w_off, int64_t k, int64_t per,
+                                   const at::Tensor& out_splits);
+std::vector<at::Tensor> wsum_cuda(const at::Tensor& src, const at::Tensor& idx, const std::optional<at::Tensor>& w,
+                                  const at::Tensor& offs, int64_t rows);
 
 // Why the kernels do not run on device ("" where they do): the module was not built, is built
 // for another architecture, or does not load there.

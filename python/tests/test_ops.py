@@ -3,6 +3,8 @@ operators. Here, without a GPU, their schemas and Meta kernels (what torch.compi
 with): the padded output is out_rows rows shaped like input's, out_splits has in_splits'
 dtype and size on input's device. test_gpu's check_all_to_all_v_op runs them."""
 
+import re
+
 import pytest
 import torch
 
@@ -78,6 +80,34 @@ def test_moe_ops_refuse_cpu_tensors():
         torch.ops.gocomm.moe_combine(x, torch.zeros(64, dtype=torch.uint8), 4, 8, 2, 4, 8, 8, "g")
 
 
+def test_moe_any_ops_schemas():
+    # the other paths' ops (csrc/client/moe_any.cc), CPU and CUDA in one function: they mutate
+    # nothing, and moe_check raises what gocomm.moe.dispatch documents
+    for op in (
+        torch.ops.gocomm.moe_check,
+        torch.ops.gocomm.moe_route_any,
+        torch.ops.gocomm.moe_receive_any,
+        torch.ops.gocomm.moe_combine_any,
+    ):
+        s = op.default._schema
+        assert not any(arg.alias_info for arg in s.arguments), str(s)
+    ids = torch.zeros(3, 2, dtype=torch.int64)
+    for args, exc, words in (
+        ((torch.zeros(3), ids, torch.ones(3, 2), 4, 2, False, None, False), ValueError, "[tokens, hidden]"),
+        ((torch.zeros(3, 8), ids.float(), torch.ones(3, 2), 4, 2, False, None, False), TypeError, "integers"),
+        ((torch.zeros(3, 8), ids, torch.ones(3, 2), 5, 2, False, None, False), ValueError, "spread evenly"),
+        ((torch.zeros(3, 100), ids, torch.ones(3, 2), 4, 2, True, None, False), ValueError, "multiple of 128"),
+        ((torch.zeros(3, 8), ids, torch.ones(3, 2), 4, 2, False, None, True), ValueError, "needs max_tokens"),
+        ((torch.zeros(3, 8), ids, torch.ones(3, 2), 4, 2, False, 2, False), ValueError, "2 < this rank's 3"),
+    ):
+        with pytest.raises(exc, match=re.escape(words)):
+            torch.ops.gocomm.moe_check(*args)
+    torch.ops.gocomm.moe_check(torch.zeros(3, 128), ids, torch.ones(3, 2), 4, 2, True, 3, True)
+    with pytest.raises(ValueError, match=re.escape("topk_idx must be in [-1, 4), got -1..9")):
+        bad = torch.tensor([[0, 9], [-1, 1], [2, 3]])
+        torch.ops.gocomm.moe_route_any(torch.zeros(3, 8), bad, torch.ones(3, 2), 4, 2, False, True)
+
+
 def test_moe_kernel_ops_schemas():
     # the other paths' launches (csrc/client/moe_kernels.cc): each returns [] where the kernels
     # do not take the input, so moe.py falls back to torch ops; test_gpu runs them
@@ -94,8 +124,9 @@ def test_moe_kernel_ops_schemas():
 
 def test_moe_row_layout():
     # the kernels' packed row (moe_row_bytes, what the in-process path sizes its receive
-    # capacity by) is the one moe.py's _layout gives the same parts: x, int32 ids, float32 weights
-    from gocomm import _client, moe
+    # capacity by) is the one the other paths' ATen packing (moe_route_any on the CPU) gives:
+    # x, int32 ids, float32 weights, each 16-byte aligned
+    from gocomm import _client
 
     for h, dtype, k in [
         (7168, torch.bfloat16, 8),
@@ -103,7 +134,10 @@ def test_moe_row_layout():
         (8, torch.float16, 4),
         (2048, torch.bfloat16, 5),
     ]:
-        x = torch.empty(0, h, dtype=dtype)
-        parts = [x, torch.empty(0, k, dtype=torch.int32), torch.empty(0, k, dtype=torch.float32)]
-        assert _client.C.moe_row_bytes(h * x.element_size(), k) == moe._layout(parts)[1], (h, dtype, k)
+        x = torch.zeros(1, h, dtype=dtype)
+        idx, w = torch.zeros(1, k, dtype=torch.int64), torch.ones(1, k)
+        payload = torch.ops.gocomm.moe_route_any(x, idx, w, 2, 2, False, True)[0]
+        assert _client.C.moe_row_bytes(h * x.element_size(), k) == payload.shape[1], (h, dtype, k)
+        want = -(-h * x.element_size() // 16) * 16 + 2 * (-(-4 * k // 16) * 16)
+        assert payload.shape[1] == want, (h, dtype, k)
     assert not _client.C.moe_takes(torch.ones(4, 8), 2, 4), "CPU tensors take torch ops"
