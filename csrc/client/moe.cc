@@ -259,6 +259,20 @@ int moe_flags_new(int device) {
   return i + 1;
 }
 
+std::pair<bool, std::string> moe_flags_error(int device, int64_t experts) {
+  switch (moe_flags_new(device)) {
+    case 2:
+      return {true,
+              "gocomm moe: a padded dispatch on this device was sent more tokens than max_tokens_per_rank x group "
+              "size; it received none, and its combine sent nothing back (a rank dispatched more than the bound)"};
+    case 1:
+      return {false, "gocomm moe: a padded dispatch on this device had topk_idx outside [-1, " +
+                         std::to_string(experts) + ") (those entries were sent nowhere)"};
+    default:
+      return {false, ""};
+  }
+}
+
 }  // namespace gocomm::inproc
 
 TORCH_LIBRARY_FRAGMENT(gocomm, m) {

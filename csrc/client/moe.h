@@ -21,6 +21,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <utility>
 
 namespace gocomm::inproc {
 
@@ -30,5 +32,8 @@ namespace gocomm::inproc {
 int moe_flags_new(int device);
 // Whether a padded dispatch ran on device (it made the device's flag words).
 bool moe_flags_made(int device);
+// The error for what moe_flags_new(device) found, as gocomm.moe raises it ("" where nothing is
+// new): whether it is Python's OverflowError (else ValueError), and its message.
+std::pair<bool, std::string> moe_flags_error(int device, int64_t experts);
 
 }  // namespace gocomm::inproc

@@ -219,7 +219,7 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
     # the op checks the rest (rows of a multiple of 16 bytes)
     out = _COMBINE(y, handle.state, handle.tokens, cap, k, experts, recv_rows, send_rows, handle.name)
     if handle.splits is None:  # padded: what the GPU found, after this pair's last exchange
-        _raise_new(device, experts)
+        _client.C.moe_raise_new(device, experts)
     return out
 
 
@@ -234,21 +234,4 @@ def check(device: torch.device | int | None = None, num_experts: int = 0) -> Non
     idx = dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()
     if _client.C.moe_flags_made(idx):  # a padded dispatch ran there
         torch.cuda.synchronize(idx)
-        _raise_new(idx, num_experts)
-
-
-def _raise_new(device: int, experts: int) -> None:
-    """Raise for what padded dispatches on device found on the GPU since the last call (once
-    each, one per call)."""
-    got = _client.C.moe_flags_new(device)
-    if got == 2:
-        raise OverflowError(
-            "gocomm moe: a padded dispatch on this device was sent more tokens than max_tokens_per_rank x "
-            "group size; it received none, and its combine sent nothing back (a rank dispatched more than "
-            "the bound)"
-        )
-    if got == 1:
-        raise ValueError(
-            f"gocomm moe: a padded dispatch on this device had topk_idx outside [-1, {experts}) "
-            "(those entries were sent nowhere)"
-        )
+        _client.C.moe_raise_new(idx, num_experts)
