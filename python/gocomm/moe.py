@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from . import _backend, _capture, _client
-from ._moe_inprocess import _combine_inprocess, _dispatch_inprocess, _InProcess, raise_new
-from .sparse import _capacity_rows, _device_path, all_to_all_v
+from ._moe_inprocess import _capacity_rows, _combine_inprocess, _device_path, _dispatch_inprocess, _InProcess, raise_new
+from .sparse import all_to_all_v
 
 __all__ = ["Handle", "check", "combine", "dispatch"]
 
