@@ -155,7 +155,7 @@ class Backend : public c10d::Backend {
   // Its in-process all_to_all_v path on input's device; raises NotImplementedError naming op
   // where the route table does not send the group's all_to_all_v there (or no longer does: the
   // group destroyed or broken), before the op has done anything, so that a caller that cached
-  // the path (python/gocomm/sparse.py) can forget it and take another.
+  // the path (python/gocomm/moe.py) can forget it and take another.
   std::shared_ptr<inproc::A2Path> a2av_path_for(const at::Tensor& input, const std::string& op);
   // The first failure of an op of this group, if any.
   std::optional<std::string> broken() { return failure_->get(); }
