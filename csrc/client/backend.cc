@@ -756,10 +756,7 @@ void Backend::cuda_now(const std::string& op, uint8_t kind, const std::vector<wi
   }
   refuse_if_broken(op);
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
-    TORCH_CHECK(false, "gocomm " + op + " cannot be captured in a CUDA graph on group '" + group_name() +
-                           "': it runs in the sidecar's NVSHMEM kernel, which is handed each call on the host, so a "
-                           "replay would not run it. Run it outside the capture. This group can capture: " +
-                           capturable() + ".");
+    refuse_capture(op, "it runs in the sidecar's NVSHMEM kernel, which is handed each call on the host");
   }
   need_slot(op);
   const cuda::DevPtr counters = disp_->counters(device) + 16 * uint64_t(cfg_.slot);
@@ -788,6 +785,23 @@ void Backend::cuda_now(const std::string& op, uint8_t kind, const std::vector<wi
   d.stream_value = k;
   disp_->submit(std::move(p), d);
   cuda::wait_value(stream.stream(), done, k);
+}
+
+void Backend::refuse_capture(const std::string& op, const std::string& why) const {
+  TORCH_CHECK(false, "gocomm " + op + " cannot be captured in a CUDA graph on group '" + group_name() + "': " + why +
+                         ", so a replay would not run it. Run it outside the capture. This group can capture: " +
+                         capturable() + ".");
+}
+
+void Backend::nvshmem_ready(int device) {
+  std::lock_guard<std::mutex> lock(nvshmem_mu_);
+  if (nvshmem_ready_) {
+    return;
+  }
+  TORCH_CHECK(cfg_.nvshmem_setup, "gocomm all_to_all_v on group '" + group_name() +
+                                      "': the sidecar's NVSHMEM kernel has no setup (no control plane)");
+  cfg_.nvshmem_setup(device);
+  nvshmem_ready_ = true;
 }
 
 intrusive_ptr<Work> Backend::submit_raw(const std::string& op, const std::vector<uint8_t>& payload) {

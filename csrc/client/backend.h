@@ -61,6 +61,12 @@ class Backend : public c10d::Backend {
     // the control plane's DestroyGroup and Abort rpcs
     std::function<void()> on_shutdown;
     std::function<void()> on_abort;
+    // the default (world) group: the sidecar's NVSHMEM all_to_all_v kernel serves it (its PEs
+    // are the world's ranks)
+    bool world = false;
+    // the control plane's one-time, collective setup of the sidecar's NVSHMEM all_to_all_v
+    // kernel on device (the NVSHMEM unique id through the group's Store)
+    std::function<void(int)> nvshmem_setup;
   };
 
   Backend(std::shared_ptr<Dispatcher> dispatcher, Config cfg);
@@ -130,6 +136,13 @@ class Backend : public c10d::Backend {
   // returns. Its failure is logged (the sidecar breaks the group, so the next op raises).
   void cuda_now(const std::string& op, uint8_t kind, const std::vector<wire::BufRef>& bufs,
                 std::vector<at::Tensor> keep, int device, uint64_t count);
+  // Run the control plane's NVSHMEM setup (Config::nvshmem_setup) at the group's first call
+  // of the sidecar's NVSHMEM kernel (collective: every rank calls it there); again after one
+  // that raised.
+  void nvshmem_ready(int device);
+  // Raise for op of CUDA tensors under graph capture; why says what runs it instead of an
+  // in-process kernel. The group stays usable: nothing was queued or sent.
+  [[noreturn]] void refuse_capture(const std::string& op, const std::string& why) const;
   // A hand-made descriptor (tests): payload's first 8 bytes are replaced by the seq.
   c10::intrusive_ptr<Work> submit_raw(const std::string& op, const std::vector<uint8_t>& payload);
 
@@ -142,13 +155,15 @@ class Backend : public c10d::Backend {
   // Its in-process all_to_all_v path on input's device; raises NotImplementedError naming op
   // where the route table does not send the group's all_to_all_v there (or no longer does: the
   // group destroyed or broken), before the op has done anything, so that a caller that cached
-  // the path (python/gocomm/sparse.py) can forget it and take another.
+  // the path (python/gocomm/moe.py) can forget it and take another.
   std::shared_ptr<inproc::A2Path> a2av_path_for(const at::Tensor& input, const std::string& op);
   // The first failure of an op of this group, if any.
   std::optional<std::string> broken() { return failure_->get(); }
   // The group broke (the sidecar said so on its watch stream): every later call raises why.
   void mark_broken(const std::string& why) { failure_->mark_broken(why); }
   const Config& config() const { return cfg_; }
+  std::string group_name() const;  // as torch named the group (its creator's name before)
+  std::string capturable() const;  // what the group can capture, for a refusal's message
   std::shared_ptr<Dispatcher> dispatcher() const { return disp_; }
   // What the bindings keep with the backend (the Python state of the group).
   std::shared_ptr<void> user;
@@ -169,10 +184,8 @@ class Backend : public c10d::Backend {
   void need_slot(const std::string& op);
   // Raises once the group is broken (GroupFailure): a CUDA op's failure reaches no wait().
   void refuse_if_broken(const std::string& op);
-  std::string group_name() const;  // as torch named the group (its creator's name before)
   // "<op> on group '<name>'": how a Work's errors name the op (op, group, then the cause)
   std::string label(const std::string& op) const;
-  std::string capturable() const;  // what the group can capture, for a refusal's message
 
   std::shared_ptr<Dispatcher> disp_;
   Config cfg_;
@@ -185,6 +198,8 @@ class Backend : public c10d::Backend {
   std::mutex coalesce_mu_;
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<Work>> coalesced_;
+  std::mutex nvshmem_mu_;
+  bool nvshmem_ready_ = false;
 };
 
 }  // namespace gocomm

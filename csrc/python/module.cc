@@ -17,6 +17,7 @@
 #include <optional>
 #include <mutex>
 
+#include "a2av.h"
 #include "backend.h"
 #include "cuda_driver.h"
 #include "dispatcher.h"
@@ -59,6 +60,13 @@ std::function<void(int, const std::string&)> logger(py::object log) {
     (*f)(level, msg);
   };
 }
+
+// Python's OverflowError, thrown from C++: torch's error translation (which its ops' callers
+// go through) raises an exception of python_type().
+struct OverflowError : torch::PyTorchError {
+  using PyTorchError::PyTorchError;
+  PyObject* python_type() override { return PyExc_OverflowError; }
+};
 
 // The Python state's reference to its backend, which holds the state: weak, so that the
 // group's lifetime is the ProcessGroup's.
@@ -330,7 +338,7 @@ PYBIND11_MODULE(_C, m) {
                        std::array<uint32_t, 2> counter_base, double timeout_s, const std::string& name,
                        const std::string& cuda_refusal, std::shared_ptr<gocomm::Routes> routes,
                        const py::dict& inprocess, py::object log, py::object on_shutdown, py::object on_abort,
-                       py::object state) {
+                       py::object state, bool world, py::object nvshmem_setup) {
              gocomm::Backend::Config cfg;
              cfg.rank = rank;
              cfg.size = size;
@@ -368,6 +376,14 @@ PYBIND11_MODULE(_C, m) {
                  };
                }
              }
+             cfg.world = world;
+             if (given(nvshmem_setup)) {
+               auto f = hold(std::move(nvshmem_setup));
+               cfg.nvshmem_setup = [f](int device) {
+                 py::gil_scoped_acquire gil;
+                 (*f)(device);
+               };
+             }
              auto b = c10::make_intrusive<gocomm::Backend>(std::move(disp), std::move(cfg));
              b->user = hold(std::move(state));
              return b;
@@ -375,7 +391,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("dispatcher"), py::arg("rank"), py::arg("size"), py::arg("handle"), py::arg("slot"),
            py::arg("counter_base"), py::arg("timeout_s"), py::arg("name"), py::arg("cuda_refusal"),
            py::arg("routes"), py::arg("inprocess"), py::arg("log"), py::arg("on_shutdown"), py::arg("on_abort"),
-           py::arg("state"))
+           py::arg("state"), py::arg("world") = false, py::arg("nvshmem_setup") = py::none())
       .def_property_readonly("state",
                              [](gocomm::Backend& b) -> py::object {
                                auto p = std::static_pointer_cast<py::object>(b.user);
@@ -386,6 +402,8 @@ PYBIND11_MODULE(_C, m) {
       .def("mark_broken", &gocomm::Backend::mark_broken, py::arg("why"),
            "The group broke (the sidecar's report): every later call on it raises why.")
       .def_property_readonly("closed", &gocomm::Backend::closed)
+      .def_property_readonly("world", [](gocomm::Backend& b) { return b.config().world; },
+                             "Whether this is the default group's backend.")
       .def(
           "a2av_path",
           [](gocomm::Backend& b, int device) { return b.engine().a2av_path(device); },
@@ -409,19 +427,6 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "sidecar_broke", [](gocomm::Backend& b) { b.engine().sidecar_broke(); }, py::call_guard<py::gil_scoped_release>(),
           "The sidecar reports the group broken: in-process kernels stop waiting for peers.")
-      .def(
-          "cuda_now",
-          [](gocomm::Backend& b, const std::string& op, uint8_t kind,
-             const std::vector<std::tuple<uint32_t, uint64_t, uint64_t>>& refs, std::vector<at::Tensor> keep,
-             int device, uint64_t count) {
-            std::vector<gocomm::wire::BufRef> bufs;
-            for (auto& [s, o, n] : refs) {
-              bufs.push_back(gocomm::wire::BufRef{s, o, n});
-            }
-            py::gil_scoped_release nogil;
-            b.cuda_now(op, kind, bufs, std::move(keep), device, count);
-          },
-          "Hand the sidecar an op the caller's stream waits for at once (no Work).")
       .def(
           "_submit_raw",
           [](gocomm::Backend& b, const std::string& op, py::bytes payload) -> c10::intrusive_ptr<c10d::Work> {
@@ -563,6 +568,11 @@ PYBIND11_MODULE(_C, m) {
       }))
       .def("get", [](BackendRef& r) -> c10::intrusive_ptr<gocomm::Backend> { return r.ref.lock(); },
            "The backend, or None once it is gone.");
+
+  // gocomm.all_to_all_v's OverflowError, raised by the compiled client (a2av.h)
+  gocomm::set_overflow_hook([](const std::string& msg) { throw OverflowError(msg); });
+  m.def("_skip_count_exchange", &gocomm::set_count_exchange_skipped, py::arg("skip"),
+        "Tests: all_to_all_v's host-count path skips its count exchange, as one that failed silently.");
 
   // the wire format as the client encodes it (python/tests/test_wire.py pins it to Go's)
   m.def("wire_dtype", &gocomm::wire_dtype, "The wire.DType code of a dtype (0: not carried).");

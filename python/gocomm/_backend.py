@@ -3,8 +3,8 @@ every op; this module is its control plane. The creator torch calls for a new gr
 group up with the sidecar (CreateGroup, the Store bootstrap, ConnectGroup, the route table)
 and returns the C++ backend configured with what its ops need.
 
-A group's Python state (_Group: its sidecar, routes) is what gocomm.info() and the sparse
-and MoE APIs use; state(pg) finds it. The in-process engine (all_reduce and all_to_all_v by
+A group's Python state (_Group: its sidecar, routes) is what gocomm.info() and the MoE API
+use; state(pg) finds it (gocomm.all_to_all_v is the compiled client's: csrc/client/a2av.cc). The in-process engine (all_reduce and all_to_all_v by
 kernels this process launches, on NVLink groups) is the C++ backend's (csrc/client/inprocess.cc):
 the route table is the compiled client's too (csrc/client/routes.h: the engine falls a route
 back itself); the engine calls back here only to log, at a path's setup and when it falls back.
@@ -31,8 +31,8 @@ _groups: weakref.WeakSet = weakref.WeakSet()
 
 
 class Served:
-    """A group whose in-process all_to_all_v serves a CUDA device: what gocomm.all_to_all_v
-    and gocomm.moe would otherwise look up on every call (see served)."""
+    """A group whose in-process all_to_all_v serves a CUDA device: what gocomm.moe.dispatch
+    would otherwise look up on every call (see served)."""
 
     __slots__ = ("group", "name", "size", "cap", "moe")
 
@@ -44,12 +44,12 @@ class Served:
         self.moe = False  # gocomm.moe's kernels run on the device too (moe.dispatch found so)
 
 
-# (ProcessGroup, device index) -> Served, made by the group's first all_to_all_v or
-# moe.dispatch on that device (which sets the path up, collectively). Their fast paths call the
-# registered op (csrc/client/ops.cc, moe.cc) with no other lookup or check; the op checks the
-# arguments and raises NotImplementedError, before doing anything, where the path no longer
-# serves the group (destroyed, broken, the sidecar gone), and the caller then drops the entry
-# and takes its other paths. A destroyed group drops its entries (_Group._destroy).
+# (ProcessGroup, device index) -> Served, made by the group's first moe.dispatch on that
+# device (which sets the path up, collectively). Its fast path calls the registered op
+# (csrc/client/moe.cc) with no other lookup or check; the op checks the arguments and raises
+# NotImplementedError, before doing anything, where the path no longer serves the group
+# (destroyed, broken, the sidecar gone), and the caller then drops the entry and takes its
+# other paths. A destroyed group drops its entries (_Group._destroy).
 served: dict = {}
 
 
@@ -86,6 +86,7 @@ class _Group:
         timeout: datetime.timedelta,
         group_name: str = "",
         global_ranks: list[int] | None = None,
+        world: bool = False,
     ):
         self._rank, self._size = rank, size
         seconds = _seconds(timeout)
@@ -148,7 +149,7 @@ class _Group:
         self._sidecar_broken: str | None = None
         self._sc.on_group_broken(self._handle, self._sidecar_broke)
         # the group's Store, for the NVSHMEM unique id of the sidecar's all_to_all_v kernel
-        # (_shmem_id), handed over at the group's first such op
+        # (_shmem_id), handed over at the group's first such op (the compiled client calls it)
         self._store = store
         self._shmem_ready = False
         # the slot's counters never go back: a group counts on from where its previous
@@ -170,6 +171,8 @@ class _Group:
             self._destroy,
             self._abort,
             self,
+            world=world,  # the sidecar's NVSHMEM all_to_all_v kernel serves the world group only
+            nvshmem_setup=lambda idx: self._shmem_id(torch.device("cuda", idx)),
         )
         self._ref = _client.C.BackendRef(backend)
         _client.C.set_launch_capacity(self._sc.trace_size)
@@ -177,7 +180,7 @@ class _Group:
         _groups.add(self)
         log.info("gocomm group %r rank %d/%d on handle %d via %s", group_name, rank, size, self._handle, conn.transport)
 
-    # ----- what the sparse and MoE APIs ask of a group -----------------------------------------
+    # ----- what the MoE API and gocomm.info() ask of a group -----------------------------------------
 
     def rank(self) -> int:
         return self._rank
@@ -220,11 +223,6 @@ class _Group:
                 f"gocomm {op}: this process has more groups using CUDA tensors than the sidecar has counters for"
             )
 
-    def _cuda_now(self, op: str, kind: int, refs: list[tuple[int, int, int]], keep: list, idx: int, count: int) -> None:
-        """An op whose caller waits at once and never sees a Work (the sparse all-to-all): the
-        C++ backend hands it over ordered on the current stream, which waits for it."""
-        self._ref.get().cuda_now(op, kind, refs, keep, idx, count)
-
     def _a2av_path(self, idx: int):
         """The in-process all_to_all_v path on device idx (a gocomm._C.A2Path; set up,
         collectively, at the group's first call there), or None where the group does not take
@@ -236,8 +234,9 @@ class _Group:
         """Carry the group's NVSHMEM unique id from rank 0's sidecar (the bootstrap's root,
         which makes it) to every other rank's through the group's torch Store. Collective:
         each rank calls it before the group's first all_to_all_v in the sidecar's NVSHMEM
-        kernel, which makes the PE with the id. A rank 0 that cannot make one says so through
-        the Store, so the other ranks raise at once instead of at the Store's timeout."""
+        kernel, which makes the PE with the id (the compiled client calls it there, once: the
+        backend's nvshmem_setup). A rank 0 that cannot make one says so through the Store, so
+        the other ranks raise at once instead of at the Store's timeout."""
         if self._shmem_ready:
             return
         self._need_slot("all_to_all_v")
@@ -362,6 +361,7 @@ def create(dist_opts, backend_opts=None):
         dist_opts.timeout,
         group_name=str(dist_opts.group_id),
         global_ranks=list(dist_opts.global_ranks_in_group),
+        world=not dist.is_initialized(),  # torch makes the default group before any other
     )
     backend, g.backend = g.backend, None  # torch holds it now; the state only refers to it
     return backend

@@ -3,10 +3,10 @@
 The compiled client captures every collective of CUDA tensors: an in-process kernel as
 itself, a sidecar op as a graph op (registered with the sidecar at capture, run by it at each
 replay; docs/decisions/0020). What cannot be captured is what hands the sidecar a call whose
-shape is decided on the host per call, or that the graph lane does not carry: the Python APIs
-below call refuse() for it (gocomm.all_to_all_v without the in-process kernel, moe.dispatch
-without padded), and the client refuses send/recv; each raises at capture, before anything is
-queued or sent, so the capture can end and the group stays usable. A group's first call of an
+shape is decided on the host per call, or that the graph lane does not carry: moe.dispatch
+without padded calls refuse() for it, and the client refuses send/recv and gocomm.all_to_all_v
+without the in-process kernel (Backend::refuse_capture, with the same words); each raises at
+capture, before anything is queued or sent, so the capture can end and the group stays usable. A group's first call of an
 in-process kernel on a device sets the kernel up, collectively, and must run outside the
 capture (the compiled client's engine refuses it: csrc/client/inprocess.cc,
 refuse_setup)."""
@@ -42,4 +42,3 @@ def refuse(op: str, pg, why: str) -> None:
 
 # what runs an op that refuse() names, where it is the sidecar
 SIDECAR = "it runs in the sidecar (NCCL), which is handed each call on the host"
-SIDECAR_NVSHMEM = "it runs in the sidecar's NVSHMEM kernel, which is handed each call on the host"

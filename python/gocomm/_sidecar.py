@@ -289,11 +289,6 @@ class Sidecar:
             )
         return counters
 
-    def cuda_ref(self, ptr: int, n: int, device: int) -> tuple[int, int, int]:
-        """(segment, offset, length) naming n bytes at device address ptr on CUDA device index
-        device for the sidecar (its allocation registered once by CUDA IPC handle)."""
-        return self.client.cuda_ref(ptr, n, device)
-
     def cuda_segments(self) -> dict:
         """This client's CUDA allocations as the sidecar maps them: registered (and not
         dropped), mapped (dropped ones an op still holds included), bytes_mapped, and unmapped

@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _backend, _capture, _client
-from .sparse import _capacity_rows, _device_path, all_to_all_v
+from . import _backend, _capture, _client, _sidecar
+from .sparse import all_to_all_v
 
 __all__ = ["Handle", "check", "combine", "dispatch"]
 
@@ -63,6 +63,33 @@ class Handle:
         self.state = state  # moe_receive_any's handle tensors, or moe_dispatch's workspace
         self.inproc = inproc  # moe_combine's sizes (device, cap, k, experts, recv_rows, send_rows)
         self.splits = None  # in-process, after a dispatch that synced: (sent, received) by rank
+
+
+def _capacity_rows(row_bytes: int) -> int:
+    """The most rows of row_bytes the sidecar's all-to-all receive buffer holds."""
+    sc = _sidecar.current()
+    if sc is None:
+        raise RuntimeError("gocomm: no sidecar yet: the all-to-all's receive buffer is the sidecar's setting")
+    return sc.a2a.recv_bytes // max(row_bytes, 1)
+
+
+def _device_path(g, x: torch.Tensor):
+    """How dispatch's exchange of x on g moves rows with splits on the GPU: the in-process
+    kernel (a gocomm._C.A2Path, remembered in _backend.served for dispatch's fast path), the
+    sidecar's NVSHMEM kernel (True), or not at all (None: the counts go through the host), as
+    gocomm.all_to_all_v chooses (csrc/client/a2av.cc). Collective at a group's first call on a
+    device (the kernel is set up then), so every caller calls it where all ranks do."""
+    st = _backend.state(g)
+    routes = getattr(st, "_routes", None)
+    if not x.is_cuda or routes is None or not routes.splits_on_gpu:
+        return None
+    idx = x.get_device()
+    path = st._a2av_path(idx)
+    if path is not None:
+        if (g, idx) not in _backend.served:
+            _backend.served[g, idx] = _backend.Served(st, g.group_name, st.size(), path.cap)
+        return path
+    return True if g is dist.group.WORLD else None
 
 
 def dispatch(

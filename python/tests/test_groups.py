@@ -28,6 +28,8 @@ def check_group_lifecycle(rk, seed):
             isinstance(w.group_name, str) and w.group_name != "",
             repr(w.group_name),
         )
+        # the sidecar's NVSHMEM all_to_all_v kernel serves the default group only
+        ck.expect("the backend knows it is the world's", b.world is True, repr(b.world))
 
     # Members destroy their groups only once every rank is past the group's op (a gloo barrier):
     # destroying right after one's own op is test_destroy_right_after_a_collective.
@@ -67,6 +69,8 @@ def check_group_lifecycle(rk, seed):
                 )
                 got_ranks = dist.get_process_group_ranks(g)
                 ck.expect(label + " ranks", got_ranks == sorted(ranks), str(got_ranks))
+                world = g._get_backend(torch.device("cpu")).world
+                ck.expect(label + " is not the world's", world is False, repr(world))
                 ck.expect(
                     label + " group_name",
                     isinstance(g.group_name, str) and g.group_name != "",

@@ -1,7 +1,9 @@
-"""torch.ops.gocomm (csrc/client/ops.cc): gocomm.all_to_all_v's in-process path as registered
-operators. Here, without a GPU, their schemas and Meta kernels (what torch.compile traces
-with): the padded output is out_rows rows shaped like input's, out_splits has in_splits'
-dtype and size on input's device. test_gpu's check_all_to_all_v_op runs them."""
+"""torch.ops.gocomm (csrc/client/ops.cc): gocomm.all_to_all_v as registered operators, every
+path (csrc/client/a2av.cc). Here, without a group, their schemas and Meta kernels (what
+torch.compile traces with): the padded output is out_rows rows shaped like input's (the out
+form: out itself), out_splits has in_splits' dtype, size and device. test_moe's
+check_all_to_all_v runs them on CPU tensors (through gocomm.all_to_all_v), test_gpu's
+check_all_to_all_v_op on CUDA tensors."""
 
 import re
 
@@ -23,8 +25,17 @@ def test_all_to_all_v_meta():
 def test_all_to_all_v_out_meta():
     x = torch.empty(5, 8, device="meta")
     out = torch.empty(30, 8, device="meta")
-    got = torch.ops.gocomm.all_to_all_v_out(x, torch.empty(3, dtype=torch.int64, device="meta"), out, "g")
+    got_out, got = torch.ops.gocomm.all_to_all_v_out(x, torch.empty(3, dtype=torch.int64, device="meta"), out, "g")
+    assert got_out is out
     assert (got.shape, got.dtype) == ((3,), torch.int64)
+
+
+def test_all_to_all_v_default_rows_have_no_meta_shape():
+    # out_rows -1 (the path's default: on the host-count path exactly the rows received)
+    # cannot be traced; the error says what to pass
+    x = torch.empty(5, 3, device="meta")
+    with pytest.raises(NotImplementedError, match="pass out_rows"):
+        torch.ops.gocomm.all_to_all_v(x, torch.empty(2, dtype=torch.int64, device="meta"), -1, "g")
 
 
 def test_schemas_name_the_mutation():
@@ -34,9 +45,12 @@ def test_schemas_name_the_mutation():
     assert [arg.name for arg in b.arguments if arg.alias_info and arg.alias_info.is_write] == ["out"], str(b)
 
 
-def test_cpu_tensors_are_refused():
-    with pytest.raises(NotImplementedError):
-        torch.ops.gocomm.all_to_all_v(torch.ones(2, 2), torch.ones(2, dtype=torch.int64), 4, "g")
+def test_cpu_tensors_reach_the_op():
+    # a CPU kernel is registered (the host-count path): it resolves the group by name first
+    with pytest.raises(RuntimeError, match="no-such-group"):
+        torch.ops.gocomm.all_to_all_v(torch.ones(2, 2), torch.ones(2, dtype=torch.int64), 4, "no-such-group")
+    with pytest.raises(ValueError, match="out_rows must be >= 0"):
+        torch.ops.gocomm.all_to_all_v(torch.ones(2, 2), torch.ones(2, dtype=torch.int64), -2, "g")
 
 
 def test_moe_dispatch_meta():

@@ -47,14 +47,6 @@ def test_op_kinds_match_go(wire):
     assert wire.KINDS == want
 
 
-def test_python_side_numbers_match_go():
-    from gocomm import _wire
-
-    kinds = _go_consts(DESCRIPTOR_GO, "OpKind")
-    ops = _go_consts(DTYPE_GO, "RedOp")
-    assert (_wire.ALL_TO_ALL_V, _wire.SUM, _wire.AVG) == (kinds["OpAllToAllV"], ops["Sum"], ops["Avg"])
-
-
 def test_statuses_match_go(wire):
     go = _go_consts(DESCRIPTOR_GO, "int32")
     statuses = {k: v for k, v in go.items() if k.startswith("Status")}
