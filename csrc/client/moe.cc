@@ -170,8 +170,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const a
     for (int64_t r = 0; r < n; r++) {
       got += v[n + 2 + r];
     }
-    // an id out of range, or more rows than cap (the exchange wrote nothing): moe.py raises
-    rows = v[n + 1] != 0 || got > cap ? 0 : v[2 * n + 2];
+    // an id out of range, or more rows than cap (the exchange wrote nothing): raised after the
+    // exchange, which every rank took part in
+    if (v[n + 1] != 0) {
+      moe::check_ids(idx, experts, " (those entries were sent nowhere)");
+    }
+    if (got > cap) {
+      moe::raise_sent_too_many(std::vector<int64_t>(v + n + 2, v + 2 * n + 2), cap);
+    }
+    rows = v[2 * n + 2];
   }
   at::Tensor out = at::empty({rows, h}, x.options());
   if (rows) {

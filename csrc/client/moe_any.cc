@@ -25,6 +25,7 @@
 // the rows, [e_idx, e_offs, t_idx, t_offs], combine's two sums as (terms, offsets) (made in
 // combine otherwise).
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/library.h>
@@ -33,7 +34,9 @@
 #include <string>
 #include <vector>
 
+#include "a2av.h"
 #include "backend.h"
+#include "cuda_driver.h"
 #include "moe_kernels.h"
 
 namespace gocomm::inproc::moe {
@@ -51,6 +54,29 @@ void check_args(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
                                                          " ranks");
 }
 
+void check_ids(const at::Tensor& idx, int64_t experts, const std::string& tail) {
+  if (idx.numel() == 0) {
+    return;
+  }
+  const auto [lo_t, hi_t] = at::aminmax(idx);
+  const int64_t lo = lo_t.item<int64_t>(), hi = hi_t.item<int64_t>();
+  TORCH_CHECK_VALUE(lo >= -1 && hi < experts, "gocomm moe.dispatch: topk_idx must be in [-1, " +
+                                                  std::to_string(experts) + "), got " + std::to_string(lo) + ".." +
+                                                  std::to_string(hi) + tail);
+}
+
+void raise_sent_too_many(const std::vector<int64_t>& recv, int64_t cap) {
+  std::string by = "[";
+  int64_t got = 0;
+  for (size_t i = 0; i < recv.size(); i++) {
+    by += (i ? ", " : "") + std::to_string(recv[i]);
+    got += recv[i];
+  }
+  raise_overflow("gocomm moe.dispatch: this rank is sent " + std::to_string(got) + " tokens (" + by +
+                 "] by source rank), more than max_tokens_per_rank x group size = " + std::to_string(cap) +
+                 "; nothing was received");
+}
+
 namespace {
 
 constexpr int64_t kFp8Block = 128;  // channels per scale in fp8 dispatch (moe.FP8_BLOCK)
@@ -62,14 +88,6 @@ enum { kHSendOrder, kHSplits, kHRows, kHWeights, kHEIdx, kHEOffs, kHTIdx, kHTOff
 
 int64_t sum(const std::vector<int64_t>& v) {
   return std::accumulate(v.begin(), v.end(), int64_t(0));
-}
-
-std::string list_name(const std::vector<int64_t>& v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); i++) {
-    s += (i ? ", " : "") + std::to_string(v[i]);
-  }
-  return s + "]";
 }
 
 // A packed row's parts, as (elements per row, dtype): x (fp8: its values, then a float32 scale
@@ -98,23 +116,6 @@ std::vector<int64_t> offsets_of(const std::vector<std::pair<int64_t, at::ScalarT
 // The part at byte offset off of buf's rows, width elements of dtype (a view).
 at::Tensor unpack(const at::Tensor& buf, int64_t off, int64_t width, at::ScalarType dtype) {
   return buf.slice(1, off, off + width * int64_t(c10::elementSize(dtype))).view(dtype);
-}
-
-// Python's OverflowError, which c10 has no type for.
-[[noreturn]] void overflow(const std::string& msg) {
-  C10_THROW_ERROR(Error, "OverflowError: " + msg);
-}
-
-// Whether topk_idx is in [-1, experts) (for what the GPU counted: lo..hi, read on the host).
-void check_ids(const at::Tensor& idx, int64_t experts, const char* tail) {
-  if (idx.numel() == 0) {
-    return;
-  }
-  const auto [lo_t, hi_t] = at::aminmax(idx);
-  const int64_t lo = lo_t.item<int64_t>(), hi = hi_t.item<int64_t>();
-  TORCH_CHECK_VALUE(lo >= -1 && hi < experts, "gocomm moe.dispatch: topk_idx must be in [-1, " +
-                                                  std::to_string(experts) + "), got " + std::to_string(lo) + ".." +
-                                                  std::to_string(hi) + tail);
 }
 
 void check(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights, int64_t experts,
@@ -237,10 +238,8 @@ std::vector<at::Tensor> receive_any(const at::Tensor& recv_in, const at::Tensor&
   }
   const int64_t rows = sum(recv);
   // the NVSHMEM path reports overflow in the counts
-  if (rows > recv_in.size(0)) {
-    overflow("gocomm moe.dispatch: this rank is sent " + std::to_string(rows) + " tokens (" + list_name(recv) +
-                  " by source rank), more than max_tokens_per_rank x group size = " +
-                 std::to_string(recv_in.size(0)) + "; nothing was received");
+  if (rows > recv_in.size(0)) {  // the NVSHMEM path reports overflow in the counts
+    raise_sent_too_many(recv, recv_in.size(0));
   }
   std::vector<at::Tensor> got;
   std::vector<at::Tensor> handle;
@@ -352,6 +351,39 @@ at::Tensor combine_any(const at::Tensor& y_in, const std::vector<at::Tensor>& ha
   return out.to(dtype);
 }
 
+std::vector<at::Tensor> dispatch_any(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+                                     int64_t experts, bool fp8, std::optional<int64_t> max_tokens, bool padded,
+                                     const std::string& group) {
+  const auto pg = c10d::resolve_process_group(group);
+  const int64_t n = pg->getSize();
+  check(x, topk_idx, topk_weights, experts, n, fp8, max_tokens, padded);
+  // the exchange's path, as all_to_all_v_any takes it: with the splits on the GPU (the
+  // in-process kernel, the sidecar's NVSHMEM kernel) or the counts through the host
+  auto* b = dynamic_cast<Backend*>(pg->getBackend(x.device().type()).get());
+  bool on_gpu = false;
+  if (b != nullptr && x.is_cuda()) {
+    const int dev = x.get_device();
+    const auto& routes = b->config().routes;
+    on_gpu = routes && routes->splits_on_gpu() && (b->engine().a2av_path(dev) != nullptr || b->config().world);
+    if (cuda::capture_info(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream()).active) {
+      b->refuse_capture("moe.dispatch",
+                        "on this group (or with fp8, or this shape) its exchange reads the counts on the host");
+    }
+  }
+  const std::vector<at::Tensor> routed = route_any(x, topk_idx, topk_weights, experts, n, fp8, !on_gpu);
+  const at::Tensor& payload = routed[kPayload];
+  const int64_t row = payload.size(1);
+  at::Tensor out;  // the receive capacity: the bound, or the receive buffer where nothing syncs
+  if (max_tokens.has_value()) {
+    out = at::empty({*max_tokens * n, row}, payload.options());
+  } else if (on_gpu) {
+    out = at::empty({b->config().inprocess.a2a_recv_bytes / std::max<int64_t>(row, 1), row}, payload.options());
+  }
+  const auto [recv, recv_splits] =
+      all_to_all_v_any(payload, routed[kSendSplits], out.defined() ? &out : nullptr, -1, group);
+  return receive_any(recv, recv_splits, routed, experts, fp8, padded ? *max_tokens * n * topk_idx.size(1) : 0);
+}
+
 }  // namespace
 }  // namespace gocomm::inproc::moe
 
@@ -359,6 +391,9 @@ TORCH_LIBRARY_FRAGMENT(gocomm, m) {
   m.def(
       "moe_check(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, int ranks, bool fp8, "
       "int? max_tokens_per_rank, bool padded) -> ()");
+  m.def(
+      "moe_dispatch_any(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, bool fp8, "
+      "int? max_tokens_per_rank, bool padded, str group_name) -> Tensor[]");
   m.def(
       "moe_route_any(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, int ranks, bool fp8, "
       "bool trim) -> Tensor[]");
@@ -373,6 +408,7 @@ TORCH_LIBRARY_FRAGMENT(gocomm, m) {
 // one function for either device: the CUDA kernels where they take the rows, ATen elsewhere
 TORCH_LIBRARY_IMPL(gocomm, CompositeExplicitAutograd, m) {
   m.impl("moe_check", &gocomm::inproc::moe::check);
+  m.impl("moe_dispatch_any", &gocomm::inproc::moe::dispatch_any);
   m.impl("moe_route_any", &gocomm::inproc::moe::route_any);
   m.impl("moe_receive_any", &gocomm::inproc::moe::receive_any);
   m.impl("moe_combine_any", &gocomm::inproc::moe::combine_any);

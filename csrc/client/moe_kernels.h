@@ -39,6 +39,12 @@ constexpr int64_t kRouteMaxRanks = 8;  // the routing kernels keep a token's ran
 // gocomm.moe.dispatch's checks of x [T, H], topk_idx and topk_weights [T, k] and num_experts on
 // a group of n ranks, on every path, with the errors its docstring names (ValueError, TypeError).
 void check_args(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w, int64_t experts, int64_t n);
+// ValueError where topk_idx holds an id outside [-1, experts) (read on the host, for what the
+// GPU counted); tail ends the message.
+void check_ids(const at::Tensor& idx, int64_t experts, const std::string& tail);
+// Python's OverflowError for a dispatch whose rank is sent more tokens than the cap rows it
+// receives into: recv, the tokens by source rank.
+[[noreturn]] void raise_sent_too_many(const std::vector<int64_t>& recv, int64_t cap);
 // ValueError where the routing kernels do not take n ranks (more than kRouteMaxRanks).
 void check_ranks(int64_t n);
 // TypeError where no sums kernel takes dtype (they take bf16, fp16 and fp32).

@@ -12,21 +12,22 @@ does), and appears on the receiving rank once per local expert it chose. topk_id
 -1 choose nothing.
 
 Each token travels once per destination rank with its routing (local expert ids and weights)
-in the same row: one `gocomm.all_to_all_v` per dispatch, one per combine. On CUDA, gocomm's
-own kernels (kernels/inprocess/moe.cu, launched on the caller's stream) route and pack the tokens, group
-what arrives by expert, and do combine's weighted sums; elsewhere, and for fp8, torch ops do.
+in the same row: one all-to-all per dispatch, one per combine. On CUDA, gocomm's own kernels
+(kernels/inprocess/moe.cu, launched on the caller's stream) route and pack the tokens, group
+what arrives by expert, and do combine's weighted sums; elsewhere, and for fp8, ATen ops do.
 
-Where the group's exchange is the in-process kernel (the compiled client's: GPUs that share
-NVLink; this path is one registered op per call, torch.ops.gocomm.moe_dispatch / moe_combine
-of the compiled client, csrc/client/moe.cc), dispatch is route, pack, exchange, group and
-gather launches over one workspace, and combine three launches (weighted sums per received
-token, exchange back, sums per token) from what dispatch left on the GPU. dispatch reads the
-counts on the host once, to size its output; with padded=True it never does (its output has
-the most rows max_tokens_per_rank allows), so dispatch and combine can be captured in one
-CUDA graph. Elsewhere (NCCL, the sidecar's NVSHMEM kernel, the host engine) the counts cross
-the host once more, as all_to_all_v needs; there the kernels run as three other ops of the
-compiled client around the exchange (torch.ops.gocomm.moe_route_pack, moe_group and moe_wsum,
-csrc/client/moe_kernels.cc, where every kernel's launch shape lives once for both paths).
+Every path is the compiled client's; this module picks one per call and keeps the handle.
+Where the group's exchange is the in-process kernel (GPUs that share NVLink), dispatch and
+combine are one registered op each, torch.ops.gocomm.moe_dispatch / moe_combine
+(csrc/client/moe.cc): route, pack, exchange, group and gather launches over one workspace,
+and three launches (weighted sums per received token, exchange back, sums per token) from
+what dispatch left on the GPU. dispatch reads the counts on the host once, to size its
+output; with padded=True it never does (its output has the most rows max_tokens_per_rank
+allows), so dispatch and combine can be captured in one CUDA graph. Elsewhere (NCCL, the
+sidecar's NVSHMEM kernel, the host engine; CPU tensors, fp8, rows the kernels do not take)
+they are torch.ops.gocomm.moe_dispatch_any / moe_combine_any (csrc/client/moe_any.cc): the
+kernels' launches (csrc/client/moe_kernels.cc) or ATen ops around gocomm.all_to_all_v's
+exchange (csrc/client/a2av.cc), where the counts cross the host once more.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import torch
 import torch.distributed as dist
 
 from . import _backend, _capture, _client, _sidecar
-from .sparse import all_to_all_v
 
 __all__ = ["Handle", "check", "combine", "dispatch"]
 
@@ -46,23 +46,22 @@ FP8_BLOCK = 128  # channels per scale in fp8 dispatch
 _DISPATCH = torch.ops.gocomm.moe_dispatch.default
 _COMBINE = torch.ops.gocomm.moe_combine.default
 _CHECK = torch.ops.gocomm.moe_check.default
-_ROUTE = torch.ops.gocomm.moe_route_any.default
-_RECEIVE = torch.ops.gocomm.moe_receive_any.default
+_DISPATCH_ANY = torch.ops.gocomm.moe_dispatch_any.default
 _COMBINE_ANY = torch.ops.gocomm.moe_combine_any.default
 
 
 class Handle:
     """What combine needs to send the experts' outputs back (opaque to callers): the routing
-    dispatch left on the device, as the compiled client's combine op takes it."""
+    dispatch left on the device, in the form the compiled client's combine op takes."""
 
-    __slots__ = ("group", "name", "tokens", "dtype", "rows", "state", "inproc", "splits")
+    __slots__ = ("name", "tokens", "dtype", "rows", "state", "inproc")
 
-    def __init__(self, group, name, tokens, dtype, rows, state, inproc=None):
-        self.group, self.name, self.tokens, self.dtype = group, name, tokens, dtype
-        self.rows = rows  # rows of combine's y (a padded dispatch's: 0 elsewhere than in-process)
-        self.state = state  # moe_receive_any's handle tensors, or moe_dispatch's workspace
-        self.inproc = inproc  # moe_combine's sizes (device, cap, k, experts, recv_rows, send_rows)
-        self.splits = None  # in-process, after a dispatch that synced: (sent, received) by rank
+    def __init__(self, name, tokens, dtype, rows, state, inproc=None):
+        self.name, self.tokens, self.dtype = name, tokens, dtype  # the group's name, x's rows and dtype
+        self.rows = rows  # y's rows where they are fixed (in-process, padded), else 0
+        self.state = state  # moe_dispatch's workspace, or moe_dispatch_any's handle tensors
+        # in-process: [device, cap, k, experts, recv_rows, send_rows, padded] (moe_combine's sizes)
+        self.inproc = inproc
 
 
 def _capacity_rows(row_bytes: int) -> int:
@@ -74,22 +73,18 @@ def _capacity_rows(row_bytes: int) -> int:
 
 
 def _device_path(g, x: torch.Tensor):
-    """How dispatch's exchange of x on g moves rows with splits on the GPU: the in-process
-    kernel (a gocomm._C.A2Path, remembered in _backend.served for dispatch's fast path), the
-    sidecar's NVSHMEM kernel (True), or not at all (None: the counts go through the host), as
-    gocomm.all_to_all_v chooses (csrc/client/a2av.cc). Collective at a group's first call on a
-    device (the kernel is set up then), so every caller calls it where all ranks do."""
+    """The group's in-process all_to_all_v kernel on x's device (a gocomm._C.A2Path, remembered
+    in _backend.served for dispatch's fast path), or None. Collective at a group's first call
+    on a device (the kernel is set up then), so every caller calls it where all ranks do."""
     st = _backend.state(g)
     routes = getattr(st, "_routes", None)
     if not x.is_cuda or routes is None or not routes.splits_on_gpu:
         return None
     idx = x.get_device()
     path = st._a2av_path(idx)
-    if path is not None:
-        if (g, idx) not in _backend.served:
-            _backend.served[g, idx] = _backend.Served(st, g.group_name, st.size(), path.cap)
-        return path
-    return True if g is dist.group.WORLD else None
+    if path is not None and (g, idx) not in _backend.served:
+        _backend.served[g, idx] = _backend.Served(st, g.group_name, st.size(), path.cap)
+    return path
 
 
 def dispatch(
@@ -147,74 +142,41 @@ def dispatch(
         fast = _backend.served.get((g, x.get_device()))
         if fast is not None and fast.moe:
             try:
-                return _dispatch_inprocess(
-                    group, fast, x, topk_idx, topk_weights, num_experts, max_tokens_per_rank * fast.size, True
-                )
+                return _dispatch_inprocess(fast, x, topk_idx, topk_weights, num_experts, max_tokens_per_rank, True)
             except NotImplementedError:  # the kernels do not take x (dtype, alignment), or the path is gone
                 _backend.served.pop((g, x.get_device()), None)
     n = dist.get_world_size(g)
     _CHECK(x, topk_idx, topk_weights, num_experts, n, fp8, max_tokens_per_rank, padded)
     k = topk_idx.shape[1]
     path = _device_path(g, x)  # collective at the group's first call on x's device
-    inprocess = isinstance(path, _client.C.A2Path) and not fp8 and _client.C.moe_takes(x, k, num_experts // n)
-    if not (inprocess and padded) and x.is_cuda and _capture.capturing():
-        _capture.refuse(
-            "moe.dispatch",
-            g,
-            "without padded=True it reads the counts on the host to size its output"
-            if inprocess
-            else "on this group (or with fp8, or this shape) its exchange reads the counts on the host",
-        )
-    if inprocess:
+    if path is not None and not fp8 and _client.C.moe_takes(x, k, num_experts // n):
+        if not padded and _capture.capturing():
+            why = "without padded=True it reads the counts on the host to size its output"
+            _capture.refuse("moe.dispatch", g, why)
         fast = _backend.served[g, x.get_device()]
         fast.moe = True  # the kernels run on x's device: later padded calls take the fast path
-        if max_tokens_per_rank is not None:
-            cap = max_tokens_per_rank * n  # rows the exchange takes
-        else:
-            cap = _capacity_rows(_client.C.moe_row_bytes(x.shape[1] * x.element_size(), k))
-        return _dispatch_inprocess(group, fast, x, topk_idx, topk_weights, num_experts, cap, padded)
-    # route and pack, the exchange (gocomm.all_to_all_v: NCCL, the sidecar's NVSHMEM kernel, the
-    # host engine), group by expert: one host sync (two where ATen ops route)
-    routed = _ROUTE(x, topk_idx, topk_weights, num_experts, n, fp8, path is None)
-    payload = routed[0]
-    out = None
-    if max_tokens_per_rank is not None or path is not None:
-        rows = max_tokens_per_rank * n if max_tokens_per_rank is not None else _capacity_rows(payload.shape[1])
-        out = payload.new_empty((rows, payload.shape[1]))
-    recv_p, recv_t = all_to_all_v(payload, routed[1], group=g, out=out)
-    rows = max_tokens_per_rank * n * k if padded else 0
-    got = _RECEIVE(recv_p, recv_t, routed, num_experts, fp8, rows)
-    handle = Handle(group, g.group_name, x.shape[0], x.dtype, rows, got[3:])
+        return _dispatch_inprocess(fast, x, topk_idx, topk_weights, num_experts, max_tokens_per_rank, padded)
+    # the other paths: one op around gocomm.all_to_all_v's exchange, one host sync (or two)
+    got = _DISPATCH_ANY(x, topk_idx, topk_weights, num_experts, fp8, max_tokens_per_rank, padded, g.group_name)
+    handle = Handle(g.group_name, x.shape[0], x.dtype, max_tokens_per_rank * n * k if padded else 0, got[3:])
     return ((got[0], got[1]) if fp8 else got[0]), got[2], handle
 
 
-def _dispatch_inprocess(group, fast: _backend.Served, x, topk_idx, topk_weights, experts: int, cap: int, padded: bool):
-    """dispatch where the exchange is the in-process kernel: one op, which checks the arguments
-    and converts topk_idx / topk_weights where they are not int64 / float32 on x's device; no
-    host sync when padded (else one, in the op, to size the output). cap: the rows the exchange
-    takes. NotImplementedError where the kernels do not take x, or no longer serve the group
+def _dispatch_inprocess(fast: _backend.Served, x, topk_idx, topk_weights, experts: int, bound, padded: bool):
+    """dispatch where the exchange is the in-process kernel: one op, which checks the arguments,
+    converts topk_idx / topk_weights where they are not int64 / float32 on x's device, and
+    raises what the counts hold; no host sync when padded (else one, in the op, to size the
+    output). bound: max_tokens_per_rank or None (the exchange's receive buffer).
+    NotImplementedError where the kernels do not take x, or no longer serve the group
     (nothing was done)."""
-    n = fast.size
+    n, t, k = fast.size, x.shape[0], topk_idx.shape[1]
+    cap = bound * n if bound is not None else _capacity_rows(_client.C.moe_row_bytes(x.shape[1] * x.element_size(), k))
     out, tpe, ws, counts = _DISPATCH(x, topk_idx, topk_weights, experts, n, cap, padded, fast.name)
-    t, k = x.shape[0], topk_idx.shape[1]
-    hd = Handle(group, fast.name, t, x.dtype, cap * k, ws, [x.get_device(), cap, k, experts, cap, t * min(n, k)])
-    if padded:
-        return out, tpe, hd
-    counts = counts.tolist()
-    send, bad, recv_n = counts[:n], counts[n + 1], counts[n + 2 : 2 * n + 2]
-    if bad:
-        lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
-        raise ValueError(
-            f"gocomm moe.dispatch: topk_idx must be in [-1, {experts}), got {lo}..{hi} "
-            "(those entries were sent nowhere)"
-        )
-    if sum(recv_n) > cap:  # the exchange wrote nothing
-        raise OverflowError(
-            f"gocomm moe.dispatch: this rank is sent {sum(recv_n)} tokens ({recv_n} by source rank), more than "
-            f"max_tokens_per_rank x group size = {cap}; nothing was received"
-        )
-    hd.rows, hd.inproc[4], hd.inproc[5] = counts[2 * n + 2], counts[2 * n + 3], counts[n]
-    hd.splits = (send, recv_n)
+    sizes = [x.get_device(), cap, k, experts, cap, t * min(n, k), padded]
+    hd = Handle(fast.name, t, x.dtype, cap * k, ws, sizes)
+    if not padded:  # the rows the exchanges move: what the counts say
+        c = counts.tolist()
+        hd.rows, sizes[4], sizes[5] = c[2 * n + 2], c[2 * n + 3], c[n]
     return out, tpe, hd
 
 
@@ -234,7 +196,7 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
     """
     if handle.inproc is None:
         return _COMBINE_ANY(y, handle.state, handle.tokens, handle.dtype, handle.rows, handle.name)
-    device, cap, k, experts, recv_rows, send_rows = handle.inproc
+    device, cap, k, experts, recv_rows, send_rows, padded = handle.inproc
     if y.dim() != 2 or y.shape[0] != handle.rows:
         raise ValueError(
             f"gocomm moe.combine: y must be [{handle.rows}, hidden] (dispatch's rows), got {tuple(y.shape)}"
@@ -245,7 +207,7 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
         )
     # the op checks the rest (rows of a multiple of 16 bytes)
     out = _COMBINE(y, handle.state, handle.tokens, cap, k, experts, recv_rows, send_rows, handle.name)
-    if handle.splits is None:  # padded: what the GPU found, after this pair's last exchange
+    if padded:  # what the GPU found, after this pair's last exchange
         _client.C.moe_raise_new(device, experts)
     return out
 

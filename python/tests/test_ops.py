@@ -96,9 +96,11 @@ def test_moe_ops_refuse_cpu_tensors():
 
 def test_moe_any_ops_schemas():
     # the other paths' ops (csrc/client/moe_any.cc), CPU and CUDA in one function: they mutate
-    # nothing, and moe_check raises what gocomm.moe.dispatch documents
+    # nothing, moe_check raises what gocomm.moe.dispatch documents, and the ATen routing raises
+    # for ids out of range
     for op in (
         torch.ops.gocomm.moe_check,
+        torch.ops.gocomm.moe_dispatch_any,
         torch.ops.gocomm.moe_route_any,
         torch.ops.gocomm.moe_receive_any,
         torch.ops.gocomm.moe_combine_any,
