@@ -89,10 +89,10 @@ uint64_t addr(const at::Tensor& t) {
   return reinterpret_cast<uint64_t>(t.data_ptr());
 }
 
-// gocomm.moe.dispatch's arguments on a group of n ranks, with the errors moe.py raises on its
-// other paths (its fast path leaves them to the op); then whether the kernels take x
-// (moe_kernels' takes, the rule moe.py's slow path asks through _C.moe_takes):
-// NotImplementedError where not, and moe.py takes its other paths. Raised before
+// gocomm.moe.dispatch's arguments on a group of n ranks, with the errors of its other paths
+// (moe_kernels' check_args; moe.py's fast path leaves them to the op); then whether the kernels
+// take x (moe_kernels' takes, the rule moe.py asks through _C.moe_takes before the path is
+// chosen): NotImplementedError where not, and moe.py takes its other paths. Raised before
 // anything is done.
 void check_dispatch(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w, int64_t experts, int64_t n,
                     int64_t cap, bool padded) {

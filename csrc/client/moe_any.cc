@@ -1,24 +1,34 @@
 // gocomm.moe's every path but the in-process one (moe.cc): the group's exchange is NCCL, the
 // sidecar's NVSHMEM kernel or the host engine, or the tensors are on the CPU, or fp8, or rows
 // the kernels do not take. On CUDA the kernels of moe_kernels.cc route, pack, group and sum;
-// elsewhere ATen ops do (the same results: the kernels sum in a fixed order, ATen's index_add
-// in float32). The exchange of dispatch is gocomm.all_to_all_v, between two ops; combine's
-// exchange back is the group's all_to_all_single (both sides know the counts by then).
+// elsewhere ATen ops do (the ops moe.py ran in torch, in the same order: the same bytes). The
+// exchange of dispatch is all_to_all_v_any (a2av.h); combine's exchange back is the group's
+// alltoall_base (both sides know the counts by then). One function per op serves CPU and CUDA
+// tensors (CompositeExplicitAutograd); no Meta kernels: these paths read counts on the host.
 //
+//   moe_dispatch_any(x, topk_idx, topk_weights, num_experts, fp8, max_tokens_per_rank,
+//                    padded, group_name) -> Tensor[]
+//     moe_check, then moe_route_any, the exchange (into max_tokens_per_rank x n rows, or the
+//     receive buffer where the splits stay on the GPU), moe_receive_any. Raises under CUDA
+//     graph capture (the counts cross the host), before anything is sent.
 //   moe_check(x, topk_idx, topk_weights, num_experts, ranks, fp8, max_tokens_per_rank, padded)
 //     raises what gocomm.moe.dispatch documents (ValueError, TypeError) for bad arguments.
 //   moe_route_any(x, topk_idx, topk_weights, num_experts, ranks, fp8, trim) -> Tensor[]
 //     routed: [payload [S, row] uint8, send_splits [n], x, topk_idx (int64 on x's device),
 //     send_order [S] (the token of each row)] and, where the kernels routed it, [meta [n + 2],
 //     t_idx, t_offs] (moe_kernels.h). trim: the kernels' payload cut to its rows and
-//     send_splits on the host (one sync; the exchange reads them there anyway). The ATen
-//     routing syncs once (a nonzero) and raises for ids out of range; the kernels' routing
-//     counts them and moe_receive_any raises after the exchange (no peer is left waiting).
+//     send_splits on the host (one sync; the host-count exchange reads them there anyway).
+//     The ATen routing syncs once (a nonzero) and raises for ids out of range; the kernels'
+//     routing counts them and moe_receive_any raises after the exchange (no peer is left
+//     waiting).
 //   moe_receive_any(recv, recv_splits, routed, num_experts, fp8, padded_rows) -> Tensor[]
 //     what the exchange of routed[0] by routed[1] gave: [tokens [N or padded_rows, H] (fp8:
 //     values), scales (fp8, else empty), tokens_per_expert [E/n], handle...], the handle being
-//     what moe_combine_any takes. One sync: the counts.
+//     what moe_combine_any takes. One sync: the counts. OverflowError where more rows arrived
+//     than recv holds (the splits-on-GPU paths report it in the counts).
 //   moe_combine_any(y, handle, tokens, dtype, padded_rows, group_name) -> [tokens, H] in dtype
+//     the weighted sums per received token (float32, one rounding), the exchange back, the sums
+//     per token; y has padded_rows rows where dispatch padded (only the grouped ones are read).
 //
 // The handle: [send_order, splits (int64 [2n] on the host: sent, received by rank), rows [P]
 // (the received row of each grouped row), weights [P] float32] and, where the kernels grouped

@@ -63,7 +63,7 @@ std::vector<at::Tensor> route_pack_cuda(const at::Tensor& x, const at::Tensor& i
       idx.dim() != 2 || idx.size(1) == 0 || n > kRouteMaxRanks) {
     return {};
   }
-  // moe.py made them so; the kernels read them without looking
+  // the caller (moe_any.cc) made them so; the kernels read them without looking
   TORCH_CHECK_VALUE(idx.size(0) == t && w.sizes() == idx.sizes() && idx.scalar_type() == at::kLong &&
                         w.scalar_type() == at::kFloat && idx.is_contiguous() && w.is_contiguous() &&
                         idx.device() == x.device() && w.device() == x.device() && n > 0 && experts > 0 &&

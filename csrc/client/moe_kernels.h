@@ -1,9 +1,9 @@
 // kernels/inprocess/moe.cu's launches (moe.cubin, loaded by inprocess.cc's Module): each
 // kernel's launch shape and argument types, once, for both of gocomm.moe's GPU paths. The
-// in-process ops (moe.cc) launch them over one workspace; the other paths (NCCL, the sidecar's
-// NVSHMEM kernel: their exchange is gocomm.all_to_all_v, between the launches) call three
-// registered ops of their own, each [] where the kernels do not take the input (then moe.py
-// uses torch ops):
+// in-process ops (moe.cc) launch them over one workspace; the other paths (moe_any.cc: NCCL,
+// the sidecar's NVSHMEM kernel, their exchange all_to_all_v_any between the launches) call
+// the bodies of three registered ops, each [] where the kernels do not take the input (then
+// moe_any.cc uses ATen ops):
 //
 //   moe_route_pack(x, topk_idx, topk_weights, num_experts, ranks) -> Tensor[]
 //     [payload [T*n, row] uint8 whose first meta[n] rows are filled, meta int64 [n+2] (rows
@@ -70,7 +70,7 @@ bool takes(const at::Tensor& x, int64_t k, int64_t per);
 
 // dispatch's packed row for tokens of xbytes (a multiple of 16) and k choices: x, the local
 // ids (int32 [k]) at id_off, the weights (float32 [k]) at w_off; every part 16-byte aligned,
-// as moe.py's _layout lays it.
+// as moe_any.cc's ATen packing lays it.
 struct Row {
   int64_t id_off, w_off, bytes;
 };

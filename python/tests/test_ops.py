@@ -157,3 +157,36 @@ def test_moe_row_layout():
         want = -(-h * x.element_size() // 16) * 16 + 2 * (-(-4 * k // 16) * 16)
         assert payload.shape[1] == want, (h, dtype, k)
     assert not _client.C.moe_takes(torch.ones(4, 8), 2, 4), "CPU tensors take torch ops"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_moe_route_receive_cpu(fp8):
+    # the other paths' two halves on the CPU (ATen), with the exchange left out (one rank: what
+    # it sends is what it receives), against tokens grouped by expert in Python; fp8 values and
+    # scales are torch's quantization per 128 channels, bit for bit
+    g = torch.Generator().manual_seed(7)
+    t, h, k, experts = 9, 256, 3, 6
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(t)])
+    idx[2] = -1  # chooses nothing: never sent
+    idx[4, 1] = -1
+    w = torch.rand(t, k, generator=g)
+    routed = torch.ops.gocomm.moe_route_any(x, idx.int(), w.double(), experts, 1, fp8, True)
+    sent = [i for i in range(t) if bool((idx[i] >= 0).any())]
+    assert routed[1].tolist() == [len(sent)] and routed[4].tolist() == sent
+    if fp8:
+        blocks = x.float().view(t, h // 128, 128)
+        scale = blocks.abs().amax(dim=2).clamp(min=1e-12) / 448.0
+        values = (blocks / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(t, h)
+    order = [(e, i) for e in range(experts) for i in range(t) if bool((idx[i] == e).any())]
+    rows = [i for _, i in order]
+    for padded in (0, 40):
+        got = torch.ops.gocomm.moe_receive_any(routed[0], routed[1], routed, experts, fp8, padded)
+        assert got[0].shape[0] == (padded or len(rows))
+        if fp8:
+            assert torch.equal(got[0][: len(rows)].view(torch.uint8), values[rows].view(torch.uint8))
+            assert torch.equal(got[1][: len(rows)], scale[rows])
+        else:
+            assert torch.equal(got[0][: len(rows)], x[rows])
+        assert got[2].tolist() == [sum(1 for e2, _ in order if e2 == e) for e in range(experts)]
+        assert got[4].tolist() == [len(sent), len(sent)], "sent and received, by rank"
