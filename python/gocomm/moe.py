@@ -35,7 +35,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _backend, _capture, _client, _sidecar
+from . import _backend, _capture, _client
+from .sparse import _capacity_rows, _device_path
 
 __all__ = ["Handle", "check", "combine", "dispatch"]
 
@@ -62,29 +63,6 @@ class Handle:
         self.state = state  # moe_dispatch's workspace, or moe_dispatch_any's handle tensors
         # in-process: [device, cap, k, experts, recv_rows, send_rows, padded] (moe_combine's sizes)
         self.inproc = inproc
-
-
-def _capacity_rows(row_bytes: int) -> int:
-    """The most rows of row_bytes the sidecar's all-to-all receive buffer holds."""
-    sc = _sidecar.current()
-    if sc is None:
-        raise RuntimeError("gocomm: no sidecar yet: the all-to-all's receive buffer is the sidecar's setting")
-    return sc.a2a.recv_bytes // max(row_bytes, 1)
-
-
-def _device_path(g, x: torch.Tensor):
-    """The group's in-process all_to_all_v kernel on x's device (a gocomm._C.A2Path, remembered
-    in _backend.served for dispatch's fast path), or None. Collective at a group's first call
-    on a device (the kernel is set up then), so every caller calls it where all ranks do."""
-    st = _backend.state(g)
-    routes = getattr(st, "_routes", None)
-    if not x.is_cuda or routes is None or not routes.splits_on_gpu:
-        return None
-    idx = x.get_device()
-    path = st._a2av_path(idx)
-    if path is not None and (g, idx) not in _backend.served:
-        _backend.served[g, idx] = _backend.Served(st, g.group_name, st.size(), path.cap)
-    return path
 
 
 def dispatch(
@@ -149,7 +127,7 @@ def dispatch(
     _CHECK(x, topk_idx, topk_weights, num_experts, n, fp8, max_tokens_per_rank, padded)
     k = topk_idx.shape[1]
     path = _device_path(g, x)  # collective at the group's first call on x's device
-    if path is not None and not fp8 and _client.C.moe_takes(x, k, num_experts // n):
+    if isinstance(path, _client.C.A2Path) and not fp8 and _client.C.moe_takes(x, k, num_experts // n):
         if not padded and _capture.capturing():
             why = "without padded=True it reads the counts on the host to size its output"
             _capture.refuse("moe.dispatch", g, why)

@@ -22,7 +22,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import _backend, _capture
+from . import _backend, _capture, _sidecar
 
 __all__ = ["all_to_all_v", "receive_buffer"]
 
@@ -84,6 +84,33 @@ def all_to_all_v(
         raise
 
 
+def _capacity_rows(row_bytes: int) -> int:
+    """The most rows of row_bytes the sidecar's all-to-all receive buffer holds (gocomm.moe)."""
+    sc = _sidecar.current()
+    if sc is None:
+        raise RuntimeError("gocomm: no sidecar yet: the all-to-all's receive buffer is the sidecar's setting")
+    return sc.a2a.recv_bytes // max(row_bytes, 1)
+
+
+def _device_path(g, x: torch.Tensor):
+    """How gocomm.moe's exchange of x on g moves rows with splits on the GPU, as all_to_all_v
+    chooses (csrc/client/a2av.cc): the in-process kernel (a gocomm._C.A2Path, remembered in
+    _backend.served for moe.dispatch's fast path), the sidecar's NVSHMEM kernel (True), or not
+    at all (None: the counts go through the host). Collective at a group's first call on a
+    device (the kernel is set up then), so every caller calls it where all ranks do."""
+    st = _backend.state(g)
+    routes = getattr(st, "_routes", None)
+    if not x.is_cuda or routes is None or not routes.splits_on_gpu:
+        return None
+    idx = x.get_device()
+    path = st._a2av_path(idx)
+    if path is not None:
+        if (g, idx) not in _backend.served:
+            _backend.served[g, idx] = _backend.Served(st, g.group_name, st.size(), path.cap)
+        return path
+    return True if g is dist.group.WORLD else None
+
+
 def receive_buffer(
     rows: int,
     row_shape: tuple[int, ...] = (),
@@ -123,15 +150,13 @@ def receive_buffer(
         raise RuntimeError(
             "gocomm receive_buffer: collective setup (the ranks map each other's buffers); call it before capturing"
         )
-    # the in-process kernel's path on dev, set up (collectively) at the group's first call there
-    st = _backend.state(g)
-    routes = getattr(st, "_routes", None)
-    if routes is None or not routes.splits_on_gpu or st._a2av_path(dev.index) is None:
+    path = _device_path(g, torch.empty(0, dtype=dtype, device=dev))
+    if path is None or path is True:
         return torch.empty(shape, dtype=dtype, device=dev)
     nbytes = rows * math.prod(row_shape) * torch.empty(0, dtype=dtype).element_size()
     # collective: every rank maps every rank's buffer; more than 2 GiB (the kernel's offsets
     # are 32-bit) or a rank that cannot take part gives every rank a plain tensor
-    t = st._ref.get().receive_buffer(dev.index, nbytes)
+    t = _backend.state(g)._ref.get().receive_buffer(dev.index, nbytes)
     if t is None:
         return torch.empty(shape, dtype=dtype, device=dev)
     return t.view(dtype).view(shape)
