@@ -170,7 +170,7 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
         of weight times that expert's output (float32 accumulation, one rounding per rank
         that held some of its experts, one at the end). On CUDA, with y in x's dtype (bf16,
         fp16 or fp32, rows a multiple of 16 bytes), both sums run in gocomm's kernel, in a
-        fixed order (the same result every time); elsewhere in torch ops.
+        fixed order (the same result every time); elsewhere in ATen ops (index_add_).
     """
     if handle.inproc is None:
         return _COMBINE_ANY(y, handle.state, handle.tokens, handle.dtype, handle.rows, handle.name)
