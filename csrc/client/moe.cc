@@ -89,23 +89,15 @@ uint64_t addr(const at::Tensor& t) {
   return reinterpret_cast<uint64_t>(t.data_ptr());
 }
 
-// gocomm.moe.dispatch's arguments on a group of n ranks, with the errors moe.py raises on its
-// other paths (its fast path leaves them to the op); then whether the kernels take x
-// (moe_kernels' takes, the rule moe.py's slow path asks through _C.moe_takes):
-// NotImplementedError where not, and moe.py takes its other paths. Raised before
+// gocomm.moe.dispatch's arguments on a group of n ranks, with the errors of its other paths
+// (moe_kernels' check_args; moe.py's fast path leaves them to the op); then whether the kernels
+// take x (moe_kernels' takes, the rule moe.py asks through _C.moe_takes before the path is
+// chosen): NotImplementedError where not, and moe.py takes its other paths. Raised before
 // anything is done.
 void check_dispatch(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w, int64_t experts, int64_t n,
                     int64_t cap, bool padded) {
-  TORCH_CHECK_VALUE(x.dim() == 2, "gocomm moe.dispatch: x must be [tokens, hidden], got shape " + shape_name(x.sizes()));
+  moe::check_args(x, idx, w, experts, n);
   const int64_t t = x.size(0);
-  TORCH_CHECK_VALUE(idx.dim() == 2 && idx.size(0) == t && w.sizes() == idx.sizes(),
-                    "gocomm moe.dispatch: topk_idx " + shape_name(idx.sizes()) + " and topk_weights " +
-                        shape_name(w.sizes()) + " must both be [" + std::to_string(t) + ", k]");
-  TORCH_CHECK_TYPE(c10::isIntegralType(idx.scalar_type(), false),
-                   "gocomm moe.dispatch: topk_idx must hold integers, got " + dtype_name(idx.scalar_type()));
-  TORCH_CHECK_VALUE(experts > 0 && experts % n == 0, "gocomm moe.dispatch: " + std::to_string(experts) +
-                                                         " experts do not spread evenly over " + std::to_string(n) +
-                                                         " ranks");
   // padded: cap is max_tokens_per_rank x n
   TORCH_CHECK_VALUE(!padded || cap >= t * n, "gocomm moe.dispatch: max_tokens_per_rank " + std::to_string(cap / n) +
                                                  " < this rank's " + std::to_string(t) + " tokens");
@@ -178,8 +170,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const a
     for (int64_t r = 0; r < n; r++) {
       got += v[n + 2 + r];
     }
-    // an id out of range, or more rows than cap (the exchange wrote nothing): moe.py raises
-    rows = v[n + 1] != 0 || got > cap ? 0 : v[2 * n + 2];
+    // an id out of range, or more rows than cap (the exchange wrote nothing): raised after the
+    // exchange, which every rank took part in
+    if (v[n + 1] != 0) {
+      moe::check_ids(idx, experts, " (those entries were sent nowhere)");
+    }
+    if (got > cap) {
+      moe::raise_sent_too_many(std::vector<int64_t>(v + n + 2, v + 2 * n + 2), cap);
+    }
+    rows = v[2 * n + 2];
   }
   at::Tensor out = at::empty({rows, h}, x.options());
   if (rows) {
@@ -265,6 +264,20 @@ int moe_flags_new(int device) {
   const int i = got[1] != f.seen[1] ? 1 : 0;  // one error per call: the other stays for the next
   f.seen[i] = got[i];
   return i + 1;
+}
+
+std::pair<bool, std::string> moe_flags_error(int device, int64_t experts) {
+  switch (moe_flags_new(device)) {
+    case 2:
+      return {true,
+              "gocomm moe: a padded dispatch on this device was sent more tokens than max_tokens_per_rank x group "
+              "size; it received none, and its combine sent nothing back (a rank dispatched more than the bound)"};
+    case 1:
+      return {false, "gocomm moe: a padded dispatch on this device had topk_idx outside [-1, " +
+                         std::to_string(experts) + ") (those entries were sent nowhere)"};
+    default:
+      return {false, ""};
+  }
 }
 
 }  // namespace gocomm::inproc

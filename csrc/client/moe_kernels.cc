@@ -54,6 +54,8 @@ int64_t addr_or_0(const at::Tensor& t) {
   return t.numel() ? addr(t) : 0;
 }
 
+}  // namespace
+
 std::vector<at::Tensor> route_pack_cuda(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
                                         int64_t experts, int64_t n) {
   const int64_t t = x.dim() == 2 ? x.size(0) : 0, xbytes = x.dim() == 2 ? x.size(1) * x.element_size() : 0;
@@ -61,7 +63,7 @@ std::vector<at::Tensor> route_pack_cuda(const at::Tensor& x, const at::Tensor& i
       idx.dim() != 2 || idx.size(1) == 0 || n > kRouteMaxRanks) {
     return {};
   }
-  // moe.py made them so; the kernels read them without looking
+  // the caller (moe_any.cc) made them so; the kernels read them without looking
   TORCH_CHECK_VALUE(idx.size(0) == t && w.sizes() == idx.sizes() && idx.scalar_type() == at::kLong &&
                         w.scalar_type() == at::kFloat && idx.is_contiguous() && w.is_contiguous() &&
                         idx.device() == x.device() && w.device() == x.device() && n > 0 && experts > 0 &&
@@ -142,8 +144,6 @@ std::vector<at::Tensor> wsum_cuda(const at::Tensor& src, const at::Tensor& idx_i
        rows, 0, h);
   return {out};
 }
-
-}  // namespace
 
 std::string why_not(int device) {
   return Module::get(kModule).why_not(device);

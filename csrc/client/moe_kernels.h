@@ -1,9 +1,9 @@
 // kernels/inprocess/moe.cu's launches (moe.cubin, loaded by inprocess.cc's Module): each
 // kernel's launch shape and argument types, once, for both of gocomm.moe's GPU paths. The
-// in-process ops (moe.cc) launch them over one workspace; the other paths (NCCL, the sidecar's
-// NVSHMEM kernel: their exchange is gocomm.all_to_all_v, between the launches) call three
-// registered ops of their own, each [] where the kernels do not take the input (then moe.py
-// uses torch ops):
+// in-process ops (moe.cc) launch them over one workspace; the other paths (moe_any.cc: NCCL,
+// the sidecar's NVSHMEM kernel, their exchange all_to_all_v_any between the launches) call
+// the bodies of three registered ops, each [] where the kernels do not take the input (then
+// moe_any.cc uses ATen ops):
 //
 //   moe_route_pack(x, topk_idx, topk_weights, num_experts, ranks) -> Tensor[]
 //     [payload [T*n, row] uint8 whose first meta[n] rows are filled, meta int64 [n+2] (rows
@@ -28,16 +28,36 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace gocomm::inproc::moe {
 
 constexpr int64_t kRouteMaxRanks = 8;  // the routing kernels keep a token's ranks in a byte
+// gocomm.moe.dispatch's checks of x [T, H], topk_idx and topk_weights [T, k] and num_experts on
+// a group of n ranks, on every path, with the errors its docstring names (ValueError, TypeError).
+void check_args(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w, int64_t experts, int64_t n);
+// ValueError where topk_idx holds an id outside [-1, experts) (read on the host, for what the
+// GPU counted); tail ends the message.
+void check_ids(const at::Tensor& idx, int64_t experts, const std::string& tail);
+// Python's OverflowError for a dispatch whose rank is sent more tokens than the cap rows it
+// receives into: recv, the tokens by source rank.
+[[noreturn]] void raise_sent_too_many(const std::vector<int64_t>& recv, int64_t cap);
 // ValueError where the routing kernels do not take n ranks (more than kRouteMaxRanks).
 void check_ranks(int64_t n);
 // TypeError where no sums kernel takes dtype (they take bf16, fp16 and fp32).
 void check_sums(at::ScalarType dtype);
+
+// The three ops' bodies (moe_route_pack, moe_group, moe_wsum above), which moe_any.cc's paths
+// call too: each [] where the kernels do not take the input.
+std::vector<at::Tensor> route_pack_cuda(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
+                                        int64_t experts, int64_t n);
+std::vector<at::Tensor> group_cuda(const at::Tensor& recv, int64_t id_off, int64_t w_off, int64_t k, int64_t per,
+                                   const at::Tensor& out_splits);
+std::vector<at::Tensor> wsum_cuda(const at::Tensor& src, const at::Tensor& idx, const std::optional<at::Tensor>& w,
+                                  const at::Tensor& offs, int64_t rows);
 
 // Why the kernels do not run on device ("" where they do): the module was not built, is built
 // for another architecture, or does not load there.
@@ -50,7 +70,7 @@ bool takes(const at::Tensor& x, int64_t k, int64_t per);
 
 // dispatch's packed row for tokens of xbytes (a multiple of 16) and k choices: x, the local
 // ids (int32 [k]) at id_off, the weights (float32 [k]) at w_off; every part 16-byte aligned,
-// as moe.py's _layout lays it.
+// as moe_any.cc's ATen packing lays it.
 struct Row {
   int64_t id_off, w_off, bytes;
 };

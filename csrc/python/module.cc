@@ -484,9 +484,22 @@ PYBIND11_MODULE(_C, m) {
       py::arg("xbytes"), py::arg("k"), "dispatch's packed row's bytes for tokens of xbytes and k choices.");
   m.def("moe_flags_made", &ip::moe_flags_made, py::arg("device"),
         "Whether a padded moe.dispatch ran on device (gocomm.moe.check waits for the GPU only then).");
-  m.def("moe_flags_new", &ip::moe_flags_new, py::arg("device"),
-        "What padded moe.dispatch calls on device found on the GPU since the last ask (one error per call): 2 a "
-        "rank was sent more than its bound, 1 an id out of range, 0 nothing new, -1 no padded dispatch ran there.");
+  m.def(
+      "moe_raise_new",
+      [](int device, int64_t experts) {
+        const auto [overflow, msg] = ip::moe_flags_error(device, experts);
+        if (overflow) {
+          PyErr_SetString(PyExc_OverflowError, msg.c_str());
+          throw py::error_already_set();
+        }
+        if (!msg.empty()) {
+          throw py::value_error(msg);
+        }
+      },
+      py::arg("device"), py::arg("experts"),
+      "Raise what padded moe.dispatch calls on device found on the GPU since the last call, one error per call "
+      "(the other stays for the next): OverflowError (a rank was sent more than its bound), ValueError (an id "
+      "outside [-1, experts)).");
   m.def(
       "cuda_open_ipc",
       [](py::bytes handle, int device) {

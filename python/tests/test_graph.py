@@ -515,8 +515,9 @@ def check_failure_releases(rk, seed, how):
 def check_refused(rk, seed, shared):
     """What cannot be captured raises at capture, naming the op, and leaves the group as it
     was (the sidecar saw no op; the same op eagerly afterwards is right where the ranks have
-    a GPU each): send/recv (the sidecar's per-peer communicators), and gocomm.all_to_all_v
-    without the in-process kernel (its counts are read on the host)."""
+    a GPU each): send/recv (the sidecar's per-peer communicators), and gocomm.all_to_all_v and
+    gocomm.moe.dispatch without the in-process kernel (their counts are read on the host; the
+    compiled client refuses both, csrc/client/a2av.cc and moe_any.cc)."""
     n, me = rk.size, rk.rank
     dev = torch.device("cuda", me % torch.cuda.device_count())
     torch.cuda.set_device(dev)
@@ -546,6 +547,10 @@ def check_refused(rk, seed, shared):
         rows = torch.ones(n, dtype=torch.int64, device=dev)
         inp = torch.zeros(n, 3, device=dev)
         ops.append(("all_to_all_v", lambda: gocomm.all_to_all_v(inp, rows), lambda: True))
+        tokens = torch.ones(n, 128, dtype=torch.bfloat16, device=dev)
+        experts = torch.arange(n, device=dev).unsqueeze(1)  # token r to expert r, on rank r
+        weights = torch.ones(n, 1, device=dev)
+        ops.append(("moe.dispatch", lambda: gocomm.moe.dispatch(tokens, experts, weights, n), lambda: True))
     before = state(pg).stats()["ops"]
     for name, call, _ in ops:
         with ck.case(f"{name} under capture"):
@@ -603,11 +608,12 @@ def test_graph_capture(worlds, seed, size, transport):
     # every rank ran every case: where the in-process kernels serve the group, all_to_all_single
     # (6 dtypes) and from two ranks all_reduce (3 dtypes x 3 sizes x sum, avg); the sidecar's
     # 15 collectives and barrier where each rank has a GPU; the refusals (send/recv on even worlds,
-    # all_to_all_v without the in-process kernel), each run eagerly after where ranks have a GPU
+    # all_to_all_v and moe.dispatch without the in-process kernel), each run eagerly after where
+    # ranks have a GPU
     inprocess = transport == "nvshmem"
     want = (6 if inprocess else 0) + (18 if inprocess and size > 1 else 0)
     assert captured == [want] * size, f"captured cases per rank {captured}, want {want} each"
-    want_refused = ((size % 2 == 0) + (not inprocess)) * (1 if shared else 2)
+    want_refused = ((size % 2 == 0) + 2 * (not inprocess)) * (1 if shared else 2)
     assert refused == [want_refused] * size, f"refused cases per rank {refused}, want {want_refused} each"
     if not shared:
         assert sidecar == [16] * size, f"sidecar graph cases per rank {sidecar}"

@@ -5,6 +5,8 @@ form: out itself), out_splits has in_splits' dtype, size and device. test_moe's
 check_all_to_all_v runs them on CPU tensors (through gocomm.all_to_all_v), test_gpu's
 check_all_to_all_v_op on CUDA tensors."""
 
+import re
+
 import pytest
 import torch
 
@@ -92,6 +94,36 @@ def test_moe_ops_refuse_cpu_tensors():
         torch.ops.gocomm.moe_combine(x, torch.zeros(64, dtype=torch.uint8), 4, 8, 2, 4, 8, 8, "g")
 
 
+def test_moe_any_ops_schemas():
+    # the other paths' ops (csrc/client/moe_any.cc), CPU and CUDA in one function: they mutate
+    # nothing, moe_check raises what gocomm.moe.dispatch documents, and the ATen routing raises
+    # for ids out of range
+    for op in (
+        torch.ops.gocomm.moe_check,
+        torch.ops.gocomm.moe_dispatch_any,
+        torch.ops.gocomm.moe_route_any,
+        torch.ops.gocomm.moe_receive_any,
+        torch.ops.gocomm.moe_combine_any,
+    ):
+        s = op.default._schema
+        assert not any(arg.alias_info for arg in s.arguments), str(s)
+    ids = torch.zeros(3, 2, dtype=torch.int64)
+    for args, exc, words in (
+        ((torch.zeros(3), ids, torch.ones(3, 2), 4, 2, False, None, False), ValueError, "[tokens, hidden]"),
+        ((torch.zeros(3, 8), ids.float(), torch.ones(3, 2), 4, 2, False, None, False), TypeError, "integers"),
+        ((torch.zeros(3, 8), ids, torch.ones(3, 2), 5, 2, False, None, False), ValueError, "spread evenly"),
+        ((torch.zeros(3, 100), ids, torch.ones(3, 2), 4, 2, True, None, False), ValueError, "multiple of 128"),
+        ((torch.zeros(3, 8), ids, torch.ones(3, 2), 4, 2, False, None, True), ValueError, "needs max_tokens"),
+        ((torch.zeros(3, 8), ids, torch.ones(3, 2), 4, 2, False, 2, False), ValueError, "2 < this rank's 3"),
+    ):
+        with pytest.raises(exc, match=re.escape(words)):
+            torch.ops.gocomm.moe_check(*args)
+    torch.ops.gocomm.moe_check(torch.zeros(3, 128), ids, torch.ones(3, 2), 4, 2, True, 3, True)
+    with pytest.raises(ValueError, match=re.escape("topk_idx must be in [-1, 4), got -1..9")):
+        bad = torch.tensor([[0, 9], [-1, 1], [2, 3]])
+        torch.ops.gocomm.moe_route_any(torch.zeros(3, 8), bad, torch.ones(3, 2), 4, 2, False, True)
+
+
 def test_moe_kernel_ops_schemas():
     # the other paths' launches (csrc/client/moe_kernels.cc): each returns [] where the kernels
     # do not take the input, so moe.py falls back to torch ops; test_gpu runs them
@@ -108,8 +140,9 @@ def test_moe_kernel_ops_schemas():
 
 def test_moe_row_layout():
     # the kernels' packed row (moe_row_bytes, what the in-process path sizes its receive
-    # capacity by) is the one moe.py's _layout gives the same parts: x, int32 ids, float32 weights
-    from gocomm import _client, moe
+    # capacity by) is the one the other paths' ATen packing (moe_route_any on the CPU) gives:
+    # x, int32 ids, float32 weights, each 16-byte aligned
+    from gocomm import _client
 
     for h, dtype, k in [
         (7168, torch.bfloat16, 8),
@@ -117,7 +150,43 @@ def test_moe_row_layout():
         (8, torch.float16, 4),
         (2048, torch.bfloat16, 5),
     ]:
-        x = torch.empty(0, h, dtype=dtype)
-        parts = [x, torch.empty(0, k, dtype=torch.int32), torch.empty(0, k, dtype=torch.float32)]
-        assert _client.C.moe_row_bytes(h * x.element_size(), k) == moe._layout(parts)[1], (h, dtype, k)
+        x = torch.zeros(1, h, dtype=dtype)
+        idx, w = torch.zeros(1, k, dtype=torch.int64), torch.ones(1, k)
+        payload = torch.ops.gocomm.moe_route_any(x, idx, w, 2, 2, False, True)[0]
+        assert _client.C.moe_row_bytes(h * x.element_size(), k) == payload.shape[1], (h, dtype, k)
+        want = -(-h * x.element_size() // 16) * 16 + 2 * (-(-4 * k // 16) * 16)
+        assert payload.shape[1] == want, (h, dtype, k)
     assert not _client.C.moe_takes(torch.ones(4, 8), 2, 4), "CPU tensors take torch ops"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_moe_route_receive_cpu(fp8):
+    # the other paths' two halves on the CPU (ATen), with the exchange left out (one rank: what
+    # it sends is what it receives), against tokens grouped by expert in Python; fp8 values and
+    # scales are torch's quantization per 128 channels, bit for bit
+    g = torch.Generator().manual_seed(7)
+    t, h, k, experts = 9, 256, 3, 6
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(t)])
+    idx[2] = -1  # chooses nothing: never sent
+    idx[4, 1] = -1
+    w = torch.rand(t, k, generator=g)
+    routed = torch.ops.gocomm.moe_route_any(x, idx.int(), w.double(), experts, 1, fp8, True)
+    sent = [i for i in range(t) if bool((idx[i] >= 0).any())]
+    assert routed[1].tolist() == [len(sent)] and routed[4].tolist() == sent
+    if fp8:
+        blocks = x.float().view(t, h // 128, 128)
+        scale = blocks.abs().amax(dim=2).clamp(min=1e-12) / 448.0
+        values = (blocks / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(t, h)
+    order = [(e, i) for e in range(experts) for i in range(t) if bool((idx[i] == e).any())]
+    rows = [i for _, i in order]
+    for padded in (0, 40):
+        got = torch.ops.gocomm.moe_receive_any(routed[0], routed[1], routed, experts, fp8, padded)
+        assert got[0].shape[0] == (padded or len(rows))
+        if fp8:
+            assert torch.equal(got[0][: len(rows)].view(torch.uint8), values[rows].view(torch.uint8))
+            assert torch.equal(got[1][: len(rows)], scale[rows])
+        else:
+            assert torch.equal(got[0][: len(rows)], x[rows])
+        assert got[2].tolist() == [sum(1 for e2, _ in order if e2 == e) for e in range(experts)]
+        assert got[4].tolist() == [len(sent), len(sent)], "sent and received, by rank"

@@ -3,8 +3,9 @@ kind run, a profiler (sys.setprofile) on the calling thread counts the Python-le
 into the gocomm package (functions defined in python/gocomm/**, or built-ins of gocomm._C), and
 finds none. gocomm.all_to_all_v is one Python call (its wrapper in python/gocomm/sparse.py,
 which names the group) and nothing else, on every path: the host-count path on CPU tensors
-here (two exchanges and a read of the counts, all in the compiled client). That the counter
-sees the wrapper is the control case: the test can fail.
+here (two exchanges and a read of the counts, all in the compiled client); gocomm.moe's
+dispatch and combine are their wrappers, the handle and the path probe, on CPU tensors. That the
+counter sees the wrappers is the control case: the test can fail.
 
 CPU tensors on worlds of 1 and 2 ranks here; CUDA tensors (marked gpu) on one GPU per rank,
 and on 2 ranks with the in-process engine forced (GOCOMM_TRANSPORT=nvshmem; the ranks share
@@ -158,6 +159,28 @@ def check_no_python_per_op(rk, seed, cuda: bool, only: tuple[str, ...] = ()):
                     got, got_splits = gocomm.all_to_all_v(inp, splits)
             ck.expect("the wrapper, once a call", c.calls == {"sparse.py:all_to_all_v": A2AV_CALLS}, str(c.calls))
             ck.same("splits", got_splits.cpu(), torch.ones(rk.size, dtype=torch.int64))
+    # gocomm.moe on CPU tensors (routing, the host-count exchange, grouping, combine's sums and
+    # its exchange back, all in the compiled client's moe_dispatch_any / moe_combine_any): the
+    # wrappers, the handle's __init__, and the path probe dispatch asks (sparse.py, which finds
+    # the group's state)
+    if not only or "moe" in only:
+        with ck.case("gocomm.moe: the wrappers only"):
+            import gocomm
+
+            x = torch.ones(4, 16, device=dev)
+            ids = torch.arange(4, device=dev).remainder(rk.size).unsqueeze(1)  # token i to rank i % n
+            w = torch.ones(4, 1, device=dev)
+            for _ in range(3):
+                recv, _, hd = gocomm.moe.dispatch(x, ids, w, rk.size)
+                gocomm.moe.combine(recv, hd)
+            with _Counter() as c:
+                for _ in range(A2AV_CALLS):
+                    recv, _, hd = gocomm.moe.dispatch(x, ids, w, rk.size)
+                    out = gocomm.moe.combine(recv, hd)
+            wrappers = ("moe.py:dispatch", "moe.py:__init__", "moe.py:combine", "sparse.py:_device_path")
+            wrappers += ("_backend.py:state",)
+            ck.expect("the wrappers, once a call", c.calls == dict.fromkeys(wrappers, A2AV_CALLS), str(c.calls))
+            ck.same("combine", out.cpu(), torch.ones(4, 16))
     # which ops the in-process engine ran: its paths set up, and its launch record
     inprocess = []
     if cuda:
