@@ -504,7 +504,8 @@ extern "C" __global__ void gocomm_moe_group_gather(GROUP_PLACE_ARGS, int G, char
   const uint32_t id = ticket, g = G, gather0 = G == 1 ? 1 : 2 * g;
   if (id < g) {
     group_count(recv, row_bytes, id_off, k, per, out_splits, n, cap_rows, bhist, hist, id, G);
-    if (G == 1) {
+    if (G == 1) {  // as gocomm_moe_group, but bhist is read through L2: fenced first
+      __threadfence();
       __syncthreads();
       group_place(recv, row_bytes, id_off, w_off, k, per, out_splits, n, cap_rows, bhist, rows_sorted, w_sorted,
                   tpe, e_idx, w_e, e_offs, gmeta, back, flag, dyn, hist, 0, 1);

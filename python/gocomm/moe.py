@@ -18,9 +18,10 @@ what arrives by expert, and do combine's weighted sums; elsewhere, and for fp8, 
 
 Where the group's exchange is the in-process kernel (the compiled client's: GPUs that share
 NVLink; this path is one registered op per call, torch.ops.gocomm.moe_dispatch / moe_combine
-of the compiled client, csrc/client/moe.cc), dispatch is route, pack, exchange, group and
-gather launches over one workspace, and combine three launches (weighted sums per received
-token, exchange back, sums per token) from what dispatch left on the GPU. dispatch reads the
+of the compiled client, csrc/client/moe.cc), dispatch is three launches over one workspace (up to
+1024 tokens: route and pack fused, the exchange, group and gather fused; padded=False groups and
+gathers apart, around its sync), and combine three launches (weighted sums per received token,
+exchange back, sums per token) from what dispatch left on the GPU. dispatch reads the
 counts on the host once, to size its output; with padded=True it never does (its output has
 the most rows max_tokens_per_rank allows), so dispatch and combine can be captured in one
 CUDA graph. Elsewhere (NCCL, the sidecar's NVSHMEM kernel, the host engine) the counts cross
