@@ -207,12 +207,26 @@ extern "C" __global__ void gocomm_moe_route(const int64_t* __restrict__ idx, int
 // first meta[n] of cap slots): the token's x row (xbytes), then its k local expert ids on
 // that rank (int32, -1 where the expert lives elsewhere) at id_off, then its k weights
 // (float32, 0 where -1) at w_off. Rows are row_bytes apart, every part 16-byte aligned.
+// copy_row: v 16-byte vectors from src to dst by the block, four in flight a thread (so that
+// a block of a few warps, or one block an SM of the route_pack grid, still keeps the memory busy).
+__device__ __forceinline__ void copy_row(int4* __restrict__ d, const int4* __restrict__ s, int64_t v) {
+  const int64_t nt = blockDim.x;
+  for (int64_t c = threadIdx.x; c < v; c += 4 * nt) {
+    int4 a[4];
+#pragma unroll
+    for (int u = 0; u < 4; u++)
+      if (c + u * nt < v) a[u] = s[c + u * nt];
+#pragma unroll
+    for (int u = 0; u < 4; u++)
+      if (c + u * nt < v) d[c + u * nt] = a[u];
+  }
+}
+
 __device__ __forceinline__ void pack_row(char* __restrict__ dst, const char* __restrict__ x,
                                          const int64_t* __restrict__ idx, const float* __restrict__ weights,
                                          int64_t t, int r, int k, int64_t experts, int per, int64_t xbytes,
                                          int64_t id_off, int64_t w_off) {
-  const int4* src = reinterpret_cast<const int4*>(x + t * xbytes);
-  for (int64_t c = threadIdx.x; c < xbytes / 16; c += blockDim.x) reinterpret_cast<int4*>(dst)[c] = src[c];
+  copy_row(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(x + t * xbytes), xbytes / 16);
   for (int j = threadIdx.x; j < k; j += blockDim.x) {
     const int64_t e = idx[t * k + j];
     const bool mine = e >= (int64_t)r * per && e < (int64_t)(r + 1) * per && e < experts;
@@ -522,19 +536,9 @@ extern "C" __global__ void gocomm_moe_group_gather(GROUP_PLACE_ARGS, int G, char
   }
   await_count(&sync[2], g);
   // rows_sorted and the pairs (gmeta[0]) were written by other blocks of this launch: read
-  // through L2. Four vectors in flight a thread: the blocks are as small as the grouping's.
-  const int64_t m = min(__ldcg(gmeta), out_rows), v = xbytes / 16, nt = blockDim.x;
-  for (int64_t p = id - gather0; p < m; p += gridDim.x - gather0) {
-    const int4* s = reinterpret_cast<const int4*>(recv + __ldcg(rows_sorted + p) * row_bytes);
-    int4* d = reinterpret_cast<int4*>(out + p * xbytes);
-    for (int64_t c = threadIdx.x; c < v; c += 4 * nt) {
-      int4 a[4];
-#pragma unroll
-      for (int u = 0; u < 4; u++)
-        if (c + u * nt < v) a[u] = s[c + u * nt];
-#pragma unroll
-      for (int u = 0; u < 4; u++)
-        if (c + u * nt < v) d[c + u * nt] = a[u];
-    }
-  }
+  // through L2. The blocks are as small as the grouping's: copy_row keeps four vectors in flight.
+  const int64_t m = min(__ldcg(gmeta), out_rows);
+  for (int64_t p = id - gather0; p < m; p += gridDim.x - gather0)
+    copy_row(reinterpret_cast<int4*>(out + p * xbytes),
+             reinterpret_cast<const int4*>(recv + __ldcg(rows_sorted + p) * row_bytes), xbytes / 16);
 }
