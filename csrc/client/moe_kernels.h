@@ -97,10 +97,10 @@ void gather(int dev, int64_t out, int64_t src, int64_t rows, int64_t count, int6
 // exchange, where route, pack, group and gather take five or six. sync: kSyncWords uint32 of
 // the dispatch's own workspace, which route_pack zeroes and group_gather, queued after it on
 // the same stream, counts in (moe.cu's gocomm_moe_route_pack says why that is sound).
-constexpr int64_t kSyncWords = 4;
+constexpr int64_t kSyncWords = 4;  // moe.cu's kSyncWords
 // route, then pack (rows: the payload's most rows), in one launch of gocomm_moe_route_pack
 // where t <= kRoutePackTokens; beyond, route's two launches, then route_pack packing from them.
-constexpr int64_t kRoutePackTokens = 1024;
+constexpr int64_t kRoutePackTokens = 1024;  // moe.cu's kRoutePackTokens
 void route_pack(int dev, int64_t payload, int64_t x, int64_t idx, int64_t w, int64_t t, int64_t k, int64_t experts,
                 int64_t n, const Routing& r, int64_t rows, int64_t xbytes, int64_t sync, int64_t flag);
 // group, then gather of the first xbytes of each recv row into out (cap x k rows of xbytes, the

@@ -259,6 +259,7 @@ extern "C" __global__ void gocomm_moe_pack(char* __restrict__ payload, const cha
 // also zeroes sync (kSyncWords words in the dispatch's own workspace, which
 // gocomm_moe_group_gather of the same dispatch counts in: queued after this kernel on the same
 // stream, and no other kernel knows the workspace).
+// (both as csrc/client/moe_kernels.h has them)
 constexpr int kRoutePackTokens = 1024;  // the most tokens one block routes (a thread a token)
 constexpr int kSyncWords = 4;           // gocomm_moe_group_gather's ticket and its two done counts
 extern "C" __global__ void gocomm_moe_route_pack(char* __restrict__ payload, const char* __restrict__ x,
