@@ -401,9 +401,9 @@ void launch(Function fn, unsigned grid, unsigned block, unsigned smem, Stream st
   check("cuLaunchKernel", api().launchKernel(fn, grid, 1, 1, block, 1, 1, smem, stream, params, nullptr));
 }
 
-int blocks_per_sm(Function fn, int threads) {
+int blocks_per_sm(Function fn, int threads, size_t smem) {
   int per = 0;
-  check("cuOccupancyMaxActiveBlocksPerMultiprocessor", api().occupancy(&per, fn, threads, 0));
+  check("cuOccupancyMaxActiveBlocksPerMultiprocessor", api().occupancy(&per, fn, threads, smem));
   return per;
 }
 

@@ -92,8 +92,8 @@ Function module_function(void* module, const char* name);
 // Queue fn on stream: grid x block threads, smem bytes of dynamic shared memory; params
 // the driver's array of pointers to each argument (copied at the call).
 void launch(Function fn, unsigned grid, unsigned block, unsigned smem, Stream stream, void** params);
-// How many blocks of fn (threads each, no dynamic shared memory) one SM holds at once.
-int blocks_per_sm(Function fn, int threads);
+// How many blocks of fn (threads each, smem bytes of dynamic shared memory) one SM holds at once.
+int blocks_per_sm(Function fn, int threads, size_t smem = 0);
 // A zeroed device allocation of its own (outside torch's allocator, so that its IPC handle
 // names it alone), in the current context; never freed.
 DevPtr mem_alloc_zeroed(size_t nbytes);

@@ -28,7 +28,7 @@ int64_t up(int64_t a, int64_t b) {
 struct Carve {
   enum {
     kCounts, kSendOrder, kSendRank, kTIdx, kTOffs, kMask, kBcount, kBhist, kRowsSorted, kWSorted, kEIdx,
-    kWE, kEOffs, kCsplits, kBackSplits, kN
+    kWE, kEOffs, kCsplits, kBackSplits, kSync, kN
   };
   int64_t at[kN] = {};
   int64_t size = 0, recv_splits = 0, gmeta = 0, recv = 0, big = 0;  // the payload at 0 of big
@@ -42,6 +42,7 @@ struct Carve {
         cap * k * 8, cap * k * 4, cap * k * 8, cap * k * 4, (cap + 1) * 8,
         n * 8,  // what combine sends back to each rank (zeros after an overflow)
         n * 8,
+        moe::kSyncWords * 4,  // the fused grouping's counts (moe::route_pack zeroes them, group_gather counts)
     };
     for (int i = 0; i < kN; i++) {
       at[i] = size;
@@ -148,38 +149,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const a
   const int64_t xi = int64_t(addr(x)), ii = int64_t(addr(idx)), wi = int64_t(addr(w));
   const moe::Routing routing{meta,          at_(Carve::kSendOrder), at_(Carve::kSendRank), at_(Carve::kTIdx),
                              at_(Carve::kTOffs), at_(Carve::kMask),      at_(Carve::kBcount)};
-  moe::route(dev, ii, t, k, experts, n, routing, flag);
-  if (send_cap) {
-    moe::pack(dev, payload, xi, ii, wi, routing, send_cap, n, k, experts, xbytes);
-  }
+  moe::route_pack(dev, payload, xi, ii, wi, t, k, experts, n, routing, send_cap, xbytes, at_(Carve::kSync), flag);
   path->report();
   path->exchange(uint64_t(payload), send_cap, uint64_t(meta), false, nullptr, uint64_t(recv), cap,
                  uint64_t(recv_splits), row);
   const moe::Grouping grouping{at_(Carve::kRowsSorted), at_(Carve::kWSorted), int64_t(addr(tpe)),
                                at_(Carve::kEIdx),       at_(Carve::kWE),      at_(Carve::kEOffs),
                                gmeta,                   at_(Carve::kCsplits), at_(Carve::kBhist)};
-  moe::group(dev, recv, layout, k, per, recv_splits, n, cap, grouping, flag);
-  int64_t rows = cap * k;
-  at::Tensor counts;
-  if (padded) {
-    counts = at::empty({0}, x.options().dtype(at::kLong));
-  } else {
-    counts = ws.slice(0, 0, (2 * n + 4) * 8).view(at::kLong).cpu();  // the one sync
-    const int64_t* v = counts.data_ptr<int64_t>();
-    int64_t got = 0;
-    for (int64_t r = 0; r < n; r++) {
-      got += v[n + 2 + r];
-    }
-    // an id out of range, or more rows than cap (the exchange wrote nothing): raised after the
-    // exchange, which every rank took part in
-    if (v[n + 1] != 0) {
-      moe::check_ids(idx, experts, " (those entries were sent nowhere)");
-    }
-    if (got > cap) {
-      moe::raise_sent_too_many(std::vector<int64_t>(v + n + 2, v + 2 * n + 2), cap);
-    }
-    rows = v[2 * n + 2];
+  if (padded) {  // grouped and gathered in one launch, into every row the output may need
+    at::Tensor out = at::empty({cap * k, h}, x.options());
+    moe::group_gather(dev, recv, layout, k, per, recv_splits, n, cap, grouping, flag, int64_t(addr(out)), xbytes,
+                      at_(Carve::kSync));
+    return {out, tpe, ws, at::empty({0}, x.options().dtype(at::kLong))};
   }
+  moe::group(dev, recv, layout, k, per, recv_splits, n, cap, grouping, flag);
+  const at::Tensor counts = ws.slice(0, 0, (2 * n + 4) * 8).view(at::kLong).cpu();  // the one sync
+  const int64_t* v = counts.data_ptr<int64_t>();
+  int64_t got = 0;
+  for (int64_t r = 0; r < n; r++) {
+    got += v[n + 2 + r];
+  }
+  // an id out of range, or more rows than cap (the exchange wrote nothing): raised after the
+  // exchange, which every rank took part in
+  if (v[n + 1] != 0) {
+    moe::check_ids(idx, experts, " (those entries were sent nowhere)");
+  }
+  if (got > cap) {
+    moe::raise_sent_too_many(std::vector<int64_t>(v + n + 2, v + 2 * n + 2), cap);
+  }
+  const int64_t rows = v[2 * n + 2];
   at::Tensor out = at::empty({rows, h}, x.options());
   if (rows) {
     moe::gather(dev, int64_t(addr(out)), recv, at_(Carve::kRowsSorted), gmeta, rows, row, xbytes);

@@ -5,9 +5,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <set>
+#include <tuple>
 #include <vector>
 
 #include "inprocess.h"
@@ -17,6 +19,9 @@ namespace gocomm::inproc::moe {
 namespace {
 
 constexpr const char* kModule = "moe.cubin";
+// the fused kernels, by these addresses in resident's table too
+constexpr const char* kRoutePack = "gocomm_moe_route_pack";
+constexpr const char* kGroupGather = "gocomm_moe_group_gather";
 constexpr int64_t kGroupSmem = (48 << 10) - 512;  // under 48 KiB, less the static scan and words
 
 int64_t up(int64_t a, int64_t b) {
@@ -34,6 +39,22 @@ int64_t row_block(int64_t nbytes) {
 void launch_moe(int dev, const char* name, int64_t grid, int64_t block, int64_t smem, const char* sig,
                 const std::vector<int64_t>& vals) {
   launch(kModule, dev, name, unsigned(grid), unsigned(block), unsigned(smem), sig, vals);
+}
+
+// How many blocks of kernel name (block threads, smem bytes of dynamic shared memory) device
+// runs at once, asked of the driver once a shape (name: kRoutePack or kGroupGather, known by
+// its address).
+int64_t resident(int dev, const char* name, int64_t block, int64_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const char*, int64_t, int64_t>, int64_t> known;
+  const auto key = std::make_tuple(dev, name, block, smem);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = known.find(key);
+  if (it == known.end()) {
+    const int per_sm = cuda::blocks_per_sm(Module::get(kModule).function(dev, name), int(block), size_t(smem));
+    it = known.emplace(key, int64_t(cuda::sm_count(dev)) * std::max(1, per_sm)).first;
+  }
+  return it->second;
 }
 
 const char* wsum_kernel(at::ScalarType s) {
@@ -247,6 +268,94 @@ void gather(int dev, int64_t out, int64_t src, int64_t rows, int64_t count, int6
             int64_t nbytes) {
   launch_moe(dev, "gocomm_moe_gather", std::min<int64_t>(cap, 2048), row_block(nbytes), 0, "PPPPqqq",
              {out, src, rows, count, cap, stride, nbytes});
+}
+
+void route_pack(int dev, int64_t payload, int64_t x, int64_t idx, int64_t w, int64_t t, int64_t k, int64_t experts,
+                int64_t n, const Routing& r, int64_t rows, int64_t xbytes, int64_t sync, int64_t flag) {
+  check_ranks(n);
+  const Row row = row_layout(xbytes, k);
+  int64_t routed = 0, grid = 0, block = 0;
+  if (t > kRoutePackTokens) {  // routed by blocks of their own first, then packed as pack packs
+    route(dev, idx, t, k, experts, n, r, flag);
+    routed = 1, block = row_block(xbytes), grid = std::clamp<int64_t>(rows, 1, 4096);
+  } else {  // every block routes every token: as many blocks as run at once, a thread per token
+    block = std::max(route_blocks(t).second, row_block(xbytes));
+    grid = std::clamp<int64_t>(rows, 1, resident(dev, kRoutePack, block, 0));
+  }
+  launch_moe(dev, kRoutePack, grid, block, 0, "PPPPqiqiiPPPPPPiqqqqP",
+             {payload, x, idx, w, t, k, experts, experts / n, n, r.meta, r.send_order, r.send_rank, r.t_idx, r.t_offs,
+              flag, routed, xbytes, row.id_off, row.w_off, row.bytes, sync});
+}
+
+void group_gather(int dev, int64_t recv, const Row& row, int64_t k, int64_t per, int64_t out_splits, int64_t n,
+                  int64_t cap, const Grouping& g, int64_t flag, int64_t out, int64_t xbytes, int64_t sync) {
+  // the gathering blocks have the grouping's block and shared memory: at most 256 threads, as
+  // many of them as run at once beside the 2G (G where G is 1) grouping blocks
+  const int64_t threads = std::min<int64_t>(group_threads(per), 256), blocks = group_blocks(cap);
+  const int64_t smem = per * 8 + per * (threads + 1) * 4, rows = cap * k;
+  const int64_t grid =
+      (blocks == 1 ? 1 : 2 * blocks) + std::clamp<int64_t>(rows, 1, resident(dev, kGroupGather, threads, smem));
+  launch_moe(dev, kGroupGather, grid, threads, smem, "PqqqiiPiqPPPPPPPPPPiPqqP",
+             {recv, row.bytes, row.id_off, row.w_off, k, per, out_splits, n, cap, g.bhist, g.rows_sorted, g.w_sorted,
+              g.tpe, g.e_idx, g.w_e, g.e_offs, g.gmeta, g.back, flag, blocks, out, rows, xbytes, sync});
+}
+
+std::vector<at::Tensor> route_pack_fused(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
+                                         int64_t experts, int64_t n, const at::Tensor& sync) {
+  const int64_t t = x.size(0), k = idx.size(1), xbytes = x.size(1) * x.element_size();
+  TORCH_CHECK_VALUE(x.is_cuda() && x.dim() == 2 && xbytes % 16 == 0 && x.is_contiguous() && addr(x) % 16 == 0 &&
+                        idx.sizes() == w.sizes() && idx.size(0) == t && idx.scalar_type() == at::kLong &&
+                        w.scalar_type() == at::kFloat && idx.is_contiguous() && w.is_contiguous() &&
+                        idx.device() == x.device() && w.device() == x.device() && sync.device() == x.device() &&
+                        sync.numel() == kSyncWords && sync.scalar_type() == at::kInt && n > 0 &&
+                        experts % n == 0 && usable(x.get_device()),
+                    "gocomm route_pack_fused: as moe_route_pack takes them, and sync int32 [kSyncWords]");
+  const int dev = x.get_device();
+  c10::cuda::CUDAGuard guard(x.device());
+  const auto on = x.options();
+  at::Tensor meta = at::empty({n + 2}, on.dtype(at::kLong));
+  at::Tensor send_order = at::empty({t * n}, on.dtype(at::kLong));
+  at::Tensor send_rank = at::empty({t * n}, on.dtype(at::kInt));
+  at::Tensor payload = at::empty({t * n, row_layout(xbytes, k).bytes}, on.dtype(at::kByte));
+  at::Tensor t_idx = at::empty({t * n}, on.dtype(at::kLong));
+  at::Tensor t_offs = at::empty({t + 1}, on.dtype(at::kLong));
+  at::Tensor mask = at::empty({t}, on.dtype(at::kByte));
+  at::Tensor bcount = at::empty({route_blocks(t).first * (n + 2)}, on.dtype(at::kLong));
+  const Routing r{addr(meta), addr(send_order), addr(send_rank), addr(t_idx), addr(t_offs), addr(mask), addr(bcount)};
+  route_pack(dev, addr(payload), addr(x), addr(idx), addr(w), t, k, experts, n, r, t * n, xbytes, addr(sync), 0);
+  return {payload, meta, send_order, t_idx, t_offs};
+}
+
+std::vector<at::Tensor> group_gather_fused(const at::Tensor& recv, int64_t id_off, int64_t w_off, int64_t k,
+                                           int64_t per, const at::Tensor& out_splits, int64_t xbytes,
+                                           const at::Tensor& sync) {
+  TORCH_CHECK_VALUE(recv.is_cuda() && recv.dim() == 2 && recv.scalar_type() == at::kByte && recv.is_contiguous() &&
+                        k > 0 && group_threads(per) > 0 && id_off + k * 4 <= recv.size(1) &&
+                        w_off + k * 4 <= recv.size(1) && xbytes % 16 == 0 && xbytes <= recv.size(1) &&
+                        recv.size(1) % 16 == 0 && sync.device() == recv.device() && sync.numel() == kSyncWords &&
+                        sync.scalar_type() == at::kInt && usable(recv.get_device()),
+                    "gocomm group_gather_fused: as moe_group takes them, xbytes of each row's 16-byte multiple, "
+                    "and sync int32 [kSyncWords]");
+  const int dev = recv.get_device();
+  c10::cuda::CUDAGuard guard(recv.device());
+  const int64_t cap = recv.size(0);
+  const auto on = recv.options();
+  const at::Tensor splits = out_splits.to(recv.device(), at::kLong).contiguous();
+  at::Tensor rows_sorted = at::empty({cap * k}, on.dtype(at::kLong));
+  at::Tensor w_sorted = at::empty({cap * k}, on.dtype(at::kFloat));
+  at::Tensor tpe = at::empty({per}, on.dtype(at::kLong));
+  at::Tensor e_idx = at::empty({cap * k}, on.dtype(at::kLong));
+  at::Tensor w_e = at::empty({cap * k}, on.dtype(at::kFloat));
+  at::Tensor e_offs = at::empty({cap + 1}, on.dtype(at::kLong));
+  at::Tensor gmeta = at::empty({2}, on.dtype(at::kLong));
+  at::Tensor back = at::empty({splits.numel()}, on.dtype(at::kLong));
+  at::Tensor bhist = at::empty({group_blocks(cap) * (per + 1)}, on.dtype(at::kLong));
+  at::Tensor out = at::empty({cap * k, xbytes}, on.dtype(at::kByte));
+  const Grouping g{addr(rows_sorted), addr(w_sorted), addr(tpe), addr(e_idx),  addr(w_e),
+                   addr(e_offs),      addr(gmeta),    addr(back), addr(bhist)};
+  group_gather(dev, addr(recv), Row{id_off, w_off, recv.size(1)}, k, per, addr(splits), splits.numel(), cap, g, 0,
+               addr_or_0(out), xbytes, addr(sync));
+  return {rows_sorted, w_sorted, tpe, e_idx, e_offs, gmeta, w_e, back, out};
 }
 
 void wsum(int dev, at::ScalarType dtype, int64_t out, int64_t src, int64_t idx, int64_t w, int64_t offs, int64_t rows,

@@ -111,6 +111,30 @@ void group(int dev, int64_t recv, const Row& row, int64_t k, int64_t per, int64_
 // below the int64 count at address count and below cap.
 void gather(int dev, int64_t out, int64_t src, int64_t rows, int64_t count, int64_t cap, int64_t stride,
             int64_t nbytes);
+
+// The fused launches of the in-process dispatch (moe.cc): three launches a dispatch with the
+// exchange, where route, pack, group and gather take five or six. sync: kSyncWords uint32 of
+// the dispatch's own workspace, which route_pack zeroes and group_gather, queued after it on
+// the same stream, counts in (moe.cu's gocomm_moe_route_pack says why that is sound).
+constexpr int64_t kSyncWords = 4;  // moe.cu's kSyncWords
+// route, then pack (rows: the payload's most rows), in one launch of gocomm_moe_route_pack
+// where t <= kRoutePackTokens; beyond, route's two launches, then route_pack packing from them.
+constexpr int64_t kRoutePackTokens = 1024;  // moe.cu's kRoutePackTokens
+void route_pack(int dev, int64_t payload, int64_t x, int64_t idx, int64_t w, int64_t t, int64_t k, int64_t experts,
+                int64_t n, const Routing& r, int64_t rows, int64_t xbytes, int64_t sync, int64_t flag);
+// group, then gather of the first xbytes of each recv row into out (cap x k rows of xbytes, the
+// padded output), in one launch of gocomm_moe_group_gather.
+void group_gather(int dev, int64_t recv, const Row& row, int64_t k, int64_t per, int64_t out_splits, int64_t n,
+                  int64_t cap, const Grouping& g, int64_t flag, int64_t out, int64_t xbytes, int64_t sync);
+// For the tests: the fused launches on tensors, against moe_route_pack and moe_group: route_pack_fused
+// gives moe_route_pack's outputs (sync: kSyncWords int32 on x's device, zeroed by the launch);
+// group_gather_fused gives moe_group's, then w_e, back [n] and out [rows x k, xbytes] uint8 (sync: as
+// route_pack_fused left it).
+std::vector<at::Tensor> route_pack_fused(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
+                                         int64_t experts, int64_t n, const at::Tensor& sync);
+std::vector<at::Tensor> group_gather_fused(const at::Tensor& recv, int64_t id_off, int64_t w_off, int64_t k,
+                                           int64_t per, const at::Tensor& out_splits, int64_t xbytes,
+                                           const at::Tensor& sync);
 // gocomm_moe_wsum_<dtype> (check_sums): rows is the most rows,
 // nrows (0: none) the address of an int64 count on the GPU that may cut them.
 void wsum(int dev, at::ScalarType dtype, int64_t out, int64_t src, int64_t idx, int64_t w, int64_t offs, int64_t rows,

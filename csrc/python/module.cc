@@ -482,6 +482,14 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "moe_row_bytes", [](int64_t xbytes, int64_t k) { return ip::moe::row_layout(xbytes, k).bytes; },
       py::arg("xbytes"), py::arg("k"), "dispatch's packed row's bytes for tokens of xbytes and k choices.");
+  m.def("moe_route_pack_fused", torch::wrap_pybind_function_no_gil(&ip::moe::route_pack_fused), py::arg("x"),
+        py::arg("topk_idx"), py::arg("topk_weights"), py::arg("experts"), py::arg("ranks"), py::arg("sync"),
+        "For the tests: moe_route_pack's outputs by the in-process dispatch's fused launch; it zeroes sync.");
+  m.def("moe_group_gather_fused", torch::wrap_pybind_function_no_gil(&ip::moe::group_gather_fused), py::arg("recv"),
+        py::arg("id_off"), py::arg("w_off"), py::arg("k"), py::arg("per"), py::arg("out_splits"), py::arg("xbytes"),
+        py::arg("sync"),
+        "For the tests: moe_group's outputs, then w_e, back and the gathered rows, by the in-process dispatch's "
+        "fused launch (sync: zeroed by moe_route_pack_fused).");
   m.def("moe_flags_made", &ip::moe_flags_made, py::arg("device"),
         "Whether a padded moe.dispatch ran on device (gocomm.moe.check waits for the GPU only then).");
   m.def(

@@ -94,9 +94,14 @@ __device__ __forceinline__ int64_t block_scan(int64_t v, int64_t* scan, int64_t*
 // bit mask (mask, a byte per token) and each block's counts (bcount [blocks][n + 2]: rows
 // per rank, their sum, whether an id was bad); the second places the tokens from them, so
 // the layout is the same every time, and neither waits on another block.
+//
+// Both take the block's place b among blocks (blockIdx.x and gridDim.x but where a fused kernel
+// runs them as one block of its own); route_place writes what routing writes only where meta
+// is not null, and each slot's token and rank as t << 3 | r into table where that is not null.
 __device__ __forceinline__ void route_count(const int64_t* __restrict__ idx, int64_t tokens, int k, int64_t experts,
-                                            int per, int n, uint8_t* __restrict__ mask, int64_t* __restrict__ bcount) {
-  const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+                                            int per, int n, uint8_t* __restrict__ mask, int64_t* __restrict__ bcount,
+                                            int b) {
+  const int64_t t = (int64_t)b * blockDim.x + threadIdx.x;
   uint32_t m = 0;
   int bad = 0;
   if (t < tokens) {
@@ -109,7 +114,7 @@ __device__ __forceinline__ void route_count(const int64_t* __restrict__ idx, int
     }
     mask[t] = (uint8_t)m;
   }
-  int64_t* mine = bcount + (int64_t)blockIdx.x * (n + 2);
+  int64_t* mine = bcount + (int64_t)b * (n + 2);
   int64_t sum = 0;
   for (int r = 0; r < n; r++) {
     const int c = __syncthreads_count((m >> r) & 1);
@@ -124,10 +129,10 @@ __device__ __forceinline__ void route_place(int64_t tokens, int n, const uint8_t
                                             const int64_t* __restrict__ bcount, int64_t* __restrict__ meta,
                                             int64_t* __restrict__ send_order, int32_t* __restrict__ send_rank,
                                             int64_t* __restrict__ t_idx, int64_t* __restrict__ t_offs,
-                                            volatile uint32_t* flag) {
+                                            volatile uint32_t* flag, int b, int blocks, uint16_t* table) {
   __shared__ int64_t scan[32];
   __shared__ int64_t base[8], tbase;  // the first slot of this block's rows per rank; its first pair
-  const int b = blockIdx.x, blocks = gridDim.x, w = n + 2;
+  const int w = n + 2;
   if (threadIdx.x < n) {  // rank r's slots start after every rank before r, then the blocks before this one
     const int r = threadIdx.x;
     int64_t at = 0;
@@ -141,7 +146,7 @@ __device__ __forceinline__ void route_place(int64_t tokens, int n, const uint8_t
     int64_t at = 0;  // this block's first pair
     for (int q = 0; q < b; q++) at += bcount[q * w + n];
     tbase = at;
-    if (b == 0) {
+    if (b == 0 && meta) {
       int64_t all = 0, bad = 0;
       for (int q = 0; q < blocks; q++) all += bcount[q * w + n], bad |= bcount[q * w + n + 1];
       for (int r = 0; r < n; r++) {
@@ -158,22 +163,23 @@ __device__ __forceinline__ void route_place(int64_t tokens, int n, const uint8_t
   const int64_t t = (int64_t)b * blockDim.x + threadIdx.x;
   const uint32_t m = t < tokens ? mask[t] : 0;
   const int64_t toff = tbase + block_scan(__popc(m), scan, nullptr);
-  if (t < tokens) t_offs[t] = toff;
+  if (t < tokens && meta) t_offs[t] = toff;
   int j = 0;
   for (int r = 0; r < n; r++) {
     const int hit = (m >> r) & 1;
     const int64_t slot = base[r] + block_scan(hit, scan, nullptr);
-    if (hit) {
+    if (hit && meta) {
       send_order[slot] = t, send_rank[slot] = r;
       t_idx[toff + j++] = slot;
     }
+    if (hit && table) table[slot] = (uint16_t)(t << 3 | r);
   }
 }
 
 extern "C" __global__ void gocomm_moe_route_count(const int64_t* __restrict__ idx, int64_t tokens, int k,
                                                   int64_t experts, int per, int n, uint8_t* __restrict__ mask,
                                                   int64_t* __restrict__ bcount) {
-  route_count(idx, tokens, k, experts, per, n, mask, bcount);
+  route_count(idx, tokens, k, experts, per, n, mask, bcount, blockIdx.x);
 }
 
 extern "C" __global__ void gocomm_moe_route_place(int64_t tokens, int n, const uint8_t* __restrict__ mask,
@@ -181,7 +187,8 @@ extern "C" __global__ void gocomm_moe_route_place(int64_t tokens, int n, const u
                                                   int64_t* __restrict__ send_order, int32_t* __restrict__ send_rank,
                                                   int64_t* __restrict__ t_idx, int64_t* __restrict__ t_offs,
                                                   volatile uint32_t* flag) {
-  route_place(tokens, n, mask, bcount, meta, send_order, send_rank, t_idx, t_offs, flag);
+  route_place(tokens, n, mask, bcount, meta, send_order, send_rank, t_idx, t_offs, flag, blockIdx.x, gridDim.x,
+              nullptr);
 }
 
 // gocomm_moe_route: both passes in one block (tokens <= blockDim.x: decode), one launch
@@ -191,33 +198,98 @@ extern "C" __global__ void gocomm_moe_route(const int64_t* __restrict__ idx, int
                                             int64_t* __restrict__ meta, int64_t* __restrict__ send_order,
                                             int32_t* __restrict__ send_rank, int64_t* __restrict__ t_idx,
                                             int64_t* __restrict__ t_offs, volatile uint32_t* flag) {
-  route_count(idx, tokens, k, experts, per, n, mask, bcount);
+  route_count(idx, tokens, k, experts, per, n, mask, bcount, 0);
   __syncthreads();
-  route_place(tokens, n, mask, bcount, meta, send_order, send_rank, t_idx, t_offs, flag);
+  route_place(tokens, n, mask, bcount, meta, send_order, send_rank, t_idx, t_offs, flag, 0, 1, nullptr);
 }
 
 // gocomm_moe_pack: the send buffer of dispatch, one row per slot of gocomm_moe_route (the
 // first meta[n] of cap slots): the token's x row (xbytes), then its k local expert ids on
 // that rank (int32, -1 where the expert lives elsewhere) at id_off, then its k weights
 // (float32, 0 where -1) at w_off. Rows are row_bytes apart, every part 16-byte aligned.
+// copy_row: v 16-byte vectors from src to dst by the block, four in flight a thread (so that
+// a block of a few warps, or one block an SM of the route_pack grid, still keeps the memory busy).
+__device__ __forceinline__ void copy_row(int4* __restrict__ d, const int4* __restrict__ s, int64_t v) {
+  const int64_t nt = blockDim.x;
+  for (int64_t c = threadIdx.x; c < v; c += 4 * nt) {
+    int4 a[4];
+#pragma unroll
+    for (int u = 0; u < 4; u++)
+      if (c + u * nt < v) a[u] = s[c + u * nt];
+#pragma unroll
+    for (int u = 0; u < 4; u++)
+      if (c + u * nt < v) d[c + u * nt] = a[u];
+  }
+}
+
+__device__ __forceinline__ void pack_row(char* __restrict__ dst, const char* __restrict__ x,
+                                         const int64_t* __restrict__ idx, const float* __restrict__ weights,
+                                         int64_t t, int r, int k, int64_t experts, int per, int64_t xbytes,
+                                         int64_t id_off, int64_t w_off) {
+  copy_row(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(x + t * xbytes), xbytes / 16);
+  for (int j = threadIdx.x; j < k; j += blockDim.x) {
+    const int64_t e = idx[t * k + j];
+    const bool mine = e >= (int64_t)r * per && e < (int64_t)(r + 1) * per && e < experts;
+    reinterpret_cast<int32_t*>(dst + id_off)[j] = mine ? (int32_t)(e - (int64_t)r * per) : -1;
+    reinterpret_cast<float*>(dst + w_off)[j] = mine ? weights[t * k + j] : 0.f;
+  }
+}
+
 extern "C" __global__ void gocomm_moe_pack(char* __restrict__ payload, const char* __restrict__ x,
                                            const int64_t* __restrict__ idx, const float* __restrict__ weights,
                                            const int64_t* __restrict__ meta, const int64_t* __restrict__ send_order,
                                            const int32_t* __restrict__ send_rank, int n, int k, int64_t experts,
                                            int per, int64_t xbytes, int64_t id_off, int64_t w_off, int64_t row_bytes) {
   const int64_t total = meta[n];
+  for (int64_t s = blockIdx.x; s < total; s += gridDim.x)
+    pack_row(payload + s * row_bytes, x, idx, weights, send_order[s], send_rank[s], k, experts, per, xbytes, id_off,
+             w_off);
+}
+
+// gocomm_moe_route_pack: gocomm_moe_route, then gocomm_moe_pack, in one launch (the in-process
+// dispatch's first kernel). Where routed is 0 (tokens <= kRoutePackTokens, at most
+// blockDim.x), every block routes every token by itself, as one logical block with its masks
+// and counts in shared memory, block 0 alone writing what routing writes (and the flag); each
+// slot's token and rank land in the block's table, and the block packs slots blockIdx.x,
+// + gridDim.x, ... from it. No block waits for another: a block routes in about the time it
+// would wait for one routing block, and no word needs zeroing between launches (no kernel of
+// the dispatch precedes this one to zero it, and words kept across dispatches would be shared
+// by dispatches on concurrent streams). Where routed is 1 (more tokens:
+// gocomm_moe_route_count and _place ran before it) it packs as gocomm_moe_pack does. Block 0
+// also zeroes sync (kSyncWords words in the dispatch's own workspace, which
+// gocomm_moe_group_gather of the same dispatch counts in: queued after this kernel on the same
+// stream, and no other kernel knows the workspace).
+// (both as csrc/client/moe_kernels.h has them)
+constexpr int kRoutePackTokens = 1024;  // the most tokens one block routes (a thread a token)
+constexpr int kSyncWords = 4;           // gocomm_moe_group_gather's ticket and its two done counts
+extern "C" __global__ void gocomm_moe_route_pack(char* __restrict__ payload, const char* __restrict__ x,
+                                                 const int64_t* __restrict__ idx, const float* __restrict__ weights,
+                                                 int64_t tokens, int k, int64_t experts, int per, int n,
+                                                 int64_t* __restrict__ meta, int64_t* __restrict__ send_order,
+                                                 int32_t* __restrict__ send_rank, int64_t* __restrict__ t_idx,
+                                                 int64_t* __restrict__ t_offs, volatile uint32_t* flag, int routed,
+                                                 int64_t xbytes, int64_t id_off, int64_t w_off, int64_t row_bytes,
+                                                 uint32_t* sync) {
+  __shared__ uint8_t mask[kRoutePackTokens];
+  __shared__ int64_t bcount[8 + 2];
+  __shared__ uint16_t table[kRoutePackTokens * 8];  // slot -> t << 3 | r
+  if (blockIdx.x == 0 && threadIdx.x < kSyncWords && sync) sync[threadIdx.x] = 0;
+  if (routed) {
+    const int64_t total = meta[n];
+    for (int64_t s = blockIdx.x; s < total; s += gridDim.x)
+      pack_row(payload + s * row_bytes, x, idx, weights, send_order[s], send_rank[s], k, experts, per, xbytes,
+               id_off, w_off);
+    return;
+  }
+  route_count(idx, tokens, k, experts, per, n, mask, bcount, 0);
+  __syncthreads();
+  route_place(tokens, n, mask, bcount, blockIdx.x == 0 ? meta : nullptr, send_order, send_rank, t_idx, t_offs, flag,
+              0, 1, table);
+  __syncthreads();
+  const int64_t total = bcount[n];
   for (int64_t s = blockIdx.x; s < total; s += gridDim.x) {
-    const int64_t t = send_order[s];
-    const int r = send_rank[s];
-    char* dst = payload + s * row_bytes;
-    const int4* src = reinterpret_cast<const int4*>(x + t * xbytes);
-    for (int64_t c = threadIdx.x; c < xbytes / 16; c += blockDim.x) reinterpret_cast<int4*>(dst)[c] = src[c];
-    for (int j = threadIdx.x; j < k; j += blockDim.x) {
-      const int64_t e = idx[t * k + j];
-      const bool mine = e >= (int64_t)r * per && e < (int64_t)(r + 1) * per && e < experts;
-      reinterpret_cast<int32_t*>(dst + id_off)[j] = mine ? (int32_t)(e - (int64_t)r * per) : -1;
-      reinterpret_cast<float*>(dst + w_off)[j] = mine ? weights[t * k + j] : 0.f;
-    }
+    const uint16_t e = table[s];
+    pack_row(payload + s * row_bytes, x, idx, weights, e >> 3, e & 7, k, experts, per, xbytes, id_off, w_off);
   }
 }
 
@@ -241,13 +313,16 @@ __device__ __forceinline__ int64_t group_rows(const int64_t* out_splits, int n, 
   return r <= cap_rows ? r : 0;
 }
 
-// count_pairs: this thread's rows [*r0, *r1) of this block's run of R rows, counted per
-// expert into its hist column; returns its pairs.
+// count_pairs: this thread's rows [*r0, *r1) of block b's run of R rows (of blocks runs),
+// counted per expert into its hist column; returns its pairs. The grouping functions take the
+// block's place b among blocks as route_count does (blockIdx.x and gridDim.x in their own
+// kernels).
 __device__ __forceinline__ int64_t count_pairs(const char* recv, int64_t row_bytes, int64_t id_off, int k, int per,
-                                               int64_t R, int32_t* hist, int64_t* r0, int64_t* r1) {
+                                               int64_t R, int32_t* hist, int64_t* r0, int64_t* r1, int b,
+                                               int blocks) {
   const int tid = threadIdx.x, nt = blockDim.x;
-  const int64_t rpb = (R + gridDim.x - 1) / gridDim.x;
-  const int64_t lo = min((int64_t)blockIdx.x * rpb, R), hi = min(lo + rpb, R);
+  const int64_t rpb = (R + blocks - 1) / blocks;
+  const int64_t lo = min((int64_t)b * rpb, R), hi = min(lo + rpb, R);
   const int64_t run = (hi - lo + nt - 1) / nt;
   *r0 = min(lo + tid * run, hi), *r1 = min(*r0 + run, hi);
   for (int e = 0; e < per; e++) hist[e * (nt + 1) + tid] = 0;
@@ -285,12 +360,12 @@ __device__ __forceinline__ void scan_columns(int32_t* hist, int per, int64_t* to
 
 __device__ __forceinline__ void group_count(const char* __restrict__ recv, int64_t row_bytes, int64_t id_off, int k,
                                             int per, const int64_t* __restrict__ out_splits, int n, int64_t cap_rows,
-                                            int64_t* __restrict__ bhist, int32_t* hist) {
+                                            int64_t* __restrict__ bhist, int32_t* hist, int b, int blocks) {
   __shared__ int64_t scan[32];
   int64_t r0, r1, total;
   const int64_t R = group_rows(out_splits, n, cap_rows);
-  const int64_t mine = count_pairs(recv, row_bytes, id_off, k, per, R, hist, &r0, &r1);
-  int64_t* out = bhist + (int64_t)blockIdx.x * (per + 1);
+  const int64_t mine = count_pairs(recv, row_bytes, id_off, k, per, R, hist, &r0, &r1, b, blocks);
+  int64_t* out = bhist + (int64_t)b * (per + 1);
   scan_columns(hist, per, out);
   block_scan(mine, scan, &total);
   if (threadIdx.x == 0) out[per] = total;
@@ -298,15 +373,16 @@ __device__ __forceinline__ void group_count(const char* __restrict__ recv, int64
 
 __device__ __forceinline__ void group_place(const char* __restrict__ recv, int64_t row_bytes, int64_t id_off,
                                             int64_t w_off, int k, int per, const int64_t* __restrict__ out_splits,
-                                            int n, int64_t cap_rows, const int64_t* __restrict__ bhist,
+                                            int n, int64_t cap_rows, const int64_t* bhist,
                                             int64_t* __restrict__ rows_sorted, float* __restrict__ w_sorted,
                                             int64_t* __restrict__ tpe, int64_t* __restrict__ e_idx,
                                             float* __restrict__ w_e, int64_t* __restrict__ e_offs,
                                             int64_t* __restrict__ gmeta, int64_t* __restrict__ back,
-                                            volatile uint32_t* flag, int64_t* adj, int32_t* hist) {
+                                            volatile uint32_t* flag, int64_t* adj, int32_t* hist, int b,
+                                            int blocks) {
   __shared__ int64_t scan[32];
   __shared__ int64_t pb;
-  const int tid = threadIdx.x, nt = blockDim.x, b = blockIdx.x, w = per + 1;
+  const int tid = threadIdx.x, nt = blockDim.x, w = per + 1;
   const int64_t R = group_rows(out_splits, n, cap_rows);
   // 1. Where each expert's pairs of this block start: after every expert before it (all
   //    blocks), then the blocks before this one. Thread tid owns a run of the experts.
@@ -314,20 +390,20 @@ __device__ __forceinline__ void group_place(const char* __restrict__ recv, int64
   int64_t mysum = 0, pairs;
   for (int e = e0; e < e1; e++) {
     int64_t tot = 0;
-    for (int q = 0; q < gridDim.x; q++) tot += bhist[q * w + e];
+    for (int q = 0; q < blocks; q++) tot += __ldcg(bhist + q * w + e);  // L2: in a fused kernel another block wrote it
     adj[e] = tot, mysum += tot;
   }
   int64_t ex = block_scan(mysum, scan, &pairs);
   for (int e = e0; e < e1; e++) {
     const int64_t tot = adj[e];
     int64_t before = 0;
-    for (int q = 0; q < b; q++) before += bhist[q * w + e];
+    for (int q = 0; q < b; q++) before += __ldcg(bhist + q * w + e);
     if (b == 0) tpe[e] = tot;
     adj[e] = ex + before, ex += tot;
   }
   if (tid == 0) {
     int64_t at = 0;
-    for (int q = 0; q < b; q++) at += bhist[q * w + per];
+    for (int q = 0; q < b; q++) at += __ldcg(bhist + q * w + per);
     pb = at;
     if (b == 0) {
       gmeta[0] = pairs, gmeta[1] = R, e_offs[R] = pairs;
@@ -339,7 +415,7 @@ __device__ __forceinline__ void group_place(const char* __restrict__ recv, int64
   // 2. This block's pairs: counted again, then each expert's column scanned over the
   //    threads, so a thread's pairs of expert e go after the block's pairs of e before it.
   int64_t r0, r1;
-  const int64_t mine = count_pairs(recv, row_bytes, id_off, k, per, R, hist, &r0, &r1);
+  const int64_t mine = count_pairs(recv, row_bytes, id_off, k, per, R, hist, &r0, &r1, b, blocks);
   scan_columns(hist, per, nullptr);
   int64_t base = pb + block_scan(mine, scan, nullptr);  // this thread's first pair in row order
   for (int64_t r = r0; r < r1; r++) {
@@ -363,7 +439,7 @@ extern "C" __global__ void gocomm_moe_group_count(const char* __restrict__ recv,
                                                   int k, int per, const int64_t* __restrict__ out_splits, int n,
                                                   int64_t cap_rows, int64_t* __restrict__ bhist) {
   extern __shared__ int32_t hist[];  // [per][blockDim.x + 1]
-  group_count(recv, row_bytes, id_off, k, per, out_splits, n, cap_rows, bhist, hist);
+  group_count(recv, row_bytes, id_off, k, per, out_splits, n, cap_rows, bhist, hist, blockIdx.x, gridDim.x);
 }
 
 #define GROUP_PLACE_ARGS                                                                                            \
@@ -376,7 +452,8 @@ extern "C" __global__ void gocomm_moe_group_count(const char* __restrict__ recv,
 extern "C" __global__ void gocomm_moe_group_place(GROUP_PLACE_ARGS) {
   extern __shared__ int64_t dyn[];  // adj [per] int64, then hist [per][blockDim.x + 1] int32
   group_place(recv, row_bytes, id_off, w_off, k, per, out_splits, n, cap_rows, bhist, rows_sorted, w_sorted, tpe,
-              e_idx, w_e, e_offs, gmeta, back, flag, dyn, reinterpret_cast<int32_t*>(dyn + per));
+              e_idx, w_e, e_offs, gmeta, back, flag, dyn, reinterpret_cast<int32_t*>(dyn + per), blockIdx.x,
+              gridDim.x);
 }
 
 // gocomm_moe_group: both passes in one block (at most 32 rows), one launch less; the
@@ -384,10 +461,10 @@ extern "C" __global__ void gocomm_moe_group_place(GROUP_PLACE_ARGS) {
 extern "C" __global__ void gocomm_moe_group(GROUP_PLACE_ARGS) {
   extern __shared__ int64_t dyn[];
   int32_t* hist = reinterpret_cast<int32_t*>(dyn + per);
-  group_count(recv, row_bytes, id_off, k, per, out_splits, n, cap_rows, bhist, hist);
+  group_count(recv, row_bytes, id_off, k, per, out_splits, n, cap_rows, bhist, hist, 0, 1);
   __syncthreads();
   group_place(recv, row_bytes, id_off, w_off, k, per, out_splits, n, cap_rows, bhist, rows_sorted, w_sorted, tpe,
-              e_idx, w_e, e_offs, gmeta, back, flag, dyn, hist);
+              e_idx, w_e, e_offs, gmeta, back, flag, dyn, hist, 0, 1);
 }
 
 // gocomm_moe_gather: out[p] = the first bytes of src's row rows[p] (rows stride apart), for
@@ -402,4 +479,67 @@ extern "C" __global__ void gocomm_moe_gather(char* __restrict__ out, const char*
     int4* d = reinterpret_cast<int4*>(out + p * bytes);
     for (int64_t c = threadIdx.x; c < v; c += blockDim.x) d[c] = s[c];
   }
+}
+
+// arrive(word): this block's writes before it, then one more in *word (as cooperative groups'
+// grid barrier arrives: the block's barrier, then one thread's fence and add).
+__device__ __forceinline__ void arrive(uint32_t* word) {
+  __syncthreads();
+  if (threadIdx.x == 0) __threadfence(), atomicAdd(word, 1u);
+}
+
+// await_count(word, want): the block waits until *word reaches want, then sees the writes made
+// before each arrive() that counted in it.
+__device__ __forceinline__ void await_count(const uint32_t* word, uint32_t want) {
+  if (threadIdx.x == 0) {
+    while (*reinterpret_cast<const volatile uint32_t*>(word) < want) __nanosleep(64);
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// gocomm_moe_group_gather: gocomm_moe_group_count, _place (or gocomm_moe_group where G is 1)
+// and gocomm_moe_gather in one launch (the padded in-process dispatch's last kernel): the
+// arguments are group_place's, then G = group_blocks(cap) (the grouping's blocks), out
+// (out_rows rows of xbytes: the first xbytes of recv's row rows_sorted[p] in row p, for p
+// below the pairs and out_rows) and sync (kSyncWords words that are zero at launch:
+// gocomm_moe_route_pack of the same dispatch zeroed them). Blocks take roles by the order they
+// start in, not by blockIdx.x (the GPU may start any block first): ticket q < G counts run q
+// (with G = 1 it also places it), G + q places run q once every count is done, and the
+// rest gather once every place is done. A block waits only for blocks with smaller tickets,
+// which are running or done (a ticket is taken by a running block, in order), so the launch
+// finishes with any number of its blocks resident at once: no cooperative launch.
+extern "C" __global__ void gocomm_moe_group_gather(GROUP_PLACE_ARGS, int G, char* __restrict__ out,
+                                                   int64_t out_rows, int64_t xbytes, uint32_t* sync) {
+  extern __shared__ int64_t dyn[];  // as gocomm_moe_group_place's
+  __shared__ uint32_t ticket;
+  int32_t* hist = reinterpret_cast<int32_t*>(dyn + per);
+  if (threadIdx.x == 0) ticket = atomicAdd(&sync[0], 1u);
+  __syncthreads();
+  const uint32_t id = ticket, g = G, gather0 = G == 1 ? 1 : 2 * g;
+  if (id < g) {
+    group_count(recv, row_bytes, id_off, k, per, out_splits, n, cap_rows, bhist, hist, id, G);
+    if (G == 1) {  // as gocomm_moe_group, but bhist is read through L2: fenced first
+      __threadfence();
+      __syncthreads();
+      group_place(recv, row_bytes, id_off, w_off, k, per, out_splits, n, cap_rows, bhist, rows_sorted, w_sorted,
+                  tpe, e_idx, w_e, e_offs, gmeta, back, flag, dyn, hist, 0, 1);
+    }
+    arrive(&sync[G == 1 ? 2 : 1]);
+    return;
+  }
+  if (id < gather0) {
+    await_count(&sync[1], g);
+    group_place(recv, row_bytes, id_off, w_off, k, per, out_splits, n, cap_rows, bhist, rows_sorted, w_sorted, tpe,
+                e_idx, w_e, e_offs, gmeta, back, flag, dyn, hist, id - g, G);
+    arrive(&sync[2]);
+    return;
+  }
+  await_count(&sync[2], g);
+  // rows_sorted and the pairs (gmeta[0]) were written by other blocks of this launch: read
+  // through L2. The blocks are as small as the grouping's: copy_row keeps four vectors in flight.
+  const int64_t m = min(__ldcg(gmeta), out_rows);
+  for (int64_t p = id - gather0; p < m; p += gridDim.x - gather0)
+    copy_row(reinterpret_cast<int4*>(out + p * xbytes),
+             reinterpret_cast<const int4*>(recv + __ldcg(rows_sorted + p) * row_bytes), xbytes / 16);
 }

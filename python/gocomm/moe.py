@@ -19,10 +19,11 @@ what arrives by expert, and do combine's weighted sums; elsewhere, and for fp8, 
 Every path is the compiled client's; this module picks one per call and keeps the handle.
 Where the group's exchange is the in-process kernel (GPUs that share NVLink), dispatch and
 combine are one registered op each, torch.ops.gocomm.moe_dispatch / moe_combine
-(csrc/client/moe.cc): route, pack, exchange, group and gather launches over one workspace,
-and three launches (weighted sums per received token, exchange back, sums per token) from
-what dispatch left on the GPU. dispatch reads the counts on the host once, to size its
-output; with padded=True it never does (its output has the most rows max_tokens_per_rank
+(csrc/client/moe.cc): dispatch is three launches over one workspace (up to 1024 tokens: route
+and pack fused, the exchange, group and gather fused; padded=False groups and gathers apart,
+around its sync), combine three (weighted sums per received token, exchange back, sums per
+token) from what dispatch left on the GPU. dispatch reads the counts on the host once, to size
+its output; with padded=True it never does (its output has the most rows max_tokens_per_rank
 allows), so dispatch and combine can be captured in one CUDA graph. Elsewhere (NCCL, the
 sidecar's NVSHMEM kernel, the host engine; CPU tensors, fp8, rows the kernels do not take)
 they are torch.ops.gocomm.moe_dispatch_any / moe_combine_any (csrc/client/moe_any.cc): the

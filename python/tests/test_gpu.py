@@ -1190,6 +1190,8 @@ def test_moe_wsum_kernel(seed, dtype):
         (0, 4, 8, 64),
         (1, 2, 8, 128),
         (128, 4, 8, 64),
+        (1024, 8, 8, 32),
+        (1025, 4, 4, 16),
         (3000, 8, 8, 32),
         (2500, 2, 4, 128),
         (777, 3, 2, 5),
@@ -1201,7 +1203,11 @@ def test_moe_route_group_kernels(seed, tokens, n, k, per):
     in Python from the same ids: every slot, split and offset, more tokens and rows than one
     block takes, -1 entries, ids repeated within a token (more pairs per row than experts
     per rank), an id out of range, and an overflow that groups nothing: torch.ops.gocomm's
-    moe_route_pack and moe_group, which moe.dispatch's NCCL and NVSHMEM paths run."""
+    moe_route_pack and moe_group, which moe.dispatch's NCCL and NVSHMEM paths run; and the
+    in-process dispatch's fused launches (route and pack in one, group and gather in one, with
+    grouping blocks that wait on each other from 33 rows up) give the same, bit for bit."""
+    from gocomm import _client
+
     dev = _moe_kernels_device()
     g = torch.Generator().manual_seed(seed)
     experts, h = per * n, 64
@@ -1212,8 +1218,14 @@ def test_moe_route_group_kernels(seed, tokens, n, k, per):
     # the reference: rows by rank, tokens ascending within a rank
     ranks_of = [sorted({int(e) // per for e in idx[t] if e >= 0}) for t in range(tokens)]
     slots = [(r, t) for r in range(n) for t in range(tokens) if r in ranks_of[t]]
+    sync = torch.full((4,), -1, dtype=torch.int32, device=dev)  # the fused launches' words, zeroed by the first
+    fused = _client.C.moe_route_pack_fused(x.to(dev), idx.to(dev), w.to(dev), experts, n, sync)
+    assert sync.tolist() == [0, 0, 0, 0], "route_pack zeroes group_gather's words"
+    nothing = _client.C.moe_route_pack_fused(x.to(dev), torch.full_like(idx, -1).to(dev), w.to(dev), experts, n, sync)
+    assert nothing[1].tolist() == [0] * (n + 2) and nothing[4].tolist() == [0] * (tokens + 1), "nothing to send"
     if tokens == 0:
         assert torch.ops.gocomm.moe_route_pack(x.to(dev), idx.to(dev), w.to(dev), experts, n) == []  # torch ops
+        assert fused[1].tolist() == [0] * (n + 2) and fused[4].tolist() == [0]
     else:
         routed = torch.ops.gocomm.moe_route_pack(x.to(dev), idx.to(dev), w.to(dev), experts, n)
         payload, meta, send_order, t_idx, t_offs = routed
@@ -1235,20 +1247,30 @@ def test_moe_route_group_kernels(seed, tokens, n, k, per):
             dtype=torch.int32,
         ).view(-1, k)
         assert torch.equal(ids, want_ids)
+        sent = len(slots)
+        wo = h * 2 + -(-k * 4 // 16) * 16  # the weights' offset in a row; the bytes between the parts are not written
+        for name, a, b in zip(("payload", "meta", "send_order", "t_idx", "t_offs"), routed, fused, strict=True):
+            a, b = (a[:sent], b[:sent]) if name in ("payload", "send_order", "t_idx") else (a, b)
+            if name == "payload":
+                a, b = (torch.cat([v[:, : h * 2 + k * 4], v[:, wo : wo + k * 4]], dim=1) for v in (a, b))
+            assert torch.equal(a.cpu(), b.cpu()), f"fused route_pack's {name} differs from route + pack"
         ranks9 = torch.ops.gocomm.moe_route_pack(x.to(dev), idx.to(dev), w.to(dev), 9 * per, 9)
         assert ranks9 == [], "a token's ranks are a byte: more than 8 go to torch ops"
         bad = idx.clone()
         bad[tokens // 2, 0] = experts + 3
         bad_meta = torch.ops.gocomm.moe_route_pack(x.to(dev), bad.to(dev), w.to(dev), experts, n)[1]
         assert bad_meta[n + 1].item() == 1
+        assert _client.C.moe_route_pack_fused(x.to(dev), bad.to(dev), w.to(dev), experts, n, sync)[1][n + 1].item() == 1
     # grouping: rows as one rank receives them (local ids in [0, per) or -1), weights
     rows_n = 3 * tokens + 5
     cap = rows_n + 7
-    id_off, w_off = 16, 16 + -(-k * 4 // 16) * 16
+    xbytes = 16 * 37  # what the gather copies: 37 vectors, more than one pass of a block
+    id_off, w_off = xbytes, xbytes + -(-k * 4 // 16) * 16
     row = w_off + -(-k * 4 // 16) * 16
     local = torch.randint(-1, per, (rows_n, k), generator=g, dtype=torch.int32)  # -1: none; repeats too
     wts = torch.rand(rows_n, k, generator=g)
     recv = torch.zeros(cap, row, dtype=torch.uint8)
+    recv[:, :xbytes] = torch.randint(0, 256, (cap, xbytes), generator=g, dtype=torch.uint8)
     recv[:rows_n, id_off : id_off + k * 4] = local.contiguous().view(torch.uint8)
     recv[:rows_n, w_off : w_off + k * 4] = wts.contiguous().view(torch.uint8)
     splits = torch.tensor([rows_n // n] * (n - 1) + [rows_n - rows_n // n * (n - 1)])
@@ -1265,6 +1287,28 @@ def test_moe_route_group_kernels(seed, tokens, n, k, per):
     assert e_idx[: len(pairs)].tolist() == [p for v in in_row for p in v]
     over = torch.ops.gocomm.moe_group(recv.to(dev), id_off, w_off, k, per, splits.to(dev) + cap)
     assert over[-1].cpu().tolist() == [0, 0] and int(over[2].sum()) == 0, "an overflow groups nothing"
+    # the fused group and gather, its words as route_pack left them; G grouping blocks
+    blocks = max(1, min(64, -(-cap // 32)))
+    for label, sp, want in (("", splits, got), (" overflowed", splits + cap, over), (" empty", splits * 0, None)):
+        _client.C.moe_route_pack_fused(x.to(dev), idx.to(dev), w.to(dev), experts, n, sync)
+        fused = [
+            v.cpu()
+            for v in _client.C.moe_group_gather_fused(recv.to(dev), id_off, w_off, k, per, sp.to(dev), xbytes, sync)
+        ]
+        f_rows, f_w, f_tpe, f_eidx, f_eoffs, f_gmeta, f_we, f_back, f_out = fused
+        m, r = f_gmeta.tolist()
+        if want is None:
+            assert (m, r) == (0, 0) and int(f_tpe.sum()) == 0, "nothing received groups nothing"
+        else:
+            want = [v.cpu() for v in want]
+            assert f_gmeta.tolist() == want[5].tolist() and torch.equal(f_tpe, want[2]), "fused" + label
+            for a, b in ((f_rows, want[0]), (f_w, want[1]), (f_eidx, want[3])):
+                assert torch.equal(a[:m], b[:m]), "fused group" + label + " differs from group"
+            assert torch.equal(f_eoffs[: r + 1], want[4][: r + 1]), "fused group's offsets" + label
+        assert torch.equal(f_we[:m], f_w[f_eidx[:m]]), "combine's weights in row order" + label
+        assert f_back.tolist() == (sp.tolist() if r else [0] * n), "what combine sends back" + label
+        assert torch.equal(f_out[:m], recv[f_rows[:m], :xbytes]), "the gathered rows" + label
+        assert sync.tolist()[1:3] == [blocks if blocks > 1 else 0, blocks], f"grouping blocks' counts {sync.tolist()}"
 
 
 def _segments_settled(sc, timeout=10.0):
