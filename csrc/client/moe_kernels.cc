@@ -77,6 +77,25 @@ int64_t addr_or_0(const at::Tensor& t) {
 
 }  // namespace
 
+// The routing's outputs and scratch on x's device for t tokens, n ranks and top-k rows of xbytes,
+// and the Routing naming them (moe_route_pack and its fused twin return the same five).
+struct RouteOut {
+  at::Tensor meta, send_order, send_rank, payload, t_idx, t_offs, mask, bcount;
+  Routing r;
+  RouteOut(const at::Tensor& x, int64_t t, int64_t n, int64_t k, int64_t xbytes) {
+    const auto on = x.options();
+    meta = at::empty({n + 2}, on.dtype(at::kLong));
+    send_order = at::empty({t * n}, on.dtype(at::kLong));
+    send_rank = at::empty({t * n}, on.dtype(at::kInt));
+    payload = at::empty({t * n, row_layout(xbytes, k).bytes}, on.dtype(at::kByte));
+    t_idx = at::empty({t * n}, on.dtype(at::kLong));
+    t_offs = at::empty({t + 1}, on.dtype(at::kLong));
+    mask = at::empty({t}, on.dtype(at::kByte));
+    bcount = at::empty({route_blocks(t).first * (n + 2)}, on.dtype(at::kLong));
+    r = Routing{addr(meta), addr(send_order), addr(send_rank), addr(t_idx), addr(t_offs), addr(mask), addr(bcount)};
+  }
+};
+
 std::vector<at::Tensor> route_pack_cuda(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
                                         int64_t experts, int64_t n) {
   const int64_t t = x.dim() == 2 ? x.size(0) : 0, xbytes = x.dim() == 2 ? x.size(1) * x.element_size() : 0;
@@ -94,22 +113,38 @@ std::vector<at::Tensor> route_pack_cuda(const at::Tensor& x, const at::Tensor& i
   const int dev = x.get_device();
   c10::cuda::CUDAGuard guard(x.device());
   const int64_t k = idx.size(1);
-  const auto on = x.options();
-  at::Tensor meta = at::empty({n + 2}, on.dtype(at::kLong));
-  at::Tensor send_order = at::empty({t * n}, on.dtype(at::kLong));
-  at::Tensor send_rank = at::empty({t * n}, on.dtype(at::kInt));
-  at::Tensor payload = at::empty({t * n, row_layout(xbytes, k).bytes}, on.dtype(at::kByte));
-  at::Tensor t_idx = at::empty({t * n}, on.dtype(at::kLong));
-  at::Tensor t_offs = at::empty({t + 1}, on.dtype(at::kLong));
-  at::Tensor mask = at::empty({t}, on.dtype(at::kByte));
-  at::Tensor bcount = at::empty({route_blocks(t).first * (n + 2)}, on.dtype(at::kLong));
-  const Routing r{addr(meta), addr(send_order), addr(send_rank), addr(t_idx), addr(t_offs), addr(mask), addr(bcount)};
+  RouteOut o(x, t, n, k, xbytes);
+  const Routing& r = o.r;
   route(dev, addr(idx), t, k, experts, n, r, 0);
-  pack(dev, addr(payload), addr(x), addr(idx), addr(w), r, t * n, n, k, experts, xbytes);
+  pack(dev, addr(o.payload), addr(x), addr(idx), addr(w), r, t * n, n, k, experts, xbytes);
   // mask and bcount were made on this stream: freeing them now is safe, the caching allocator
   // reuses memory in stream order
-  return {payload, meta, send_order, t_idx, t_offs};
+  return {o.payload, o.meta, o.send_order, o.t_idx, o.t_offs};
 }
+
+// The grouping's outputs and scratch on recv's device for cap rows of k choices and per local
+// experts, and the Grouping naming them; with n > 0 also the combine-side words (w_e, and back
+// for n ranks), which the fused grouping writes too.
+struct GroupOut {
+  at::Tensor rows_sorted, w_sorted, tpe, e_idx, w_e, e_offs, gmeta, back, bhist;
+  Grouping g;
+  GroupOut(const at::Tensor& recv, int64_t cap, int64_t k, int64_t per, int64_t n) {
+    const auto on = recv.options();
+    rows_sorted = at::empty({cap * k}, on.dtype(at::kLong));
+    w_sorted = at::empty({cap * k}, on.dtype(at::kFloat));
+    tpe = at::empty({per}, on.dtype(at::kLong));
+    e_idx = at::empty({cap * k}, on.dtype(at::kLong));
+    e_offs = at::empty({cap + 1}, on.dtype(at::kLong));
+    gmeta = at::empty({2}, on.dtype(at::kLong));
+    bhist = at::empty({group_blocks(cap) * (per + 1)}, on.dtype(at::kLong));
+    if (n > 0) {
+      w_e = at::empty({cap * k}, on.dtype(at::kFloat));
+      back = at::empty({n}, on.dtype(at::kLong));
+    }
+    g = Grouping{addr(rows_sorted), addr(w_sorted), addr(tpe),         addr(e_idx),  n > 0 ? addr(w_e) : 0,
+                 addr(e_offs),      addr(gmeta),    n > 0 ? addr(back) : 0, addr(bhist)};
+  }
+};
 
 std::vector<at::Tensor> group_cuda(const at::Tensor& recv, int64_t id_off, int64_t w_off, int64_t k, int64_t per,
                                    const at::Tensor& out_splits) {
@@ -122,19 +157,10 @@ std::vector<at::Tensor> group_cuda(const at::Tensor& recv, int64_t id_off, int64
   const int dev = recv.get_device();
   c10::cuda::CUDAGuard guard(recv.device());
   const int64_t cap = recv.size(0);
-  const auto on = recv.options();
   const at::Tensor splits = out_splits.to(recv.device(), at::kLong).contiguous();
-  at::Tensor rows_sorted = at::empty({cap * k}, on.dtype(at::kLong));
-  at::Tensor w_sorted = at::empty({cap * k}, on.dtype(at::kFloat));
-  at::Tensor tpe = at::empty({per}, on.dtype(at::kLong));
-  at::Tensor e_idx = at::empty({cap * k}, on.dtype(at::kLong));
-  at::Tensor e_offs = at::empty({cap + 1}, on.dtype(at::kLong));
-  at::Tensor gmeta = at::empty({2}, on.dtype(at::kLong));
-  at::Tensor bhist = at::empty({group_blocks(cap) * (per + 1)}, on.dtype(at::kLong));
-  const Grouping g{addr(rows_sorted), addr(w_sorted), addr(tpe), addr(e_idx), 0, addr(e_offs), addr(gmeta), 0,
-                   addr(bhist)};
-  group(dev, addr(recv), Row{id_off, w_off, recv.size(1)}, k, per, addr(splits), splits.numel(), cap, g, 0);
-  return {rows_sorted, w_sorted, tpe, e_idx, e_offs, gmeta};
+  GroupOut o(recv, cap, k, per, 0);
+  group(dev, addr(recv), Row{id_off, w_off, recv.size(1)}, k, per, addr(splits), splits.numel(), cap, o.g, 0);
+  return {o.rows_sorted, o.w_sorted, o.tpe, o.e_idx, o.e_offs, o.gmeta};
 }
 
 std::vector<at::Tensor> wsum_cuda(const at::Tensor& src, const at::Tensor& idx_in,
@@ -312,18 +338,10 @@ std::vector<at::Tensor> route_pack_fused(const at::Tensor& x, const at::Tensor& 
                     "gocomm route_pack_fused: as moe_route_pack takes them, and sync int32 [kSyncWords]");
   const int dev = x.get_device();
   c10::cuda::CUDAGuard guard(x.device());
-  const auto on = x.options();
-  at::Tensor meta = at::empty({n + 2}, on.dtype(at::kLong));
-  at::Tensor send_order = at::empty({t * n}, on.dtype(at::kLong));
-  at::Tensor send_rank = at::empty({t * n}, on.dtype(at::kInt));
-  at::Tensor payload = at::empty({t * n, row_layout(xbytes, k).bytes}, on.dtype(at::kByte));
-  at::Tensor t_idx = at::empty({t * n}, on.dtype(at::kLong));
-  at::Tensor t_offs = at::empty({t + 1}, on.dtype(at::kLong));
-  at::Tensor mask = at::empty({t}, on.dtype(at::kByte));
-  at::Tensor bcount = at::empty({route_blocks(t).first * (n + 2)}, on.dtype(at::kLong));
-  const Routing r{addr(meta), addr(send_order), addr(send_rank), addr(t_idx), addr(t_offs), addr(mask), addr(bcount)};
-  route_pack(dev, addr(payload), addr(x), addr(idx), addr(w), t, k, experts, n, r, t * n, xbytes, addr(sync), 0);
-  return {payload, meta, send_order, t_idx, t_offs};
+  RouteOut o(x, t, n, k, xbytes);
+  const Routing& r = o.r;
+  route_pack(dev, addr(o.payload), addr(x), addr(idx), addr(w), t, k, experts, n, r, t * n, xbytes, addr(sync), 0);
+  return {o.payload, o.meta, o.send_order, o.t_idx, o.t_offs};
 }
 
 std::vector<at::Tensor> group_gather_fused(const at::Tensor& recv, int64_t id_off, int64_t w_off, int64_t k,
@@ -339,23 +357,13 @@ std::vector<at::Tensor> group_gather_fused(const at::Tensor& recv, int64_t id_of
   const int dev = recv.get_device();
   c10::cuda::CUDAGuard guard(recv.device());
   const int64_t cap = recv.size(0);
-  const auto on = recv.options();
   const at::Tensor splits = out_splits.to(recv.device(), at::kLong).contiguous();
-  at::Tensor rows_sorted = at::empty({cap * k}, on.dtype(at::kLong));
-  at::Tensor w_sorted = at::empty({cap * k}, on.dtype(at::kFloat));
-  at::Tensor tpe = at::empty({per}, on.dtype(at::kLong));
-  at::Tensor e_idx = at::empty({cap * k}, on.dtype(at::kLong));
-  at::Tensor w_e = at::empty({cap * k}, on.dtype(at::kFloat));
-  at::Tensor e_offs = at::empty({cap + 1}, on.dtype(at::kLong));
-  at::Tensor gmeta = at::empty({2}, on.dtype(at::kLong));
-  at::Tensor back = at::empty({splits.numel()}, on.dtype(at::kLong));
-  at::Tensor bhist = at::empty({group_blocks(cap) * (per + 1)}, on.dtype(at::kLong));
-  at::Tensor out = at::empty({cap * k, xbytes}, on.dtype(at::kByte));
-  const Grouping g{addr(rows_sorted), addr(w_sorted), addr(tpe), addr(e_idx),  addr(w_e),
-                   addr(e_offs),      addr(gmeta),    addr(back), addr(bhist)};
+  GroupOut o(recv, cap, k, per, splits.numel());
+  at::Tensor out = at::empty({cap * k, xbytes}, recv.options().dtype(at::kByte));
+  const Grouping& g = o.g;
   group_gather(dev, addr(recv), Row{id_off, w_off, recv.size(1)}, k, per, addr(splits), splits.numel(), cap, g, 0,
                addr_or_0(out), xbytes, addr(sync));
-  return {rows_sorted, w_sorted, tpe, e_idx, e_offs, gmeta, w_e, back, out};
+  return {o.rows_sorted, o.w_sorted, o.tpe, o.e_idx, o.e_offs, o.gmeta, o.w_e, o.back, out};
 }
 
 void wsum(int dev, at::ScalarType dtype, int64_t out, int64_t src, int64_t idx, int64_t w, int64_t offs, int64_t rows,
