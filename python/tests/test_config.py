@@ -7,6 +7,7 @@ import contextlib
 import os
 import pathlib
 import re
+import subprocess
 
 import pytest
 
@@ -173,3 +174,22 @@ def test_sidecar_refuses_bad_value(fresh, name, value, accepts):
     want = rf"(?s)pgserver exited with status 1 at start; log .* ends with:.*{name}=\"{value}\": want {accepts}"
     with pytest.raises(_sidecar.SidecarError, match=want):
         _sidecar.Sidecar(0)
+
+
+def test_attached_sidecar_knobs_are_its_own(fresh, tmp_path):
+    """With GOCOMM_SIDECAR (attaching to a running pgserver), the knobs the shim uses come from
+    that sidecar's environment, not the training process's."""
+    sock = tmp_path / "s.sock"
+    fresh.setenv("GOCOMM_AR_BLOCKS", "32")  # the training process's: not read
+    fresh.setenv("GOCOMM_SIDECAR", f"unix://{sock}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GOCOMM_")} | {"GOCOMM_AR_BLOCKS": "64"}
+    cmd = [_sidecar.find_pgserver(), "--socket", str(sock), "--runtime-dir", str(tmp_path)]
+    with open(tmp_path / "pgserver.log", "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
+    try:
+        with contextlib.closing(_sidecar.Sidecar(0)) as sc:
+            assert sc.knobs.ar_blocks == 64
+            assert _backend._inprocess_settings(sc)["ar_blocks"] == 64
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
