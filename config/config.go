@@ -4,10 +4,12 @@
 // hands the typed values down; no other package reads GOCOMM_* variables, and a value the
 // table does not accept stops the sidecar with an error naming the variable.
 //
-// Knobs both runtimes need (the sparse all-to-all's receive buffer and launch shape) are
-// read here only: the sidecar reports them in its Attach response and the Python shim takes
-// them from there (python/gocomm/_config.py holds the shim's own table). docs/config.md
-// lists both tables; a test keeps it in step with this one.
+// The training process's knobs are read here too (Client, and the sparse all-to-all's A2A,
+// which both sides use): the sidecar reports them in its Attach response and the Python shim
+// takes them from there, so one table parses every knob. The shim's own table
+// (python/gocomm/_config.py) holds only what it needs before a sidecar answers: where
+// pgserver is, or which running one to attach to, where it logs, how long to wait for it.
+// docs/config.md lists both tables; a test keeps it in step with this one.
 //
 // Environment that is not gocomm's stays where the library that needs it is: NVSHMEM_HOME
 // (internal/nvshmem, collectives/device: where libnvshmem_host is), the NVSHMEM_* variables
@@ -19,6 +21,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -35,7 +38,48 @@ type Config struct {
 	// Ahead is GOCOMM_ENQUEUE_AHEAD: the most ops a device worker keeps enqueued on its
 	// stream that the GPU has not finished (see collectives/device, group design 8).
 	Ahead int
+	// LogLevel is GOCOMM_LOG_LEVEL: "debug", "info", "warn" or "error".
+	LogLevel string
+	// Spin is GOCOMM_SPIN: how long the sidecar polls its ring (and its device workers
+	// their queues, its graph watcher after a replay) before sleeping; SpinAuto where unset.
+	Spin   time.Duration
+	Client Client
 }
+
+// SpinAuto is Config.Spin where GOCOMM_SPIN is unset: 2 ms where CUDA is available (GPU
+// hosts have cores to spare, and polling saves a wake-up per op), else no spinning.
+const SpinAuto time.Duration = -1
+
+// Client is the training process's side (the shim and its compiled client): knobs it needs
+// only once a sidecar answers, so the sidecar reads them and reports them at Attach.
+type Client struct {
+	// CUDA is GOCOMM_CUDA: false refuses CUDA tensors before anything is sent.
+	CUDA bool
+	// AsyncErrorHandling is GOCOMM_ASYNC_ERROR_HANDLING, 0 to 3, as torch's
+	// TORCH_NCCL_ASYNC_ERROR_HANDLING: 1 and 3 end the process when a group breaks.
+	AsyncErrorHandling int
+	AllReduce          AllReduce
+	// A2AVInProcess is GOCOMM_A2AV_INPROCESS: all_to_all_v with splits on the GPU runs the
+	// in-process kernel where it can, else the sidecar's NVSHMEM kernel.
+	A2AVInProcess bool
+}
+
+// AllReduce shapes the in-process all_reduce kernel (csrc/client/inprocess.h). The same on
+// every rank: the kernel's setup compares them.
+type AllReduce struct {
+	// Max is the largest message it takes: 0 turns it off, AnySize (GOCOMM_AR_MAX unset)
+	// is no limit.
+	Max int64
+	// Stage is the bytes of a message per two-shot round, a multiple of 16.
+	Stage int64
+	// OneShot is the size up to which it is one-shot.
+	OneShot int64
+	// Blocks is the most blocks it uses.
+	Blocks int
+}
+
+// AnySize is AllReduce.Max where GOCOMM_AR_MAX is unset, and the most any size knob takes.
+const AnySize = 1 << 62
 
 // Peers is where peer sidecars reach this one (transport.ChooseAddress picks the address
 // from Advertise, Ifname, the rendezvous host the shim passes, and the routing table) and what
@@ -149,14 +193,7 @@ var Params = []Param{
 	{
 		Env: "GOCOMM_A2AV_DIRECT", Default: "1", Accepts: "0 or 1",
 		Doc: "1: the sidecar's NVSHMEM kernel writes NVLink peers with its own stores; 0: with NVSHMEM's block put (for measurements). The same on every rank",
-		set: func(c *Config, v string) error {
-			switch v {
-			case "0", "1":
-				c.A2A.Direct = v == "1"
-				return nil
-			}
-			return errAccepts
-		},
+		set: func(c *Config, v string) error { return flag(v, &c.A2A.Direct) },
 	},
 	{
 		Env: "GOCOMM_ADVERTISE_ADDR", Accepts: "a host name or address of this host",
@@ -279,12 +316,90 @@ var Params = []Param{
 		Env: "GOCOMM_DUMP_ON_TIMEOUT", Default: "1", Accepts: "0 or 1",
 		Doc: "1: dump the flight recorder (log and JSON file) when a group breaks: an op timed out, a peer was lost or aborted, as TORCH_NCCL_DUMP_ON_TIMEOUT",
 		set: func(c *Config, v string) error {
-			switch v {
-			case "0", "1":
-				c.Trace.OnFailure = v == "1"
+			return flag(v, &c.Trace.OnFailure)
+		},
+	},
+	{
+		Env: "GOCOMM_LOG_LEVEL", Default: "info", Accepts: "debug, info, warn or error",
+		Doc: "how much the sidecar logs (a --log-level flag wins)",
+		set: func(c *Config, v string) error {
+			switch v = strings.ToLower(v); v {
+			case "debug", "info", "warn", "error":
+				c.LogLevel = v
 				return nil
 			}
 			return errAccepts
+		},
+	},
+	{
+		Env: "GOCOMM_SPIN", Accepts: "a Go duration (2ms, 500us) or 0",
+		Doc: "how long the sidecar polls its ring before sleeping, and its CUDA graph watcher after a replay (unset: 2ms where CUDA is available, else none; a --spin flag wins)",
+		set: func(c *Config, v string) error {
+			if v == "" {
+				c.Spin = SpinAuto
+				return nil
+			}
+			d, err := time.ParseDuration(v)
+			if err != nil || d < 0 {
+				return errAccepts
+			}
+			c.Spin = d
+			return nil
+		},
+	},
+	{
+		Env: "GOCOMM_CUDA", Default: "1", Accepts: "0 or 1",
+		Doc: "0 turns the client's CUDA engine off: CUDA tensors raise before anything is sent",
+		set: func(c *Config, v string) error { return flag(v, &c.Client.CUDA) },
+	},
+	{
+		Env: "GOCOMM_AR_MAX", Accepts: "bytes, with K, M or G",
+		Doc: "the largest message the in-process all_reduce kernel takes (unset: any; 0 turns it off). The same on every rank",
+		set: func(c *Config, v string) (err error) {
+			if v == "" {
+				c.Client.AllReduce.Max = AnySize
+				return nil
+			}
+			c.Client.AllReduce.Max, err = size(v, 0)
+			return err
+		},
+	},
+	{
+		Env: "GOCOMM_AR_STAGE", Default: "32M", Accepts: "bytes, at least 16, with K, M or G",
+		Doc: "bytes of the message per two-shot round of the in-process all_reduce (rounded down to a multiple of 16); it allocates four times this per group and GPU. The same on every rank",
+		set: func(c *Config, v string) error {
+			n, err := size(v, 16)
+			c.Client.AllReduce.Stage = n / 16 * 16
+			return err
+		},
+	},
+	{
+		Env: "GOCOMM_AR_ONESHOT", Default: "256K", Accepts: "bytes, with K, M or G",
+		Doc: "the size up to which the in-process all_reduce is one-shot. The same on every rank",
+		set: func(c *Config, v string) (err error) {
+			c.Client.AllReduce.OneShot, err = size(v, 0)
+			return err
+		},
+	},
+	{
+		Env: "GOCOMM_AR_BLOCKS", Default: "128", Accepts: "an integer, 1 to 128",
+		Doc: "the most blocks the in-process all_reduce kernel uses. The same on every rank",
+		set: func(c *Config, v string) (err error) {
+			c.Client.AllReduce.Blocks, err = intIn(v, 1, 128)
+			return err
+		},
+	},
+	{
+		Env: "GOCOMM_A2AV_INPROCESS", Aliases: []string{"GOCOMM_A2AV_HERE"}, Default: "1", Accepts: "0 or 1",
+		Doc: "all_to_all_v with splits on the GPU: 1 runs the in-process kernel where it can, 0 leaves it to the sidecar's NVSHMEM kernel. The same on every rank",
+		set: func(c *Config, v string) error { return flag(v, &c.Client.A2AVInProcess) },
+	},
+	{
+		Env: "GOCOMM_ASYNC_ERROR_HANDLING", Default: "2", Accepts: "0, 1, 2 or 3",
+		Doc: "what a group that breaks does to the process, as TORCH_NCCL_ASYNC_ERROR_HANDLING: 0 and 2 raise from the next wait() or call on the group (the sidecar aborts the group either way); 1 and 3 end the process (SIGABRT) as soon as the sidecar reports the break",
+		set: func(c *Config, v string) (err error) {
+			c.Client.AsyncErrorHandling, err = intIn(v, 0, 3)
+			return err
 		},
 	},
 }
@@ -298,6 +413,31 @@ func intIn(v string, lo, hi int) (int, error) {
 		return 0, errAccepts
 	}
 	return n, nil
+}
+
+func flag(v string, to *bool) error {
+	if v != "0" && v != "1" {
+		return errAccepts
+	}
+	*to = v == "1"
+	return nil
+}
+
+var sizeSyntax = regexp.MustCompile(`^(\d+(\.\d*)?|\.\d+)([KMGkmg]?)$`)
+
+// size is bytes, an integer or decimal with an optional K, M or G (powers of 1024), at
+// least lo and at most AnySize.
+func size(v string, lo int64) (int64, error) {
+	m := sizeSyntax.FindStringSubmatch(v)
+	if m == nil {
+		return 0, errAccepts
+	}
+	f, err := strconv.ParseFloat(m[1], 64)
+	f *= float64(map[string]int64{"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[strings.ToUpper(m[3])])
+	if err != nil || f < float64(lo) || f > AnySize {
+		return 0, errAccepts
+	}
+	return int64(f), nil
 }
 
 // Load reads every knob through getenv (os.Getenv in pgserver). It returns the settings,

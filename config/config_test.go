@@ -12,14 +12,17 @@ import (
 
 func env(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
 
-// TestDefaults: with nothing set, the values the sidecar used before the table existed.
+// TestDefaults: with nothing set, the values the sidecar and the shim used before the table
+// existed.
 func TestDefaults(t *testing.T) {
 	want := Config{
 		Transport: "auto", A2A: A2A{RecvBytes: 512 << 20, Blocks: 128, Threads: 256, Direct: true},
 		Peers: Peers{HandshakeTimeout: 5 * time.Second, HandshakesMax: 64, UnmatchedBytesMax: 1 << 30, DeadTimeout: 5 * time.Second},
 		Log:   Log{MaxBytes: 64 << 20, Keep: 3},
 		Trace: Trace{Size: 2000, OnFailure: true},
-		Ahead: 32,
+		Ahead: 32, LogLevel: "info", Spin: SpinAuto,
+		Client: Client{CUDA: true, AsyncErrorHandling: 2, A2AVInProcess: true,
+			AllReduce: AllReduce{Max: 1 << 62, Stage: 32 << 20, OneShot: 256 << 10, Blocks: 128}},
 	}
 	if got := Defaults(); got != want {
 		t.Fatalf("Defaults() = %+v, want %+v", got, want)
@@ -30,33 +33,38 @@ func TestValues(t *testing.T) {
 	for _, tc := range []struct {
 		desc string
 		env  map[string]string
-		want Config
+		want func(c *Config) // what differs from Defaults()
 	}{
 		{"transport, any case and spaces", map[string]string{"GOCOMM_TRANSPORT": " NCCL "},
-			Config{Transport: "nccl", A2A: Defaults().A2A, Peers: Defaults().Peers, Log: Defaults().Log, Trace: Defaults().Trace, Ahead: 32}},
+			func(c *Config) { c.Transport = "nccl" }},
 		{"a2a settings", map[string]string{"GOCOMM_A2A_RECV_MB": "64", "GOCOMM_A2AV_BLOCKS": "2", "GOCOMM_A2AV_THREADS": "512", "GOCOMM_A2AV_DIRECT": "0"},
-			Config{Transport: "auto", A2A: A2A{RecvBytes: 64 << 20, Blocks: 2, Threads: 512}, Peers: Defaults().Peers, Log: Defaults().Log, Trace: Defaults().Trace, Ahead: 32}},
+			func(c *Config) { c.A2A = A2A{RecvBytes: 64 << 20, Blocks: 2, Threads: 512} }},
 		{"peers and log", map[string]string{"GOCOMM_HANDSHAKE_TIMEOUT": "2", "GOCOMM_PEER_HANDSHAKES_MAX": "8", "GOCOMM_UNMATCHED_BYTES_MAX": "1048576", "GOCOMM_LOG_MAX_MB": "1", "GOCOMM_LOG_KEEP": "0"},
-			Config{Transport: "auto", A2A: Defaults().A2A, Peers: Peers{HandshakeTimeout: 2 * time.Second, HandshakesMax: 8, UnmatchedBytesMax: 1 << 20, DeadTimeout: 5 * time.Second}, Log: Log{1 << 20, 0}, Trace: Defaults().Trace, Ahead: 32}},
+			func(c *Config) {
+				c.Peers.HandshakeTimeout, c.Peers.HandshakesMax, c.Peers.UnmatchedBytesMax = 2*time.Second, 8, 1<<20
+				c.Log = Log{1 << 20, 0}
+			}},
 		{"dead peers and the flight recorder", map[string]string{"GOCOMM_PEER_DEAD_TIMEOUT_SEC": "1.5", "GOCOMM_TRACE_BUFFER_SIZE": "0", "GOCOMM_DEBUG_INFO_TEMP_FILE": "/tmp/t_", "GOCOMM_DUMP_ON_TIMEOUT": "0"},
-			Config{Transport: "auto", A2A: Defaults().A2A, Peers: func() Peers {
-				p := Defaults().Peers
-				p.DeadTimeout = 1500 * time.Millisecond
-				return p
-			}(), Log: Defaults().Log, Trace: Trace{File: "/tmp/t_"}, Ahead: 32}},
-		{"enqueue window", map[string]string{"GOCOMM_ENQUEUE_AHEAD": "4"},
-			Config{Transport: "auto", A2A: Defaults().A2A, Peers: Defaults().Peers, Log: Defaults().Log, Trace: Defaults().Trace, Ahead: 4}},
-		{"empty is unset", map[string]string{"GOCOMM_A2AV_BLOCKS": " "}, Defaults()},
+			func(c *Config) { c.Peers.DeadTimeout, c.Trace = 1500*time.Millisecond, Trace{File: "/tmp/t_"} }},
+		{"enqueue window", map[string]string{"GOCOMM_ENQUEUE_AHEAD": "4"}, func(c *Config) { c.Ahead = 4 }},
+		{"empty is unset", map[string]string{"GOCOMM_A2AV_BLOCKS": " "}, func(*Config) {}},
 		{"peer address", map[string]string{"GOCOMM_ADVERTISE_ADDR": "10.0.0.7", "GOCOMM_SOCKET_IFNAME": "ib0", "GOCOMM_LISTEN_ADDR": "0.0.0.0:0"},
-			Config{Transport: "auto", A2A: Defaults().A2A, Peers: func() Peers {
-				p := Defaults().Peers
-				p.Advertise, p.Ifname, p.Listen = "10.0.0.7", "ib0", "0.0.0.0:0"
-				return p
-			}(), Log: Defaults().Log, Trace: Defaults().Trace, Ahead: 32}},
+			func(c *Config) { c.Peers.Advertise, c.Peers.Ifname, c.Peers.Listen = "10.0.0.7", "ib0", "0.0.0.0:0" }},
+		{"log level, any case; spin", map[string]string{"GOCOMM_LOG_LEVEL": "DEBUG", "GOCOMM_SPIN": "500us"},
+			func(c *Config) { c.LogLevel, c.Spin = "debug", 500*time.Microsecond }},
+		{"spin 0 is none, not unset", map[string]string{"GOCOMM_SPIN": "0"}, func(c *Config) { c.Spin = 0 }},
+		{"all_reduce sizes: suffixes, decimals, stage rounded down to 16", map[string]string{"GOCOMM_AR_MAX": "0", "GOCOMM_AR_STAGE": "1000", "GOCOMM_AR_ONESHOT": "1.5k", "GOCOMM_AR_BLOCKS": " 64 "},
+			func(c *Config) { c.Client.AllReduce = AllReduce{Max: 0, Stage: 992, OneShot: 1536, Blocks: 64} }},
+		{"all_reduce in G, stage in M", map[string]string{"GOCOMM_AR_MAX": "2G", "GOCOMM_AR_STAGE": "1M"},
+			func(c *Config) { c.Client.AllReduce.Max, c.Client.AllReduce.Stage = 2<<30, 1<<20 }},
+		{"client flags", map[string]string{"GOCOMM_CUDA": "0", "GOCOMM_A2AV_INPROCESS": "0", "GOCOMM_ASYNC_ERROR_HANDLING": "1"},
+			func(c *Config) { c.Client.CUDA, c.Client.A2AVInProcess, c.Client.AsyncErrorHandling = false, false, 1 }},
 	} {
+		want := Defaults()
+		tc.want(&want)
 		got, warns, err := Load(env(tc.env))
-		if err != nil || len(warns) != 0 || got != tc.want {
-			t.Errorf("%s: Load = %+v, %v, %v; want %+v", tc.desc, got, warns, err, tc.want)
+		if err != nil || len(warns) != 0 || got != want {
+			t.Errorf("%s: Load = %+v, %v, %v; want %+v", tc.desc, got, warns, err, want)
 		}
 	}
 }
@@ -84,6 +92,21 @@ func TestBadValue(t *testing.T) {
 		{"GOCOMM_PEER_HANDSHAKES_MAX", "1", "2 to 65536"},
 		{"GOCOMM_UNMATCHED_BYTES_MAX", "99999999999999999999", "65536 to 2^50"},
 		{"GOCOMM_LOG_MAX_MB", "0", "1 to 65536"},
+		{"GOCOMM_LOG_LEVEL", "loud", "debug, info, warn or error"},
+		{"GOCOMM_SPIN", "2", "a Go duration"},
+		{"GOCOMM_SPIN", "-1ms", "a Go duration"},
+		{"GOCOMM_CUDA", "no", "0 or 1"},
+		{"GOCOMM_AR_MAX", "-1", "bytes, with K, M or G"},
+		{"GOCOMM_AR_MAX", "1e9", "bytes, with K, M or G"},
+		{"GOCOMM_AR_MAX", "9999999999G", "bytes, with K, M or G"}, // past 2^62: refused, not wrapped
+		{"GOCOMM_AR_STAGE", "8", "at least 16"},
+		{"GOCOMM_AR_STAGE", "32MB", "at least 16"},
+		{"GOCOMM_AR_ONESHOT", "inf", "bytes, with K, M or G"},
+		{"GOCOMM_AR_BLOCKS", "0", "1 to 128"},
+		{"GOCOMM_AR_BLOCKS", "129", "1 to 128"},
+		{"GOCOMM_A2AV_INPROCESS", "2", "0 or 1"},
+		{"GOCOMM_A2AV_HERE", "2", "0 or 1"},
+		{"GOCOMM_ASYNC_ERROR_HANDLING", "4", "0, 1, 2 or 3"},
 	} {
 		_, _, err := Load(env(map[string]string{tc.name: tc.value}))
 		if err == nil || !strings.Contains(err.Error(), tc.name+"=") || !strings.Contains(err.Error(), tc.accepts) {
@@ -104,6 +127,11 @@ func TestAlias(t *testing.T) {
 	c, _, err = Load(env(map[string]string{"GOCOMM_NVSHMEM_RECV_MB": "64", "GOCOMM_A2A_RECV_MB": "32"}))
 	if err != nil || c.A2A.RecvBytes != 32<<20 {
 		t.Fatalf("both names: %+v, %v; want the new name's 32 MiB", c, err)
+	}
+	// the in-process all_to_all_v's knob before its rename
+	c, warns, err = Load(env(map[string]string{"GOCOMM_A2AV_HERE": "0"}))
+	if err != nil || c.Client.A2AVInProcess || len(warns) != 1 || !strings.Contains(warns[0], "GOCOMM_A2AV_HERE is deprecated: set GOCOMM_A2AV_INPROCESS") {
+		t.Fatalf("GOCOMM_A2AV_HERE=0: %+v, %q, %v", c.Client, warns, err)
 	}
 }
 

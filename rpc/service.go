@@ -25,8 +25,9 @@ import (
 type Host struct {
 	RuntimeDir string
 	LogFile    string
-	A2A        config.A2A // the sparse all-to-all's, which the client's kernel uses too
-	TraceSize  int        // GOCOMM_TRACE_BUFFER_SIZE, which the client's own record uses too
+	A2A        config.A2A    // the sparse all-to-all's, which the client's kernel uses too
+	TraceSize  int           // GOCOMM_TRACE_BUFFER_SIZE, which the client's own record uses too
+	Client     config.Client // the training process's knobs, read here for it (config.Client)
 }
 
 // Service implements v1.PGServerServer on a pg.Server.
@@ -118,8 +119,17 @@ func (s *Service) Attach(_ context.Context, req *v1.AttachRequest) (*v1.AttachRe
 			RecvBytes: uint64(s.host.A2A.RecvBytes), Blocks: uint32(s.host.A2A.Blocks), Threads: uint32(s.host.A2A.Threads),
 		},
 		TraceBufferSize: uint32(s.host.TraceSize),
+		Knobs:           clientKnobs(s.host.Client),
 		FdSocket:        s.srv.FDSocket(), FdToken: token[:],
 	}, nil
+}
+
+func clientKnobs(c config.Client) *v1.ClientKnobs {
+	ar := c.AllReduce
+	return &v1.ClientKnobs{
+		Cuda: c.CUDA, AsyncErrorHandling: uint32(c.AsyncErrorHandling), A2AvInprocess: c.A2AVInProcess,
+		ArMax: uint64(ar.Max), ArStage: uint64(ar.Stage), ArOneshot: uint64(ar.OneShot), ArBlocks: uint32(ar.Blocks),
+	}
 }
 
 func capabilities(facts []node.Fact) []*v1.Capability {

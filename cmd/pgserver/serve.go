@@ -46,6 +46,7 @@ type options struct {
 	rendezvous  string
 	parentPID   int
 	spin        time.Duration
+	spinSet     bool // --spin was given: it wins over GOCOMM_SPIN
 	showVersion bool
 }
 
@@ -56,15 +57,16 @@ func parseFlags(args []string) (options, error) {
 	fs.StringVar(&o.runtimeDir, "runtime-dir", defaultRuntimeDir(), "private directory (0700) for the control socket")
 	fs.StringVar(&o.socket, "socket", "", "control socket path (default <runtime-dir>/pgserver-<pid>.sock)")
 	fs.StringVar(&o.logFile, "log-file", "", "append the log here (default stderr)")
-	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
+	fs.StringVar(&o.logLevel, "log-level", "", "debug, info, warn or error (default: $GOCOMM_LOG_LEVEL, else info)")
 	fs.StringVar(&o.listen, "listen", "", "host:port peer sidecars connect to (default: $GOCOMM_LISTEN_ADDR, else the advertised address, any port)")
 	fs.StringVar(&o.advertise, "advertise", "", "host name or address peers dial (default: $GOCOMM_ADVERTISE_ADDR, else chosen from --socket-ifname, then --rendezvous)")
 	fs.StringVar(&o.ifname, "socket-ifname", "", "advertise this interface's address (default: $GOCOMM_SOCKET_IFNAME)")
 	fs.StringVar(&o.rendezvous, "rendezvous", "", "the host every rank bootstraps through (the torch Store's): advertise the local address of the route there")
 	fs.IntVar(&o.parentPID, "parent-pid", 0, "exit when this process exits (the shim passes its own pid)")
-	fs.DurationVar(&o.spin, "spin", 0, "poll the submission ring (and device workers their queues) this long before sleeping")
+	fs.DurationVar(&o.spin, "spin", 0, "poll the submission ring (and device workers their queues) this long before sleeping (default: $GOCOMM_SPIN, else 2ms where CUDA is available)")
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
 	err := fs.Parse(args)
+	fs.Visit(func(f *flag.Flag) { o.spinSet = o.spinSet || f.Name == "spin" })
 	return o, err
 }
 
@@ -85,6 +87,7 @@ func run(args []string) error {
 	if err != nil {
 		return err
 	}
+	o.logLevel = cmp.Or(o.logLevel, cfg.LogLevel)
 	log, closeLog, err := prepare(&o, cfg.Log)
 	if err != nil {
 		return err
@@ -114,7 +117,7 @@ func run(args []string) error {
 		return err
 	}
 	defer node.Close()
-	pcfg, err := engines(log, cfg, o.spin)
+	pcfg, err := engines(log, cfg, o)
 	if err != nil {
 		return err
 	}
@@ -163,13 +166,13 @@ func run(args []string) error {
 	}
 	stop := func(reason string) { end(reason, true) }
 	abandon := func(reason string) { end(reason, false) }
-	rpc.NewService(srv, rpc.Host{RuntimeDir: o.runtimeDir, LogFile: o.logFile, A2A: cfg.A2A, TraceSize: cfg.Trace.Size}, stop).Register(gs)
+	rpc.NewService(srv, rpc.Host{RuntimeDir: o.runtimeDir, LogFile: o.logFile, A2A: cfg.A2A, TraceSize: cfg.Trace.Size, Client: cfg.Client}, stop).Register(gs)
 
 	handleSignals(log, o.parentPID, abandon, func() { srv.DumpFlightRecord("SIGUSR1") })
 	if o.parentPID > 0 {
 		go watchParent(o.parentPID, abandon)
 	}
-	log.Info("serving", "version", version, "socket", o.socket, "peers", node.Addr(), "parent", o.parentPID)
+	log.Info("serving", "version", version, "socket", o.socket, "peers", node.Addr(), "parent", o.parentPID, "spin", pcfg.Spin)
 	err = gs.Serve(ln)
 	os.Remove(o.socket)
 	if errors.Is(err, grpc.ErrServerStopped) {
@@ -280,7 +283,7 @@ func watchParent(pid int, stop func(string)) {
 // engines wires in this node's implementations: the CUDA engine (where the driver loads),
 // the sparse engine's chooser (from the GPU topology and the embedded a2av kernel) and the
 // node's capabilities with their reasons.
-func engines(log *slog.Logger, cfg config.Config, spin time.Duration) (pg.Config, error) {
+func engines(log *slog.Logger, cfg config.Config, o options) (pg.Config, error) {
 	var topo sparse.Topology
 	t, topoErr := gonvml.Read(nvml.New())
 	if topoErr != nil {
@@ -294,6 +297,8 @@ func engines(log *slog.Logger, cfg config.Config, spin time.Duration) (pg.Config
 		return pg.Config{}, err
 	}
 	dev := device.New(log)
+	cuda, _, _ := dev.Info()
+	spin := spinFor(o, cfg.Spin, cuda)
 	dev.Spin = spin
 	hostname, _ := os.Hostname()
 	facts := gonode.Describe(hostname, topo, topoErr, dev)
@@ -301,6 +306,21 @@ func engines(log *slog.Logger, cfg config.Config, spin time.Duration) (pg.Config
 	dev.A2A = cfg.A2A
 	dev.Ahead = cfg.Ahead
 	return pg.Config{Version: version, Spin: spin, Device: dev, Sparse: chooser, Node: facts}, nil
+}
+
+// spinFor is how long the sidecar spins: --spin where given, else GOCOMM_SPIN, else (unset:
+// config.SpinAuto) 2 ms where CUDA is available: GPU hosts have cores to spare, and polling
+// saves the sidecar's wake-up on every op.
+func spinFor(o options, knob time.Duration, cuda bool) time.Duration {
+	switch {
+	case o.spinSet:
+		return o.spin
+	case knob != config.SpinAuto:
+		return knob
+	case cuda:
+		return 2 * time.Millisecond
+	}
+	return 0
 }
 
 // handleSignals stops on SIGTERM, SIGINT and SIGHUP (the parent rank's death arrives as

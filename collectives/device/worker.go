@@ -98,9 +98,9 @@ func (g *group) work(w *worker) {
 
 // spin polls for w's next op for a while before the worker sleeps: waking a goroutine locked
 // to its thread takes the scheduler tens of microseconds, more than a whole small op on the
-// GPU. Only on hosts that asked for spinning (Engine.Spin, the sidecar's --spin). A worker
-// that went to sleep while a long op ran spins again once the poller retires an op: the
-// client's next op usually follows a completion.
+// GPU. Only on hosts that asked for spinning (Engine.Spin: GOCOMM_SPIN or the sidecar's
+// --spin). A worker that went to sleep while a long op ran spins again once the poller
+// retires an op: the client's next op usually follows a completion.
 func (g *group) spin(w *worker) {
 	if g.s.spin <= 0 {
 		return

@@ -20,7 +20,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import _client, _config, _sidecar
+from . import _client, _sidecar
 from ._sidecar import SidecarError
 from .v1 import pgserver_pb2 as pb
 
@@ -138,7 +138,7 @@ class _Group:
             raise _store_gone(group_name, rank, size, e) from e
         # which engine runs each op (csrc/client/routes.h), from every member's sidecar's
         # choice and host, and the knobs every rank shares
-        self._routes = _client.C.Routes(sparse, _config.ar_max(), group_name, self._sc.sparse_reason, log.log)
+        self._routes = _client.C.Routes(sparse, self._sc.knobs.ar_max, group_name, self._sc.sparse_reason, log.log)
         conn = self._sc.call(
             "ConnectGroup",
             pb.ConnectGroupRequest(session=self._sc.session, group=self._handle, bootstrap=blobs, secret=secret),
@@ -314,14 +314,15 @@ class _Group:
 
 
 def _inprocess_settings(sc: _sidecar.Sidecar) -> dict:
-    """What the in-process engine takes from the knobs (the same on every rank; its setup
-    checks the launch shapes) and from the sidecar's all-to-all settings."""
+    """What the in-process engine takes from the knobs, as the sidecar read them (the same on
+    every rank; its setup checks the launch shapes)."""
+    k = sc.knobs
     return {
-        "ar_max": _config.ar_max(),
-        "ar_stage": _config.ar_stage(),
-        "ar_oneshot": _config.ar_oneshot(),
-        "ar_blocks": _config.ar_blocks(),
-        "a2av": _config.a2av_inprocess(),
+        "ar_max": k.ar_max,
+        "ar_stage": k.ar_stage,
+        "ar_oneshot": k.ar_oneshot,
+        "ar_blocks": k.ar_blocks,
+        "a2av": k.a2av_inprocess,
         "a2a_recv_bytes": sc.a2a.recv_bytes,
         "a2a_threads": sc.a2a.threads,
         "a2a_blocks": sc.a2a.blocks,
@@ -331,7 +332,7 @@ def _inprocess_settings(sc: _sidecar.Sidecar) -> dict:
 def _cuda_refusal(sc: _sidecar.Sidecar) -> str:
     """Why CUDA tensors cannot be served ("" where they can): the tail of the
     NotImplementedError a CUDA tensor raises before anything is sent."""
-    if not _config.cuda():  # GOCOMM_CUDA=0
+    if not sc.knobs.cuda:  # GOCOMM_CUDA=0
         return "and gocomm's CUDA engine is turned off (GOCOMM_CUDA=0)"
     if not sc.info.cuda_available:
         return f"but this rank's pgserver cannot run CUDA ops: {sc.info.cuda_error}"

@@ -39,12 +39,12 @@ def _pgserver() -> tuple[str, str, str]:
 def _node_routes(sc) -> tuple[int, dict]:
     """The route table of a one-host group of this node's GPUs (2 ranks without GPUs), from
     what the sidecar decided at attach: which engine each op class would use here."""
-    from . import _client, _config
+    from . import _client
 
     gpus = sc.capabilities.get("gpus", ("0", ""))[0]
     n = int(gpus) if gpus.isdigit() and int(gpus) >= 2 else 2
     choices = [f"{sc.sparse_transport} here"] * n
-    return n, _client.C.Routes(choices, _config.ar_max(), "gocomm info", sc.sparse_reason).table()
+    return n, _client.C.Routes(choices, sc.knobs.ar_max, "gocomm info", sc.sparse_reason).table()
 
 
 def info() -> dict:

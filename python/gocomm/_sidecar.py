@@ -134,14 +134,12 @@ class Sidecar:
         self.sparse_reason = resp.sparse_reason
         # the node's and this client's facts, each with its reason (name -> (value, reason))
         self.capabilities = {c.name: (c.value, c.reason) for c in resp.capabilities}
-        # the sparse all-to-all's settings, as the sidecar read them: the shim's kernel uses
-        # the same (one reading of GOCOMM_A2A_RECV_MB, GOCOMM_A2AV_BLOCKS and _THREADS)
-        a2a = _config.A2A.from_attach(resp.a2a)
-        if a2a is None:
-            raise SidecarError(
-                f"pgserver on {self.socket} reported no all-to-all settings at attach: older than this shim?"
-            )
-        self.a2a = a2a
+        # the knobs as the sidecar read them from its environment (config/config.go), so both
+        # sides use one reading: the sparse all-to-all's settings (pb.A2AConfig: recv_bytes,
+        # blocks, threads) and the client's own (pb.ClientKnobs: cuda, ar_*, ...)
+        if not (resp.HasField("a2a") and resp.HasField("knobs")):
+            raise SidecarError(f"pgserver on {self.socket} reported no settings at attach: older than this shim?")
+        self.a2a, self.knobs = resp.a2a, resp.knobs
         # GOCOMM_TRACE_BUFFER_SIZE as the sidecar read it: the shim's kernel launch record uses it too
         self.trace_size = resp.trace_buffer_size
         self.info = self.call("Info", pb.InfoRequest())  # now naming that choice
@@ -181,8 +179,6 @@ class Sidecar:
             rdir,
             "--log-file",
             self.log_file,
-            "--log-level",
-            _config.log_level(),
             # where peers reach this sidecar: pgserver picks it (transport.ChooseAddress: its
             # GOCOMM_ADVERTISE_ADDR, GOCOMM_SOCKET_IFNAME, else the route to this host) and
             # listens there only
@@ -191,13 +187,8 @@ class Sidecar:
             "--parent-pid",
             str(os.getpid()),
         ]
-        # GPU hosts have cores to spare: polling the ring saves the sidecar's wake-up on every op
-        spin = _config.spin()
-        if spin is None:
-            spin = "2ms" if torch.cuda.is_available() else ""
-        if spin:
-            cmd += ["--spin", spin]
-
+        # the rest of its settings (GOCOMM_LOG_LEVEL, GOCOMM_SPIN, ...) it reads from the
+        # environment it inherits
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True)
         return sock
@@ -336,10 +327,10 @@ class Sidecar:
                 hook(detail)
             except Exception as e:  # noqa: BLE001
                 log.error("gocomm: after group %d broke: %s", handle, e)
-        if _config.async_error_handling() in (1, 3):
+        if self.knobs.async_error_handling in (1, 3):
             sys.stderr.write(
                 f"gocomm: tearing the process down (GOCOMM_ASYNC_ERROR_HANDLING="
-                f"{_config.async_error_handling()}): {detail}\n"
+                f"{self.knobs.async_error_handling}): {detail}\n"
             )
             sys.stderr.flush()
             os.abort()

@@ -1,16 +1,17 @@
 """The shim's knob table (gocomm/_config.py): defaults as before the table, bad values
-refused by name, old names still read, docs/config.md in step, no GOCOMM_* read outside the
-table, and the knobs the sidecar reads for both sides taken from its Attach response."""
+refused by name, docs/config.md in step, no GOCOMM_* read outside the table; and the knobs
+the sidecar's table (config/config.go) reads for the shim: taken from its Attach response,
+a bad value stopping pgserver at start with the shim saying why."""
 
+import contextlib
 import os
 import pathlib
 import re
-import warnings
+import subprocess
 
 import pytest
 
-from gocomm import _config, _sidecar
-from gocomm.v1 import pgserver_pb2 as pb
+from gocomm import _backend, _config, _sidecar
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -29,41 +30,23 @@ def fresh(monkeypatch):
 def test_defaults(fresh):
     """Unset, every knob gives what the code used before the table."""
     assert _config.pgserver() is None and _config.sidecar() is None and _config.log_dir() is None
-    assert _config.spin() is None
-    assert _config.log_level() == "info"
     assert _config.start_timeout() == 30.0
-    assert _config.cuda() is True and _config.a2av_inprocess() is True
-    assert _config.ar_max() == 1 << 62
-    assert _config.ar_stage() == 32 << 20
-    assert _config.ar_oneshot() == 256 << 10
-    assert _config.ar_blocks() == 128
 
 
 @pytest.mark.parametrize(
     "name,value,want",
     [
-        ("GOCOMM_AR_STAGE", "1M", 1 << 20),
-        ("GOCOMM_AR_STAGE", "1000", 992),  # rounded down to a multiple of 16
-        ("GOCOMM_AR_ONESHOT", "1.5k", 1536),
-        ("GOCOMM_AR_MAX", "0", 0),
-        ("GOCOMM_AR_BLOCKS", " 64 ", 64),
-        ("GOCOMM_CUDA", "0", False),
-        ("GOCOMM_LOG_LEVEL", "DEBUG", "debug"),
-        ("GOCOMM_SPIN", "500us", "500us"),
+        ("GOCOMM_START_TIMEOUT", " 1.5 ", 1.5),
         ("GOCOMM_SIDECAR", "unix:///tmp/x.sock", "unix:///tmp/x.sock"),
+        ("GOCOMM_LOG_DIR", "/tmp/logs", "/tmp/logs"),
     ],
 )
 def test_values(fresh, name, value, want):
     fresh.setenv(name, value)
     got = {
-        "GOCOMM_AR_STAGE": _config.ar_stage,
-        "GOCOMM_AR_ONESHOT": _config.ar_oneshot,
-        "GOCOMM_AR_MAX": _config.ar_max,
-        "GOCOMM_AR_BLOCKS": _config.ar_blocks,
-        "GOCOMM_CUDA": _config.cuda,
-        "GOCOMM_LOG_LEVEL": _config.log_level,
-        "GOCOMM_SPIN": _config.spin,
+        "GOCOMM_START_TIMEOUT": _config.start_timeout,
         "GOCOMM_SIDECAR": _config.sidecar,
+        "GOCOMM_LOG_DIR": _config.log_dir,
     }[name]()
     assert got == want
 
@@ -71,17 +54,11 @@ def test_values(fresh, name, value, want):
 @pytest.mark.parametrize(
     "name,value",
     [
-        ("GOCOMM_AR_STAGE", "8"),
-        ("GOCOMM_AR_STAGE", "32MB"),
-        ("GOCOMM_AR_MAX", "-1"),
-        ("GOCOMM_AR_BLOCKS", "0"),
-        ("GOCOMM_AR_BLOCKS", "129"),
-        ("GOCOMM_CUDA", "no"),
-        ("GOCOMM_A2AV_INPROCESS", "2"),
-        ("GOCOMM_LOG_LEVEL", "loud"),
-        ("GOCOMM_SPIN", "2"),
         ("GOCOMM_START_TIMEOUT", "0"),
+        ("GOCOMM_START_TIMEOUT", "inf"),
+        ("GOCOMM_START_TIMEOUT", "1e9"),
         ("GOCOMM_SIDECAR", "tcp://host:1"),
+        ("GOCOMM_SIDECAR", "unix://"),
     ],
 )
 def test_bad_value_names_the_variable(fresh, name, value):
@@ -90,28 +67,7 @@ def test_bad_value_names_the_variable(fresh, name, value):
     fresh.setenv(name, value)
     accepts = next(k.accepts for k in _config.KNOBS if k.name == name)
     with pytest.raises(ValueError, match=re.escape(f"{name}={value!r}: want {accepts}")):
-        _config.cuda()
-
-
-def test_alias():
-    """A renamed knob's old name is read, with a DeprecationWarning, while the new is unset."""
-    knob = _config.Knob("GOCOMM_NEW", "7", int, "an integer", "test", aliases=("GOCOMM_OLD",))
-    with pytest.warns(DeprecationWarning, match="GOCOMM_OLD is deprecated: set GOCOMM_NEW"):
-        assert _config.load({"GOCOMM_OLD": "3"}, (knob,)) == {"GOCOMM_NEW": 3}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert _config.load({"GOCOMM_NEW": "5"}, (knob,)) == {"GOCOMM_NEW": 5}
-        assert _config.load({}, (knob,)) == {"GOCOMM_NEW": 7}
-    with pytest.raises(ValueError, match="GOCOMM_OLD='x'"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _config.load({"GOCOMM_OLD": "x"}, (knob,))
-
-
-def test_a2av_here_is_read_as_inprocess():
-    """GOCOMM_A2AV_HERE, the in-process all_to_all_v's knob before its rename, still turns it off."""
-    with pytest.warns(DeprecationWarning, match="GOCOMM_A2AV_HERE is deprecated: set GOCOMM_A2AV_INPROCESS"):
-        assert _config.load({"GOCOMM_A2AV_HERE": "0"})["GOCOMM_A2AV_INPROCESS"] is False
+        _config.pgserver()
 
 
 def test_doc_lists_every_knob():
@@ -126,8 +82,6 @@ def test_doc_lists_every_knob():
         default = f"| `{k.default}` |" if k.default else "| (none) |"
         assert default in rows[k.name], f"docs/config.md: {k.name}'s row does not give its default {default}"
         assert "shim" in rows[k.name]
-        for a in k.aliases:
-            assert f"`{a}`" in rows[k.name], f"docs/config.md: {k.name}'s row does not name its old name {a}"
 
 
 def test_no_environ_reads_outside_config():
@@ -144,29 +98,98 @@ def test_no_environ_reads_outside_config():
     assert not bad, "GOCOMM_* read outside gocomm/_config.py:\n" + "\n".join(bad)
 
 
-def test_a2a_from_attach():
-    msg = pb.A2AConfig(recv_bytes=64 << 20, blocks=64, threads=128)
-    assert _config.A2A.from_attach(msg) == _config.A2A(64 << 20, 64, 128)
-    assert _config.A2A.from_attach(pb.A2AConfig()) is None  # an older pgserver
+def test_sidecar_reports_knobs(fresh, tmp_path):
+    """The sidecar reads the training process's knobs (old names too, with a warning in its
+    log) from the environment it inherits and reports them at Attach; the shim's settings for
+    the in-process engine and its CUDA refusal are what it reported: one reading for both
+    sides. GOCOMM_SPIN reaches pgserver the same way."""
+    for k, v in {
+        "GOCOMM_NVSHMEM_RECV_MB": "64",
+        "GOCOMM_A2AV_BLOCKS": "32",
+        "GOCOMM_AR_MAX": "1G",
+        "GOCOMM_AR_STAGE": "1000",
+        "GOCOMM_AR_ONESHOT": "1.5k",
+        "GOCOMM_AR_BLOCKS": "64",
+        "GOCOMM_A2AV_HERE": "0",
+        "GOCOMM_CUDA": "0",
+        "GOCOMM_ASYNC_ERROR_HANDLING": "1",
+        "GOCOMM_SPIN": "500us",
+        "GOCOMM_LOG_DIR": str(tmp_path),  # a log of this sidecar's only
+    }.items():
+        fresh.setenv(k, v)
+    with contextlib.closing(_sidecar.Sidecar(0)) as sc:
+        assert (sc.a2a.recv_bytes, sc.a2a.blocks, sc.a2a.threads) == (64 << 20, 32, 256)
+        assert _backend._inprocess_settings(sc) == {
+            "ar_max": 1 << 30,
+            "ar_stage": 992,  # rounded down to a multiple of 16
+            "ar_oneshot": 1536,
+            "ar_blocks": 64,
+            "a2av": False,
+            "a2a_recv_bytes": 64 << 20,
+            "a2a_threads": 256,
+            "a2a_blocks": 32,
+        }
+        assert sc.knobs.async_error_handling == 1
+        assert _backend._cuda_refusal(sc) == "and gocomm's CUDA engine is turned off (GOCOMM_CUDA=0)"
+    log = pathlib.Path(sc.log_file).read_text()
+    assert "GOCOMM_NVSHMEM_RECV_MB is deprecated" in log and "GOCOMM_A2AV_HERE is deprecated" in log
+    assert re.search(r"msg=serving .* spin=500µs", log), log
 
 
-def test_sidecar_reports_a2a(fresh):
-    """The sidecar reads the all-to-all knobs (the old name of the receive buffer's, too) and
-    the shim takes them from its Attach response: one reading for both sides."""
-    fresh.setenv("GOCOMM_NVSHMEM_RECV_MB", "64")
-    fresh.setenv("GOCOMM_A2AV_BLOCKS", "32")
-    sc = _sidecar.Sidecar(0)
-    try:
-        assert sc.a2a == _config.A2A(64 << 20, 32, 256)
-    finally:
-        sc.close()
-    with open(sc.log_file) as f:
-        assert "GOCOMM_NVSHMEM_RECV_MB is deprecated" in f.read()
+def test_sidecar_knob_defaults(fresh, tmp_path):
+    """Unset, the knobs the sidecar reports are what the shim used before they moved; GOCOMM_LOG_LEVEL
+    reaches pgserver from the environment (warn: no info lines)."""
+    fresh.setenv("GOCOMM_LOG_LEVEL", "WARN")
+    fresh.setenv("GOCOMM_LOG_DIR", str(tmp_path))
+    with contextlib.closing(_sidecar.Sidecar(0)) as sc:
+        k = sc.knobs
+        assert (k.cuda, k.async_error_handling, k.a2av_inprocess) == (True, 2, True)
+        assert (k.ar_max, k.ar_stage, k.ar_oneshot, k.ar_blocks) == (1 << 62, 32 << 20, 256 << 10, 128)
+        assert (sc.a2a.recv_bytes, sc.a2a.blocks, sc.a2a.threads) == (512 << 20, 128, 256)
+        assert _backend._cuda_refusal(sc) in ("", f"but this rank's pgserver cannot run CUDA ops: {sc.info.cuda_error}")
+    log = pathlib.Path(sc.log_file).read_text()
+    assert "level=INFO" not in log, log
 
 
-def test_sidecar_refuses_bad_value(fresh):
+@pytest.mark.parametrize(
+    "name,value,accepts",
+    [
+        ("GOCOMM_A2AV_THREADS", "100", "a multiple of 32"),
+        ("GOCOMM_AR_MAX", "-1", "bytes, with K, M or G"),
+        ("GOCOMM_AR_STAGE", "8", "bytes, at least 16"),
+        ("GOCOMM_AR_ONESHOT", "32MB", "bytes, with K, M or G"),
+        ("GOCOMM_AR_BLOCKS", "129", "an integer, 1 to 128"),
+        ("GOCOMM_A2AV_INPROCESS", "2", "0 or 1"),
+        ("GOCOMM_A2AV_HERE", "yes", "0 or 1"),
+        ("GOCOMM_CUDA", "no", "0 or 1"),
+        ("GOCOMM_ASYNC_ERROR_HANDLING", "4", "0, 1, 2 or 3"),
+        ("GOCOMM_LOG_LEVEL", "loud", "debug, info, warn or error"),
+        ("GOCOMM_SPIN", "2", "a Go duration"),
+    ],
+)
+def test_sidecar_refuses_bad_value(fresh, name, value, accepts):
     """A value the sidecar's table does not take stops pgserver at start, and the shim says
-    why, naming the variable."""
-    fresh.setenv("GOCOMM_A2AV_THREADS", "100")
-    with pytest.raises(_sidecar.SidecarError, match="GOCOMM_A2AV_THREADS=.*multiple of 32"):
+    why (the first group creation raises this), with the log's tail naming the variable."""
+    fresh.setenv(name, value)
+    want = rf"(?s)pgserver exited with status 1 at start; log .* ends with:.*{name}=\"{value}\": want {accepts}"
+    with pytest.raises(_sidecar.SidecarError, match=want):
         _sidecar.Sidecar(0)
+
+
+def test_attached_sidecar_knobs_are_its_own(fresh, tmp_path):
+    """With GOCOMM_SIDECAR (attaching to a running pgserver), the knobs the shim uses come from
+    that sidecar's environment, not the training process's."""
+    sock = tmp_path / "s.sock"
+    fresh.setenv("GOCOMM_AR_BLOCKS", "32")  # the training process's: not read
+    fresh.setenv("GOCOMM_SIDECAR", f"unix://{sock}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GOCOMM_")} | {"GOCOMM_AR_BLOCKS": "64"}
+    cmd = [_sidecar.find_pgserver(), "--socket", str(sock), "--runtime-dir", str(tmp_path)]
+    with open(tmp_path / "pgserver.log", "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
+    try:
+        with contextlib.closing(_sidecar.Sidecar(0)) as sc:
+            assert sc.knobs.ar_blocks == 64
+            assert _backend._inprocess_settings(sc)["ar_blocks"] == 64
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

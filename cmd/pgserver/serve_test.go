@@ -1,0 +1,40 @@
+package main
+
+import (
+	"testing"
+	"time"
+
+	"github.com/gocomm/gocomm/config"
+)
+
+// TestSpinAndLogLevel: a --spin or --log-level flag wins over GOCOMM_SPIN and
+// GOCOMM_LOG_LEVEL, even --spin=0; without either, GOCOMM_SPIN unset spins 2 ms where CUDA
+// is available and not at all where it is not.
+func TestSpinAndLogLevel(t *testing.T) {
+	for _, tc := range []struct {
+		desc string
+		args []string
+		knob time.Duration
+		cuda bool
+		want time.Duration
+	}{
+		{"unset, CUDA", nil, config.SpinAuto, true, 2 * time.Millisecond},
+		{"unset, no CUDA", nil, config.SpinAuto, false, 0},
+		{"knob", nil, 500 * time.Microsecond, false, 500 * time.Microsecond},
+		{"knob 0 on a CUDA host", nil, 0, true, 0},
+		{"flag wins", []string{"--spin", "1ms"}, 500 * time.Microsecond, true, time.Millisecond},
+		{"flag 0 wins", []string{"--spin=0"}, config.SpinAuto, true, 0},
+	} {
+		o, err := parseFlags(tc.args)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := spinFor(o, tc.knob, tc.cuda); got != tc.want {
+			t.Errorf("%s: spin %v, want %v", tc.desc, got, tc.want)
+		}
+	}
+	o, _ := parseFlags(nil)
+	if o.logLevel != "" {
+		t.Errorf("--log-level defaults to %q: it would win over GOCOMM_LOG_LEVEL", o.logLevel)
+	}
+}
