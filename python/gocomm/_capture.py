@@ -38,7 +38,3 @@ def refuse(op: str, pg, why: str) -> None:
         f"gocomm {op} cannot be captured in a CUDA graph on group {pg.group_name!r}: {why}, so a replay "
         f"would not run it. Run it outside the capture. This group can capture: {capturable(pg)}."
     )
-
-
-# what runs an op that refuse() names, where it is the sidecar
-SIDECAR = "it runs in the sidecar (NCCL), which is handed each call on the host"
