@@ -22,14 +22,6 @@ std::mutex overflow_mu;
 std::function<void(const std::string&)> overflow_hook;
 std::atomic<bool> counts_skipped{false};
 
-std::string list(const std::vector<int64_t>& v) {  // a Python list
-  std::string r = "[";
-  for (size_t i = 0; i < v.size(); i++) {
-    r += (i ? ", " : "") + std::to_string(v[i]);
-  }
-  return r + "]";
-}
-
 std::vector<int64_t> values(const at::Tensor& t) {  // a 1-D integer tensor's entries, on the host
   const at::Tensor c = t.to(at::kCPU, at::kLong).contiguous();
   return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
@@ -59,14 +51,6 @@ void check(int64_t n, const at::Tensor& input, const at::Tensor& in_splits, cons
   TORCH_CHECK_VALUE(out->is_contiguous(), "gocomm all_to_all_v: out must be contiguous");
 }
 
-int64_t row_bytes(const at::Tensor& input) {
-  int64_t row = input.element_size();
-  for (int64_t s : input.sizes().slice(1)) {
-    row *= s;
-  }
-  return row;
-}
-
 at::Tensor rows_like(const at::Tensor& input, int64_t rows) {
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.at(0) = rows;
@@ -89,7 +73,7 @@ bool capturing(int device) {
 // Path 1: the in-process kernel on the caller's stream; nothing waits for the GPU.
 std::pair<at::Tensor, at::Tensor> inprocess(Backend& b, inproc::A2Path& path, const at::Tensor& input,
                                             const at::Tensor& in_splits, const at::Tensor* out, int64_t out_rows) {
-  const int64_t limit = path.cap() / std::max<int64_t>(row_bytes(input), 1);
+  const int64_t limit = path.cap() / std::max<int64_t>(row_nbytes(input), 1);
   auto [o, s] = b.engine().all_to_all_v(path, input, in_splits, gpu_output(input, out, out_rows, b.getSize(), limit));
   return {o, in_splits.is_cuda() ? s : s.to(in_splits.device())};
 }
@@ -100,7 +84,7 @@ std::pair<at::Tensor, at::Tensor> inprocess(Backend& b, inproc::A2Path& path, co
 std::pair<at::Tensor, at::Tensor> nvshmem(Backend& b, const at::Tensor& input, const at::Tensor& in_splits,
                                           const at::Tensor* out, int64_t out_rows) {
   const int n = b.getSize(), idx = input.device().index();
-  const int64_t row = row_bytes(input);
+  const int64_t row = row_nbytes(input);
   const int64_t limit = b.config().inprocess.a2a_recv_bytes / std::max<int64_t>(row, 1);
   const int64_t want = out != nullptr ? out->size(0) : out_rows;
   TORCH_CHECK_VALUE(want <= limit, "gocomm all_to_all_v: out holds " + std::to_string(want) +
@@ -145,7 +129,7 @@ std::pair<at::Tensor, at::Tensor> host_counts(c10d::ProcessGroup& pg, Backend* b
     negative |= s < 0;
     total += s;
   }
-  TORCH_CHECK_VALUE(!negative && total == input.size(0), "gocomm all_to_all_v: in_splits " + list(send) +
+  TORCH_CHECK_VALUE(!negative && total == input.size(0), "gocomm all_to_all_v: in_splits " + list_name(send) +
                                                              " must be >= 0 and add up to input's " +
                                                              std::to_string(input.size(0)) + " rows");
   at::Tensor counts = at::tensor(send, at::kLong).to(input.device());
@@ -157,7 +141,7 @@ std::pair<at::Tensor, at::Tensor> host_counts(c10d::ProcessGroup& pg, Backend* b
   if (recv.at(me) != send.at(me) || *std::min_element(recv.begin(), recv.end()) < 0) {
     // On CUDA a failed exchange lets the stream go on (its error comes with the next op);
     // counts that cannot be right must not size the data exchange.
-    C10_THROW_ERROR(DistBackendError, "gocomm all_to_all_v: the count exchange returned " + list(recv) +
+    C10_THROW_ERROR(DistBackendError, "gocomm all_to_all_v: the count exchange returned " + list_name(recv) +
                                           " but this rank sent itself " + std::to_string(send[me]) +
                                           ": the exchange failed (the group's next op, or the sidecar's log, says why)");
   }
@@ -171,7 +155,7 @@ std::pair<at::Tensor, at::Tensor> host_counts(c10d::ProcessGroup& pg, Backend* b
   at::Tensor in = input;
   exchange(output, in, recv, send);
   if (overflow) {
-    raise_overflow("gocomm all_to_all_v: this rank receives " + std::to_string(rows) + " rows (" + list(recv) +
+    raise_overflow("gocomm all_to_all_v: this rank receives " + std::to_string(rows) + " rows (" + list_name(recv) +
                    " by source rank) but out holds " + std::to_string(cap) + "; nothing was written into out");
   }
   return {output, got.to(in_splits.device(), in_splits.scalar_type())};

@@ -10,7 +10,6 @@
 
 #include <cctype>
 #include <cstring>
-#include <sstream>
 
 namespace gocomm {
 
@@ -40,6 +39,22 @@ std::string shape_name(at::IntArrayRef s) {
     r += (i ? ", " : "") + std::to_string(s[i]);
   }
   return r + (s.size() == 1 ? ",)" : ")");
+}
+
+std::string list_name(const std::vector<int64_t>& v) {
+  std::string r = "[";
+  for (size_t i = 0; i < v.size(); i++) {
+    r += (i ? ", " : "") + std::to_string(v[i]);
+  }
+  return r + "]";
+}
+
+int64_t row_nbytes(const at::Tensor& t) {
+  int64_t row = t.element_size();
+  for (int64_t s : t.sizes().slice(1)) {
+    row *= s;
+  }
+  return row;
 }
 
 std::string dtype_name(at::ScalarType s) {
@@ -92,25 +107,6 @@ std::string layout_name(c10::Layout l) {
   }
 }
 
-std::string shape(c10::IntArrayRef s) {  // a Python tuple
-  std::ostringstream o;
-  o << "(";
-  for (size_t i = 0; i < s.size(); i++) {
-    o << (i ? ", " : "") << s[i];
-  }
-  o << (s.size() == 1 ? ",)" : ")");
-  return o.str();
-}
-
-std::string list(const std::vector<int64_t>& v) {  // a Python list
-  std::ostringstream o;
-  o << "[";
-  for (size_t i = 0; i < v.size(); i++) {
-    o << (i ? ", " : "") << v[i];
-  }
-  o << "]";
-  return o.str();
-}
 
 }  // namespace
 
@@ -334,7 +330,7 @@ std::vector<int64_t> splits_of(const std::string& op, const std::string& name, c
   int64_t sum = 0;
   for (int64_t s : splits) {
     if (s < 0) {
-      value_error("gocomm " + op + ": " + name + " has a negative entry: " + list(splits));
+      value_error("gocomm " + op + ": " + name + " has a negative entry: " + list_name(splits));
     }
     sum += s;
   }
@@ -887,7 +883,7 @@ const Tensors& output_list(const std::string& refusal, const std::string& op, co
     match_dtype(op, n, ts[i], like);
     if (ts[i].numel() != like.numel()) {
       value_error("gocomm " + op + ": " + n + " has " + std::to_string(ts[i].numel()) + " elements (shape " +
-                  shape(ts[i].sizes()) + "), want " + std::to_string(like.numel()) + " (shape " + shape(like.sizes()) +
+                  shape_name(ts[i].sizes()) + "), want " + std::to_string(like.numel()) + " (shape " + shape_name(like.sizes()) +
                   ")");
     }
   }
@@ -1156,8 +1152,8 @@ intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Tensor&
     value_error("gocomm " + name + ": input and output need at least one dimension to split");
   }
   if (input.sizes().slice(1) != output.sizes().slice(1)) {
-    value_error("gocomm " + name + ": output rows have shape " + shape(output.sizes().slice(1)) + ", input rows " +
-                shape(input.sizes().slice(1)) + "; they must match");
+    value_error("gocomm " + name + ": output rows have shape " + shape_name(output.sizes().slice(1)) + ", input rows " +
+                shape_name(input.sizes().slice(1)) + "; they must match");
   }
   int64_t row = 1;
   for (int64_t s : input.sizes().slice(1)) {

@@ -32,6 +32,10 @@ namespace gocomm {
 std::string dtype_name(at::ScalarType s);
 // A shape as Python prints a tuple ("(5,)", "(2, 3)").
 std::string shape_name(at::IntArrayRef s);
+// Integers as Python prints a list ("[3, 0, 5]").
+std::string list_name(const std::vector<int64_t>& v);
+// The bytes of one row of t (its elements past the first dimension).
+int64_t row_nbytes(const at::Tensor& t);
 // The wire.DType code of a torch dtype; 0 for a dtype gocomm does not carry.
 int wire_dtype(at::ScalarType s);
 // Why op (a wire::RedOp) cannot reduce dtype on CPU tensors (the host engine, cuda=false) or

@@ -78,10 +78,7 @@ bool capturing() {
 // The bytes per row of inp; raises where its rows (or out_rows, rows the caller must receive
 // in full), or their size, pass what the kernel's 32-bit meta words carry.
 int64_t row_bytes(const std::string& op, const at::Tensor& inp, int64_t out_rows) {
-  int64_t row = inp.element_size();
-  for (int64_t s : inp.sizes().slice(1)) {
-    row *= s;
-  }
+  const int64_t row = row_nbytes(inp);
   if (std::max({inp.size(0), out_rows, row}) > kInt31) {
     C10_THROW_ERROR(ValueError, "gocomm " + op + ": at most 2^31 - 1 rows of at most 2^31 - 1 bytes, got " +
                                     shape_name(inp.sizes()) +

@@ -75,15 +75,17 @@ void check_ids(const at::Tensor& idx, int64_t experts, const std::string& tail) 
                                                   std::to_string(hi) + tail);
 }
 
+namespace {
+
+int64_t sum(const std::vector<int64_t>& v) {
+  return std::accumulate(v.begin(), v.end(), int64_t(0));
+}
+
+}  // namespace
+
 void raise_sent_too_many(const std::vector<int64_t>& recv, int64_t cap) {
-  std::string by = "[";
-  int64_t got = 0;
-  for (size_t i = 0; i < recv.size(); i++) {
-    by += (i ? ", " : "") + std::to_string(recv[i]);
-    got += recv[i];
-  }
-  raise_overflow("gocomm moe.dispatch: this rank is sent " + std::to_string(got) + " tokens (" + by +
-                 "] by source rank), more than max_tokens_per_rank x group size = " + std::to_string(cap) +
+  raise_overflow("gocomm moe.dispatch: this rank is sent " + std::to_string(sum(recv)) + " tokens (" + list_name(recv) +
+                 " by source rank), more than max_tokens_per_rank x group size = " + std::to_string(cap) +
                  "; nothing was received");
 }
 
@@ -95,10 +97,6 @@ constexpr double kFp8Max = 448.0;   // largest finite float8_e4m3fn
 // routed's and the handle's entries
 enum { kPayload, kSendSplits, kX, kIdx, kSendOrder, kMeta, kTIdx, kTOffs };
 enum { kHSendOrder, kHSplits, kHRows, kHWeights, kHEIdx, kHEOffs, kHTIdx, kHTOffs };
-
-int64_t sum(const std::vector<int64_t>& v) {
-  return std::accumulate(v.begin(), v.end(), int64_t(0));
-}
 
 // A packed row's parts, as (elements per row, dtype): x (fp8: its values, then a float32 scale
 // per kFp8Block channels), the local expert ids (int32 [k]) and the weights (float32 [k]).
@@ -247,7 +245,6 @@ std::vector<at::Tensor> receive_any(const at::Tensor& recv_in, const at::Tensor&
     }
   }
   const int64_t rows = sum(recv);
-  // the NVSHMEM path reports overflow in the counts
   if (rows > recv_in.size(0)) {  // the NVSHMEM path reports overflow in the counts
     raise_sent_too_many(recv, recv_in.size(0));
   }
