@@ -98,6 +98,9 @@ type Op struct {
 	// the stream counters, and the lane's stream writes D[Trigger] = 1 after it.
 	Graph   bool
 	Trigger uint32
+	// Launched, where set, is called once the op's GPU work is queued on the engine's
+	// stream (not for an op that failed before that).
+	Launched func()
 	// Done is called once, when the op finished on the GPU or failed.
 	Done func(err error)
 }

@@ -63,6 +63,7 @@ type FlightEntry struct {
 	Timeout   float64    `json:"timeout_s"`
 	Enqueued  time.Time  `json:"enqueued"`
 	Start     *time.Time `json:"started,omitempty"`
+	Launched  *time.Time `json:"launched,omitempty"` // CUDA ops: their GPU work queued on the sidecar's stream
 	End       *time.Time `json:"ended,omitempty"`
 	State     string     `json:"state"` // queued, started, completed, failed, timed out, aborted, invalid
 	Error     string     `json:"error,omitempty"`
@@ -122,6 +123,15 @@ func (f *flight) start(e *FlightEntry) {
 	if e.Seq >= 0 {
 		raise(&f.started, uint64(e.Seq)+1)
 	}
+}
+
+// launched marks a CUDA op's GPU work queued: started -> launched is the sidecar's host time
+// for the op, enqueued -> started its wait behind earlier ops.
+func (f *flight) launched(e *FlightEntry) {
+	now := time.Now()
+	f.mu.Lock()
+	e.Launched = &now
+	f.mu.Unlock()
 }
 
 // end marks an op done with the status its client is told.

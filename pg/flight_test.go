@@ -35,6 +35,13 @@ func TestFlightRing(t *testing.T) {
 	f.start(es[0])
 	f.end(es[0], wire.StatusOK, "")
 	f.start(es[2])
+	if got := f.entries()[0]; got.Launched != nil {
+		t.Fatalf("an op not launched shows a launch time: %+v", got)
+	}
+	f.launched(es[2])
+	if got := f.entries()[0]; got.Launched == nil || got.Launched.Before(*got.Start) || got.State != "started" {
+		t.Fatalf("a launched op shows %+v, want a launch time after its start", got)
+	}
 	f.end(es[1], wire.StatusOK, "") // a send: no collective progress
 	if s, d := f.progress(); s != 2 || d != 1 {
 		t.Fatalf("progress %d, %d; want 2 started, 1 finished", s, d)

@@ -333,6 +333,7 @@ func (g *Group) replay(ds gpu.Session, o *graphOp, done func()) {
 	g.mu.Unlock()
 	g.flight.start(fe)
 	dev.Enqueue(gpu.Op{Desc: d, Ptrs: o.ptrs, Deadline: time.Now().Add(o.timeout), Graph: true, Trigger: o.t,
+		Launched: func() { g.flight.launched(fe) },
 		Done: func(err error) {
 			defer g.running.Done()
 			if err == nil {

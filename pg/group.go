@@ -337,7 +337,8 @@ func (g *Group) submitDevice(ds gpu.Session, o *op, ptrs []uint64) {
 	g.mu.Unlock()
 	d := &o.desc
 	g.flight.start(o.fe)
-	dev.Enqueue(gpu.Op{Desc: d, Ptrs: ptrs, Deadline: o.deadline, Done: func(err error) {
+	fe := o.fe
+	dev.Enqueue(gpu.Op{Desc: d, Ptrs: ptrs, Deadline: o.deadline, Launched: func() { g.flight.launched(fe) }, Done: func(err error) {
 		defer g.running.Done()
 		if err == nil {
 			g.finish(o, wire.StatusOK, -1, "")

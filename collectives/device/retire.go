@@ -23,6 +23,9 @@ func (g *group) recorded(o *dop, st cuda.Stream, check func(cuda.Stream) error) 
 		g.recycle(ev)
 		return nil, err
 	}
+	if o.Launched != nil {
+		o.Launched() // before the poller can see the op finish
+	}
 	return &flight{op: o, ev: ev, val: o.Desc.StreamValue, check: check}, nil
 }
 

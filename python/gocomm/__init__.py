@@ -101,7 +101,8 @@ def flight_record(dump: bool = False) -> dict:
         "peers": [{"rank", "last_started", "last_finished", "heard_s_ago"}] (from the peers'
         heartbeats), "ops": [{"id", "seq" (collective number, the same call on every rank;
         -1: send/recv), "p2p_seq" (send/recv numbered on this rank), "op", "engine", "dtype", "reduce_op", "count", "bytes", "peer", "tag",
-        "timeout_s", "enqueued", "started", "ended", "state", "error"}, ...] (oldest first)}],
+        "timeout_s", "enqueued", "started", "launched" (CUDA ops: their GPU work queued by the sidecar),
+        "ended", "state", "error"}, ...] (oldest first)}],
         "path" (the dump file, when dump), "inprocess": [the last in-process kernel launches:
         {"group", "op", "dtype", "bytes", "device", "launched"}]}.
     """
