@@ -86,6 +86,7 @@ struct Api {
   Result (*streamWaitEvent)(Stream, Event, unsigned) = nullptr;
   Result (*eventQuery)(Event) = nullptr;
   Result (*eventSynchronize)(Event) = nullptr;
+  Result (*eventDestroy)(Event) = nullptr;
 };
 
 template <typename F>
@@ -151,6 +152,7 @@ const Api& api() {
     sym(a, a.streamWaitEvent, "cuStreamWaitEvent");
     sym(a, a.eventQuery, "cuEventQuery");
     sym(a, a.eventSynchronize, "cuEventSynchronize");
+    sym(a, a.eventDestroy, "cuEventDestroy_v2");
   });
   if (!a.error.empty()) {
     throw Error("gocomm: " + a.error);
@@ -453,6 +455,10 @@ bool event_done(Event ev) {
   }
   check("cuEventQuery", r);
   return true;
+}
+
+void event_destroy(Event ev) {
+  api().eventDestroy(ev);  // nothing to do about a failure here
 }
 
 void event_sync(Event ev) {

@@ -112,5 +112,6 @@ void stream_wait_event(Stream stream, Event ev);
 bool event_done(Event ev);
 // Block until the work before ev's last record finished.
 void event_sync(Event ev);
+void event_destroy(Event ev);
 
 }  // namespace gocomm::cuda

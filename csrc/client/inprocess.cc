@@ -237,62 +237,74 @@ void launch(const std::string& file, int device, const std::string& name, unsign
 
 // ----- stream order and Work ----------------------------------------------------------------------
 
-StreamOrder::StreamOrder() {
-  for (int i = 0; i < 64; i++) {
-    events_.push_back(cuda::event_create());
-  }
+StreamOrder::StreamOrder() : ev_(cuda::event_create()) {}
+
+StreamOrder::~StreamOrder() {
+  cuda::event_destroy(ev_);
 }
 
 void StreamOrder::before(cuda::Stream stream) {
   if (any_ && stream == stream_) {
     return;
   }
-  if (any_ && ops_ > 0) {
-    cuda::stream_wait_event(stream, events_[(ops_ - 1) % events_.size()]);
+  if (any_) {
+    cuda::event_record(ev_, stream_);
+    cuda::stream_wait_event(stream, ev_);  // takes the record as it is now
   }
   stream_ = stream;
   any_ = true;
 }
 
-cuda::Event StreamOrder::after(cuda::Stream stream) {
-  cuda::Event ev = events_[ops_ % events_.size()];
-  cuda::event_record(ev, stream);
-  ops_++;
-  return ev;
+KernelWork::KernelWork(std::vector<at::Tensor> result, cuda::Stream stream, int device, c10d::OpType type,
+                       bool captured)
+    : c10d::Work(-1, type), result_(std::move(result)), stream_(stream), device_(device), captured_(captured) {}
+
+KernelWork::~KernelWork() {
+  if (ev_ != nullptr) {
+    cuda::event_destroy(ev_);
+  }
 }
 
-KernelWork::KernelWork(std::vector<at::Tensor> result, cuda::Event ev, cuda::Stream stream, int device,
-                       c10d::OpType type)
-    : c10d::Work(-1, type), result_(std::move(result)), ev_(ev), stream_(stream), device_(device) {}
+cuda::Event KernelWork::mark() {
+  if (ev_ == nullptr) {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    ev_ = cuda::event_create();
+    cuda::event_record(ev_, stream_);
+  }
+  return ev_;
+}
 
 bool KernelWork::wait(std::chrono::milliseconds) {
-  if (ev_ == nullptr) {  // queued while capturing a graph: on the capturing stream
+  if (captured_) {  // on the capturing stream
     return true;
   }
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   cuda::Stream cur = c10::cuda::getCurrentCUDAStream(device_).stream();
   if (cur != stream_) {
-    cuda::stream_wait_event(cur, ev_);
+    std::lock_guard<std::mutex> lock(mu_);
+    cuda::stream_wait_event(cur, mark());
   }
   return true;
 }
 
 bool KernelWork::isCompleted() {
-  if (!done_ && ev_ != nullptr) {
+  if (!done_ && !captured_) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-    done_ = cuda::event_done(ev_);
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = cuda::event_done(mark());
   }
-  return done_ || ev_ == nullptr;
+  return done_ || captured_;
 }
 
 bool KernelWork::isSuccess() const {
-  return done_ || ev_ == nullptr;
+  return done_ || captured_;
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> KernelWork::getFuture() {
-  if (ev_ != nullptr) {
+  if (!captured_) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-    cuda::event_sync(ev_);
+    std::lock_guard<std::mutex> lock(mu_);
+    cuda::event_sync(mark());
   }
   done_ = true;
   auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
@@ -374,8 +386,7 @@ c10::intrusive_ptr<c10d::Work> ArPath::run(const at::Tensor& t, uint8_t redop) {
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(blocks_, (int64_t(a_.nvec) + per_block - 1) / per_block));
   void* arg = &a_;
   cuda::launch(fn_.at({one, t.scalar_type()}), unsigned(grid), kArThreads, 0, stream, &arg);
-  cuda::Event ev = cap ? nullptr : order_.after(stream);
-  return c10::make_intrusive<KernelWork>(std::vector<at::Tensor>{t}, ev, stream, device_, c10d::OpType::ALLREDUCE);
+  return c10::make_intrusive<KernelWork>(std::vector<at::Tensor>{t}, stream, device_, c10d::OpType::ALLREDUCE, cap);
 }
 
 // ----- all_to_all_v -------------------------------------------------------------------------------
@@ -423,7 +434,7 @@ void A2Path::report() {
   }
 }
 
-std::pair<cuda::Event, cuda::Stream> A2Path::run_at(uint64_t in, int64_t in_rows, uint64_t splits, bool splits32,
+std::pair<cuda::Stream, bool> A2Path::run_at(uint64_t in, int64_t in_rows, uint64_t splits, bool splits32,
                                                     const int64_t* host_splits, uint64_t out, int64_t out_rows,
                                                     uint64_t out_splits, int64_t row) {
   cuda::Stream stream = c10::cuda::getCurrentCUDAStream(device_).stream();
@@ -457,10 +468,10 @@ std::pair<cuda::Event, cuda::Stream> A2Path::run_at(uint64_t in, int64_t in_rows
   }
   void* arg = &a_;
   cuda::launch(fn_, unsigned(grid_), unsigned(threads_), 0, stream, &arg);
-  return {cap ? nullptr : order_.after(stream), stream};
+  return {stream, cap};
 }
 
-std::pair<cuda::Event, cuda::Stream> A2Path::exchange(uint64_t in, int64_t in_rows, uint64_t splits, bool splits32,
+std::pair<cuda::Stream, bool> A2Path::exchange(uint64_t in, int64_t in_rows, uint64_t splits, bool splits32,
                                                       const int64_t* host_splits, uint64_t out, int64_t out_rows,
                                                       uint64_t out_splits, int64_t row) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -627,8 +638,8 @@ c10::intrusive_ptr<c10d::Work> Engine::all_to_all_single(const at::Tensor& outpu
   const auto es = path->exchange(reinterpret_cast<uint64_t>(input.data_ptr()), input.size(0), 0, false, ins.data(),
                                  reinterpret_cast<uint64_t>(output.data_ptr()), output.size(0), 0, row);
   record("all_to_all_single", input, path->device());
-  return c10::make_intrusive<KernelWork>(std::vector<at::Tensor>{output}, es.first, es.second, path->device(),
-                                         c10d::OpType::ALLTOALL_BASE);
+  return c10::make_intrusive<KernelWork>(std::vector<at::Tensor>{output}, es.first, path->device(),
+                                         c10d::OpType::ALLTOALL_BASE, es.second);
 }
 
 std::pair<at::Tensor, at::Tensor> Engine::all_to_all_v(A2Path& path, const at::Tensor& input,

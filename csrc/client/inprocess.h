@@ -86,23 +86,30 @@ void launch(const std::string& file, int device, const std::string& name, unsign
 class StreamOrder {
  public:
   StreamOrder();
+  ~StreamOrder();
+  StreamOrder(const StreamOrder&) = delete;
+  StreamOrder& operator=(const StreamOrder&) = delete;
+  // Called before each op (not while capturing): where stream is not the previous op's, it
+  // waits for everything queued so far on that one (the previous op and whatever followed
+  // it: ordered later, never earlier). No event is recorded per op, only at a change of
+  // stream.
   void before(cuda::Stream stream);
-  cuda::Event after(cuda::Stream stream);
 
  private:
-  std::vector<cuda::Event> events_;
-  uint64_t ops_ = 0;
+  cuda::Event ev_;
   cuda::Stream stream_ = nullptr;
   bool any_ = false;
 };
 
-// A kernel the engine queued: on stream, before its event ev (null: queued while capturing a
-// graph). wait() makes the current stream wait, as torch's NCCL work does; is_completed()
-// asks the event, which a later op of the group may have recorded again (then it answers for
-// that op: later, never early).
+// A kernel the engine queued on stream (captured: queued while capturing a graph). wait()
+// makes the current stream wait, as torch's NCCL work does, and is_completed() asks, through
+// an event recorded on stream at the first call that needs one: it answers for everything
+// queued on stream by then (later, never early). Nothing is recorded for a caller that never
+// asks, as a synchronous op's caller on the same stream.
 class KernelWork : public c10d::Work {
  public:
-  KernelWork(std::vector<at::Tensor> result, cuda::Event ev, cuda::Stream stream, int device, c10d::OpType type);
+  KernelWork(std::vector<at::Tensor> result, cuda::Stream stream, int device, c10d::OpType type, bool captured);
+  ~KernelWork() override;
   bool isCompleted() override;
   bool isSuccess() const override;
   std::exception_ptr exception() const override { return nullptr; }
@@ -112,10 +119,13 @@ class KernelWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
  private:
+  cuda::Event mark();  // the event, recorded on stream_ at the first call (mu_ held)
   std::vector<at::Tensor> result_;
-  cuda::Event ev_;
+  std::mutex mu_;
+  cuda::Event ev_ = nullptr;
   cuda::Stream stream_;
   int device_;
+  bool captured_;
   std::atomic<bool> done_{false};
 };
 
@@ -187,14 +197,14 @@ class A2Path {
   // splits 0 takes host_splits (the host's, at most kMaxRanks); splits32: the splits (and
   // out_splits) are int32, else int64; out's out_rows rows are the capacity. Where out lies
   // in a receive buffer the peers write into it; elsewhere the rows pass through recv.
-  // Returns the op's event (null while capturing) and stream.
-  std::pair<cuda::Event, cuda::Stream> run_at(uint64_t in, int64_t in_rows, uint64_t splits, bool splits32,
-                                              const int64_t* host_splits, uint64_t out, int64_t out_rows,
-                                              uint64_t out_splits, int64_t row);
+  // Returns the op's stream and whether it was capturing.
+  std::pair<cuda::Stream, bool> run_at(uint64_t in, int64_t in_rows, uint64_t splits, bool splits32,
+                                       const int64_t* host_splits, uint64_t out, int64_t out_rows,
+                                       uint64_t out_splits, int64_t row);
   // run_at under the engine's lock, on device (the MoE path's exchanges and the engine's).
-  std::pair<cuda::Event, cuda::Stream> exchange(uint64_t in, int64_t in_rows, uint64_t splits, bool splits32,
-                                                const int64_t* host_splits, uint64_t out, int64_t out_rows,
-                                                uint64_t out_splits, int64_t row);
+  std::pair<cuda::Stream, bool> exchange(uint64_t in, int64_t in_rows, uint64_t splits, bool splits32,
+                                         const int64_t* host_splits, uint64_t out, int64_t out_rows,
+                                         uint64_t out_splits, int64_t row);
   // Record a receive buffer (every rank's, mapped here) in the table the kernel reads; its
   // number. No rank may use it before every rank has (the caller's collective).
   int add_output(const std::vector<uint64_t>& maps, int64_t nbytes);
