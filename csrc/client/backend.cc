@@ -662,8 +662,15 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
   {
     std::lock_guard<std::mutex> lock(cuda_mu_);
     k = ++k_[lane];
-    cuda::write_value(stream.stream(), ready, k);
-    if (!unpack.empty()) {
+    d.stream_value = k;
+    if (unpack.empty()) {
+      // The descriptor first: the sidecar takes it and queues its wait for ready >= k while
+      // this thread queues the write, so the hand-off's host steps overlap. Nothing can be
+      // reported done before the write below reached the GPU.
+      disp_->submit(std::move(p), d);
+      cuda::write_value(stream.stream(), ready, k);
+    } else {
+      cuda::write_value(stream.stream(), ready, k);
       // Queued before the descriptor goes out, so the unpack event is recorded before the
       // sidecar can report the op done (the completion waits for it).
       cuda::wait_value(stream.stream(), done, k);
@@ -671,9 +678,8 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
       ev = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
       ev->record(stream);
       p.unpacked = ev;
+      disp_->submit(std::move(p), d);
     }
-    d.stream_value = k;
-    disp_->submit(std::move(p), d);
   }
   const c10::DeviceIndex di = dev.index();
   if (ev) {
