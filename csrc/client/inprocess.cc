@@ -301,15 +301,22 @@ bool KernelWork::isSuccess() const {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> KernelWork::getFuture() {
-  if (!captured_) {
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-    std::lock_guard<std::mutex> lock(mu_);
-    cuda::event_sync(mark());
+  std::lock_guard<std::mutex> lock(mu_);
+  if (future_) {
+    return future_;
   }
-  done_ = true;
-  auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
-  fut->markCompleted(c10::IValue(result_));
-  return fut;
+  const auto type = c10::ListType::create(c10::TensorType::get());
+  if (captured_) {  // on the capturing stream: nothing to record or wait for outside the graph
+    future_ = c10::make_intrusive<c10::ivalue::Future>(type);
+    future_->markCompleted(c10::IValue(result_));
+    return future_;
+  }
+  const auto dev = static_cast<c10::DeviceIndex>(device_);
+  future_ = c10::make_intrusive<c10::ivalue::Future>(type, std::vector<c10::Device>{c10::Device(c10::kCUDA, dev)});
+  // markCompleted records its event on the current stream: the kernel's
+  c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream_), dev));
+  future_->markCompleted(c10::IValue(result_));
+  return future_;
 }
 
 // ----- all_reduce ---------------------------------------------------------------------------------

@@ -105,7 +105,10 @@ class StreamOrder {
 // makes the current stream wait, as torch's NCCL work does, and is_completed() asks, through
 // an event recorded on stream at the first call that needs one: it answers for everything
 // queued on stream by then (later, never early). Nothing is recorded for a caller that never
-// asks, as a synchronous op's caller on the same stream.
+// asks, as a synchronous op's caller on the same stream. get_future() is a CUDA future,
+// completed at once with an event on stream, as ProcessGroupNCCL's: its wait() and then()
+// order the caller's streams after the kernel and never block the host (DDP's hooks take it
+// right after each bucket's all_reduce).
 class KernelWork : public c10d::Work {
  public:
   KernelWork(std::vector<at::Tensor> result, cuda::Stream stream, int device, c10d::OpType type, bool captured);
@@ -123,6 +126,7 @@ class KernelWork : public c10d::Work {
   std::vector<at::Tensor> result_;
   std::mutex mu_;
   cuda::Event ev_ = nullptr;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
   cuda::Stream stream_;
   int device_;
   bool captured_;

@@ -276,7 +276,8 @@ def check_stream_semantics(rk, seed):
         for i, t in enumerate(ts):
             ck.expect(f"async {i}", torch.all(t == i * n).item(), f"got {t[:2].tolist()}")
         works[-1].get_future().wait()
-        ck.expect("is_completed after future", works[-1].is_completed())
+        torch.cuda.synchronize(dev)  # the kernel path's future orders streams, as NCCL's
+        ck.expect("is_completed after future and a sync", works[-1].is_completed())
     with ck.case("tensor dropped before the op finished; memory reused"):
         for i in range(20):
             t = torch.full((1 << 18,), 1.0, device=dev)
@@ -443,7 +444,8 @@ def check_allreduce_inprocess(rk, seed):
         t = torch.full((1 << 16,), 1.0, device=dev, dtype=torch.bfloat16)
         w = dist.all_reduce(t, async_op=True)
         w.get_future().wait()
-        ck.expect("is_completed after future", w.is_completed())
+        torch.cuda.synchronize(dev)  # the future orders streams, as NCCL's: the host syncs here
+        ck.expect("is_completed after future and a sync", w.is_completed())
         ck.expect("async result", bool(torch.all(t == n).item()))
     if path is not None:
         ck.expect("no kernel gave up", not path.failed())
@@ -1107,6 +1109,47 @@ def test_inprocess_kernel_timeout(worlds, seed):
     ranks share it through CUDA IPC)."""
     with worlds.fresh(2, label="kernel-timeout", env={"GOCOMM_TRANSPORT": "nvshmem"}) as w:
         w.run(check_kernel_timeout, seed=seed, timeout=RUN_LIMIT_S)
+
+
+def check_kernel_future(rk, seed):
+    """The in-process all_reduce's Work: get_future() returns at once while the kernel waits
+    behind a long kernel on the stream (ProcessGroupNCCL's CUDA future: DDP takes it right
+    after each bucket's all_reduce), is_completed() is False then, and the future's value and
+    a then() callback see the sum once the caller's stream is ordered after it."""
+    dev = torch.device("cuda", rk.rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    ck = Checker("in-process future", seed, rk.rank)
+    n = rk.size
+    xs = [gen(seed, "future", r, 1 << 14, torch.float32) for r in range(n)]
+    want = torch.stack([x.double() for x in xs]).sum(0)
+    x = xs[rk.rank].to(dev)
+    warm = torch.ones(4096, device=dev)
+    dist.all_reduce(warm)  # sets the path up (collective)
+    torch.cuda.synchronize()
+    ck.expect("in-process", _state(dist.group.WORLD)._ref.get().ar_path(dev.index) is not None, "no kernel path")
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time ahead of the op on this stream
+    w = dist.all_reduce(x, async_op=True)
+    t0 = time.monotonic()
+    fut = w.get_future()
+    took = time.monotonic() - t0
+    ck.expect("get_future returns without waiting for the GPU", took < 0.1, f"{took * 1000:.1f} ms")
+    ck.expect("not completed while the stream is busy", not w.is_completed())
+    doubled = fut.then(lambda f: f.value()[0] * 2)
+    got = fut.wait()[0]  # orders this stream after the kernel; the host does not wait
+    twice = doubled.wait()
+    torch.cuda.synchronize(dev)
+    ck.expect("completed after a sync", w.is_completed())
+    err = (got.double().cpu() - want).abs().max().item()
+    ck.expect("future value is the sum", err < 1e-3, f"max error {err}")
+    err2 = (twice.double().cpu() - 2 * want).abs().max().item()
+    ck.expect("then() sees the sum", err2 < 2e-3, f"max error {err2}")
+    return ck.done()
+
+
+def test_inprocess_future(worlds, seed):
+    """2 ranks with the in-process all_reduce forced (on one GPU they share it through CUDA IPC)."""
+    with worlds.fresh(2, label="kernel-future", env={"GOCOMM_TRANSPORT": "nvshmem"}) as w:
+        w.run(check_kernel_future, seed=seed, timeout=RUN_LIMIT_S)
 
 
 def check_transport(rk, want):
