@@ -248,16 +248,39 @@ void StreamOrder::before(cuda::Stream stream) {
     return;
   }
   if (any_) {
-    cuda::event_record(ev_, stream_);
+    if (!recorded_) {
+      cuda::event_record(ev_, stream_);
+    }
     cuda::stream_wait_event(stream, ev_);  // takes the record as it is now
   }
   stream_ = stream;
   any_ = true;
+  recorded_ = false;
+}
+
+void StreamOrder::after(cuda::Stream stream, bool lasting) {
+  recorded_ = !lasting;
+  if (recorded_) {
+    cuda::event_record(ev_, stream);
+  }
+}
+
+bool lasting_stream(int device) {
+  const auto dev = static_cast<c10::DeviceIndex>(device);
+  const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(dev);
+  // an external stream's id is the one getStreamFromExternal gives its handle; torch's own
+  // streams have ids of their pools (the default stream's handle is null)
+  return cur.stream() == nullptr || cur.id() != c10::cuda::getStreamFromExternal(cur.stream(), dev).id();
 }
 
 KernelWork::KernelWork(std::vector<at::Tensor> result, cuda::Stream stream, int device, c10d::OpType type,
-                       bool captured)
-    : c10d::Work(-1, type), result_(std::move(result)), stream_(stream), device_(device), captured_(captured) {}
+                       bool captured, bool lasting)
+    : c10d::Work(-1, type), result_(std::move(result)), stream_(stream), device_(device), captured_(captured) {
+  if (!captured_ && !lasting) {
+    std::lock_guard<std::mutex> lock(mu_);
+    mark();
+  }
+}
 
 KernelWork::~KernelWork() {
   if (ev_ != nullptr) {
@@ -393,7 +416,12 @@ c10::intrusive_ptr<c10d::Work> ArPath::run(const at::Tensor& t, uint8_t redop) {
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(blocks_, (int64_t(a_.nvec) + per_block - 1) / per_block));
   void* arg = &a_;
   cuda::launch(fn_.at({one, t.scalar_type()}), unsigned(grid), kArThreads, 0, stream, &arg);
-  return c10::make_intrusive<KernelWork>(std::vector<at::Tensor>{t}, stream, device_, c10d::OpType::ALLREDUCE, cap);
+  const bool lasting = lasting_stream(device_);
+  if (!cap) {
+    order_.after(stream, lasting);
+  }
+  return c10::make_intrusive<KernelWork>(std::vector<at::Tensor>{t}, stream, device_, c10d::OpType::ALLREDUCE, cap,
+                                         lasting);
 }
 
 // ----- all_to_all_v -------------------------------------------------------------------------------
@@ -475,6 +503,9 @@ std::pair<cuda::Stream, bool> A2Path::run_at(uint64_t in, int64_t in_rows, uint6
   }
   void* arg = &a_;
   cuda::launch(fn_, unsigned(grid_), unsigned(threads_), 0, stream, &arg);
+  if (!cap) {
+    order_.after(stream, lasting_stream(device_));
+  }
   return {stream, cap};
 }
 
@@ -646,7 +677,7 @@ c10::intrusive_ptr<c10d::Work> Engine::all_to_all_single(const at::Tensor& outpu
                                  reinterpret_cast<uint64_t>(output.data_ptr()), output.size(0), 0, row);
   record("all_to_all_single", input, path->device());
   return c10::make_intrusive<KernelWork>(std::vector<at::Tensor>{output}, es.first, path->device(),
-                                         c10d::OpType::ALLTOALL_BASE, es.second);
+                                         c10d::OpType::ALLTOALL_BASE, es.second, lasting_stream(path->device()));
 }
 
 std::pair<at::Tensor, at::Tensor> Engine::all_to_all_v(A2Path& path, const at::Tensor& input,

@@ -90,28 +90,40 @@ class StreamOrder {
   StreamOrder(const StreamOrder&) = delete;
   StreamOrder& operator=(const StreamOrder&) = delete;
   // Called before each op (not while capturing): where stream is not the previous op's, it
-  // waits for everything queued so far on that one (the previous op and whatever followed
-  // it: ordered later, never earlier). No event is recorded per op, only at a change of
-  // stream.
+  // waits for that one's work: an event recorded on it now (everything queued there so far:
+  // ordered later, never earlier), or right after the previous op where that stream may not
+  // outlive it (after()). No event is recorded per op on torch's own streams.
   void before(cuda::Stream stream);
+  // Called after each op (not while capturing); lasting: lasting_stream(stream).
+  void after(cuda::Stream stream, bool lasting);
 
  private:
   cuda::Event ev_;
   cuda::Stream stream_ = nullptr;
   bool any_ = false;
+  bool recorded_ = false;  // ev_ holds the record after the last op on stream_
 };
+
+// Whether the current stream of device is torch's own (its default stream or one of its
+// pools', kept for the process's life), so an event may be recorded on it later. A stream
+// torch wraps from another library (torch.cuda.ExternalStream) may be destroyed by its owner
+// once the call returned.
+bool lasting_stream(int device);
 
 // A kernel the engine queued on stream (captured: queued while capturing a graph). wait()
 // makes the current stream wait, as torch's NCCL work does, and is_completed() asks, through
 // an event recorded on stream at the first call that needs one: it answers for everything
 // queued on stream by then (later, never early). Nothing is recorded for a caller that never
-// asks, as a synchronous op's caller on the same stream. get_future() is a CUDA future,
+// asks, as a synchronous op's caller on the same stream (on torch's own streams: one that may
+// not outlive the call gets its event at once). get_future() is a CUDA future,
 // completed at once with an event on stream, as ProcessGroupNCCL's: its wait() and then()
 // order the caller's streams after the kernel and never block the host (DDP's hooks take it
 // right after each bucket's all_reduce).
 class KernelWork : public c10d::Work {
  public:
-  KernelWork(std::vector<at::Tensor> result, cuda::Stream stream, int device, c10d::OpType type, bool captured);
+  // lasting: lasting_stream(device); where not, the event is recorded now.
+  KernelWork(std::vector<at::Tensor> result, cuda::Stream stream, int device, c10d::OpType type, bool captured,
+             bool lasting);
   ~KernelWork() override;
   bool isCompleted() override;
   bool isSuccess() const override;

@@ -4,6 +4,7 @@ device machine with `make test-gpu`). Each rank uses GPU rank % device_count."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import signal
@@ -1115,7 +1116,9 @@ def check_kernel_future(rk, seed):
     """The in-process all_reduce's Work: get_future() returns at once while the kernel waits
     behind a long kernel on the stream (ProcessGroupNCCL's CUDA future: DDP takes it right
     after each bucket's all_reduce), is_completed() is False then, and the future's value and
-    a then() callback see the sum once the caller's stream is ordered after it."""
+    a then() callback see the sum once the caller's stream is ordered after it; an op on a
+    stream torch does not own, destroyed after the op, leaves the next op on another stream
+    unharmed."""
     dev = torch.device("cuda", rk.rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
     ck = Checker("in-process future", seed, rk.rank)
@@ -1143,6 +1146,24 @@ def check_kernel_future(rk, seed):
     ck.expect("future value is the sum", err < 1e-3, f"max error {err}")
     err2 = (twice.double().cpu() - 2 * want).abs().max().item()
     ck.expect("then() sees the sum", err2 < 2e-3, f"max error {err2}")
+    with ck.case("an external stream destroyed after its op"):
+        # the next op on another stream must not record on it (it may be gone by then)
+        rt = ctypes.CDLL("libcudart.so.13")  # loaded by torch already
+        h = ctypes.c_void_p()
+        ck.expect("stream made", rt.cudaStreamCreateWithFlags(ctypes.byref(h), 1) == 0)
+        ext = torch.cuda.ExternalStream(h.value, device=dev)
+        y = xs[rk.rank].to(dev)
+        ext.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(ext):
+            dist.all_reduce(y)
+        torch.cuda.synchronize(dev)
+        ck.expect("stream destroyed", rt.cudaStreamDestroy(h) == 0)
+        z = xs[rk.rank].to(dev)
+        dist.all_reduce(z)  # on the current stream again: ordered after the gone stream's op
+        torch.cuda.synchronize(dev)
+        for name, t in (("on the external stream", y), ("after it was destroyed", z)):
+            e = (t.double().cpu() - want).abs().max().item()
+            ck.expect(name, e < 1e-3, f"max error {e}")
     return ck.done()
 
 
