@@ -61,6 +61,17 @@ std::function<void(int, const std::string&)> logger(py::object log) {
   };
 }
 
+// The control plane's ShmemID rpc, rpc(device, id) -> id (bytes), as the client calls it (once
+// per group, at its first call of the sidecar's NVSHMEM kernel).
+gocomm::ShmemRpc shmem_rpc(py::object rpc) {
+  auto f = hold(std::move(rpc));
+  return [f](int device, const std::vector<uint8_t>& id) {
+    py::gil_scoped_acquire gil;
+    auto out = (*f)(device, py::bytes(reinterpret_cast<const char*>(id.data()), id.size())).cast<std::string>();
+    return std::vector<uint8_t>(out.begin(), out.end());
+  };
+}
+
 // Python's OverflowError, thrown from C++: torch's error translation (which its ops' callers
 // go through) raises an exception of python_type().
 struct OverflowError : torch::PyTorchError {
@@ -331,6 +342,16 @@ PYBIND11_MODULE(_C, m) {
   routes.attr("SIDECAR_NCCL") = gocomm::kSidecarNccl;
   routes.attr("SIDECAR_NVSHMEM") = gocomm::kSidecarNvshmem;
   routes.attr("HOST") = gocomm::kHost;
+  m.def(
+      "exchange_shmem_id",
+      [](c10::intrusive_ptr<c10d::Store> store, int rank, const std::string& group, int device, py::object rpc) {
+        auto f = shmem_rpc(std::move(rpc));
+        py::gil_scoped_release nogil;  // the Store waits for rank 0
+        gocomm::exchange_shmem_id(*store, rank, group, device, f);
+      },
+      py::arg("store"), py::arg("rank"), py::arg("group"), py::arg("device"), py::arg("rpc"),
+      "Carry a group's NVSHMEM unique id through its Store, as its backend does at its first call of the "
+      "sidecar's NVSHMEM kernel: rpc(device, id) is the ShmemID rpc (tests).");
   m.def("host_id", &gocomm::host_id, "What tells this host from another (boot id / the /dev/shm mount's device).");
 
   py::class_<gocomm::Backend, c10d::Backend, c10::intrusive_ptr<gocomm::Backend>>(m, "Backend")
@@ -338,7 +359,8 @@ PYBIND11_MODULE(_C, m) {
                        std::array<uint32_t, 2> counter_base, double timeout_s, const std::string& name,
                        const std::string& cuda_refusal, std::shared_ptr<gocomm::Routes> routes,
                        const py::dict& inprocess, py::object log, py::object on_shutdown, py::object on_abort,
-                       py::object state, bool world, py::object nvshmem_setup) {
+                       py::object state, bool world, c10::intrusive_ptr<c10d::Store> store,
+                       py::object shmem_id) {
              gocomm::Backend::Config cfg;
              cfg.rank = rank;
              cfg.size = size;
@@ -377,12 +399,9 @@ PYBIND11_MODULE(_C, m) {
                }
              }
              cfg.world = world;
-             if (given(nvshmem_setup)) {
-               auto f = hold(std::move(nvshmem_setup));
-               cfg.nvshmem_setup = [f](int device) {
-                 py::gil_scoped_acquire gil;
-                 (*f)(device);
-               };
+             if (given(shmem_id)) {
+               cfg.store = std::move(store);
+               cfg.shmem_id = shmem_rpc(std::move(shmem_id));
              }
              auto b = c10::make_intrusive<gocomm::Backend>(std::move(disp), std::move(cfg));
              b->user = hold(std::move(state));
@@ -391,7 +410,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("dispatcher"), py::arg("rank"), py::arg("size"), py::arg("handle"), py::arg("slot"),
            py::arg("counter_base"), py::arg("timeout_s"), py::arg("name"), py::arg("cuda_refusal"),
            py::arg("routes"), py::arg("inprocess"), py::arg("log"), py::arg("on_shutdown"), py::arg("on_abort"),
-           py::arg("state"), py::arg("world") = false, py::arg("nvshmem_setup") = py::none())
+           py::arg("state"), py::arg("world") = false, py::arg("store") = nullptr, py::arg("shmem_id") = py::none())
       .def_property_readonly("state",
                              [](gocomm::Backend& b) -> py::object {
                                auto p = std::static_pointer_cast<py::object>(b.user);

@@ -148,10 +148,6 @@ class _Group:
         # out), reported on the watch stream before any op of this rank may have failed
         self._sidecar_broken: str | None = None
         self._sc.on_group_broken(self._handle, self._sidecar_broke)
-        # the group's Store, for the NVSHMEM unique id of the sidecar's all_to_all_v kernel
-        # (_shmem_id), handed over at the group's first such op (the compiled client calls it)
-        self._store = store
-        self._shmem_ready = False
         # the slot's counters never go back: a group counts on from where its previous
         # group left them (docs/decisions/0004)
         base = list(resp.counter_base) if len(resp.counter_base) == 2 else [0, 0]
@@ -172,7 +168,10 @@ class _Group:
             self._abort,
             self,
             world=world,  # the sidecar's NVSHMEM all_to_all_v kernel serves the world group only
-            nvshmem_setup=lambda idx: self._shmem_id(torch.device("cuda", idx)),
+            # the NVSHMEM unique id of that kernel travels through the group's Store, at its
+            # first call (the compiled client's exchange_shmem_id), handed over by _shmem_id
+            store=store,
+            shmem_id=self._shmem_id,
         )
         self._ref = _client.C.BackendRef(backend)
         _client.C.set_launch_capacity(self._sc.trace_size)
@@ -230,36 +229,14 @@ class _Group:
         b = self._ref.get()
         return None if b is None else b.a2av_path(idx)
 
-    def _shmem_id(self, device: torch.device) -> None:
-        """Carry the group's NVSHMEM unique id from rank 0's sidecar (the bootstrap's root,
-        which makes it) to every other rank's through the group's torch Store. Collective:
-        each rank calls it before the group's first all_to_all_v in the sidecar's NVSHMEM
-        kernel, which makes the PE with the id (the compiled client calls it there, once: the
-        backend's nvshmem_setup). A rank 0 that cannot make one says so through the Store, so
-        the other ranks raise at once instead of at the Store's timeout."""
-        if self._shmem_ready:
-            return
+    def _shmem_id(self, idx: int, uid: bytes) -> bytes:
+        """The ShmemID rpc of the sidecar's NVSHMEM all_to_all_v kernel on device idx, which
+        the compiled client calls on every rank once, carrying the id through the group's Store
+        (Backend::nvshmem_ready): rank 0's sidecar makes the unique id (uid empty), every
+        other rank's is handed rank 0's."""
         self._need_slot("all_to_all_v")
-        self._sc.attach_device(device)
-        key = "gocomm/nvshmem_uid"
-        req = pb.ShmemIDRequest(session=self._sc.session, group=self._handle)
-        if self._rank == 0:
-            try:
-                uid = self._sc.call("ShmemID", req).id
-            except BaseException:
-                self._store.set(key, b"")
-                raise
-            self._store.set(key, uid)
-        else:
-            uid = self._store.get(key)
-            if not uid:
-                raise RuntimeError(
-                    f"gocomm all_to_all_v on group {self._group_name!r}: rank 0 could not make the NVSHMEM "
-                    "unique id (its error says why)"
-                )
-            req.id = uid
-            self._sc.call("ShmemID", req)
-        self._shmem_ready = True
+        self._sc.attach_device(torch.device("cuda", idx))
+        return self._sc.call("ShmemID", pb.ShmemIDRequest(session=self._sc.session, group=self._handle, id=uid)).id
 
     # ----- lifetime -------------------------------------------------------------------------
 
