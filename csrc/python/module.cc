@@ -250,7 +250,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<gocomm::Dispatcher, std::shared_ptr<gocomm::Dispatcher>>(m, "Dispatcher")
       .def(py::init([](const std::string& ring_path, size_t ring_bytes, py::object grow, size_t first_segment,
                        py::object attach_device, const std::string& fd_socket, uint64_t session,
-                       const std::string& fd_token) {
+                       const std::string& fd_token, int rank, py::object log) {
              gocomm::Dispatcher::Config cfg;
              cfg.fd_socket = fd_socket;
              cfg.session = session;
@@ -265,14 +265,18 @@ PYBIND11_MODULE(_C, m) {
                return gocomm::Arena::NewSegment{std::get<0>(t), std::get<1>(t), std::get<2>(t)};
              };
              auto a = hold(std::move(attach_device));
-             cfg.attach_device = [a](int device) {
+             cfg.attach_device = [a](int device, const std::array<uint8_t, 16>& uuid) {
                py::gil_scoped_acquire gil;
-               return (*a)(device).cast<uint64_t>();
+               return (*a)(device, py::bytes(reinterpret_cast<const char*>(uuid.data()), uuid.size()))
+                   .cast<std::string>();
              };
+             cfg.rank = rank;
+             cfg.log = logger(std::move(log));
              return std::make_shared<gocomm::Dispatcher>(std::move(cfg));
            }),
            py::arg("ring_path"), py::arg("ring_bytes"), py::arg("grow"), py::arg("first_segment"),
-           py::arg("attach_device"), py::arg("fd_socket") = "", py::arg("session") = 0, py::arg("fd_token") = "")
+           py::arg("attach_device"), py::arg("fd_socket") = "", py::arg("session") = 0, py::arg("fd_token") = "",
+           py::arg("rank") = 0, py::arg("log") = py::none())
       .def("fail_all", &gocomm::Dispatcher::fail_all, py::call_guard<py::gil_scoped_release>(),
            "Fail every op in flight with 'gocomm <op>: why', refuse new ones, release the stream counters.")
       .def("close", &gocomm::Dispatcher::close, py::call_guard<py::gil_scoped_release>())
@@ -527,20 +531,6 @@ PYBIND11_MODULE(_C, m) {
       "Raise what padded moe.dispatch calls on device found on the GPU since the last call, one error per call "
       "(the other stays for the next): OverflowError (a rank was sent more than its bound), ValueError (an id "
       "outside [-1, experts)).");
-  m.def(
-      "cuda_open_ipc",
-      [](py::bytes handle, int device) {
-        std::string h = handle;
-        if (h.size() != 64) {
-          throw py::value_error("a CUDA IPC handle is 64 bytes");
-        }
-        py::gil_scoped_release nogil;
-        c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-        gocomm::cuda::ensure_context(device);
-        return gocomm::cuda::ipc_open(reinterpret_cast<const uint8_t*>(h.data()));
-      },
-      "Map another process's allocation by its CUDA IPC handle on device; its address here.");
-  m.def("cuda_mps_client", &gocomm::cuda::mps_client, "Whether contexts on device are MPS clients.");
   m.def(
       "cuda_ipc_probe",
       [](int device) {

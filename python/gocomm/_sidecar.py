@@ -147,8 +147,6 @@ class Sidecar:
         first = next(self._watch)
         if first.kind != "attached":
             raise SidecarError(f"pgserver answered the watch with {first.kind!r}")
-        self._device: torch.device | None = None
-        self.mps = False
         # the session's data plane: ring, arena (its first segment now), IPC registrations, and
         # the fd socket that takes the chunks of expandable segments (decision 0029)
         self.fd_socket, self.fd_token = resp.fd_socket, resp.fd_token
@@ -161,6 +159,8 @@ class Sidecar:
             fd_socket=resp.fd_socket,
             session=self.session,
             fd_token=resp.fd_token,
+            rank=rank,
+            log=log.log,
         )
         threading.Thread(target=self._watch_loop, name="gocomm-watch", daemon=True).start()
 
@@ -251,34 +251,14 @@ class Sidecar:
         idx = device.index if device.index is not None else torch.cuda.current_device()
         return self.client.counters(idx)
 
-    def _attach(self, idx: int) -> int:
-        """attach_device's rpc, called by the client the first time it needs the GPU."""
+    def _attach(self, idx: int, uuid: bytes) -> bytes:
+        """attach_device's rpc, AttachDevice, made by the client the first time it needs the
+        GPU (cuda:idx, of that UUID): the IPC handle of the groups' stream counters, which the
+        client maps (csrc/client/dispatcher.cc, Dispatcher::attach)."""
         if not self.info.cuda_available:
             raise NotImplementedError(f"gocomm: pgserver cannot run CUDA ops here: {self.info.cuda_error}")
-        device = torch.device("cuda", idx)
-        with torch.cuda.device(device):
-            torch.cuda.init()
-            resp = self.call(
-                "AttachDevice",
-                pb.AttachDeviceRequest(session=self.session, device_uuid=_device_uuid(device)),
-            )
-            counters = _client.C.cuda_open_ipc(resp.counters_handle, idx)
-            self.mps = _client.C.cuda_mps_client(idx)
-        self._device = device
-        if self.mps:
-            log.info(
-                "gocomm: rank %d is an MPS client: a hand-off to its sidecar costs ~10 us back to back, "
-                "~19 us alone (measured on H200, docs/decisions/0002-mps.md)",
-                self.rank,
-            )
-        else:
-            log.warning(
-                "gocomm: rank %d is not an MPS client: each op's hand-off to its sidecar costs a GPU context "
-                "switch (~0.29 ms measured on H200, vs ~10-19 us under MPS). Start the job with "
-                "`python -m gocomm.launch --mps -- <torchrun args>`.",
-                self.rank,
-            )
-        return counters
+        req = pb.AttachDeviceRequest(session=self.session, device_uuid=uuid)
+        return self.call("AttachDevice", req).counters_handle
 
     def cuda_segments(self) -> dict:
         """This client's CUDA allocations as the sidecar maps them: registered (and not
@@ -422,16 +402,6 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
-
-
-def _device_uuid(device: torch.device) -> bytes:
-    """The 16-byte UUID of a CUDA device, as the driver reports it."""
-    u = torch.cuda.get_device_properties(device).uuid
-    b = getattr(u, "bytes", None)
-    if isinstance(b, (bytes, bytearray)) and len(b) == 16:
-        return bytes(b)
-    s = str(u).removeprefix("GPU-").replace("-", "")
-    return bytes.fromhex(s)
 
 
 def _nccl_path() -> str:
