@@ -25,6 +25,7 @@
 #include "ipc_cache.h"
 #include "moe.h"
 #include "moe_kernels.h"
+#include "process.h"
 #include "routes.h"
 #include "wire.h"
 
@@ -356,6 +357,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("store"), py::arg("rank"), py::arg("group"), py::arg("device"), py::arg("rpc"),
       "Carry a group's NVSHMEM unique id through its Store, as its backend does at its first call of the "
       "sidecar's NVSHMEM kernel: rpc(device, id) is the ShmemID rpc (tests).");
+  m.def("nccl_path", &gocomm::nccl_path,
+        "The libnccl this process has loaded (torch's), else the one torch's wheel would load, else \"\".");
   m.def("host_id", &gocomm::host_id, "What tells this host from another (boot id / the /dev/shm mount's device).");
 
   py::class_<gocomm::Backend, c10d::Backend, c10::intrusive_ptr<gocomm::Backend>>(m, "Backend")

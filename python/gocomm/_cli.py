@@ -32,9 +32,9 @@ def _probe(exe: str, *args: str) -> tuple[str, str]:
     would report to this process at attach, naming the NCCL this torch loads."""
     import torch
 
-    from . import _sidecar
+    from . import _client
 
-    nccl = _sidecar._nccl_path() if torch.cuda.is_available() else ""
+    nccl = _client.C.nccl_path() if torch.cuda.is_available() else ""
     try:
         r = subprocess.run([exe, "info", "--nccl", nccl, *args], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:

@@ -126,7 +126,7 @@ class Sidecar:
         self._wait_ready()
         self.info = self.call("Info", pb.InfoRequest())
         self._check_version(self.info.version)
-        nccl = _nccl_path() if self.info.cuda_available and torch.cuda.is_available() else ""
+        nccl = _client.C.nccl_path() if self.info.cuda_available and torch.cuda.is_available() else ""
         resp = self.call("Attach", pb.AttachRequest(client_pid=os.getpid(), rank=rank, nccl_path=nccl))
         self.session = resp.session
         # how all_to_all_v of this process's CUDA tensors moves, chosen by the sidecar at attach
@@ -402,24 +402,3 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
-
-
-def _nccl_path() -> str:
-    """The libnccl this process has loaded (torch's), else the one torch's wheel ships, else ""."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.split()[-1] if line.strip() else ""
-                if os.path.basename(path).startswith("libnccl.so"):
-                    return path
-    except OSError:
-        pass
-    try:
-        import nvidia.nccl as nv
-
-        cand = os.path.join(list(nv.__path__)[0], "lib", "libnccl.so.2")
-        if os.path.exists(cand):
-            return cand
-    except ImportError:
-        pass
-    return ""

@@ -193,3 +193,20 @@ def test_attached_sidecar_knobs_are_its_own(fresh, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_nccl_path_is_the_loaded_one():
+    """The NCCL the shim names to its sidecar at attach (the compiled client's nccl_path): the
+    libnccl this process loaded with torch, as /proc/self/maps names it; where none is loaded,
+    the NCCL wheel's beside torch, or none."""
+    from gocomm._client import C
+
+    with open("/proc/self/maps") as f:
+        loaded = [
+            p for p in (line.split()[-1] for line in f if line.strip()) if os.path.basename(p).startswith("libnccl.so")
+        ]
+    got = C.nccl_path()
+    if loaded:
+        assert got == loaded[0], (got, loaded)
+    else:
+        assert got == "" or (os.path.exists(got) and os.path.basename(got) == "libnccl.so.2"), got
