@@ -365,7 +365,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](std::shared_ptr<gocomm::Dispatcher> disp, int rank, int size, uint32_t handle, int slot,
                        std::array<uint32_t, 2> counter_base, double timeout_s, const std::string& name,
                        const std::string& cuda_refusal, std::shared_ptr<gocomm::Routes> routes,
-                       const py::dict& inprocess, py::object log, py::object on_shutdown, py::object on_abort,
+                       py::object knobs, py::object a2a, py::object log, py::object on_shutdown, py::object on_abort,
                        py::object state, bool world, c10::intrusive_ptr<c10d::Store> store,
                        py::object shmem_id) {
              gocomm::Backend::Config cfg;
@@ -378,23 +378,17 @@ PYBIND11_MODULE(_C, m) {
              cfg.name = name;
              cfg.cuda_refusal = cuda_refusal;
              cfg.routes = std::move(routes);
+             // the in-process engine's settings: the knobs the sidecar read for the client
+             // (pb.ClientKnobs) and its sparse all-to-all's (pb.A2AConfig), which the kernel shares
              auto& st = cfg.inprocess;
-             for (auto [key, dst] : {std::pair{"ar_max", &st.ar_max}, std::pair{"ar_stage", &st.ar_stage},
-                                     std::pair{"ar_oneshot", &st.ar_oneshot},
-                                     std::pair{"a2a_recv_bytes", &st.a2a_recv_bytes}}) {
-               if (inprocess.contains(key)) {
-                 *dst = inprocess[key].cast<int64_t>();
-               }
-             }
-             for (auto [key, dst] : {std::pair{"ar_blocks", &st.ar_blocks}, std::pair{"a2a_threads", &st.a2a_threads},
-                                     std::pair{"a2a_blocks", &st.a2a_blocks}}) {
-               if (inprocess.contains(key)) {
-                 *dst = inprocess[key].cast<int>();
-               }
-             }
-             if (inprocess.contains("a2av")) {
-               st.a2av = inprocess["a2av"].cast<bool>();
-             }
+             st.ar_max = knobs.attr("ar_max").cast<int64_t>();
+             st.ar_stage = knobs.attr("ar_stage").cast<int64_t>();
+             st.ar_oneshot = knobs.attr("ar_oneshot").cast<int64_t>();
+             st.ar_blocks = knobs.attr("ar_blocks").cast<int>();
+             st.a2av = knobs.attr("a2av_inprocess").cast<bool>();
+             st.a2a_recv_bytes = a2a.attr("recv_bytes").cast<int64_t>();
+             st.a2a_threads = a2a.attr("threads").cast<int>();
+             st.a2a_blocks = a2a.attr("blocks").cast<int>();
              cfg.log = logger(std::move(log));
              for (auto [src, dst] : {std::pair{&on_shutdown, &cfg.on_shutdown}, std::pair{&on_abort, &cfg.on_abort}}) {
                if (given(*src)) {
@@ -416,7 +410,7 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("dispatcher"), py::arg("rank"), py::arg("size"), py::arg("handle"), py::arg("slot"),
            py::arg("counter_base"), py::arg("timeout_s"), py::arg("name"), py::arg("cuda_refusal"),
-           py::arg("routes"), py::arg("inprocess"), py::arg("log"), py::arg("on_shutdown"), py::arg("on_abort"),
+           py::arg("routes"), py::arg("knobs"), py::arg("a2a"), py::arg("log"), py::arg("on_shutdown"), py::arg("on_abort"),
            py::arg("state"), py::arg("world") = false, py::arg("store") = nullptr, py::arg("shmem_id") = py::none())
       .def_property_readonly("state",
                              [](gocomm::Backend& b) -> py::object {
@@ -430,6 +424,18 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("closed", &gocomm::Backend::closed)
       .def_property_readonly("world", [](gocomm::Backend& b) { return b.config().world; },
                              "Whether this is the default group's backend.")
+      .def_property_readonly(
+          "settings",
+          [](gocomm::Backend& b) {
+            const auto& c = b.config();
+            const auto& st = c.inprocess;
+            return py::dict(py::arg("cuda_refusal") = c.cuda_refusal, py::arg("ar_max") = st.ar_max,
+                            py::arg("ar_stage") = st.ar_stage, py::arg("ar_oneshot") = st.ar_oneshot,
+                            py::arg("ar_blocks") = st.ar_blocks, py::arg("a2av") = st.a2av,
+                            py::arg("a2a_recv_bytes") = st.a2a_recv_bytes, py::arg("a2a_threads") = st.a2a_threads,
+                            py::arg("a2a_blocks") = st.a2a_blocks);
+          },
+          "What the backend took from the sidecar at attach: the CUDA refusal and the in-process engine's settings.")
       .def(
           "a2av_path",
           [](gocomm::Backend& b, int device) { return b.engine().a2av_path(device); },

@@ -160,9 +160,10 @@ class _Group:
             base,
             self._timeout,
             group_name,
-            _cuda_refusal(self._sc),
+            self._sc.cuda_refusal,
             self._routes,
-            _inprocess_settings(self._sc),
+            self._sc.knobs,  # the in-process engine's settings, as the sidecar read them
+            self._sc.a2a,
             log.log,
             self._destroy,
             self._abort,
@@ -288,32 +289,6 @@ class _Group:
 
     def __repr__(self) -> str:
         return f"gocomm group(rank={self._rank}, size={self._size}, name={self._group_name!r})"
-
-
-def _inprocess_settings(sc: _sidecar.Sidecar) -> dict:
-    """What the in-process engine takes from the knobs, as the sidecar read them (the same on
-    every rank; its setup checks the launch shapes)."""
-    k = sc.knobs
-    return {
-        "ar_max": k.ar_max,
-        "ar_stage": k.ar_stage,
-        "ar_oneshot": k.ar_oneshot,
-        "ar_blocks": k.ar_blocks,
-        "a2av": k.a2av_inprocess,
-        "a2a_recv_bytes": sc.a2a.recv_bytes,
-        "a2a_threads": sc.a2a.threads,
-        "a2a_blocks": sc.a2a.blocks,
-    }
-
-
-def _cuda_refusal(sc: _sidecar.Sidecar) -> str:
-    """Why CUDA tensors cannot be served ("" where they can): the tail of the
-    NotImplementedError a CUDA tensor raises before anything is sent."""
-    if not sc.knobs.cuda:  # GOCOMM_CUDA=0
-        return "and gocomm's CUDA engine is turned off (GOCOMM_CUDA=0)"
-    if not sc.info.cuda_available:
-        return f"but this rank's pgserver cannot run CUDA ops: {sc.info.cuda_error}"
-    return ""
 
 
 def state(pg) -> _Group | None:

@@ -140,6 +140,8 @@ class Sidecar:
         if not (resp.HasField("a2a") and resp.HasField("knobs")):
             raise SidecarError(f"pgserver on {self.socket} reported no settings at attach: older than this shim?")
         self.a2a, self.knobs = resp.a2a, resp.knobs
+        # why this client's CUDA tensors cannot be served ("" where they can): the sidecar's word
+        self.cuda_refusal = resp.cuda_refusal
         # GOCOMM_TRACE_BUFFER_SIZE as the sidecar read it: the shim's kernel launch record uses it too
         self.trace_size = resp.trace_buffer_size
         self.info = self.call("Info", pb.InfoRequest())  # now naming that choice
