@@ -144,10 +144,6 @@ class _Group:
             pb.ConnectGroupRequest(session=self._sc.session, group=self._handle, bootstrap=blobs, secret=secret),
         )
         self.transport = conn.transport
-        # the sidecar's word that the group broke (a peer died or went silent, an op timed
-        # out), reported on the watch stream before any op of this rank may have failed
-        self._sidecar_broken: str | None = None
-        self._sc.on_group_broken(self._handle, self._sidecar_broke)
         # the slot's counters never go back: a group counts on from where its previous
         # group left them (docs/decisions/0004)
         base = list(resp.counter_base) if len(resp.counter_base) == 2 else [0, 0]
@@ -175,6 +171,9 @@ class _Group:
             shmem_id=self._shmem_id,
         )
         self._ref = _client.C.BackendRef(backend)
+        # the sidecar's word that the group broke (a peer died or went silent, an op timed
+        # out), reported on the watch stream before any op of this rank may have failed
+        self._sc.on_group_broken(self._handle, self._sidecar_broke)
         _client.C.set_launch_capacity(self._sc.trace_size)
         self.backend = backend  # dropped by create() once torch holds it: see backend
         _groups.add(self)
@@ -196,15 +195,6 @@ class _Group:
     def _closed(self) -> bool:
         b = self._ref.get()
         return b is None or b.closed
-
-    @property
-    def _broken(self) -> str | None:
-        """The first failure of an op of this group, else the sidecar's report that it broke."""
-        b = self._ref.get()
-        return (b.broken if b is not None else None) or self._sidecar_broken
-
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor):
-        return self._ref.get()._allgather_base(output, input, torch._C._distributed_c10d.AllgatherOptions())
 
     def abort(self) -> None:
         b = self._ref.get()
@@ -261,10 +251,7 @@ class _Group:
         refuses it: a CUDA op's wait() only queues a stream wait, so the sidecar's refusal
         of it would reach no caller), and in-process kernels waiting for a peer give up now
         rather than at the group's timeout."""
-        if self._sidecar_broken is None:
-            self._sidecar_broken = f"gocomm: {detail}"
-        ref = getattr(self, "_ref", None)  # None while the group is still being made
-        b = ref.get() if ref is not None else None
+        b = self._ref.get()
         if b is not None:
             b.mark_broken(detail)
             b.sidecar_broke()

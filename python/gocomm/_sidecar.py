@@ -111,7 +111,6 @@ class Sidecar:
         self.log_file: str | None = None
         self._closed = False
         self._lost: str | None = None
-        self._on_lost: list = []
         self._on_broken: dict[int, weakref.WeakMethod] = {}  # group handle -> its hook
         address = _config.sidecar()  # unix:///path: the table refuses anything else
         if address:
@@ -334,16 +333,11 @@ class Sidecar:
         self._lost = why
         # every op in flight fails, and CUDA streams waiting on this sidecar go on
         self.client.fail_all(why)
-        for fn in list(self._on_lost):
-            fn(why)
 
     @property
     def lost(self) -> str | None:
         """Why the sidecar is gone, or None while it serves."""
         return self._lost
-
-    def on_lost(self, fn) -> None:
-        self._on_lost.append(fn)
 
     def close(self) -> None:
         """Detach; a sidecar started here exits with the session."""
