@@ -108,11 +108,10 @@ def doctor(as_json: bool = False) -> int:
     import torch
 
     exe, err = _pgserver()
-    fix = "reinstall the gocomm wheel, or set GOCOMM_PGSERVER to a pgserver of this version"
-    if err:  # no pgserver to check the rest
-        row = {"check": "pgserver", "status": "fail", "found": err, "fix": fix}
-        print(json.dumps([row], indent=2) if as_json else f"[fail] pgserver     {err}\n{'':19s} fix: {fix}")
-        return 1
+    if err:
+        return _cannot_check(
+            "pgserver", err, "reinstall the gocomm wheel, or set GOCOMM_PGSERVER to a pgserver of this version", as_json
+        )
     b, gpu = _version.build_info(), torch.cuda.is_available()
     args = [exe, "doctor", "--gocomm", _version.__version__, "--torch-here", torch.__version__]
     args += ["--torch-built", b.get("torch", ""), "--torch-cuda", "yes" if gpu else "no"]
@@ -132,8 +131,14 @@ def doctor(as_json: bool = False) -> int:
     try:
         return subprocess.run(args, timeout=60).returncode
     except (OSError, subprocess.TimeoutExpired) as e:
-        print(f"gocomm doctor: {exe} doctor: {e}; fix: {fix}", file=sys.stderr)
-        return 1
+        return _cannot_check("node", f"{exe} doctor: {e}", "reinstall the gocomm wheel", as_json)
+
+
+def _cannot_check(check: str, found: str, fix: str, as_json: bool) -> int:
+    """The one failed row `gocomm doctor` prints where no pgserver can check, in pgserver's format."""
+    row = {"check": check, "status": "fail", "found": found, "fix": fix}
+    print(json.dumps([row], indent=2) if as_json else f"[fail] {check:12s} {found}\n{'':19s} fix: {fix}")
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
