@@ -74,7 +74,9 @@ def info() -> dict:
     if err:
         return out
     s = out["sidecar"] = json.loads(body)
-    out["pgserver"]["version"] = s["version"]
+    v = out["pgserver"]["version"] = s["version"]
+    if v not in (_version.__version__, "dev"):  # as a job's start refuses it (_sidecar.Sidecar)
+        out["pgserver"]["error"] = f"gocomm {_version.__version__} cannot use pgserver {v}: install the matching gocomm"
     n, table = _node_routes(s)
     out["routes"] = {"ranks": n, "table": table}
     return out

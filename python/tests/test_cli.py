@@ -105,6 +105,13 @@ def test_info_text_matches_json():
         assert f"  {name:14s} {value:10s} {reason}" in p.stdout, (name, p.stdout)
 
 
+def test_info_names_a_pgserver_of_another_version(other_pgserver):
+    p = _gocomm("info", env={"GOCOMM_PGSERVER": other_pgserver})
+    assert p.returncode == 1, p.stdout + p.stderr
+    want = f"pgserver {OTHER} ({other_pgserver}): gocomm {_version_file()} cannot use pgserver {OTHER}"
+    assert want in p.stdout, p.stdout
+
+
 def test_doctor_passes_here():
     p = _gocomm("doctor", "--json")
     rows = {r["check"]: r for r in json.loads(p.stdout)}
