@@ -147,6 +147,44 @@ func (s *Server) Capabilities() []node.Fact {
 	return append(append([]node.Fact(nil), s.cfg.Node...), client...)
 }
 
+// clientFacts loads the NCCL a client names and picks its sparse engine: the client's facts
+// (nccl, nvshmem) Attach reports, and whether its NCCL loaded.
+func (s *Server) clientFacts(ncclPath string) (SparseChoice, []node.Fact, bool, error) {
+	if ncclPath != "" {
+		// loading runs the library's code here: only a file no one else could have written
+		if err := dl.Trusted(ncclPath); err != nil {
+			s.log.Warn("not loading the NCCL the client named; taking the loader's search instead", "err", err)
+			ncclPath = ncclSoname
+		}
+	}
+	var ncclErr error
+	switch {
+	case ncclPath == "":
+	case s.cfg.Device == nil:
+		ncclErr = errors.New("this sidecar has no GPU engine")
+	default:
+		if ncclErr = s.cfg.Device.LoadNCCL(ncclPath); ncclErr != nil {
+			s.log.Warn("NCCL not loaded; CUDA tensors will fail", "path", ncclPath, "err", ncclErr)
+		}
+	}
+	ncclFact := node.LoadedNCCL(ncclPath, ncclErr)
+	choice, err := s.chooseSparse(ncclFact.Holds())
+	return choice, []node.Fact{ncclFact, choice.NVSHMEM}, ncclFact.Holds(), err
+}
+
+// Probe decides what Attach would for a client naming ncclPath, with no session: its sparse
+// engine, which Engines and Capabilities report after (`pgserver info`, which serves no one).
+func (s *Server) Probe(ncclPath string) (SparseChoice, error) {
+	choice, client, _, err := s.clientFacts(ncclPath)
+	if err != nil {
+		return choice, err
+	}
+	s.mu.Lock()
+	s.sparse, s.client = &choice, client
+	s.mu.Unlock()
+	return choice, nil
+}
+
 // chooseSparse picks the sparse engine of a client attaching with (hasNCCL) or without
 // its NCCL loaded. A client without it moves no CUDA tensors: NCCL, whatever was asked.
 func (s *Server) chooseSparse(hasNCCL bool) (SparseChoice, error) {
@@ -191,26 +229,7 @@ func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath strin
 		mem.Close()
 		return nil, err
 	}
-	if ncclPath != "" {
-		// loading runs the library's code here: only a file no one else could have written
-		if err := dl.Trusted(ncclPath); err != nil {
-			s.log.Warn("not loading the NCCL the client named; taking the loader's search instead", "err", err)
-			ncclPath = ncclSoname
-		}
-	}
-	var ncclErr error
-	switch {
-	case ncclPath == "":
-	case s.cfg.Device == nil:
-		ncclErr = errors.New("this sidecar has no GPU engine")
-	default:
-		if ncclErr = s.cfg.Device.LoadNCCL(ncclPath); ncclErr != nil {
-			s.log.Warn("NCCL not loaded; CUDA tensors will fail", "path", ncclPath, "err", ncclErr)
-		}
-	}
-	ncclFact := node.LoadedNCCL(ncclPath, ncclErr)
-	hasNCCL := ncclFact.Holds()
-	choice, err := s.chooseSparse(hasNCCL)
+	choice, client, hasNCCL, err := s.clientFacts(ncclPath)
 	if err != nil {
 		mem.Close()
 		return nil, err
@@ -227,7 +246,6 @@ func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath strin
 		return nil, ErrShutdown
 	}
 	s.sparse = &choice
-	client := []node.Fact{ncclFact, choice.NVSHMEM}
 	s.client = client
 	s.nextSess++
 	sess := &Session{

@@ -12,6 +12,7 @@ import (
 	"os"
 
 	"github.com/gocomm/gocomm/config"
+	"github.com/gocomm/gocomm/gpu"
 	"github.com/gocomm/gocomm/node"
 	"github.com/gocomm/gocomm/pg"
 	v1 "github.com/gocomm/gocomm/proto/gocomm/v1"
@@ -121,7 +122,25 @@ func (s *Service) Attach(_ context.Context, req *v1.AttachRequest) (*v1.AttachRe
 		TraceBufferSize: uint32(s.host.TraceSize),
 		Knobs:           clientKnobs(s.host.Client),
 		FdSocket:        s.srv.FDSocket(), FdToken: token[:],
+		CudaRefusal: cudaRefusal(s.host.Client.CUDA, s.srv.Device()),
 	}, nil
+}
+
+// cudaRefusal is why a client's CUDA tensors cannot be served ("" where they can): the knob
+// turned the engine off, or this sidecar cannot run CUDA ops (dev nil: it has no GPU engine).
+func cudaRefusal(knob bool, dev gpu.Engine) string {
+	if !knob {
+		return "and gocomm's CUDA engine is turned off (GOCOMM_CUDA=0)"
+	}
+	why := "this sidecar has no GPU engine"
+	if dev != nil {
+		ok, detail, _ := dev.Info()
+		if ok {
+			return ""
+		}
+		why = detail
+	}
+	return "but this rank's pgserver cannot run CUDA ops: " + why
 }
 
 func clientKnobs(c config.Client) *v1.ClientKnobs {

@@ -1,13 +1,17 @@
-// pgserver doctor: the node checks of `gocomm doctor` that need no torch (shared memory, the
-// fd limit, ptrace scope, the driver, CUDA IPC into this process), printed as JSON rows.
-// The sidecar is the process that maps its rank's memory and holds its peers' sockets, so it
-// checks what it will need; the Python command adds the torch-side checks and prints them all.
+// pgserver doctor: the checks of `gocomm doctor`, each ok/warn/fail with its fix, printed as
+// a table (--json: rows). The sidecar is the process that maps its rank's memory and holds its
+// peers' sockets, so it checks what it will need: shared memory, the fd limit, ptrace scope,
+// the driver, CUDA IPC into this process, GPU 0's arch against the in-process kernels', MPS.
+// What only the training process knows (its torch, the torch gocomm was built for, its CUDA
+// IPC handle, the package's version and kernels) `gocomm doctor` hands over as flags, and
+// pgserver checks it too: one place decides and prints every row.
 
 package main
 
 import (
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -56,24 +60,140 @@ func (n *needs) Set(v string) error {
 	return nil
 }
 
-// doctor is `pgserver doctor [--ipc HEX] [--needs-cuda who=X.Y ...]`.
+// errChecksFailed: a check failed (pgserver exits 1, the table said why).
+var errChecksFailed = errors.New("a check failed")
+
+// doctor is `pgserver doctor [--json] [--ipc HEX | --ipc-error WHY] [--needs-cuda who=X.Y ...]
+// [--gocomm VERSION] [--torch-here V --torch-built V --torch-cuda yes|no --kernels sm_XY]`.
 func doctor(args []string, out io.Writer) error {
 	fs := flag.NewFlagSet("pgserver doctor", flag.ContinueOnError)
+	asJSON := fs.Bool("json", false, "print the rows as JSON")
 	ipc := fs.String("ipc", "", "a CUDA IPC handle (hex) of device 0 to map, as the sidecar maps its rank's tensors")
+	ipcErr := fs.String("ipc-error", "", "why the training process could not export a CUDA IPC handle")
 	var want needs
 	fs.Var(&want, "needs-cuda", "who=MAJOR.MINOR: a CUDA version the driver must support (repeatable)")
+	gocomm := fs.String("gocomm", "", "the gocomm package's version: this pgserver's must be the same")
+	torchHere := fs.String("torch-here", "", "the torch the training process runs")
+	torchBuilt := fs.String("torch-built", "", "the torch gocomm was built for (bin/build.json)")
+	torchCUDA := fs.String("torch-cuda", "", "yes or no: whether that torch sees a GPU")
+	kernels := fs.String("kernels", "", "the in-process kernels' GPU arch (sm_XY), checked against GPU 0's")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	rows := []checkRow{
-		checkShm("/dev/shm", syscall.Statfs),
-		checkFds(),
-		checkPtrace("/proc/sys/kernel/yama/ptrace_scope"),
+	var rows []checkRow
+	if *torchHere != "" {
+		rows = append(rows, checkTorch(*torchBuilt, *torchHere))
+	}
+	if *gocomm != "" {
+		rows = append(rows, checkVersion(os.Args[0], version, *gocomm))
+	}
+	rows = append(rows, checkShm("/dev/shm", syscall.Statfs), checkFds(), checkPtrace("/proc/sys/kernel/yama/ptrace_scope"))
+	// a job started by `gocomm launch` finds its MPS daemon here: so does the driver we load
+	pipe := os.Getenv("CUDA_MPS_PIPE_DIRECTORY")
+	if pipe == "" {
+		pipe = fmt.Sprintf("/tmp/gocomm-mps-%d/pipe", os.Getuid())
+		os.Setenv("CUDA_MPS_PIPE_DIRECTORY", pipe)
 	}
 	rows = append(rows, checkCUDA(want, *ipc)...)
-	enc := json.NewEncoder(out)
-	enc.SetIndent("", " ")
-	return enc.Encode(rows)
+	if *ipcErr != "" {
+		rows = append(rows, ipcFailed("CUDA IPC of a tensor: this process could not export one: "+*ipcErr))
+	}
+	switch *torchCUDA {
+	case "no":
+		for _, r := range rows {
+			if r.Check == "driver" {
+				rows = append(rows, checkRow{"CUDA", statusWarn, "a driver, but torch sees no GPU", "check CUDA_VISIBLE_DEVICES and /dev/nvidia*"})
+				break
+			}
+		}
+	case "yes":
+		rows = append(rows, checkGPU0(*kernels, pipe)...)
+	}
+	if err := printRows(out, rows, *asJSON); err != nil {
+		return err
+	}
+	for _, r := range rows {
+		if r.Status == statusFail {
+			return errChecksFailed
+		}
+	}
+	return nil
+}
+
+// printRows writes rows as `gocomm doctor` shows them: a table, each fix under its row.
+func printRows(out io.Writer, rows []checkRow, asJSON bool) error {
+	if asJSON {
+		enc := json.NewEncoder(out)
+		enc.SetIndent("", "  ")
+		return enc.Encode(rows)
+	}
+	for _, r := range rows {
+		fmt.Fprintf(out, "[%-4s] %-12s %s\n", r.Status, r.Check, r.Found)
+		if r.Fix != "" {
+			fmt.Fprintf(out, "%19s fix: %s\n", "", r.Fix)
+		}
+	}
+	return nil
+}
+
+// checkTorch: the torch running against the one gocomm (the compiled client) was built for.
+func checkTorch(built, here string) checkRow {
+	base := func(v string) string { return strings.SplitN(v, "+", 2)[0] }
+	switch {
+	case built == "":
+		return checkRow{"torch", statusWarn, fmt.Sprintf("torch %s; no build record (bin/build.json)", here), "run `make` (checkout) or reinstall the wheel"}
+	case base(built) != base(here):
+		return checkRow{"torch", statusFail, fmt.Sprintf("gocomm was built for torch %s, this is torch %s", built, here), "pip install torch==" + base(built)}
+	case strings.Contains(built, "+") && strings.Contains(here, "+") && built != here:
+		return checkRow{"torch", statusWarn, fmt.Sprintf("built for %s, running %s (other CUDA build)", built, here), "install torch " + built}
+	}
+	return checkRow{"torch", statusOK, fmt.Sprintf("torch %s (built for %s)", here, built), ""}
+}
+
+// checkVersion: this pgserver (exe, of version ours) against the gocomm package's version.
+func checkVersion(exe, ours, gocomm string) checkRow {
+	if ours != gocomm {
+		return checkRow{"pgserver", statusFail, fmt.Sprintf("%s is pgserver %s, gocomm is %s", exe, ours, gocomm), "install the matching wheel"}
+	}
+	return checkRow{"pgserver", statusOK, fmt.Sprintf("%s runs, version %s", exe, ours), ""}
+}
+
+// checkGPU0: GPU 0's arch against the in-process kernels' (kernels), and whether its contexts
+// go through an MPS daemon (on pipe).
+func checkGPU0(kernels, pipe string) []checkRow {
+	if cuda.Load() != nil {
+		return nil // checkCUDA said so
+	}
+	d, err := cuda.DeviceGet(0)
+	if err != nil {
+		return []checkRow{{"kernels", statusWarn, fmt.Sprintf("torch sees a GPU, this process none: %v", err), "check CUDA_VISIBLE_DEVICES and /dev/nvidia*"}}
+	}
+	major, _ := d.Attribute(cuda.AttrComputeCapabilityMajor)
+	minor, _ := d.Attribute(cuda.AttrComputeCapabilityMinor)
+	mps, err := d.Attribute(cuda.AttrMPSEnabled)
+	return []checkRow{checkKernels(kernels, fmt.Sprintf("sm_%d%d", major, minor)), checkMPS(mps != 0, err, pipe)}
+}
+
+// checkKernels: the in-process kernels (cubins for one arch, built) on GPU 0 (here).
+func checkKernels(built, here string) checkRow {
+	if built != "" && built != here {
+		return checkRow{"kernels", statusWarn,
+			fmt.Sprintf("the in-process kernels are built for %s, GPU 0 is %s: their ops take sidecar NCCL", built, here),
+			"build with make CUDA_ARCH=" + here}
+	}
+	return checkRow{"kernels", statusOK, fmt.Sprintf("kernels built for %s, GPU 0 is %s", built, here), ""}
+}
+
+// checkMPS: whether this process's contexts go through an MPS daemon on pipe, as a job's will.
+func checkMPS(on bool, err error, pipe string) checkRow {
+	const fix = "start jobs with `gocomm launch --mps -- <torchrun args>`"
+	switch {
+	case err != nil:
+		return checkRow{"MPS", statusWarn, fmt.Sprintf("the driver does not say whether MPS is on: %v", err), fix}
+	case !on:
+		return checkRow{"MPS", statusWarn, "no MPS daemon: each op's hand-off to the sidecar costs a GPU context switch (~0.29 ms)", fix}
+	}
+	return checkRow{"MPS", statusOK, "an MPS daemon answers on " + pipe, ""}
 }
 
 func checkShm(path string, statfs func(string, *syscall.Statfs_t) error) checkRow {
@@ -153,11 +273,15 @@ func checkCUDA(want needs, ipc string) []checkRow {
 	return rows
 }
 
+// ipcFailed is the CUDA IPC row of a handle that could not be made or mapped.
+func ipcFailed(found string) checkRow {
+	return checkRow{"CUDA IPC", statusFail, found,
+		"in a container, share the host's IPC namespace (docker --ipc=host); MIG instances and some vGPUs have no CUDA IPC"}
+}
+
 func checkIPC(hexHandle string) checkRow {
 	fail := func(err error) checkRow {
-		return checkRow{"CUDA IPC", statusFail, fmt.Sprintf("CUDA IPC of a tensor: another process could not map it: %v", err),
-			"in a container, share the host's IPC namespace (docker --ipc=host); MIG instances and some vGPUs " +
-				"have no CUDA IPC"}
+		return ipcFailed(fmt.Sprintf("CUDA IPC of a tensor: another process could not map it: %v", err))
 	}
 	b, err := hex.DecodeString(hexHandle)
 	var h cuda.IPCHandle

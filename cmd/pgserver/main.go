@@ -3,12 +3,15 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"os"
 )
 
 func main() {
-	if err := run(os.Args[1:]); err != nil {
+	if err := run(os.Args[1:]); errors.Is(err, errChecksFailed) {
+		os.Exit(1) // pgserver doctor printed which
+	} else if err != nil {
 		fmt.Fprintln(os.Stderr, "pgserver:", err)
 		os.Exit(1)
 	}

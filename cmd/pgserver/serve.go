@@ -67,12 +67,21 @@ func parseFlags(args []string) (options, error) {
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
 	err := fs.Parse(args)
 	fs.Visit(func(f *flag.Flag) { o.spinSet = o.spinSet || f.Name == "spin" })
+	if err == nil && fs.NArg() > 0 {
+		// a command this pgserver does not have must not start a server instead
+		err = fmt.Errorf("unknown command %q (pgserver takes doctor, info, or flags only)", fs.Arg(0))
+	}
 	return o, err
 }
 
 func run(args []string) error {
-	if len(args) > 0 && args[0] == "doctor" {
-		return doctor(args[1:], os.Stdout)
+	if len(args) > 0 {
+		switch args[0] {
+		case "doctor":
+			return doctor(args[1:], os.Stdout)
+		case "info":
+			return info(args[1:], os.Stdout)
+		}
 	}
 	o, err := parseFlags(args)
 	if err != nil {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"strings"
 	"testing"
 	"time"
 
@@ -36,5 +37,16 @@ func TestSpinAndLogLevel(t *testing.T) {
 	o, _ := parseFlags(nil)
 	if o.logLevel != "" {
 		t.Errorf("--log-level defaults to %q: it would win over GOCOMM_LOG_LEVEL", o.logLevel)
+	}
+}
+
+// TestUnknownCommand: a word pgserver does not know is refused, not taken for a server's
+// flags (an older `gocomm` asking a newer pgserver, or the reverse, must not start a server).
+func TestUnknownCommand(t *testing.T) {
+	if _, err := parseFlags([]string{"frob"}); err == nil || !strings.Contains(err.Error(), `unknown command "frob"`) {
+		t.Errorf("frob: %v", err)
+	}
+	if _, err := parseFlags([]string{"--spin", "1ms"}); err != nil {
+		t.Errorf("flags only: %v", err)
 	}
 }

@@ -800,10 +800,29 @@ void Backend::nvshmem_ready(int device) {
   if (nvshmem_ready_) {
     return;
   }
-  TORCH_CHECK(cfg_.nvshmem_setup, "gocomm all_to_all_v on group '" + group_name() +
-                                      "': the sidecar's NVSHMEM kernel has no setup (no control plane)");
-  cfg_.nvshmem_setup(device);
+  TORCH_CHECK(cfg_.shmem_id && cfg_.store, "gocomm all_to_all_v on group '" + group_name() +
+                                                "': the sidecar's NVSHMEM kernel has no setup (no control plane)");
+  exchange_shmem_id(*cfg_.store, cfg_.rank, group_name(), device, cfg_.shmem_id);
   nvshmem_ready_ = true;
+}
+
+void exchange_shmem_id(c10d::Store& store, int rank, const std::string& group, int device, const ShmemRpc& rpc) {
+  const std::string key = "gocomm/nvshmem_uid";
+  if (rank == 0) {
+    std::vector<uint8_t> id;
+    try {
+      id = rpc(device, {});
+    } catch (...) {
+      store.set(key, std::vector<uint8_t>{});
+      throw;
+    }
+    store.set(key, id);
+    return;
+  }
+  auto id = store.get(key);
+  TORCH_CHECK(!id.empty(), "gocomm all_to_all_v on group '" + group +
+                               "': rank 0 could not make the NVSHMEM unique id (its error says why)");
+  rpc(device, id);
 }
 
 intrusive_ptr<Work> Backend::submit_raw(const std::string& op, const std::vector<uint8_t>& payload) {

@@ -12,6 +12,7 @@
 
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <array>
 #include <functional>
@@ -42,6 +43,17 @@ int wire_dtype(at::ScalarType s);
 // CUDA tensors (NCCL); "" where it can. The ops raise TypeError with it before sending.
 std::string reduce_refusal(at::ScalarType s, uint8_t op, bool cuda);
 
+// The ShmemID rpc of a rank's sidecar on device: given an empty id, rank 0's makes the
+// group's NVSHMEM unique id and returns it; given rank 0's, every other rank's takes it.
+using ShmemRpc = std::function<std::vector<uint8_t>(int device, const std::vector<uint8_t>& id)>;
+
+// Carry a group's NVSHMEM unique id from rank 0's sidecar (the bootstrap's root, which makes
+// it) to every other rank's through the group's Store (key gocomm/nvshmem_uid). Collective:
+// each rank calls it before the group's first all_to_all_v in the sidecar's NVSHMEM kernel,
+// which makes the PE with the id. A rank 0 that cannot make one says so through the Store (an
+// empty id) and rethrows, so the other ranks raise at once instead of at the Store's timeout.
+void exchange_shmem_id(c10d::Store& store, int rank, const std::string& group, int device, const ShmemRpc& rpc);
+
 class Backend : public c10d::Backend {
  public:
   struct Config {
@@ -68,9 +80,11 @@ class Backend : public c10d::Backend {
     // the default (world) group: the sidecar's NVSHMEM all_to_all_v kernel serves it (its PEs
     // are the world's ranks)
     bool world = false;
-    // the control plane's one-time, collective setup of the sidecar's NVSHMEM all_to_all_v
-    // kernel on device (the NVSHMEM unique id through the group's Store)
-    std::function<void(int)> nvshmem_setup;
+    // the group's torch Store: the NVSHMEM unique id of the sidecar's all_to_all_v kernel
+    // travels through it (nvshmem_ready, exchange_shmem_id)
+    c10::intrusive_ptr<c10d::Store> store;
+    // the control plane's ShmemID rpc on device (the GPU attached first)
+    ShmemRpc shmem_id;
   };
 
   Backend(std::shared_ptr<Dispatcher> dispatcher, Config cfg);
@@ -140,9 +154,9 @@ class Backend : public c10d::Backend {
   // returns. Its failure is logged (the sidecar breaks the group, so the next op raises).
   void cuda_now(const std::string& op, uint8_t kind, const std::vector<wire::BufRef>& bufs,
                 std::vector<at::Tensor> keep, int device, uint64_t count);
-  // Run the control plane's NVSHMEM setup (Config::nvshmem_setup) at the group's first call
-  // of the sidecar's NVSHMEM kernel (collective: every rank calls it there); again after one
-  // that raised.
+  // Hand the group's NVSHMEM unique id to this rank's sidecar (exchange_shmem_id) at the
+  // group's first call of the sidecar's NVSHMEM kernel (collective: every rank calls it
+  // there); again after one that raised.
   void nvshmem_ready(int device);
   // Raise for op of CUDA tensors under graph capture; why says what runs it instead of an
   // in-process kernel. The group stays usable: nothing was queued or sent.

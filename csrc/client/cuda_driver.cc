@@ -71,6 +71,7 @@ struct Api {
   Result (*ctxGetCurrent)(void**) = nullptr;
   Result (*ctxSetCurrent)(void*) = nullptr;
   Result (*deviceGetAttribute)(int*, int, int) = nullptr;
+  Result (*deviceGetUuid)(uint8_t*, int) = nullptr;
   Result (*moduleLoadData)(void**, const void*) = nullptr;
   Result (*moduleGetFunction)(Function*, void*, const char*) = nullptr;
   Result (*launchKernel)(Function, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, Stream,
@@ -138,6 +139,7 @@ const Api& api() {
     sym(a, a.ctxGetCurrent, "cuCtxGetCurrent");
     sym(a, a.ctxSetCurrent, "cuCtxSetCurrent");
     sym(a, a.deviceGetAttribute, "cuDeviceGetAttribute");
+    sym(a, a.deviceGetUuid, "cuDeviceGetUuid_v2");
     sym(a, a.moduleLoadData, "cuModuleLoadData");
     sym(a, a.moduleGetFunction, "cuModuleGetFunction");
     sym(a, a.launchKernel, "cuLaunchKernel");
@@ -385,6 +387,15 @@ int sm_count(int device) {
 
 bool mps_client(int device) {
   return attribute(device, kAttrMps) != 0;
+}
+
+std::array<uint8_t, 16> device_uuid(int device) {
+  const Api& a = api();
+  int dev = 0;
+  std::array<uint8_t, 16> uuid{};
+  check("cuDeviceGet", a.deviceGet(&dev, device));
+  check("cuDeviceGetUuid", a.deviceGetUuid(uuid.data(), dev));
+  return uuid;
 }
 
 void* module_load(const std::string& image) {

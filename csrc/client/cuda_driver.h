@@ -4,6 +4,7 @@
 // is an error naming it, raised where the call is made.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
@@ -86,6 +87,9 @@ void capability(int device, int* major, int* minor);
 int sm_count(int device);
 // Whether contexts on device are MPS clients.
 bool mps_client(int device);
+// The device's UUID as the driver reports it (a MIG instance's own where it is one), which
+// the sidecar knows the device by.
+std::array<uint8_t, 16> device_uuid(int device);
 // Load a module image (a cubin's bytes) into the current context; its kernel name.
 void* module_load(const std::string& image);
 Function module_function(void* module, const char* name);

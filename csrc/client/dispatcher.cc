@@ -336,7 +336,7 @@ void Dispatcher::fail_all(const std::string& why) {
 cuda::DevPtr Dispatcher::counters(int device) {
   std::lock_guard<std::mutex> lock(dev_mu_);
   if (device_ < 0) {
-    counters_ = cfg_.attach_device(device);
+    counters_ = attach(device);
     device_ = device;
     setup_triggers();
   } else if (device != device_) {
@@ -344,6 +344,28 @@ cuda::DevPtr Dispatcher::counters(int device) {
                                     "; one GPU per rank (got cuda:" + std::to_string(device) + ")");
   }
   return counters_;
+}
+
+cuda::DevPtr Dispatcher::attach(int device) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  cuda::ensure_context(device);
+  std::string handle = cfg_.attach_device(device, cuda::device_uuid(device));
+  TORCH_CHECK(handle.size() == 64, "gocomm: the sidecar's stream counters handle has ", handle.size(),
+              " bytes, want 64");
+  cuda::DevPtr counters = cuda::ipc_open(reinterpret_cast<const uint8_t*>(handle.data()));
+  // under MPS a rank and its sidecar share the GPU's context; without it every hand-off
+  // switches contexts: what each sidecar op costs (docs/decisions/0002-mps.md)
+  if (cfg_.log && cuda::mps_client(device)) {
+    cfg_.log(20, "gocomm: rank " + std::to_string(cfg_.rank) +
+                     " is an MPS client: a hand-off to its sidecar costs ~10 us back to back, ~19 us alone "
+                     "(measured on H200, docs/decisions/0002-mps.md)");
+  } else if (cfg_.log) {
+    cfg_.log(30, "gocomm: rank " + std::to_string(cfg_.rank) +
+                     " is not an MPS client: each op's hand-off to its sidecar costs a GPU context switch (~0.29 ms "
+                     "measured on H200, vs ~10-19 us under MPS). Start the job with `python -m gocomm.launch --mps "
+                     "-- <torchrun args>`.");
+  }
+  return counters;
 }
 
 wire::BufRef Dispatcher::cuda_ref(uint64_t ptr, uint64_t n, int device, size_t claim) {

@@ -81,9 +81,13 @@ class Dispatcher {
     size_t ring_bytes = 0;
     Arena::Grow grow;
     size_t first_segment = 16 << 20;
-    // Binds the sidecar to this process's GPU device index (once; the control plane's
-    // AttachDevice rpc): the device address of the groups' stream counters.
-    std::function<cuda::DevPtr(int)> attach_device;
+    // The control plane's AttachDevice rpc, which binds the sidecar to this process's GPU
+    // (once, by the device's UUID): the CUDA IPC handle (64 bytes) of the groups' stream
+    // counters, which the client maps (counters).
+    std::function<std::string(int device, const std::array<uint8_t, 16>& uuid)> attach_device;
+    // The "gocomm" logger (level, message) and the rank it names, for what attaching found.
+    std::function<void(int, const std::string&)> log;
+    int rank = 0;
     // The sidecar's fd socket and this session's id and token there (Attach), for memory
     // mapped with cuMemMap (FdChannel); no socket: such memory is refused.
     std::string fd_socket;
@@ -110,7 +114,7 @@ class Dispatcher {
   void close();
 
   Arena& arena() { return *arena_; }
-  // The device address of the stream counters; attaches device the first time.
+  // The device address of the stream counters; attaches device the first time (attach).
   cuda::DevPtr counters(int device);
   // (segment, offset, length) of n bytes of CUDA memory at ptr on device (registered with the
   // sidecar on first use; the device is made current for the driver's queries).
@@ -156,6 +160,9 @@ class Dispatcher {
   std::unordered_map<uint64_t, Pending> pending_;
   std::optional<std::string> lost_;
   std::vector<std::vector<at::Tensor>> leaked_;  // buffers of ops never answered: never reused
+  // Binds the sidecar to device (Config::attach_device) and maps the stream counters it
+  // answers with (dev_mu_ held).
+  cuda::DevPtr attach(int device);
   std::mutex dev_mu_;
   int device_ = -1;
   cuda::DevPtr counters_ = 0;

@@ -25,6 +25,7 @@
 #include "ipc_cache.h"
 #include "moe.h"
 #include "moe_kernels.h"
+#include "process.h"
 #include "routes.h"
 #include "wire.h"
 
@@ -58,6 +59,17 @@ std::function<void(int, const std::string&)> logger(py::object log) {
   return [f](int level, const std::string& msg) {
     py::gil_scoped_acquire gil;
     (*f)(level, msg);
+  };
+}
+
+// The control plane's ShmemID rpc, rpc(device, id) -> id (bytes), as the client calls it (once
+// per group, at its first call of the sidecar's NVSHMEM kernel).
+gocomm::ShmemRpc shmem_rpc(py::object rpc) {
+  auto f = hold(std::move(rpc));
+  return [f](int device, const std::vector<uint8_t>& id) {
+    py::gil_scoped_acquire gil;
+    auto out = (*f)(device, py::bytes(reinterpret_cast<const char*>(id.data()), id.size())).cast<std::string>();
+    return std::vector<uint8_t>(out.begin(), out.end());
   };
 }
 
@@ -239,7 +251,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<gocomm::Dispatcher, std::shared_ptr<gocomm::Dispatcher>>(m, "Dispatcher")
       .def(py::init([](const std::string& ring_path, size_t ring_bytes, py::object grow, size_t first_segment,
                        py::object attach_device, const std::string& fd_socket, uint64_t session,
-                       const std::string& fd_token) {
+                       const std::string& fd_token, int rank, py::object log) {
              gocomm::Dispatcher::Config cfg;
              cfg.fd_socket = fd_socket;
              cfg.session = session;
@@ -254,14 +266,18 @@ PYBIND11_MODULE(_C, m) {
                return gocomm::Arena::NewSegment{std::get<0>(t), std::get<1>(t), std::get<2>(t)};
              };
              auto a = hold(std::move(attach_device));
-             cfg.attach_device = [a](int device) {
+             cfg.attach_device = [a](int device, const std::array<uint8_t, 16>& uuid) {
                py::gil_scoped_acquire gil;
-               return (*a)(device).cast<uint64_t>();
+               return (*a)(device, py::bytes(reinterpret_cast<const char*>(uuid.data()), uuid.size()))
+                   .cast<std::string>();
              };
+             cfg.rank = rank;
+             cfg.log = logger(std::move(log));
              return std::make_shared<gocomm::Dispatcher>(std::move(cfg));
            }),
            py::arg("ring_path"), py::arg("ring_bytes"), py::arg("grow"), py::arg("first_segment"),
-           py::arg("attach_device"), py::arg("fd_socket") = "", py::arg("session") = 0, py::arg("fd_token") = "")
+           py::arg("attach_device"), py::arg("fd_socket") = "", py::arg("session") = 0, py::arg("fd_token") = "",
+           py::arg("rank") = 0, py::arg("log") = py::none())
       .def("fail_all", &gocomm::Dispatcher::fail_all, py::call_guard<py::gil_scoped_release>(),
            "Fail every op in flight with 'gocomm <op>: why', refuse new ones, release the stream counters.")
       .def("close", &gocomm::Dispatcher::close, py::call_guard<py::gil_scoped_release>())
@@ -331,14 +347,27 @@ PYBIND11_MODULE(_C, m) {
   routes.attr("SIDECAR_NCCL") = gocomm::kSidecarNccl;
   routes.attr("SIDECAR_NVSHMEM") = gocomm::kSidecarNvshmem;
   routes.attr("HOST") = gocomm::kHost;
+  m.def(
+      "exchange_shmem_id",
+      [](c10::intrusive_ptr<c10d::Store> store, int rank, const std::string& group, int device, py::object rpc) {
+        auto f = shmem_rpc(std::move(rpc));
+        py::gil_scoped_release nogil;  // the Store waits for rank 0
+        gocomm::exchange_shmem_id(*store, rank, group, device, f);
+      },
+      py::arg("store"), py::arg("rank"), py::arg("group"), py::arg("device"), py::arg("rpc"),
+      "Carry a group's NVSHMEM unique id through its Store, as its backend does at its first call of the "
+      "sidecar's NVSHMEM kernel: rpc(device, id) is the ShmemID rpc (tests).");
+  m.def("nccl_path", &gocomm::nccl_path,
+        "The libnccl this process has loaded (torch's), else the one torch's wheel would load, else \"\".");
   m.def("host_id", &gocomm::host_id, "What tells this host from another (boot id / the /dev/shm mount's device).");
 
   py::class_<gocomm::Backend, c10d::Backend, c10::intrusive_ptr<gocomm::Backend>>(m, "Backend")
       .def(py::init([](std::shared_ptr<gocomm::Dispatcher> disp, int rank, int size, uint32_t handle, int slot,
                        std::array<uint32_t, 2> counter_base, double timeout_s, const std::string& name,
                        const std::string& cuda_refusal, std::shared_ptr<gocomm::Routes> routes,
-                       const py::dict& inprocess, py::object log, py::object on_shutdown, py::object on_abort,
-                       py::object state, bool world, py::object nvshmem_setup) {
+                       py::object knobs, py::object a2a, py::object log, py::object on_shutdown, py::object on_abort,
+                       py::object state, bool world, c10::intrusive_ptr<c10d::Store> store,
+                       py::object shmem_id) {
              gocomm::Backend::Config cfg;
              cfg.rank = rank;
              cfg.size = size;
@@ -349,23 +378,17 @@ PYBIND11_MODULE(_C, m) {
              cfg.name = name;
              cfg.cuda_refusal = cuda_refusal;
              cfg.routes = std::move(routes);
+             // the in-process engine's settings: the knobs the sidecar read for the client
+             // (pb.ClientKnobs) and its sparse all-to-all's (pb.A2AConfig), which the kernel shares
              auto& st = cfg.inprocess;
-             for (auto [key, dst] : {std::pair{"ar_max", &st.ar_max}, std::pair{"ar_stage", &st.ar_stage},
-                                     std::pair{"ar_oneshot", &st.ar_oneshot},
-                                     std::pair{"a2a_recv_bytes", &st.a2a_recv_bytes}}) {
-               if (inprocess.contains(key)) {
-                 *dst = inprocess[key].cast<int64_t>();
-               }
-             }
-             for (auto [key, dst] : {std::pair{"ar_blocks", &st.ar_blocks}, std::pair{"a2a_threads", &st.a2a_threads},
-                                     std::pair{"a2a_blocks", &st.a2a_blocks}}) {
-               if (inprocess.contains(key)) {
-                 *dst = inprocess[key].cast<int>();
-               }
-             }
-             if (inprocess.contains("a2av")) {
-               st.a2av = inprocess["a2av"].cast<bool>();
-             }
+             st.ar_max = knobs.attr("ar_max").cast<int64_t>();
+             st.ar_stage = knobs.attr("ar_stage").cast<int64_t>();
+             st.ar_oneshot = knobs.attr("ar_oneshot").cast<int64_t>();
+             st.ar_blocks = knobs.attr("ar_blocks").cast<int>();
+             st.a2av = knobs.attr("a2av_inprocess").cast<bool>();
+             st.a2a_recv_bytes = a2a.attr("recv_bytes").cast<int64_t>();
+             st.a2a_threads = a2a.attr("threads").cast<int>();
+             st.a2a_blocks = a2a.attr("blocks").cast<int>();
              cfg.log = logger(std::move(log));
              for (auto [src, dst] : {std::pair{&on_shutdown, &cfg.on_shutdown}, std::pair{&on_abort, &cfg.on_abort}}) {
                if (given(*src)) {
@@ -377,12 +400,9 @@ PYBIND11_MODULE(_C, m) {
                }
              }
              cfg.world = world;
-             if (given(nvshmem_setup)) {
-               auto f = hold(std::move(nvshmem_setup));
-               cfg.nvshmem_setup = [f](int device) {
-                 py::gil_scoped_acquire gil;
-                 (*f)(device);
-               };
+             if (given(shmem_id)) {
+               cfg.store = std::move(store);
+               cfg.shmem_id = shmem_rpc(std::move(shmem_id));
              }
              auto b = c10::make_intrusive<gocomm::Backend>(std::move(disp), std::move(cfg));
              b->user = hold(std::move(state));
@@ -390,8 +410,8 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("dispatcher"), py::arg("rank"), py::arg("size"), py::arg("handle"), py::arg("slot"),
            py::arg("counter_base"), py::arg("timeout_s"), py::arg("name"), py::arg("cuda_refusal"),
-           py::arg("routes"), py::arg("inprocess"), py::arg("log"), py::arg("on_shutdown"), py::arg("on_abort"),
-           py::arg("state"), py::arg("world") = false, py::arg("nvshmem_setup") = py::none())
+           py::arg("routes"), py::arg("knobs"), py::arg("a2a"), py::arg("log"), py::arg("on_shutdown"), py::arg("on_abort"),
+           py::arg("state"), py::arg("world") = false, py::arg("store") = nullptr, py::arg("shmem_id") = py::none())
       .def_property_readonly("state",
                              [](gocomm::Backend& b) -> py::object {
                                auto p = std::static_pointer_cast<py::object>(b.user);
@@ -404,6 +424,18 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("closed", &gocomm::Backend::closed)
       .def_property_readonly("world", [](gocomm::Backend& b) { return b.config().world; },
                              "Whether this is the default group's backend.")
+      .def_property_readonly(
+          "settings",
+          [](gocomm::Backend& b) {
+            const auto& c = b.config();
+            const auto& st = c.inprocess;
+            return py::dict(py::arg("cuda_refusal") = c.cuda_refusal, py::arg("ar_max") = st.ar_max,
+                            py::arg("ar_stage") = st.ar_stage, py::arg("ar_oneshot") = st.ar_oneshot,
+                            py::arg("ar_blocks") = st.ar_blocks, py::arg("a2av") = st.a2av,
+                            py::arg("a2a_recv_bytes") = st.a2a_recv_bytes, py::arg("a2a_threads") = st.a2a_threads,
+                            py::arg("a2a_blocks") = st.a2a_blocks);
+          },
+          "What the backend took from the sidecar at attach: the CUDA refusal and the in-process engine's settings.")
       .def(
           "a2av_path",
           [](gocomm::Backend& b, int device) { return b.engine().a2av_path(device); },
@@ -508,20 +540,6 @@ PYBIND11_MODULE(_C, m) {
       "Raise what padded moe.dispatch calls on device found on the GPU since the last call, one error per call "
       "(the other stays for the next): OverflowError (a rank was sent more than its bound), ValueError (an id "
       "outside [-1, experts)).");
-  m.def(
-      "cuda_open_ipc",
-      [](py::bytes handle, int device) {
-        std::string h = handle;
-        if (h.size() != 64) {
-          throw py::value_error("a CUDA IPC handle is 64 bytes");
-        }
-        py::gil_scoped_release nogil;
-        c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-        gocomm::cuda::ensure_context(device);
-        return gocomm::cuda::ipc_open(reinterpret_cast<const uint8_t*>(h.data()));
-      },
-      "Map another process's allocation by its CUDA IPC handle on device; its address here.");
-  m.def("cuda_mps_client", &gocomm::cuda::mps_client, "Whether contexts on device are MPS clients.");
   m.def(
       "cuda_ipc_probe",
       [](int device) {

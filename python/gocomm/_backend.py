@@ -144,14 +144,6 @@ class _Group:
             pb.ConnectGroupRequest(session=self._sc.session, group=self._handle, bootstrap=blobs, secret=secret),
         )
         self.transport = conn.transport
-        # the sidecar's word that the group broke (a peer died or went silent, an op timed
-        # out), reported on the watch stream before any op of this rank may have failed
-        self._sidecar_broken: str | None = None
-        self._sc.on_group_broken(self._handle, self._sidecar_broke)
-        # the group's Store, for the NVSHMEM unique id of the sidecar's all_to_all_v kernel
-        # (_shmem_id), handed over at the group's first such op (the compiled client calls it)
-        self._store = store
-        self._shmem_ready = False
         # the slot's counters never go back: a group counts on from where its previous
         # group left them (docs/decisions/0004)
         base = list(resp.counter_base) if len(resp.counter_base) == 2 else [0, 0]
@@ -164,17 +156,24 @@ class _Group:
             base,
             self._timeout,
             group_name,
-            _cuda_refusal(self._sc),
+            self._sc.cuda_refusal,
             self._routes,
-            _inprocess_settings(self._sc),
+            self._sc.knobs,  # the in-process engine's settings, as the sidecar read them
+            self._sc.a2a,
             log.log,
             self._destroy,
             self._abort,
             self,
             world=world,  # the sidecar's NVSHMEM all_to_all_v kernel serves the world group only
-            nvshmem_setup=lambda idx: self._shmem_id(torch.device("cuda", idx)),
+            # the NVSHMEM unique id of that kernel travels through the group's Store, at its
+            # first call (the compiled client's exchange_shmem_id), handed over by _shmem_id
+            store=store,
+            shmem_id=self._shmem_id,
         )
         self._ref = _client.C.BackendRef(backend)
+        # the sidecar's word that the group broke (a peer died or went silent, an op timed
+        # out), reported on the watch stream before any op of this rank may have failed
+        self._sc.on_group_broken(self._handle, self._sidecar_broke)
         _client.C.set_launch_capacity(self._sc.trace_size)
         self.backend = backend  # dropped by create() once torch holds it: see backend
         _groups.add(self)
@@ -196,15 +195,6 @@ class _Group:
     def _closed(self) -> bool:
         b = self._ref.get()
         return b is None or b.closed
-
-    @property
-    def _broken(self) -> str | None:
-        """The first failure of an op of this group, else the sidecar's report that it broke."""
-        b = self._ref.get()
-        return (b.broken if b is not None else None) or self._sidecar_broken
-
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor):
-        return self._ref.get()._allgather_base(output, input, torch._C._distributed_c10d.AllgatherOptions())
 
     def abort(self) -> None:
         b = self._ref.get()
@@ -230,36 +220,14 @@ class _Group:
         b = self._ref.get()
         return None if b is None else b.a2av_path(idx)
 
-    def _shmem_id(self, device: torch.device) -> None:
-        """Carry the group's NVSHMEM unique id from rank 0's sidecar (the bootstrap's root,
-        which makes it) to every other rank's through the group's torch Store. Collective:
-        each rank calls it before the group's first all_to_all_v in the sidecar's NVSHMEM
-        kernel, which makes the PE with the id (the compiled client calls it there, once: the
-        backend's nvshmem_setup). A rank 0 that cannot make one says so through the Store, so
-        the other ranks raise at once instead of at the Store's timeout."""
-        if self._shmem_ready:
-            return
+    def _shmem_id(self, idx: int, uid: bytes) -> bytes:
+        """The ShmemID rpc of the sidecar's NVSHMEM all_to_all_v kernel on device idx, which
+        the compiled client calls on every rank once, carrying the id through the group's Store
+        (Backend::nvshmem_ready): rank 0's sidecar makes the unique id (uid empty), every
+        other rank's is handed rank 0's."""
         self._need_slot("all_to_all_v")
-        self._sc.attach_device(device)
-        key = "gocomm/nvshmem_uid"
-        req = pb.ShmemIDRequest(session=self._sc.session, group=self._handle)
-        if self._rank == 0:
-            try:
-                uid = self._sc.call("ShmemID", req).id
-            except BaseException:
-                self._store.set(key, b"")
-                raise
-            self._store.set(key, uid)
-        else:
-            uid = self._store.get(key)
-            if not uid:
-                raise RuntimeError(
-                    f"gocomm all_to_all_v on group {self._group_name!r}: rank 0 could not make the NVSHMEM "
-                    "unique id (its error says why)"
-                )
-            req.id = uid
-            self._sc.call("ShmemID", req)
-        self._shmem_ready = True
+        self._sc.attach_device(torch.device("cuda", idx))
+        return self._sc.call("ShmemID", pb.ShmemIDRequest(session=self._sc.session, group=self._handle, id=uid)).id
 
     # ----- lifetime -------------------------------------------------------------------------
 
@@ -283,10 +251,7 @@ class _Group:
         refuses it: a CUDA op's wait() only queues a stream wait, so the sidecar's refusal
         of it would reach no caller), and in-process kernels waiting for a peer give up now
         rather than at the group's timeout."""
-        if self._sidecar_broken is None:
-            self._sidecar_broken = f"gocomm: {detail}"
-        ref = getattr(self, "_ref", None)  # None while the group is still being made
-        b = ref.get() if ref is not None else None
+        b = self._ref.get()
         if b is not None:
             b.mark_broken(detail)
             b.sidecar_broke()
@@ -311,32 +276,6 @@ class _Group:
 
     def __repr__(self) -> str:
         return f"gocomm group(rank={self._rank}, size={self._size}, name={self._group_name!r})"
-
-
-def _inprocess_settings(sc: _sidecar.Sidecar) -> dict:
-    """What the in-process engine takes from the knobs, as the sidecar read them (the same on
-    every rank; its setup checks the launch shapes)."""
-    k = sc.knobs
-    return {
-        "ar_max": k.ar_max,
-        "ar_stage": k.ar_stage,
-        "ar_oneshot": k.ar_oneshot,
-        "ar_blocks": k.ar_blocks,
-        "a2av": k.a2av_inprocess,
-        "a2a_recv_bytes": sc.a2a.recv_bytes,
-        "a2a_threads": sc.a2a.threads,
-        "a2a_blocks": sc.a2a.blocks,
-    }
-
-
-def _cuda_refusal(sc: _sidecar.Sidecar) -> str:
-    """Why CUDA tensors cannot be served ("" where they can): the tail of the
-    NotImplementedError a CUDA tensor raises before anything is sent."""
-    if not sc.knobs.cuda:  # GOCOMM_CUDA=0
-        return "and gocomm's CUDA engine is turned off (GOCOMM_CUDA=0)"
-    if not sc.info.cuda_available:
-        return f"but this rank's pgserver cannot run CUDA ops: {sc.info.cuda_error}"
-    return ""
 
 
 def state(pg) -> _Group | None:

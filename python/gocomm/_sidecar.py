@@ -111,7 +111,6 @@ class Sidecar:
         self.log_file: str | None = None
         self._closed = False
         self._lost: str | None = None
-        self._on_lost: list = []
         self._on_broken: dict[int, weakref.WeakMethod] = {}  # group handle -> its hook
         address = _config.sidecar()  # unix:///path: the table refuses anything else
         if address:
@@ -126,7 +125,7 @@ class Sidecar:
         self._wait_ready()
         self.info = self.call("Info", pb.InfoRequest())
         self._check_version(self.info.version)
-        nccl = _nccl_path() if self.info.cuda_available and torch.cuda.is_available() else ""
+        nccl = _client.C.nccl_path() if self.info.cuda_available and torch.cuda.is_available() else ""
         resp = self.call("Attach", pb.AttachRequest(client_pid=os.getpid(), rank=rank, nccl_path=nccl))
         self.session = resp.session
         # how all_to_all_v of this process's CUDA tensors moves, chosen by the sidecar at attach
@@ -140,6 +139,8 @@ class Sidecar:
         if not (resp.HasField("a2a") and resp.HasField("knobs")):
             raise SidecarError(f"pgserver on {self.socket} reported no settings at attach: older than this shim?")
         self.a2a, self.knobs = resp.a2a, resp.knobs
+        # why this client's CUDA tensors cannot be served ("" where they can): the sidecar's word
+        self.cuda_refusal = resp.cuda_refusal
         # GOCOMM_TRACE_BUFFER_SIZE as the sidecar read it: the shim's kernel launch record uses it too
         self.trace_size = resp.trace_buffer_size
         self.info = self.call("Info", pb.InfoRequest())  # now naming that choice
@@ -147,8 +148,6 @@ class Sidecar:
         first = next(self._watch)
         if first.kind != "attached":
             raise SidecarError(f"pgserver answered the watch with {first.kind!r}")
-        self._device: torch.device | None = None
-        self.mps = False
         # the session's data plane: ring, arena (its first segment now), IPC registrations, and
         # the fd socket that takes the chunks of expandable segments (decision 0029)
         self.fd_socket, self.fd_token = resp.fd_socket, resp.fd_token
@@ -161,6 +160,8 @@ class Sidecar:
             fd_socket=resp.fd_socket,
             session=self.session,
             fd_token=resp.fd_token,
+            rank=rank,
+            log=log.log,
         )
         threading.Thread(target=self._watch_loop, name="gocomm-watch", daemon=True).start()
 
@@ -251,34 +252,14 @@ class Sidecar:
         idx = device.index if device.index is not None else torch.cuda.current_device()
         return self.client.counters(idx)
 
-    def _attach(self, idx: int) -> int:
-        """attach_device's rpc, called by the client the first time it needs the GPU."""
+    def _attach(self, idx: int, uuid: bytes) -> bytes:
+        """attach_device's rpc, AttachDevice, made by the client the first time it needs the
+        GPU (cuda:idx, of that UUID): the IPC handle of the groups' stream counters, which the
+        client maps (csrc/client/dispatcher.cc, Dispatcher::attach)."""
         if not self.info.cuda_available:
             raise NotImplementedError(f"gocomm: pgserver cannot run CUDA ops here: {self.info.cuda_error}")
-        device = torch.device("cuda", idx)
-        with torch.cuda.device(device):
-            torch.cuda.init()
-            resp = self.call(
-                "AttachDevice",
-                pb.AttachDeviceRequest(session=self.session, device_uuid=_device_uuid(device)),
-            )
-            counters = _client.C.cuda_open_ipc(resp.counters_handle, idx)
-            self.mps = _client.C.cuda_mps_client(idx)
-        self._device = device
-        if self.mps:
-            log.info(
-                "gocomm: rank %d is an MPS client: a hand-off to its sidecar costs ~10 us back to back, "
-                "~19 us alone (measured on H200, docs/decisions/0002-mps.md)",
-                self.rank,
-            )
-        else:
-            log.warning(
-                "gocomm: rank %d is not an MPS client: each op's hand-off to its sidecar costs a GPU context "
-                "switch (~0.29 ms measured on H200, vs ~10-19 us under MPS). Start the job with "
-                "`python -m gocomm.launch --mps -- <torchrun args>`.",
-                self.rank,
-            )
-        return counters
+        req = pb.AttachDeviceRequest(session=self.session, device_uuid=uuid)
+        return self.call("AttachDevice", req).counters_handle
 
     def cuda_segments(self) -> dict:
         """This client's CUDA allocations as the sidecar maps them: registered (and not
@@ -352,16 +333,11 @@ class Sidecar:
         self._lost = why
         # every op in flight fails, and CUDA streams waiting on this sidecar go on
         self.client.fail_all(why)
-        for fn in list(self._on_lost):
-            fn(why)
 
     @property
     def lost(self) -> str | None:
         """Why the sidecar is gone, or None while it serves."""
         return self._lost
-
-    def on_lost(self, fn) -> None:
-        self._on_lost.append(fn)
 
     def close(self) -> None:
         """Detach; a sidecar started here exits with the session."""
@@ -422,34 +398,3 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
-
-
-def _device_uuid(device: torch.device) -> bytes:
-    """The 16-byte UUID of a CUDA device, as the driver reports it."""
-    u = torch.cuda.get_device_properties(device).uuid
-    b = getattr(u, "bytes", None)
-    if isinstance(b, (bytes, bytearray)) and len(b) == 16:
-        return bytes(b)
-    s = str(u).removeprefix("GPU-").replace("-", "")
-    return bytes.fromhex(s)
-
-
-def _nccl_path() -> str:
-    """The libnccl this process has loaded (torch's), else the one torch's wheel ships, else ""."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.split()[-1] if line.strip() else ""
-                if os.path.basename(path).startswith("libnccl.so"):
-                    return path
-    except OSError:
-        pass
-    try:
-        import nvidia.nccl as nv
-
-        cand = os.path.join(list(nv.__path__)[0], "lib", "libnccl.so.2")
-        if os.path.exists(cand):
-            return cand
-    except ImportError:
-        pass
-    return ""

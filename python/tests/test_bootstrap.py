@@ -1,6 +1,8 @@
 """The NVSHMEM unique id of the sidecar's all_to_all_v kernel travels between the ranks
-through the group's torch Store (_Group._shmem_id): rank 0's sidecar makes it,
-the others' are handed it. Runs without a GPU, against a stand-in for the sidecar."""
+through the group's torch Store (the compiled client's exchange_shmem_id, which a group's
+backend runs at its first such call, around the control plane's ShmemID rpc,
+_Group._shmem_id): rank 0's sidecar makes it, the others' are handed it. Runs without a GPU,
+against a stand-in for the sidecar."""
 
 from __future__ import annotations
 
@@ -8,10 +10,10 @@ import datetime
 import types
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from gocomm._backend import _Group
+from gocomm._client import C
 from gocomm._sidecar import SidecarError
 
 
@@ -20,9 +22,10 @@ class _Sidecar:
     fails every call with fail."""
 
     def __init__(self, fail: str = ""):
-        self.session, self.fail, self.calls = 7, fail, []
+        self.session, self.fail, self.calls, self.attached = 7, fail, [], []
 
     def attach_device(self, device):
+        self.attached.append(device)
         return 0
 
     def call(self, method, req, timeout=120.0):
@@ -32,40 +35,29 @@ class _Sidecar:
         return types.SimpleNamespace(id=bytes(req.id) or b"U" * 128)
 
 
-def _member(store, rank, sc):
-    return types.SimpleNamespace(
-        _shmem_ready=False,
-        _slot=0,
-        _rank=rank,
-        _sc=sc,
-        _store=store,
-        _handle=40 + rank,
-        _group_name="g",
-        _need_slot=lambda op: None,
-    )
+def _rpc(sc, handle):
+    """The rpc a group's backend is handed: _Group._shmem_id of a group on handle."""
+    member = types.SimpleNamespace(_sc=sc, _handle=handle, _need_slot=lambda op: None)
+    return lambda idx, uid: _Group._shmem_id(member, idx, uid)
 
 
 def test_unique_id_goes_through_the_store():
     store = dist.HashStore()
     sc0, sc1 = _Sidecar(), _Sidecar()
-    g0, g1 = _member(store, 0, sc0), _member(store, 1, sc1)
-    _Group._shmem_id(g0, torch.device("cpu"))
+    C.exchange_shmem_id(store, 0, "g", 1, _rpc(sc0, 40))
     assert store.get("gocomm/nvshmem_uid") == b"U" * 128
-    _Group._shmem_id(g1, torch.device("cpu"))
+    C.exchange_shmem_id(store, 1, "g", 1, _rpc(sc1, 41))
     assert sc0.calls == [("ShmemID", 40, b"")]
     assert sc1.calls == [("ShmemID", 41, b"U" * 128)]
-    _Group._shmem_id(g1, torch.device("cpu"))  # once per group
-    assert len(sc1.calls) == 1 and g0._shmem_ready and g1._shmem_ready
+    assert [str(d) for d in sc0.attached + sc1.attached] == ["cuda:1", "cuda:1"]  # the GPU, attached first
 
 
 def test_rank0_failure_reaches_the_others_at_once():
     store = dist.HashStore()
     store.set_timeout(datetime.timedelta(seconds=60))
-    g0 = _member(store, 0, _Sidecar(fail="INVALID_ARGUMENT: NVSHMEM: no library"))
     with pytest.raises(SidecarError, match="no library"):
-        _Group._shmem_id(g0, torch.device("cpu"))
+        C.exchange_shmem_id(store, 0, "g", 0, _rpc(_Sidecar(fail="INVALID_ARGUMENT: NVSHMEM: no library"), 40))
     sc1 = _Sidecar()
-    g1 = _member(store, 1, sc1)
-    with pytest.raises(RuntimeError, match="rank 0 could not make the NVSHMEM unique id"):
-        _Group._shmem_id(g1, torch.device("cpu"))
-    assert sc1.calls == [] and not g1._shmem_ready
+    with pytest.raises(RuntimeError, match="group 'g': rank 0 could not make the NVSHMEM unique id"):
+        C.exchange_shmem_id(store, 1, "g", 0, _rpc(sc1, 41))
+    assert sc1.calls == []

@@ -1,7 +1,8 @@
 """The `gocomm` command (info, doctor, bench), the one version shared by the package, pgserver
 and the wheel, and the shim's refusal of a sidecar of another version. Each command runs in a
-subprocess of its own (it starts and stops its own sidecar); the wheel itself is checked by
-wheel_check.py (make test-wheel)."""
+subprocess of its own (info and doctor run `pgserver info` / `pgserver doctor`, whose checks
+cmd/pgserver/*_test.go test case by case); the wheel itself is checked by wheel_check.py (make
+test-wheel)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,9 @@ def test_info_json():
     for fact in ("host", "gpus", "nvlink_domain", "mps", "nccl", "nvshmem"):
         value, reason = caps[fact]
         assert value and reason, (fact, caps[fact])
+    transport, reason = d["sidecar"]["sparse_transport"]
+    assert transport in ("nccl", "nvshmem") and reason, d["sidecar"]
+    assert d["sidecar"]["engines"]["host"][0] is True
     table = d["routes"]["table"]
     assert set(table) == {"all_reduce", "all_to_all_single", "all_to_all_v", "moe", "other CUDA ops", "CPU tensors"}
     assert table["CPU tensors"][0] == "host engine"
@@ -96,6 +100,16 @@ def test_info_text_matches_json():
     assert f"pgserver {_version_file()} " in p.stdout
     for line in ("capabilities:", "engines:", "routes of a ", "nvlink_domain", "CPU tensors        host engine"):
         assert line in p.stdout, p.stdout
+    d = json.loads(_gocomm("info", "--json").stdout)
+    for name, (value, reason) in d["sidecar"]["capabilities"].items():  # pgserver's rows, as the JSON has them
+        assert f"  {name:14s} {value:10s} {reason}" in p.stdout, (name, p.stdout)
+
+
+def test_info_names_a_pgserver_of_another_version(other_pgserver):
+    p = _gocomm("info", env={"GOCOMM_PGSERVER": other_pgserver})
+    assert p.returncode == 1, p.stdout + p.stderr
+    want = f"pgserver {OTHER} ({other_pgserver}): gocomm {_version_file()} cannot use pgserver {OTHER}"
+    assert want in p.stdout, p.stdout
 
 
 def test_doctor_passes_here():
@@ -107,6 +121,8 @@ def test_doctor_passes_here():
     assert rows["torch"]["status"] == "ok" and rows["pgserver"]["status"] == "ok", rows
     assert {"/dev/shm", "fd limit", "ptrace scope"} <= set(rows)
     assert p.returncode == (1 if any(r["status"] == "fail" for r in rows.values()) else 0)
+    text = _gocomm("doctor").stdout.splitlines()
+    assert [line[7:19].strip() for line in text if line.startswith("[")] == list(rows), text  # same rows, in order
 
 
 def test_doctor_names_a_pgserver_of_another_version(other_pgserver):

@@ -4,16 +4,32 @@ the sidecar's table (config/config.go) reads for the shim: taken from its Attach
 a bad value stopping pgserver at start with the shim saying why."""
 
 import contextlib
+import json
 import os
 import pathlib
 import re
 import subprocess
+import sys
 
 import pytest
 
-from gocomm import _backend, _config, _sidecar
+from gocomm import _config, _sidecar
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _world_backend_settings() -> dict:
+    """The settings the default group's backend took from its sidecar (Backend.settings), in a
+    world of one made in a process of its own with this environment."""
+    code = (
+        "import json, torch, torch.distributed as dist, gocomm\n"
+        "dist.init_process_group('gocomm', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "print(json.dumps(dist.group.WORLD._get_backend(torch.device('cpu')).settings))\n"
+        "dist.destroy_process_group()\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.splitlines()[-1])
 
 
 @pytest.fixture
@@ -119,18 +135,18 @@ def test_sidecar_reports_knobs(fresh, tmp_path):
         fresh.setenv(k, v)
     with contextlib.closing(_sidecar.Sidecar(0)) as sc:
         assert (sc.a2a.recv_bytes, sc.a2a.blocks, sc.a2a.threads) == (64 << 20, 32, 256)
-        assert _backend._inprocess_settings(sc) == {
-            "ar_max": 1 << 30,
-            "ar_stage": 992,  # rounded down to a multiple of 16
-            "ar_oneshot": 1536,
-            "ar_blocks": 64,
-            "a2av": False,
-            "a2a_recv_bytes": 64 << 20,
-            "a2a_threads": 256,
-            "a2a_blocks": 32,
-        }
         assert sc.knobs.async_error_handling == 1
-        assert _backend._cuda_refusal(sc) == "and gocomm's CUDA engine is turned off (GOCOMM_CUDA=0)"
+    assert _world_backend_settings() == {  # what a group's backend took from its sidecar
+        "cuda_refusal": "and gocomm's CUDA engine is turned off (GOCOMM_CUDA=0)",
+        "ar_max": 1 << 30,
+        "ar_stage": 992,  # rounded down to a multiple of 16
+        "ar_oneshot": 1536,
+        "ar_blocks": 64,
+        "a2av": False,
+        "a2a_recv_bytes": 64 << 20,
+        "a2a_threads": 256,
+        "a2a_blocks": 32,
+    }
     log = pathlib.Path(sc.log_file).read_text()
     assert "GOCOMM_NVSHMEM_RECV_MB is deprecated" in log and "GOCOMM_A2AV_HERE is deprecated" in log
     assert re.search(r"msg=serving .* spin=500µs", log), log
@@ -146,7 +162,10 @@ def test_sidecar_knob_defaults(fresh, tmp_path):
         assert (k.cuda, k.async_error_handling, k.a2av_inprocess) == (True, 2, True)
         assert (k.ar_max, k.ar_stage, k.ar_oneshot, k.ar_blocks) == (1 << 62, 32 << 20, 256 << 10, 128)
         assert (sc.a2a.recv_bytes, sc.a2a.blocks, sc.a2a.threads) == (512 << 20, 128, 256)
-        assert _backend._cuda_refusal(sc) in ("", f"but this rank's pgserver cannot run CUDA ops: {sc.info.cuda_error}")
+        refusal = (
+            "" if sc.info.cuda_available else f"but this rank's pgserver cannot run CUDA ops: {sc.info.cuda_error}"
+        )
+        assert sc.cuda_refusal == refusal
     log = pathlib.Path(sc.log_file).read_text()
     assert "level=INFO" not in log, log
 
@@ -189,7 +208,23 @@ def test_attached_sidecar_knobs_are_its_own(fresh, tmp_path):
     try:
         with contextlib.closing(_sidecar.Sidecar(0)) as sc:
             assert sc.knobs.ar_blocks == 64
-            assert _backend._inprocess_settings(sc)["ar_blocks"] == 64
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_nccl_path_is_the_loaded_one():
+    """The NCCL the shim names to its sidecar at attach (the compiled client's nccl_path): the
+    libnccl this process loaded with torch, as /proc/self/maps names it; where none is loaded,
+    the NCCL wheel's beside torch, or none."""
+    from gocomm._client import C
+
+    with open("/proc/self/maps") as f:
+        loaded = [
+            p for p in (line.split()[-1] for line in f if line.strip()) if os.path.basename(p).startswith("libnccl.so")
+        ]
+    got = C.nccl_path()
+    if loaded:
+        assert got == loaded[0], (got, loaded)
+    else:
+        assert got == "" or (os.path.exists(got) and os.path.basename(got) == "libnccl.so.2"), got
