@@ -467,6 +467,55 @@ func Load(getenv func(string) string) (Config, []string, error) {
 	return c, warnings, nil
 }
 
+// ClientDiffs names each knob the training process uses (what Attach reports: Client, A2A,
+// Trace.Size) that the environment client sets otherwise than sidecar does, and each client
+// value the table does not accept, one line each: a training process attached to a sidecar
+// started apart (GOCOMM_SIDECAR) runs with the sidecar's reading, not its own. A variable
+// counts when taking the client's value for it alone changes what the client is told.
+func ClientDiffs(sidecar, client func(string) string) []string {
+	mine, _, err := Load(sidecar)
+	if err != nil {
+		return nil
+	}
+	type view struct { // what Attach reports (comparable: a field that is not fails to build)
+		client Client
+		a2a    A2A
+		trace  int
+	}
+	told := func(c Config) view { return view{c.Client, c.A2A, c.Trace.Size} }
+	var out []string
+	for _, p := range Params {
+		names := append([]string{p.Env}, p.Aliases...)
+		theirs, _, err := Load(func(k string) string {
+			for _, n := range names {
+				if k == n {
+					return client(k)
+				}
+			}
+			return sidecar(k)
+		})
+		if err == nil && told(theirs) == told(mine) {
+			continue
+		}
+		show := func(getenv func(string) string) string {
+			for _, n := range names {
+				if v := strings.TrimSpace(getenv(n)); v != "" {
+					return n + "=" + v
+				}
+			}
+			return "unset"
+		}
+		if err != nil {
+			out = append(out, fmt.Sprintf("%s in this process is not accepted (want %s); the sidecar's reading (%s) holds",
+				show(client), p.Accepts, show(sidecar)))
+			continue
+		}
+		out = append(out, fmt.Sprintf("%s in this process, %s in the sidecar, whose reading holds", show(client),
+			show(sidecar)))
+	}
+	return out
+}
+
 // FromEnv is Load of this process's environment.
 func FromEnv() (Config, []string, error) { return Load(os.Getenv) }
 

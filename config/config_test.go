@@ -203,3 +203,36 @@ func TestNoGetenvOutsideConfig(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestClientDiffs: the knobs the client is told at Attach that a client's environment sets
+// otherwise than the sidecar's, each named with both values (an old name too); a bad client
+// value is named with what the table accepts; knobs only the sidecar uses, and equal values
+// spelled otherwise, are not named.
+func TestClientDiffs(t *testing.T) {
+	sidecar := env(map[string]string{"GOCOMM_AR_MAX": "1M", "GOCOMM_SPIN": "0"})
+	client := env(map[string]string{
+		"GOCOMM_AR_MAX":            "2M",   // differs: named
+		"GOCOMM_CUDA":              "0",    // differs from the default: named
+		"GOCOMM_NVSHMEM_RECV_MB":   "64",   // the old name of GOCOMM_A2A_RECV_MB: named
+		"GOCOMM_TRACE_BUFFER_SIZE": "2000", // the default, spelled out: the same
+		"GOCOMM_SPIN":              "5ms",  // the sidecar's alone: not named
+		"GOCOMM_AR_STAGE":          "lots", // not accepted: named
+	})
+	got := strings.Join(ClientDiffs(sidecar, client), "\n")
+	for _, want := range []string{
+		"GOCOMM_AR_MAX=2M in this process, GOCOMM_AR_MAX=1M in the sidecar, whose reading holds",
+		"GOCOMM_CUDA=0 in this process, unset in the sidecar",
+		"GOCOMM_NVSHMEM_RECV_MB=64 in this process, unset in the sidecar",
+		"GOCOMM_AR_STAGE=lots in this process is not accepted (want ",
+	} {
+		if !strings.Contains(got, want) {
+			t.Errorf("ClientDiffs lacks %q; got:\n%s", want, got)
+		}
+	}
+	if n := len(ClientDiffs(sidecar, client)); n != 4 {
+		t.Errorf("%d lines, want 4:\n%s", n, got)
+	}
+	if d := ClientDiffs(sidecar, sidecar); len(d) != 0 {
+		t.Errorf("the same environment differs: %v", d)
+	}
+}

@@ -29,6 +29,9 @@ type Host struct {
 	A2A        config.A2A    // the sparse all-to-all's, which the client's kernel uses too
 	TraceSize  int           // GOCOMM_TRACE_BUFFER_SIZE, which the client's own record uses too
 	Client     config.Client // the training process's knobs, read here for it (config.Client)
+	// Getenv is the environment the settings were read from (os.Getenv): Attach names the
+	// knobs a client's environment sets otherwise (config.ClientDiffs). nil: none named.
+	Getenv func(string) string
 }
 
 // Service implements v1.PGServerServer on a pg.Server.
@@ -112,6 +115,10 @@ func (s *Service) Attach(_ context.Context, req *v1.AttachRequest) (*v1.AttachRe
 		return nil, toStatus(err)
 	}
 	token := sess.FDToken()
+	var diffs []string
+	if s.host.Getenv != nil && len(req.ClientEnv) > 0 {
+		diffs = config.ClientDiffs(s.host.Getenv, func(k string) string { return req.ClientEnv[k] })
+	}
 	return &v1.AttachResponse{
 		Session: sess.ID, RingPath: sess.RingPath(), RingBytes: uint64(sess.RingBytes()),
 		SparseTransport: sess.Sparse.Engine, SparseReason: sess.Sparse.Reason,
@@ -122,7 +129,8 @@ func (s *Service) Attach(_ context.Context, req *v1.AttachRequest) (*v1.AttachRe
 		TraceBufferSize: uint32(s.host.TraceSize),
 		Knobs:           clientKnobs(s.host.Client),
 		FdSocket:        s.srv.FDSocket(), FdToken: token[:],
-		CudaRefusal: cudaRefusal(s.host.Client.CUDA, s.srv.Device()),
+		CudaRefusal:  cudaRefusal(s.host.Client.CUDA, s.srv.Device()),
+		KnobWarnings: diffs,
 	}, nil
 }
 

@@ -175,7 +175,7 @@ func run(args []string) error {
 	}
 	stop := func(reason string) { end(reason, true) }
 	abandon := func(reason string) { end(reason, false) }
-	rpc.NewService(srv, rpc.Host{RuntimeDir: o.runtimeDir, LogFile: o.logFile, A2A: cfg.A2A, TraceSize: cfg.Trace.Size, Client: cfg.Client}, stop).Register(gs)
+	rpc.NewService(srv, rpc.Host{RuntimeDir: o.runtimeDir, LogFile: o.logFile, A2A: cfg.A2A, TraceSize: cfg.Trace.Size, Client: cfg.Client, Getenv: os.Getenv}, stop).Register(gs)
 
 	handleSignals(log, o.parentPID, abandon, func() { srv.DumpFlightRecord("SIGUSR1") })
 	if o.parentPID > 0 {

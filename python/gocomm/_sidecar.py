@@ -126,7 +126,10 @@ class Sidecar:
         self.info = self.call("Info", pb.InfoRequest())
         self._check_version(self.info.version)
         nccl = _client.C.nccl_path() if self.info.cuda_available and torch.cuda.is_available() else ""
-        resp = self.call("Attach", pb.AttachRequest(client_pid=os.getpid(), rank=rank, nccl_path=nccl))
+        env = {k: v for k, v in os.environ.items() if k.startswith("GOCOMM_")}
+        resp = self.call("Attach", pb.AttachRequest(client_pid=os.getpid(), rank=rank, nccl_path=nccl, client_env=env))
+        for line in resp.knob_warnings:  # a sidecar started apart (GOCOMM_SIDECAR) read its own environment
+            log.warning("gocomm rank %d: %s", rank, line)
         self.session = resp.session
         # how all_to_all_v of this process's CUDA tensors moves, chosen by the sidecar at attach
         self.sparse_transport = resp.sparse_transport or "nccl"

@@ -5,6 +5,7 @@ a bad value stopping pgserver at start with the shim saying why."""
 
 import contextlib
 import json
+import logging
 import os
 import pathlib
 import re
@@ -195,19 +196,26 @@ def test_sidecar_refuses_bad_value(fresh, name, value, accepts):
         _sidecar.Sidecar(0)
 
 
-def test_attached_sidecar_knobs_are_its_own(fresh, tmp_path):
+def test_attached_sidecar_knobs_are_its_own(fresh, tmp_path, caplog):
     """With GOCOMM_SIDECAR (attaching to a running pgserver), the knobs the shim uses come from
-    that sidecar's environment, not the training process's."""
+    that sidecar's environment, not the training process's; the shim warns, naming each knob
+    the training process sets otherwise (with both values), and no knob it sets alike."""
     sock = tmp_path / "s.sock"
     fresh.setenv("GOCOMM_AR_BLOCKS", "32")  # the training process's: not read
+    fresh.setenv("GOCOMM_AR_STAGE", "1M")  # the same on both sides: not named
     fresh.setenv("GOCOMM_SIDECAR", f"unix://{sock}")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GOCOMM_")} | {"GOCOMM_AR_BLOCKS": "64"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GOCOMM_")}
+    env |= {"GOCOMM_AR_BLOCKS": "64", "GOCOMM_AR_STAGE": "1M"}
     cmd = [_sidecar.find_pgserver(), "--socket", str(sock), "--runtime-dir", str(tmp_path)]
     with open(tmp_path / "pgserver.log", "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
     try:
-        with contextlib.closing(_sidecar.Sidecar(0)) as sc:
+        with caplog.at_level(logging.WARNING, logger="gocomm"), contextlib.closing(_sidecar.Sidecar(0)) as sc:
             assert sc.knobs.ar_blocks == 64
+        said = [r.getMessage() for r in caplog.records if r.name == "gocomm" and r.levelno == logging.WARNING]
+        want = "GOCOMM_AR_BLOCKS=32 in this process, GOCOMM_AR_BLOCKS=64 in the sidecar, whose reading holds"
+        assert any(want in m for m in said), said
+        assert not any("GOCOMM_AR_STAGE" in m for m in said), said
     finally:
         proc.terminate()
         proc.wait(timeout=30)
