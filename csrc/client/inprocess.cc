@@ -275,7 +275,12 @@ bool lasting_stream(int device) {
 
 KernelWork::KernelWork(std::vector<at::Tensor> result, cuda::Stream stream, int device, c10d::OpType type,
                        bool captured, bool lasting)
-    : c10d::Work(-1, type), result_(std::move(result)), stream_(stream), device_(device), captured_(captured) {
+    : c10d::Work(-1, type),
+      result_(std::move(result)),
+      stream_(stream),
+      device_(device),
+      captured_(captured),
+      lasting_(lasting) {
   if (!captured_ && !lasting) {
     std::lock_guard<std::mutex> lock(mu_);
     mark();
@@ -336,8 +341,16 @@ c10::intrusive_ptr<c10::ivalue::Future> KernelWork::getFuture() {
   }
   const auto dev = static_cast<c10::DeviceIndex>(device_);
   future_ = c10::make_intrusive<c10::ivalue::Future>(type, std::vector<c10::Device>{c10::Device(c10::kCUDA, dev)});
-  // markCompleted records its event on the current stream: the kernel's
-  c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream_), dev));
+  // markCompleted records its event on the current stream: the kernel's where it lasts, else
+  // a pool stream ordered after the event recorded right after the kernel (its own stream may
+  // be gone by now)
+  c10::cuda::CUDAStream on = c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream_), dev);
+  if (!lasting_) {
+    c10::cuda::CUDAGuard device_guard(dev);
+    on = c10::cuda::getStreamFromPool(false, dev);
+    cuda::stream_wait_event(on.stream(), mark());
+  }
+  c10::cuda::CUDAStreamGuard guard(on);
   future_->markCompleted(c10::IValue(result_));
   return future_;
 }

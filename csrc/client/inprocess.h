@@ -142,6 +142,7 @@ class KernelWork : public c10d::Work {
   cuda::Stream stream_;
   int device_;
   bool captured_;
+  bool lasting_;
   std::atomic<bool> done_{false};
 };
 

@@ -1154,10 +1154,16 @@ def check_kernel_future(rk, seed):
         ext = torch.cuda.ExternalStream(h.value, device=dev)
         y = xs[rk.rank].to(dev)
         ext.wait_stream(torch.cuda.current_stream(dev))
+        y2 = xs[rk.rank].to(dev)
         with torch.cuda.stream(ext):
             dist.all_reduce(y)
+            w2 = dist.all_reduce(y2, async_op=True)
         torch.cuda.synchronize(dev)
         ck.expect("stream destroyed", rt.cudaStreamDestroy(h) == 0)
+        got2 = w2.get_future().wait()[0]  # its Work's future, made after the stream went
+        torch.cuda.synchronize(dev)
+        e2 = (got2.double().cpu() - want).abs().max().item()
+        ck.expect("the future of an op on the gone stream", e2 < 1e-3, f"max error {e2}")
         z = xs[rk.rank].to(dev)
         dist.all_reduce(z)  # on the current stream again: ordered after the gone stream's op
         torch.cuda.synchronize(dev)
