@@ -13,6 +13,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"strings"
 
 	"github.com/gocomm/gocomm/config"
 	"github.com/gocomm/gocomm/node"
@@ -32,6 +33,9 @@ type infoReport struct {
 	// ARMax is GOCOMM_AR_MAX as the sidecar reads it (ClientKnobs.ar_max at Attach): the
 	// route table's in-process all_reduce bound.
 	ARMax uint64 `json:"ar_max"`
+	// Text is the report as `pgserver info` prints it, so `gocomm info` prints this very probe
+	// beside the route table it makes of the rest.
+	Text string `json:"text"`
 
 	engines []pg.Engine // in the order the text prints them
 	facts   []node.Fact
@@ -59,6 +63,9 @@ func info(args []string, out io.Writer) error {
 	}
 	r.ARMax = uint64(cfg.Client.AllReduce.Max)
 	if *asJSON {
+		var text strings.Builder
+		r.print(&text, os.Args[0])
+		r.Text = text.String()
 		enc := json.NewEncoder(out)
 		enc.SetIndent("", "  ")
 		return enc.Encode(r)

@@ -72,4 +72,8 @@ func TestInfoJSON(t *testing.T) {
 	if m, _ := r["ar_max"].(float64); m <= 0 {
 		t.Errorf("ar_max %v", r["ar_max"])
 	}
+	// the printed report of this probe, for `gocomm info` to show without probing again
+	if text, _ := r["text"].(string); !strings.Contains(text, "capabilities:\n") || !strings.Contains(text, "engines:\n") {
+		t.Errorf("text %q", r["text"])
+	}
 }

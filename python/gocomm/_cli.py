@@ -27,16 +27,17 @@ def _pgserver() -> tuple[str, str]:
         return "", str(e)
 
 
-def _probe(exe: str, *args: str) -> tuple[str, str]:
-    """(stdout, error) of `pgserver info` (cmd/pgserver/info.go): what a sidecar started here
-    would report to this process at attach, naming the NCCL this torch loads."""
+def _probe(exe: str) -> tuple[str, str]:
+    """(stdout, error) of `pgserver info --json` (cmd/pgserver/info.go): what a sidecar started
+    here would report to this process at attach, naming the NCCL this torch loads, with that
+    report's text as `pgserver info` prints it."""
     import torch
 
     from . import _client
 
     nccl = _client.C.nccl_path() if torch.cuda.is_available() else ""
     try:
-        r = subprocess.run([exe, "info", "--nccl", nccl, *args], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([exe, "info", "--nccl", nccl, "--json"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:
         return "", f"{exe} info: {e}"
     if r.returncode != 0:
@@ -69,7 +70,7 @@ def info() -> dict:
         "pgserver": {"path": exe, "version": "", "error": err},
     }
     if not err:
-        body, err = _probe(exe, "--json")
+        body, err = _probe(exe)
         out["pgserver"]["error"] = err
     if err:
         return out
@@ -91,11 +92,10 @@ def _print_info(d: dict) -> None:
         f" compiled client: {'yes' if b.get('compiled_client') else 'no'}; torch here {d['torch']}"
     )
     p = d["pgserver"]
-    text, err = _probe(p["path"]) if not p["error"] else ("", p["error"])
-    if err:
-        print(f"pgserver {p['version'] or '?'} ({p['path'] or 'not found'}): {err}")
+    if p["error"]:
+        print(f"pgserver {p['version'] or '?'} ({p['path'] or 'not found'}): {p['error']}")
         return
-    print(text, end="")
+    print(d["sidecar"]["text"], end="")  # the same probe the routes come from
     r = d["routes"]
     print(f"routes of a {r['ranks']}-rank group on this node:")
     for op, (engine, reason) in r["table"].items():
