@@ -113,12 +113,12 @@ bool lasting_stream(int device);
 // A kernel the engine queued on stream (captured: queued while capturing a graph). wait()
 // makes the current stream wait, as torch's NCCL work does, and is_completed() asks, through
 // an event recorded on stream at the first call that needs one: it answers for everything
-// queued on stream by then (later, never early). Nothing is recorded for a caller that never
-// asks, as a synchronous op's caller on the same stream (on torch's own streams: one that may
-// not outlive the call gets its event at once). get_future() is a CUDA future,
-// completed at once with an event on stream, as ProcessGroupNCCL's: its wait() and then()
-// order the caller's streams after the kernel and never block the host (DDP's hooks take it
-// right after each bucket's all_reduce).
+// queued on stream by then (later, never early). On torch's own streams nothing is recorded
+// for a caller that never asks (a synchronous op's, on the same stream); on a stream that may
+// not outlive the call the event is recorded at once. get_future() is a CUDA future completed
+// at once, its event on stream (on a pool stream ordered after the kernel where stream is not
+// torch's), as ProcessGroupNCCL's: its wait() and then() order the caller's streams after the
+// kernel and never block the host (DDP's hooks take it right after each bucket's all_reduce).
 class KernelWork : public c10d::Work {
  public:
   // lasting: lasting_stream(device); where not, the event is recorded now.
