@@ -24,8 +24,11 @@ type Engine interface {
 	LoadNVSHMEM() error
 	// Check says whether a reduction of dtype by op can run on the device.
 	Check(dt wire.DType, op wire.RedOp) error
-	// Attach binds a session to the device with this UUID.
-	Attach(uuid [16]byte) (Session, error)
+	// Attach binds a session to the device with this UUID. released, where not nil, is called
+	// with the slot before any release of a slot's counters (Session.Release, and the releases
+	// the engine makes itself when it aborts a group) writes them: whoever made the session learns
+	// of a release before any stream it lets go can run on.
+	Attach(uuid [16]byte, released func(slot int)) (Session, error)
 }
 
 // Device describes one GPU.

@@ -53,12 +53,13 @@ func (e *fakeEngine) Check(dt wire.DType, op wire.RedOp) error {
 	}
 	return nil
 }
-func (e *fakeEngine) Attach([16]byte) (gpu.Session, error) {
-	return &fakeDevSession{e: e, segs: map[uint32]uint64{}, d: map[uint32]uint32{}}, nil
+func (e *fakeEngine) Attach(_ [16]byte, released func(slot int)) (gpu.Session, error) {
+	return &fakeDevSession{e: e, hook: released, segs: map[uint32]uint64{}, d: map[uint32]uint32{}}, nil
 }
 
 type fakeDevSession struct {
 	e        *fakeEngine
+	hook     func(slot int) // Attach's: called before each release, as the engine does
 	mu       sync.Mutex
 	segs     map[uint32]uint64
 	vmm      map[uint32][]string // RegisterVMM: what each chunk's fd named (/proc/self/fd) when it was called
@@ -98,6 +99,9 @@ func (s *fakeDevSession) releasedTriggers() []uint32 {
 }
 
 func (s *fakeDevSession) Release(slot int, floor [2]uint32) error {
+	if s.hook != nil {
+		s.hook(slot)
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.released = append(s.released, slot)
@@ -494,6 +498,11 @@ func TestRefusedFirstCUDAOpReleasesStream(t *testing.T) {
 			if got := ds.releasedSlots(); len(got) != 1 || got[0] != g.Slot {
 				t.Fatalf("released slots %v, want [%d]", got, g.Slot)
 			}
+			// the client refuses its next op from this mark, which it sees before any stream
+			// the release let go runs on
+			if m := c.sess.marks.Get(g.Slot); m != g.Handle {
+				t.Fatalf("slot %d's mark is %d, want the group's handle %d", g.Slot, m, g.Handle)
+			}
 			if g.Broken() == nil {
 				t.Fatal("the group survived a refused CUDA op")
 			}
@@ -544,6 +553,11 @@ func TestReusedSlotCountsOn(t *testing.T) {
 		want := [2]uint32{3 + slotAdvance, 0 + slotAdvance}
 		if g.Slot != groups[r].Slot || g.Base != want {
 			t.Fatalf("rank %d: the next group got slot %d base %v, want slot %d base %v", r, g.Slot, g.Base, groups[r].Slot, want)
+		}
+		// the destroy marked the slot with the old group's handle, which the new one's is not
+		if m := c.sess.marks.Get(g.Slot); m != groups[r].Handle || m == g.Handle {
+			t.Fatalf("rank %d: slot %d's mark is %d, want the destroyed group's %d (the new one is %d)",
+				r, g.Slot, m, groups[r].Handle, g.Handle)
 		}
 		again[r], blobs[r] = g, blob
 	}

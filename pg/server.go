@@ -229,6 +229,11 @@ func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath strin
 		mem.Close()
 		return nil, err
 	}
+	marks, err := ring.OpenMarks(mem.Data)
+	if err != nil {
+		mem.Close()
+		return nil, err
+	}
 	choice, client, hasNCCL, err := s.clientFacts(ncclPath)
 	if err != nil {
 		mem.Close()
@@ -250,7 +255,7 @@ func (s *Server) Attach(clientPID int64, rank int, ringBytes int, ncclPath strin
 	s.nextSess++
 	sess := &Session{
 		ID: s.nextSess, srv: s, pid: clientPID, rank: rank,
-		ringMem: mem, cons: ring.NewConsumer(sub), prod: ring.NewProducer(cmp),
+		ringMem: mem, cons: ring.NewConsumer(sub), prod: ring.NewProducer(cmp), marks: marks,
 		reg:          newRegistry(s.cfg.ShmDir),
 		groups:       map[uint32]*Group{},
 		done:         make(chan struct{}),

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/gocomm/gocomm/collectives/reduce"
@@ -34,6 +35,7 @@ type Session struct {
 	cons    *ring.Consumer
 	cmpMu   sync.Mutex
 	prod    *ring.Producer
+	marks   ring.Marks // word i: the handle of the last group whose streams on slot i were released
 	reg     *registry
 
 	mu       sync.Mutex
@@ -52,6 +54,7 @@ type Session struct {
 	device       gpu.Session // set by AttachDevice
 	ipcErr       map[uint32]error
 	slots        [gpu.CounterSlots]bool
+	slotOwner    [gpu.CounterSlots]atomic.Uint32 // the handle of the group on each slot; 0: none
 	// slotBase is where each slot's counters stand for its next group, per lane. Counters
 	// never go back: a group counts on from past where the slot's last group and its releases
 	// left them, so a stream wait of the new group cannot be satisfied by an old value, and a
@@ -84,7 +87,7 @@ func (sess *Session) AttachDevice(uuid [16]byte) ([64]byte, error) {
 	sess.devLock.Lock()
 	defer sess.devLock.Unlock()
 	if sess.device == nil {
-		ds, err := dev.Attach(uuid)
+		ds, err := dev.Attach(uuid, sess.released)
 		if err != nil {
 			return none, fmt.Errorf("%w: %v", ErrNoDevice, err)
 		}
@@ -92,6 +95,22 @@ func (sess *Session) AttachDevice(uuid [16]byte) ([64]byte, error) {
 		sess.log.Info("device attached", "uuid", fmt.Sprintf("%x", uuid))
 	}
 	return sess.device.Counters(), nil
+}
+
+// Each counter slot has a mark word in the ring's header.
+var _ [ring.MarkWords - gpu.CounterSlots]struct{}
+
+// released marks slot's group as let go in the ring (ring.Marks) before the device session
+// writes a release to the slot's counters (gpu.Engine.Attach's hook). A release means the
+// group broke, refused an op or is being destroyed: the client checks the mark at every CUDA
+// op and refuses once it names its group. Its streams see the release only after the mark is
+// stored, so a client thread whose stream was let go (an op whose sync returned with its
+// work not done) sees the mark at its next call, even before the failure's completion or
+// the watch stream's event reaches it.
+func (sess *Session) released(slot int) {
+	if h := sess.slotOwner[slot].Load(); h != 0 {
+		sess.marks.Set(slot, h)
+	}
 }
 
 func (sess *Session) deviceSession() gpu.Session {
@@ -249,6 +268,9 @@ func (sess *Session) CreateGroup(name string, rank, size int, globalRanks []int,
 	}
 	sess.srv.addGroup(g)
 	sess.groups[g.Handle] = g
+	if g.Slot >= 0 {
+		sess.slotOwner[g.Slot].Store(g.Handle)
+	}
 	sess.mu.Unlock()
 	g.log = sess.log.With("group", g.Handle, "name", name, "grank", rank, "gsize", size)
 	g.log.Info("group created", "timeout", timeout, "counter_slot", g.Slot)
@@ -345,6 +367,7 @@ func (sess *Session) DestroyGroup(handle uint32) error {
 		sess.slotBase[g.Slot][lane] = f[lane] + slotAdvance
 	}
 	sess.slots[g.Slot] = false
+	sess.slotOwner[g.Slot].Store(0)
 	sess.mu.Unlock()
 	return nil
 }

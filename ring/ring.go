@@ -1,7 +1,7 @@
 // Package ring is the data plane between a PyTorch process and its sidecar: two
 // single-producer single-consumer queues of variable-size records in one shared-memory file.
 // The client submits op descriptors on the submission queue; the sidecar answers on the
-// completion queue. python/gocomm/_ring.py implements the client half of the same layout.
+// completion queue. csrc/client/ring.{h,cc} is the client half of the same layout.
 //
 // File layout (integers little-endian, offsets in bytes):
 //
@@ -13,6 +13,7 @@
 //	 136  sub notify (u32 futex word, producer increments after each publish)
 //	 140  sub waiters (u32, consumers about to sleep on notify)
 //	 192  cmp head, 256 cmp tail, 264 cmp notify, 268 cmp waiters (same roles)
+//	2048  marks: MarkWords u32 words the sidecar writes and the client only reads (Marks)
 //	4096  sub data, then cmp data
 //
 // A record is an 8-byte header (u32 payload length, u16 type, u16 flags) and the payload,
@@ -68,6 +69,7 @@ const (
 	offSubTail           = 128
 	offCmpHead           = 192
 	offCmpTail           = 256
+	offMarks             = 2048
 	notifyAfterTail      = 8
 	waitersAfterTail     = 12
 )
@@ -163,6 +165,30 @@ func headerWords(h []byte) string {
 	}
 	return b.String()
 }
+
+// MarkWords is how many mark words the header holds (offset 2048, up to 3072).
+const MarkWords = 256
+
+// Marks are the header's mark words: a side channel from the sidecar to the client for facts
+// the client must see before anything that follows them on the GPU. The protocol on top gives
+// them their meaning (pg: word i is the handle of the last group whose streams on counter slot
+// i were released). A store is a release store, and the client loads with acquire, so a client
+// thread that saw an effect the sidecar caused after a store (a stream let go) sees the store.
+type Marks struct{ mem []byte }
+
+// OpenMarks returns the mark words of a formatted file.
+func OpenMarks(mem []byte) (Marks, error) {
+	if len(mem) < headerSize || atomic.LoadUint64(u64(mem, offMagic)) != magic {
+		return Marks{}, fmt.Errorf("%w: no magic", ErrLayout)
+	}
+	return Marks{mem: mem[:headerSize:headerSize]}, nil
+}
+
+// Set stores v in word i (0 <= i < MarkWords).
+func (m Marks) Set(i int, v uint32) { atomic.StoreUint32(u32(m.mem, offMarks+4*i), v) }
+
+// Get loads word i.
+func (m Marks) Get(i int) uint32 { return atomic.LoadUint32(u32(m.mem, offMarks+4*i)) }
 
 func u64(mem []byte, off int) *uint64 { return (*uint64)(unsafe.Pointer(&mem[off])) }
 func u32(mem []byte, off int) *uint32 { return (*uint32)(unsafe.Pointer(&mem[off])) }

@@ -227,3 +227,38 @@ func TestNudge(t *testing.T) {
 }
 
 func atomicWaiters(q *Queue) uint32 { return atomic.LoadUint32(q.waiters) }
+
+// TestMarks: the mark words sit at offset 2048 of the header (the client reads them there,
+// csrc/client/ring.h), apart from every queue word, and a file that is not a ring has none.
+func TestMarks(t *testing.T) {
+	if _, err := OpenMarks(make([]byte, headerSize)); !errors.Is(err, ErrLayout) {
+		t.Fatalf("marks of an unformatted file: %v, want ErrLayout", err)
+	}
+	mem, sub, cmp := newRing(t, 4096)
+	m, err := OpenMarks(mem)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := NewProducer(sub)
+	if err := p.TryWrite(16, 0, []byte("op")); err != nil {
+		t.Fatal(err)
+	}
+	m.Set(0, 7)
+	m.Set(MarkWords-1, 0xdeadbeef)
+	if got := binary.LittleEndian.Uint32(mem[2048:]); got != 7 {
+		t.Fatalf("word 0 at offset 2048 holds %d, want 7", got)
+	}
+	if got := binary.LittleEndian.Uint32(mem[2048+4*(MarkWords-1):]); got != 0xdeadbeef || m.Get(MarkWords-1) != got {
+		t.Fatalf("the last word holds %#x (Get %#x), want 0xdeadbeef", got, m.Get(MarkWords-1))
+	}
+	if 2048+4*MarkWords > headerSize {
+		t.Fatalf("%d mark words run past the header", MarkWords)
+	}
+	rec, ok, err := NewConsumer(sub).Next()
+	if err != nil || !ok || string(rec.Payload) != "op" {
+		t.Fatalf("the queue after the marks were set: %+v %v %v", rec, ok, err)
+	}
+	if !NewConsumer(cmp).Empty() {
+		t.Fatal("the completion queue is not empty")
+	}
+}

@@ -152,7 +152,7 @@ func archMatches(arch []int, want int) error {
 func (e *Engine) Check(dt wire.DType, op wire.RedOp) error { return Check(dt, op) }
 
 // Attach implements gpu.Engine.
-func (e *Engine) Attach(uuid [16]byte) (gpu.Session, error) {
+func (e *Engine) Attach(uuid [16]byte, released func(slot int)) (gpu.Session, error) {
 	if e.err != nil {
 		return nil, e.err
 	}
@@ -168,7 +168,10 @@ func (e *Engine) Attach(uuid [16]byte) (gpu.Session, error) {
 	if ahead <= 0 {
 		ahead = config.Defaults().Ahead
 	}
-	s := &session{log: e.log, spin: e.Spin, ahead: ahead, a2a: e.A2A, dev: dev, ctx: ctx, segs: segment.New[ipcSeg]("CUDA segment")}
+	s := &session{
+		log: e.log, spin: e.Spin, ahead: ahead, a2a: e.A2A, dev: dev, ctx: ctx, released: released,
+		segs: segment.New[ipcSeg]("CUDA segment"),
+	}
 	e.mu.Lock()
 	s.shmem = nvshmem.New(s, e.log, e.A2A, e.nvshmemPath)
 	e.mu.Unlock()
@@ -208,6 +211,8 @@ func (e *Engine) Attach(uuid [16]byte) (gpu.Session, error) {
 //  3. The counters are written by streams only, except on abort, when release writes them
 //     through ctl, a non-blocking stream that waits for no other stream (so it runs while
 //     every stream waiting on a counter is stuck).
+//  4. released (Attach's hook) is called with a slot before every write of a release to its
+//     counters, so the session's owner knows before any stream let go runs on.
 type session struct {
 	log         *slog.Logger
 	spin        time.Duration
@@ -219,6 +224,7 @@ type session struct {
 	counters    cuda.Ptr
 	countersIPC cuda.IPCHandle
 	relMu       sync.Mutex
+	released    func(slot int)  // invariant 4; nil: no one is told
 	shmem       *nvshmem.Engine // the sparse engine: the NVSHMEM PE, made by the first OpAllToAllV
 
 	segs *segment.Table[ipcSeg]
@@ -290,6 +296,9 @@ func (s *session) Release(slot int, floor [2]uint32) error {
 	}
 	s.relMu.Lock()
 	defer s.relMu.Unlock()
+	if s.released != nil {
+		s.released(slot) // invariant 4
+	}
 	return s.do(func() error { return s.ctl.CopyToDeviceOn(s.counters+cuda.Ptr(16*slot), w[:]) })
 }
 

@@ -60,7 +60,7 @@ func TestNoDriver(t *testing.T) {
 	if why == "" {
 		t.Fatal("no reason given for the missing GPU engine")
 	}
-	if _, err := e.Attach([16]byte{}); err == nil {
+	if _, err := e.Attach([16]byte{}, nil); err == nil {
 		t.Fatal("Attach without a driver succeeded")
 	}
 }

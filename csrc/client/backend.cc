@@ -486,7 +486,20 @@ std::shared_ptr<inproc::A2Path> Backend::a2av_path_for(const at::Tensor& input, 
 }
 
 void Backend::refuse_if_broken(const std::string& op) {
-  if (auto why = failure_->broken()) {
+  auto why = failure_->broken();
+  if (!why && disp_->released_mark(cfg_.slot) == cfg_.handle) {
+    // The sidecar let the group's streams go (the group broke, or it refused an op): a stream
+    // whose op had not run went on, so a caller that synced it saw wrong data and must not
+    // get another op through. The mark is stored before the release, so this caller sees it;
+    // the cause follows at once (the failed ops' completions, the watch stream's event).
+    why = failure_->wait_broken(std::chrono::milliseconds(kCauseWaitMs));
+    if (!why) {
+      failure_->mark_broken("the sidecar released the group's streams (its cause did not reach this process within " +
+                            std::to_string(kCauseWaitMs) + " ms; see the sidecar's log)");
+      why = failure_->broken();
+    }
+  }
+  if (why) {
     C10_THROW_ERROR(DistBackendError, "gocomm " + label(op) + " failed (aborted): the group is broken: " + *why);
   }
 }

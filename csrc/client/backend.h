@@ -201,7 +201,10 @@ class Backend : public c10d::Backend {
   uint8_t redop(const char* op, const c10d::ReduceOp& want, const at::Tensor& t);
   void need_slot(const std::string& op);
   // Raises once the group is broken (GroupFailure): a CUDA op's failure reaches no wait().
+  // Also once the sidecar marked the group's counter slot released (Dispatcher::released_mark),
+  // waiting up to kCauseWaitMs for the cause to arrive.
   void refuse_if_broken(const std::string& op);
+  static constexpr int kCauseWaitMs = 2000;
   // "<op> on group '<name>'": how a Work's errors name the op (op, group, then the cause)
   std::string label(const std::string& op) const;
 

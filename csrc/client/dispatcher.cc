@@ -29,6 +29,13 @@ void GroupFailure::mark_broken(const std::string& why) {
   if (!broken_) {
     broken_ = why;
   }
+  cv_.notify_all();
+}
+
+std::optional<std::string> GroupFailure::wait_broken(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, timeout, [this] { return broken_.has_value(); });
+  return broken_;
 }
 
 std::optional<std::string> GroupFailure::broken() {

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -37,9 +38,12 @@ class GroupFailure {
   std::optional<std::string> get();
   void mark_broken(const std::string& why);
   std::optional<std::string> broken();
+  // Waits up to timeout for the group to be marked broken; its cause, or none.
+  std::optional<std::string> wait_broken(std::chrono::milliseconds timeout);
 
  private:
   std::mutex mu_;
+  std::condition_variable cv_;
   std::optional<std::string> first_;
   std::optional<std::string> broken_;
 };
@@ -110,6 +114,9 @@ class Dispatcher {
   // stream counters so that no CUDA stream stays blocked on the lost sidecar.
   void fail_all(const std::string& why);
   std::optional<std::string> lost();
+  // The handle of the last group whose streams on counter slot were let go (the sidecar
+  // stores it before it releases them: pg's Session.released); 0 for none.
+  uint32_t released_mark(int slot) const { return slot < 0 ? 0 : ring_->mark(size_t(slot)); }
   // Stops the completion thread (the session closes).
   void close();
 

@@ -47,6 +47,12 @@ class Ring {
   // Sleeps until a completion may be waiting, at most timeout_s seconds (futex on notify).
   void wait(double timeout_s);
 
+  // Mark word i of the header (ring.Marks: written by the sidecar only, with release; read
+  // with acquire), 0 past the last. Safe from any thread.
+  uint32_t mark(size_t i) const {
+    return i < kMarkWords ? __atomic_load_n(word32(kMarks + 4 * i), __ATOMIC_ACQUIRE) : 0;
+  }
+
  private:
   uint8_t* mem_ = nullptr;
   size_t size_ = 0;
@@ -63,6 +69,7 @@ class Ring {
  public:
   static constexpr size_t kSubHead = 64, kSubTail = 128, kSubNotify = 136, kSubWaiters = 140;
   static constexpr size_t kCmpHead = 192, kCmpTail = 256, kCmpNotify = 264, kCmpWaiters = 268;
+  static constexpr size_t kMarks = 2048, kMarkWords = 256;
 };
 
 template <typename Fn>
