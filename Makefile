@@ -5,7 +5,9 @@
 # make client     the compiled client only (g++ and the torch of CLIENT_PY; see README)
 # make test       lint + Go tests + Python tests (GPU tests skip, saying why, without a GPU)
 #                 + the wheel, installed apart from the checkout, running a 2-rank job
-# make test-gpu   the GPU suite, on a machine with GPUs (see README; MPS=1 under MPS)
+# make test-gpu   the GPU suite, on a machine with GPUs (see README; MPS=1 under MPS; K=expr
+#                 selects tests as pytest -k; each failure is printed as it happens, and one
+#                 GPU check runs at most GOCOMM_GPU_TEST_LIMIT seconds, 300 by default)
 # make bench-gpu  gocomm against torch NCCL on the machine's GPUs (table, JSON, PNG)
 # make bench      CPU benchmark: gocomm against gloo, 2 to 4 ranks
 # make soak       ranks that disagree, SOAK_RUNS times on one world; a 10,000-connection flood
@@ -177,7 +179,7 @@ test-gpu bench-gpu bench-moe bench-fsdp: export CUDA_MPS_PIPE_DIRECTORY ?= /tmp/
 test-gpu bench-gpu bench-moe bench-fsdp: export CUDA_MPS_LOG_DIRECTORY ?= /tmp/gocomm-mps/log
 test-gpu:
 	@if [ "$(MPS)" = 1 ]; then PYTHONPATH=python $(GPU_PY) -c 'import os, gocomm.launch as l; print("MPS started:", l.start_mps(dict(os.environ)))'; fi
-	$(GPU_ENV) PYTHONPATH=python $(GPU_PY) -m pytest -q -rA -m gpu python/tests; rc=$$?; \
+	$(GPU_ENV) GOCOMM_TEST_FAIL_NOW=1 PYTHONPATH=python $(GPU_PY) -m pytest -v -rA -m gpu $(if $(K),-k "$(K)") python/tests; rc=$$?; \
 	  if [ "$(MPS)" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi; exit $$rc
 
 bench-gpu:

@@ -27,6 +27,9 @@ from dataclasses import dataclass
 GROUP_TIMEOUT_S = 20.0
 # How long a world may take to start (Python + torch import on every rank, pgserver, rendezvous).
 START_TIMEOUT_S = float(os.environ.get("GOCOMM_TEST_START_TIMEOUT", "150"))
+# How long one GPU check may run before the harness dumps its ranks' stacks and kills them
+# (GOCOMM_GPU_TEST_LIMIT): a hang costs this much of a device run, not the run.
+GPU_RUN_LIMIT_S = float(os.environ.get("GOCOMM_GPU_TEST_LIMIT", "300"))
 # Default limit for one World.run: a failing op must be reported by the sidecar within the group
 # timeout; the shim gives up 30 s after that; this leaves room for both.
 RUN_TIMEOUT_S = 120.0

@@ -9,6 +9,10 @@ seed: fresh per test (from the clock), printed in every failure report; set GOCO
 replay one.
 
 gpu marker: tests that need CUDA skip, saying why, when torch.cuda.is_available() is False.
+
+GOCOMM_TEST_FAIL_NOW=1 prints each failure's report to stderr the moment it fails, not only in
+pytest's summary at the end: a device run cut off at its time limit keeps what failed before
+(make test-gpu sets it).
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ from _harness import Worlds
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA (skipped when torch.cuda.is_available() is False)")
+
+
+def pytest_runtest_logreport(report):
+    if report.failed and os.environ.get("GOCOMM_TEST_FAIL_NOW") == "1":
+        sys.stderr.write(
+            f"\n=== FAILED {report.nodeid} ({report.when}, {report.duration:.1f}s)\n{report.longreprtext}\n"
+        )
+        sys.stderr.flush()
 
 
 def pytest_runtest_setup(item):

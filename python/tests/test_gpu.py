@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from _harness import GPU_RUN_LIMIT_S as RUN_LIMIT_S
 from ranklib import Checker, gen, seeded_int
 from test_moe import check_all_to_all_v, check_moe
 
@@ -456,7 +457,6 @@ def check_allreduce_inprocess(rk, seed):
     return ck.done()
 
 
-# How long one GPU check may take before the harness dumps and kills its ranks.
 def check_subgroups_cuda(rk, seed):
     """new_group subgroups on CUDA tensors (issue 3): each member's ops on a gocomm subgroup
     against the same ops on an NCCL subgroup of the same ranks, several subgroups alive at
@@ -505,9 +505,6 @@ def check_subgroups_cuda(rk, seed):
         dist.all_reduce(t)
         ck.expect("world all_reduce", bool(torch.all(t == n)), str(t.tolist()))
     return ck.done()
-
-
-RUN_LIMIT_S = float(os.environ.get("GOCOMM_GPU_TEST_LIMIT", "300"))
 
 
 def _need(n):

@@ -29,6 +29,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from _harness import GPU_RUN_LIMIT_S as RUN_LIMIT_S
 from ranklib import Checker, gen, seeded_int
 
 import gocomm
@@ -38,7 +39,6 @@ pytestmark = pytest.mark.gpu
 
 os.environ["GOCOMM_CUDA"] = "1"
 
-RUN_LIMIT_S = float(os.environ.get("GOCOMM_GPU_TEST_LIMIT", "300"))
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 REPLAYS = 3
 

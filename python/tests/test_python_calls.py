@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from _harness import GPU_RUN_LIMIT_S
 from ranklib import Checker
 
 OPS_PER_KIND = 1000
@@ -210,7 +211,7 @@ def test_no_python_per_op_cuda(worlds, seed, size):
             f"{size} ranks need {size} GPUs (NCCL takes one rank per GPU); this machine has {torch.cuda.device_count()}"
         )
     os.environ["GOCOMM_CUDA"] = "1"
-    results = worlds.get(size).run(check_no_python_per_op, seed=seed, cuda=True, timeout=600)
+    results = worlds.get(size).run(check_no_python_per_op, seed=seed, cuda=True, timeout=GPU_RUN_LIMIT_S)
     assert set(results[0]["ops"]) >= {"all_reduce", "broadcast", "barrier", "all_to_all_single"}
     print(f"in-process ops (counted too): {results[0]['inprocess']}")
 
@@ -224,7 +225,11 @@ def test_no_python_per_op_cuda_inprocess(worlds, seed):
     w = worlds.fresh(2, label="calls-inprocess", env={"GOCOMM_CUDA": "1", "GOCOMM_TRANSPORT": "nvshmem"})
     try:
         results = w.run(
-            check_no_python_per_op, seed=seed, cuda=True, only=("all_reduce", "all_to_all_single"), timeout=600
+            check_no_python_per_op,
+            seed=seed,
+            cuda=True,
+            only=("all_reduce", "all_to_all_single"),
+            timeout=GPU_RUN_LIMIT_S,
         )
     finally:
         w.close()
