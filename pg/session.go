@@ -102,8 +102,8 @@ var _ [ring.MarkWords - gpu.CounterSlots]struct{}
 
 // released marks slot's group as let go in the ring (ring.Marks) before the device session
 // writes a release to the slot's counters (gpu.Engine.Attach's hook). A release means the
-// group broke, refused an op or is being destroyed: the client checks the mark at every CUDA
-// op and refuses once it names its group. Its streams see the release only after the mark is
+// group broke, refused an op or is being destroyed: the client checks the mark at every call
+// and refuses once it names its group. Its streams see the release only after the mark is
 // stored, so a client thread whose stream was let go (an op whose sync returned with its
 // work not done) sees the mark at its next call, even before the failure's completion or
 // the watch stream's event reaches it.
