@@ -1,6 +1,6 @@
 // Package wire holds what both sides of the sidecar's seams agree on: dtype and
 // reduce-op codes, op kinds, and the op descriptor the client writes into its ring.
-// Values are fixed by the protocol (python/gocomm/_wire.py mirrors them).
+// Values are fixed by the protocol (csrc/client/wire.h mirrors them).
 package wire
 
 import (
@@ -38,7 +38,7 @@ const GraphOpHeader = 16
 // segments (AllocSegment).
 const CUDASegment = 1 << 31
 
-// OpKind is what an op descriptor asks for. Wire values are fixed (python/gocomm/_wire.py).
+// OpKind is what an op descriptor asks for. Wire values are fixed (csrc/client/wire.h).
 type OpKind uint8
 
 const (
@@ -391,7 +391,7 @@ func (d *Desc) Reduces() bool {
 	return d.Kind == OpAllReduce || d.Kind == OpReduce || d.Kind == OpReduceScatter
 }
 
-// Completion statuses, as the client sees them (python/gocomm/_wire.py mirrors them).
+// Completion statuses, as the client sees them (csrc/client/wire.h mirrors them).
 const (
 	StatusOK          int32 = 0
 	StatusInvalid     int32 = 1 // the descriptor was refused
