@@ -122,15 +122,23 @@ type Queue struct {
 	hdr             []byte // the file's header page, for the record of a corruption
 }
 
+// checkHeader says whether mem starts with a formatted header of this version.
+func checkHeader(mem []byte) error {
+	if len(mem) < headerSize || atomic.LoadUint64(u64(mem, offMagic)) != magic {
+		return fmt.Errorf("%w: no magic", ErrLayout)
+	}
+	if v := binary.LittleEndian.Uint32(mem[offVersion:]); v != version {
+		return fmt.Errorf("%w: version %d, want %d", ErrLayout, v, version)
+	}
+	return nil
+}
+
 // Open returns the submission and completion queues of a formatted file.
 func Open(mem []byte) (sub, cmp *Queue, err error) {
-	if len(mem) < headerSize || atomic.LoadUint64(u64(mem, offMagic)) != magic {
-		return nil, nil, fmt.Errorf("%w: no magic", ErrLayout)
+	if err := checkHeader(mem); err != nil {
+		return nil, nil, err
 	}
 	le := binary.LittleEndian
-	if v := le.Uint32(mem[offVersion:]); v != version {
-		return nil, nil, fmt.Errorf("%w: version %d, want %d", ErrLayout, v, version)
-	}
 	mk := func(offOff, offLen, offHead, offTail int) (*Queue, error) {
 		off, n := le.Uint64(mem[offOff:]), le.Uint64(mem[offLen:])
 		if n < 4096 || n&(n-1) != 0 || off < headerSize || off > uint64(len(mem)) || n > uint64(len(mem))-off {
@@ -178,8 +186,8 @@ type Marks struct{ mem []byte }
 
 // OpenMarks returns the mark words of a formatted file.
 func OpenMarks(mem []byte) (Marks, error) {
-	if len(mem) < headerSize || atomic.LoadUint64(u64(mem, offMagic)) != magic {
-		return Marks{}, fmt.Errorf("%w: no magic", ErrLayout)
+	if err := checkHeader(mem); err != nil {
+		return Marks{}, err
 	}
 	return Marks{mem: mem[:headerSize:headerSize]}, nil
 }
