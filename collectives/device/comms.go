@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/gocomm/gocomm/gpu"
+	"github.com/gocomm/gocomm/internal/cuda"
 	"github.com/gocomm/gocomm/internal/nccl"
 )
 
@@ -55,6 +56,7 @@ func (g *group) commOf(w *worker, deadline time.Time) (nccl.Comm, error) {
 		err error
 	}
 	ch := make(chan result, 1)
+	made := make(chan nccl.Comm, 1) // a pair's communicator, before its connection is made
 	go func() {
 		runtime.LockOSThread()
 		defer runtime.UnlockOSThread()
@@ -63,11 +65,18 @@ func (g *group) commOf(w *worker, deadline time.Time) (nccl.Comm, error) {
 			return
 		}
 		c, err := nccl.InitRank(n, id, rank)
+		if err == nil && w.key.peer >= 0 {
+			made <- c
+			err = connectPair(ctx, c, w.key.send, g.scratch+pairScratch)
+		}
 		ch <- result{c, err}
 	}()
 	select {
 	case r := <-ch:
 		if r.err != nil {
+			if r.c.Valid() {
+				r.c.Abort()
+			}
 			return nccl.Comm{}, fmt.Errorf("NCCL communicator init: %w", r.err)
 		}
 		g.mu.Lock()
@@ -83,8 +92,14 @@ func (g *group) commOf(w *worker, deadline time.Time) (nccl.Comm, error) {
 		return r.c, nil
 	case <-ctx.Done():
 		go func() { // the init goes on without us: free what it makes
-			if r := <-ch; r.err == nil {
-				r.c.Abort()
+			select {
+			case c := <-made: // a pair's connection may wait for the peer: the abort frees it
+				c.Abort()
+				<-ch
+			case r := <-ch:
+				if r.c.Valid() {
+					r.c.Abort()
+				}
 			}
 		}()
 		select {
@@ -127,4 +142,52 @@ func (g *group) exchangeID(ctx context.Context, peer, leader, tag int) (nccl.Uni
 		copy(id[:], b)
 	}
 	return id, nil
+}
+
+// pairScratch is where in the group's scratch buffer a pair's connecting exchange lands (the
+// barrier's all_reduce uses its first word).
+const pairScratch = 128
+
+// connectPair makes a new two-rank communicator's connection with a one-byte exchange on a
+// stream of its own, and waits for it, before any op is queued on it (group design 4). NCCL
+// connects a pair inside its first send or receive call; made there, the connection stalled
+// for good with both directions of a pair starting at once (a send then a receive, as a
+// blocking send/recv loop posts them), while the other worker's wait for the client's ready
+// counter was queued (docs/decisions/0037). Made here, before the worker's turn (design 9),
+// no wait of the group is queued on the pair's behalf yet, and a connection that waits for
+// the peer's matching op never holds up this rank's other tickets.
+func connectPair(ctx context.Context, c nccl.Comm, send bool, buf cuda.Ptr) error {
+	st, err := cuda.NewStream(cuda.StreamNonBlocking)
+	if err != nil {
+		return err
+	}
+	defer st.Destroy()
+	ns := nccl.Stream(st.Handle())
+	if send {
+		err = c.Send(uintptr(buf), 1, nccl.Uint8, 1, ns)
+	} else {
+		err = c.Recv(uintptr(buf), 1, nccl.Uint8, 0, ns)
+	}
+	if err != nil {
+		return fmt.Errorf("connecting the pair: %w", err)
+	}
+	ev, err := cuda.NewEvent(cuda.EventDisableTiming)
+	if err != nil {
+		return err
+	}
+	defer ev.Destroy()
+	if err := ev.Record(st); err != nil {
+		return err
+	}
+	for {
+		done, err := ev.Done()
+		if err != nil || done {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("connecting the pair: %w", ctx.Err())
+		case <-time.After(20 * time.Microsecond):
+		}
+	}
 }

@@ -5,7 +5,9 @@ import (
 	"io"
 	"log/slog"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/gocomm/gocomm/collectives/reduce"
 	"github.com/gocomm/gocomm/internal/nccl"
@@ -103,5 +105,60 @@ func TestEqualBlocks(t *testing.T) {
 	}
 	if !overlap(100, 150, 64) || overlap(100, 164, 64) || overlap(100, 100, 0) {
 		t.Error("overlap misjudges byte ranges")
+	}
+}
+
+// TestTurns: ops enqueue their GPU work in ticket order (group design 9), whichever worker
+// reaches its turn first, and a broken group releases every waiter.
+func TestTurns(t *testing.T) {
+	g := &group{}
+	g.cond = sync.NewCond(&g.mu)
+	const n = 8
+	ops := make([]*dop, n)
+	for i := range ops {
+		ops[i] = &dop{ticket: uint64(i + 1)}
+	}
+	var mu sync.Mutex
+	var order []uint64
+	var wg sync.WaitGroup
+	for i := n - 1; i >= 0; i-- { // the last ticket asks first
+		wg.Add(1)
+		go func(o *dop) {
+			defer wg.Done()
+			if err := g.awaitTurn(o); err != nil {
+				t.Errorf("ticket %d: %v", o.ticket, err)
+				return
+			}
+			mu.Lock()
+			order = append(order, o.ticket)
+			mu.Unlock()
+			g.turnDone(o)
+		}(ops[i])
+		time.Sleep(time.Millisecond)
+	}
+	wg.Wait()
+	for i, tk := range order {
+		if tk != uint64(i+1) {
+			t.Fatalf("enqueue order %v, want 1..%d", order, n)
+		}
+	}
+	if err := g.awaitTurn(&dop{}); err != nil { // no ticket: no wait
+		t.Fatal(err)
+	}
+	// a waiter whose predecessor never comes is released by the group breaking
+	errc := make(chan error, 1)
+	go func() { errc <- g.awaitTurn(&dop{ticket: n + 2}) }()
+	time.Sleep(time.Millisecond)
+	g.mu.Lock()
+	g.broken = errors.New("peer lost")
+	g.cond.Broadcast()
+	g.mu.Unlock()
+	select {
+	case err := <-errc:
+		if err == nil || err.Error() != "peer lost" {
+			t.Fatalf("released with %v, want the group's error", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("a broken group left a waiter waiting")
 	}
 }

@@ -50,7 +50,10 @@ const graphPeer = -2
 //     for op k after waiting for op k's event. Worker streams never wait for each other.
 //  4. Communicators are made on first use: rank 0 (for a pair, the sender) makes the unique
 //     id and sends it over the group's host links (PeerLink); init gives up at the op's
-//     deadline.
+//     deadline. A pair's communicator is connected right after its init, by a one-byte
+//     exchange on a stream of its own that the worker waits for (connectPair): NCCL connects
+//     a pair inside its first send or receive call, and that call must not run while the
+//     group's streams hold waits for the client's counters (design 9).
 //  5. A poller retires ops as their events complete and calls Done; it is also the watchdog:
 //     an op past its deadline, whether in flight on the GPU or stuck in a worker's NCCL call,
 //     aborts the group.
@@ -66,12 +69,19 @@ const graphPeer = -2
 //  8. A worker keeps at most session.ahead of its ops enqueued and unfinished (launched, not
 //     yet retired by the poller); past that it waits for a retirement. The client submits
 //     ops far ahead of the GPU, and each queued op waits on its stream for the client's
-//     ready counter: enqueued without bound they fill the driver's queue, whose next enqueue
-//     then blocks, and a blocked enqueue holds up other streams' ops that the queued waits
-//     depend on (the p2p sequencer's done writes, the other direction's NCCL call): 1,000
-//     blocking send/recv pairs between two GPUs hung, most likely that way. The wait is per worker, so it
-//     only ever waits for its own stream's earlier ops, which need nothing enqueued after
-//     them: it cannot deadlock.
+//     ready counter: enqueued without bound they would fill the driver's queue, whose next
+//     enqueue then blocks the worker. The wait is per worker, so it only ever waits for its
+//     own stream's earlier ops, which need nothing enqueued after them: it cannot deadlock.
+//  9. Every op that waits on a stream for a client counter is enqueued in the order the client
+//     submitted it (its ticket, across workers and lanes), each worker first making its
+//     communicator (and a pair's connection) and then waiting for the previous ticket's
+//     enqueue. The driver spreads streams over a few hardware queues, and a queue runs what
+//     it holds in order: a wait enqueued ahead of the op it waits for, on a stream that
+//     shares a queue with that op's, holds the op back for good. With two workers racing, a
+//     receive's wait for ready >= k+1 landed before the send k it needed, and a blocking
+//     send/recv loop between two GPUs stopped after a dozen pairs. In ticket order, whatever
+//     a wait needs was enqueued before it, on whichever queue. Graph replays wait for no
+//     counter and take no ticket.
 type group struct {
 	s          *session
 	rank, size int
@@ -97,6 +107,9 @@ type group struct {
 	wg       sync.WaitGroup
 
 	floor [2]uint32 // per lane, the last stream value enqueued (the base before any): what a release counts from (mu)
+
+	tickets uint64 // tickets handed out by Enqueue, one per op that waits for a counter (design 9; mu)
+	pushed  uint64 // the last ticket whose GPU work is enqueued (mu)
 
 	shm *nvshmem.Member // the group's side of the sparse engine (OpAllToAllV)
 
@@ -142,8 +155,9 @@ func (w *worker) lane() int {
 // dop is a gpu.Op whose Done runs once.
 type dop struct {
 	gpu.Op
-	w    *worker // the worker that enqueues it
-	once sync.Once
+	w      *worker // the worker that enqueues it
+	ticket uint64  // its place in the enqueue order (design 9); 0: none (graph replays)
+	once   sync.Once
 }
 
 func (o *dop) finish(err error) { o.once.Do(func() { o.Done(err) }) }
@@ -257,7 +271,8 @@ func (g *group) Enqueue(op gpu.Op) {
 	if lane, v := w.lane(), op.Desc.StreamValue; int32(v-g.floor[lane]) > 0 {
 		g.floor[lane] = v
 	}
-	o.w = w
+	g.tickets++
+	o.w, o.ticket = w, g.tickets
 	w.queue = append(w.queue, o)
 	w.queued.Add(1)
 	g.cond.Broadcast()

@@ -121,15 +121,23 @@ func (g *group) launch(w *worker, o *dop, st cuda.Stream) error {
 	d := o.Desc
 	if d.Kind == wire.OpAllToAllV {
 		// The sparse engine's op, on the collective worker's stream and counters.
+		if err := g.awaitTurn(o); err != nil {
+			return err
+		}
+		defer g.turnDone(o)
 		if err := g.shm.Launch(&o.Op, st, g.ready[laneColl], g.done[laneColl]); err != nil {
 			return err
 		}
 		return g.record(o, st, func(ps cuda.Stream) error { return g.shm.Check(&o.Op, ps) })
 	}
-	comm, err := g.commOf(w, o.Deadline)
+	comm, err := g.commOf(w, o.Deadline) // before the turn: a peer's turn may wait on this init
 	if err != nil {
 		return err
 	}
+	if err := g.awaitTurn(o); err != nil {
+		return err
+	}
+	defer g.turnDone(o) // after the p2p sequencer's done write too: a later wait may need it
 	ns := nccl.Stream(st.Handle())
 	if o.Graph { // design 7: no counters; the trigger word after the op
 		if err := enqueueNCCL(comm, o.Op, ns, g.rank, g.size, g.scratch); err != nil {
@@ -170,4 +178,31 @@ func (g *group) launch(w *worker, o *dop, st cuda.Stream) error {
 		return g.sequence(f)
 	}
 	return g.record(o, st, nil)
+}
+
+// awaitTurn waits until every op with an earlier ticket has its GPU work enqueued (design 9),
+// or the group broke.
+func (g *group) awaitTurn(o *dop) error {
+	if o.ticket == 0 {
+		return nil
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for g.pushed+1 < o.ticket && g.broken == nil {
+		g.cond.Wait()
+	}
+	return g.broken
+}
+
+// turnDone passes the turn to the next ticket.
+func (g *group) turnDone(o *dop) {
+	if o.ticket == 0 {
+		return
+	}
+	g.mu.Lock()
+	if o.ticket > g.pushed {
+		g.pushed = o.ticket
+	}
+	g.cond.Broadcast()
+	g.mu.Unlock()
 }
