@@ -4,8 +4,10 @@ into the gocomm package (functions defined in python/gocomm/**, or built-ins of 
 finds none. gocomm.all_to_all_v is one Python call (its wrapper in python/gocomm/sparse.py,
 which names the group) and nothing else, on every path: the host-count path on CPU tensors
 here (two exchanges and a read of the counts, all in the compiled client); gocomm.moe's
-dispatch and combine are their wrappers, the handle and the path probe, on CPU tensors. That the
-counter sees the wrappers is the control case: the test can fail.
+dispatch and combine are their wrappers, the handle and the path probe, on CPU tensors (where
+the in-process kernels serve CUDA tensors, dispatch without padded=True makes a few host
+lookups more to size its output), each once a call. That the counter sees the wrappers is the
+control case: the test can fail.
 
 CPU tensors on worlds of 1 and 2 ranks here; CUDA tensors (marked gpu) on one GPU per rank,
 and on 2 ranks with the in-process engine forced (GOCOMM_TRANSPORT=nvshmem; the ranks share
@@ -167,6 +169,8 @@ def check_no_python_per_op(rk, seed, cuda: bool, only: tuple[str, ...] = ()):
     if not only or "moe" in only:
         with ck.case("gocomm.moe: the wrappers only"):
             import gocomm
+            from gocomm import _client
+            from gocomm.sparse import _device_path
 
             x = torch.ones(4, 16, device=dev)
             ids = torch.arange(4, device=dev).remainder(rk.size).unsqueeze(1)  # token i to rank i % n
@@ -180,7 +184,18 @@ def check_no_python_per_op(rk, seed, cuda: bool, only: tuple[str, ...] = ()):
                     out = gocomm.moe.combine(recv, hd)
             wrappers = ("moe.py:dispatch", "moe.py:__init__", "moe.py:combine", "sparse.py:_device_path")
             wrappers += ("_backend.py:state",)
-            ck.expect("the wrappers, once a call", c.calls == dict.fromkeys(wrappers, A2AV_CALLS), str(c.calls))
+            if isinstance(_device_path(dist.group.WORLD, x), _client.C.A2Path):
+                # the in-process kernels (GPUs that share NVLink, world size 1 included):
+                # dispatch without padded=True also asks the path, the kernels' limits, whether
+                # a capture is open and the receive buffer's rows, host lookups once a call
+                lookups = ("_backend.py:_a2av_path", "gocomm._C.moe_takes", "_capture.py:capturing")
+                lookups += ("moe.py:_dispatch_inprocess", "sparse.py:_capacity_rows", "_sidecar.py:current")
+                lookups += ("gocomm._C.moe_row_bytes",)
+                ck.expect("the wrappers, once a call", set(c.calls) <= set(wrappers + lookups), str(c.calls))
+                ck.expect("each once a call", set(c.calls.values()) == {A2AV_CALLS}, str(c.calls))
+                ck.expect("the wrappers seen", set(c.calls) >= set(wrappers), str(c.calls))
+            else:
+                ck.expect("the wrappers, once a call", c.calls == dict.fromkeys(wrappers, A2AV_CALLS), str(c.calls))
             ck.same("combine", out.cpu(), torch.ones(4, 16))
     # which ops the in-process engine ran: its paths set up, and its launch record
     inprocess = []
