@@ -39,6 +39,12 @@ Two process sets run one after the other in one invocation:
 Columns: time of one op alone, bytes this rank sends to other ranks over that time (GB/s),
 the ratios to torch's NCCL with the count exchange and to torch's all_to_all_vdev; then the
 time per op in a loop of back-to-back ops, its GB/s and the same two ratios.
+
+--host times instead the host side of each call (gocomm's ranks only): the wall time of
+gocomm.all_to_all_v, moe.dispatch(padded=True) and moe.combine of its handle in the calling
+thread (time.perf_counter_ns), after warm-up, the stream idle before each call, against
+torch's NCCL all_to_all_single of the same rows (splits known) in the same processes: the
+median of 200 calls, the variants interleaved, of the slowest rank.
 """
 
 from __future__ import annotations
@@ -169,6 +175,46 @@ def _measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
 
     run("gocomm dispatch+combine padded graph", lambda: _graphed(both, dev, sync))
     return res
+
+
+def _host_worker(rank, world, port, args, q):
+    """--host: each variant's host time per call at each token count, the slowest rank's."""
+    dev, nccl, sync = _join(rank, world, port)
+    rows = [_host_measure(rank, world, dev, nccl, sync, args, tokens) for tokens in args.tokens]
+    if rank == 0:
+        q.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _host_measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
+    import gocomm
+
+    from .gpu import _host_paired
+
+    send, recv, idx = _splits(rank, world, tokens, args)
+    h = args.hidden
+    x = torch.randn(tokens, h, device=dev).to(torch.bfloat16)
+    inp = torch.randn(sum(send), h, device=dev).to(torch.bfloat16)
+    out = torch.empty(sum(recv), h, dtype=torch.bfloat16, device=dev)
+    splits_dev = torch.tensor(send, dtype=torch.int64, device=dev)
+    didx, weights = idx.to(dev), torch.rand(tokens, args.topk, device=dev)
+
+    def padded():
+        return gocomm.moe.dispatch(x, didx, weights, args.experts, max_tokens_per_rank=tokens, padded=True)
+
+    precv, _, handle = padded()
+    fns = {
+        "torch nccl a2a (splits known)": lambda: dist.all_to_all_single(out, inp, recv, send, group=nccl),
+        "gocomm all_to_all_v": lambda: gocomm.all_to_all_v(inp, splits_dev, out=out),
+        "gocomm dispatch padded": padded,
+        "gocomm combine padded": lambda: gocomm.moe.combine(precv, handle),
+    }
+    sync()
+    host = _host_paired(fns)
+    worst = torch.tensor(list(host.values()), dtype=torch.float64, device=dev)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=nccl)
+    return {"tokens": tokens, "world": world, "host": dict(zip(host, worst.tolist(), strict=True))}
 
 
 def _torch_worker(rank, world, port, args, q):
@@ -382,6 +428,7 @@ def main(argv=None) -> int:
         help="run the torch-only baselines as MPS clients too (default: without MPS, as torch users run them)",
     )
     ap.add_argument("--verbose", action="store_true", help="each rank says which variant it starts")
+    ap.add_argument("--host", action="store_true", help="time the host side of each call (see above)")
     ap.add_argument("--json")
     ap.add_argument("--png")
     ap.add_argument("--perf", help="record the table in this file's section for this machine (docs/perf.md)")
@@ -395,6 +442,13 @@ def main(argv=None) -> int:
     env = dict(os.environ)  # put back once both process sets are done
     if args.transport:
         os.environ["GOCOMM_TRANSPORT"] = args.transport  # the ranks and their sidecars inherit it
+    if args.host:
+        mp.spawn(_host_worker, args=(world, _free_port(), args, q), nprocs=world)
+        with _perf.tee() as printed:
+            print(f"MoE host time per call (us, slowest rank), {world}x {torch.cuda.get_device_name(0)}")
+            for r in q.get():
+                print(f"{r['tokens']} tokens: " + ", ".join(f"{k} {v:.1f}" for k, v in r["host"].items()))
+        return 0
     mp.spawn(_worker, args=(world, _free_port(), args, q), nprocs=world)
     rows = q.get()
     # The torch baselines in their own processes, right after, on the same GPUs and routing.
