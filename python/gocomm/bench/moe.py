@@ -109,7 +109,8 @@ def _splits(rank, world, tokens, args) -> tuple[list[int], list[int], torch.Tens
 def _worker(rank, world, port, args, q):
     faulthandler.enable()  # a crash in a rank names its Python stack
     dev, nccl, sync = _join(rank, world, port)
-    rows = [_measure(rank, world, dev, nccl, sync, args, tokens) for tokens in args.tokens]
+    measure = _host_measure if args.host else _measure  # --host: the host time per call
+    rows = [measure(rank, world, dev, nccl, sync, args, tokens) for tokens in args.tokens]
     if rank == 0:
         q.put(rows)
     dist.barrier()
@@ -177,17 +178,8 @@ def _measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
     return res
 
 
-def _host_worker(rank, world, port, args, q):
-    """--host: each variant's host time per call at each token count, the slowest rank's."""
-    dev, nccl, sync = _join(rank, world, port)
-    rows = [_host_measure(rank, world, dev, nccl, sync, args, tokens) for tokens in args.tokens]
-    if rank == 0:
-        q.put(rows)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 def _host_measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
+    """--host: each variant's host time per call at one token count, the slowest rank's."""
     import gocomm
 
     from .gpu import _host_paired
@@ -443,7 +435,7 @@ def main(argv=None) -> int:
     if args.transport:
         os.environ["GOCOMM_TRANSPORT"] = args.transport  # the ranks and their sidecars inherit it
     if args.host:
-        mp.spawn(_host_worker, args=(world, _free_port(), args, q), nprocs=world)
+        mp.spawn(_worker, args=(world, _free_port(), args, q), nprocs=world)
         with _perf.tee() as printed:
             print(f"MoE host time per call (us, slowest rank), {world}x {torch.cuda.get_device_name(0)}")
             for r in q.get():
