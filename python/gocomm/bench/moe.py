@@ -434,15 +434,13 @@ def main(argv=None) -> int:
     env = dict(os.environ)  # put back once both process sets are done
     if args.transport:
         os.environ["GOCOMM_TRANSPORT"] = args.transport  # the ranks and their sidecars inherit it
-    if args.host:
-        mp.spawn(_worker, args=(world, _free_port(), args, q), nprocs=world)
-        with _perf.tee() as printed:
-            print(f"MoE host time per call (us, slowest rank), {world}x {torch.cuda.get_device_name(0)}")
-            for r in q.get():
-                print(f"{r['tokens']} tokens: " + ", ".join(f"{k} {v:.1f}" for k, v in r["host"].items()))
-        return 0
     mp.spawn(_worker, args=(world, _free_port(), args, q), nprocs=world)
     rows = q.get()
+    if args.host:  # gocomm's ranks timed the host side, with NCCL's in the same processes
+        print(f"MoE host time per call (us, slowest rank), {world}x {torch.cuda.get_device_name(0)}")
+        for r in rows:
+            print(f"{r['tokens']} tokens: " + ", ".join(f"{k} {v:.1f}" for k, v in r["host"].items()))
+        return 0
     # The torch baselines in their own processes, right after, on the same GPUs and routing.
     no_mps = None
     if not args.torch_under_mps and "CUDA_MPS_PIPE_DIRECTORY" in os.environ:
