@@ -41,8 +41,8 @@ the ratios to torch's NCCL with the count exchange and to torch's all_to_all_vde
 time per op in a loop of back-to-back ops, its GB/s and the same two ratios.
 
 --host times instead the host side of each call (gocomm's ranks only): the wall time of
-gocomm.all_to_all_v, moe.dispatch(padded=True) and moe.combine of its handle in the calling
-thread (time.perf_counter_ns), after warm-up, the stream idle before each call, against
+gocomm.all_to_all_v (and of the same op called as torch.ops, as compiled graphs call it),
+moe.dispatch(padded=True) and moe.combine of its handle in the calling thread (time.perf_counter_ns), after warm-up, the stream idle before each call, against
 torch's NCCL all_to_all_single of the same rows (splits known) in the same processes: the
 median of 200 calls, the variants interleaved, of the slowest rank.
 """
@@ -196,9 +196,12 @@ def _host_measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
         return gocomm.moe.dispatch(x, didx, weights, args.experts, max_tokens_per_rank=tokens, padded=True)
 
     precv, _, handle = padded()
+    a2av_op, name = torch.ops.gocomm.all_to_all_v_out.default, dist.group.WORLD.group_name
     fns = {
         "torch nccl a2a (splits known)": lambda: dist.all_to_all_single(out, inp, recv, send, group=nccl),
         "gocomm all_to_all_v": lambda: gocomm.all_to_all_v(inp, splits_dev, out=out),
+        # the same op called as torch.ops, as torch.compile's graphs call it: the wrapper's cost
+        "gocomm all_to_all_v torch.ops": lambda: a2av_op(inp, splits_dev, out, name),
         "gocomm dispatch padded": padded,
         "gocomm combine padded": lambda: gocomm.moe.combine(precv, handle),
     }
