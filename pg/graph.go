@@ -37,6 +37,12 @@ import (
 //  5. The watcher spins while a replayed op runs and for the sidecar's spin window after the
 //     last fired, then sleeps in steps that double up to watchMaxSleep: a replay after a long
 //     idle waits at most that for the watcher.
+//  6. A drop marks its op dropped before it replaces the watcher's list. A scan of a list
+//     loaded before the drop (its goroutine descheduled meanwhile) skips a dropped op and
+//     leaves its T word set: once the drop was read, a set word belongs to the op registered
+//     under the same trigger since (a re-captured graph), which the next scan's list holds.
+//     Without it the dropped op would fire with its buffers unpinned, fail, write D[t] = 1,
+//     and the new graph's replay would go on without its op.
 
 // watchMaxSleep caps the watcher's back-off (design 5).
 const watchMaxSleep = 50 * time.Microsecond
@@ -49,6 +55,7 @@ type graphOp struct {
 	ptrs    []uint64
 	release func() // unpins the op's buffers
 	timeout time.Duration
+	dropped atomic.Bool // design 6
 }
 
 // triggers is a session's registered graph ops and their watcher.
@@ -196,6 +203,7 @@ func (tr *triggers) drop(p []byte) {
 	o := tr.ops[t]
 	delete(tr.ops, t)
 	if o != nil {
+		o.dropped.Store(true) // before the list changes (design 6)
 		tr.publish()
 		atomic.StoreUint32(tr.word(t), 0)
 	}
@@ -234,7 +242,7 @@ func (tr *triggers) scan() int {
 	n := 0
 	for _, o := range *live {
 		w := tr.word(o.t)
-		if atomic.LoadUint32(w) == 0 {
+		if atomic.LoadUint32(w) == 0 || o.dropped.Load() { // dropped: a stale list (design 6)
 			continue
 		}
 		atomic.StoreUint32(w, 0)

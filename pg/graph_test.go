@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -152,6 +153,32 @@ func TestGraphOpReplays(t *testing.T) {
 	time.Sleep(20 * time.Millisecond)
 	if got := graphRuns(eng.group(0)); got != runs || c.dev.getD(5) != 0 {
 		t.Fatalf("a dropped trigger fired: runs %s -> %s, D = %d", runs, got, c.dev.getD(5))
+	}
+}
+
+// TestStaleScanSkipsDroppedOp: a watcher's scan of the list it loaded before a drop (its
+// goroutine descheduled meanwhile) neither fires the dropped op nor clears the trigger's word,
+// which belongs to the op registered under that trigger since (design 6).
+func TestStaleScanSkipsDroppedOp(t *testing.T) {
+	tr := newTriggers(nil)
+	tr.page = make([]byte, 4*8)
+	released := false
+	tr.ops[5] = &graphOp{t: 5, g: &Group{log: slog.New(slog.DiscardHandler)}, release: func() { released = true }}
+	tr.publish()
+	stale := tr.live.Load() // what the descheduled watcher holds
+	var rec [4]byte
+	binary.LittleEndian.PutUint32(rec[:], 5)
+	tr.drop(rec[:])
+	if !released {
+		t.Fatal("the drop did not unpin the op's buffers")
+	}
+	atomic.StoreUint32(tr.word(5), 1) // a replay of the graph captured since
+	tr.live.Store(stale)
+	if n := tr.scan(); n != 0 {
+		t.Fatalf("a scan of the stale list fired %d op(s)", n)
+	}
+	if atomic.LoadUint32(tr.word(5)) != 1 {
+		t.Fatal("a scan of the stale list cleared the live op's trigger word")
 	}
 }
 
