@@ -42,9 +42,10 @@ time per op in a loop of back-to-back ops, its GB/s and the same two ratios.
 
 --host times instead the host side of each call (gocomm's ranks only): the wall time of
 gocomm.all_to_all_v (and of the same op called as torch.ops, as compiled graphs call it),
-moe.dispatch(padded=True) and moe.combine of its handle in the calling thread (time.perf_counter_ns), after warm-up, the stream idle before each call, against
-torch's NCCL all_to_all_single of the same rows (splits known) in the same processes: the
-median of 200 calls, the variants interleaved, of the slowest rank.
+moe.dispatch(padded=True) and moe.combine of its handle in the calling thread
+(time.perf_counter_ns), after warm-up, the stream idle before each call, against torch's NCCL
+all_to_all_single of the same rows (splits known) in the same processes: the median of 200
+calls, the variants interleaved, of the slowest rank.
 """
 
 from __future__ import annotations
