@@ -118,18 +118,25 @@ def _worker(rank, world, port, args, q):
     dist.destroy_process_group()
 
 
+def _inputs(rank, world, dev, args, tokens) -> tuple:
+    """This rank's routing and tensors at one token count, as gocomm's variants take them:
+    (send, recv, x, inp, out, splits on the GPU, topk_idx on the GPU, topk_weights)."""
+    h = args.hidden
+    send, recv, idx = _splits(rank, world, tokens, args)
+    x = torch.randn(tokens, h, device=dev).to(torch.bfloat16)
+    inp = torch.randn(sum(send), h, device=dev).to(torch.bfloat16)
+    out = torch.empty(sum(recv), h, dtype=torch.bfloat16, device=dev)
+    splits_dev = torch.tensor(send, dtype=torch.int64, device=dev)
+    return send, recv, x, inp, out, splits_dev, idx.to(dev), torch.rand(tokens, args.topk, device=dev)
+
+
 def _measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
     """Every variant at one token count (every rank calls it; rank 0's numbers are kept)."""
     import gocomm
 
     h = args.hidden
-    send, recv, idx = _splits(rank, world, tokens, args)
+    send, recv, x, inp, out, splits_dev, didx, weights = _inputs(rank, world, dev, args, tokens)
     moved = (sum(send) - send[rank]) * h * 2
-    x = torch.randn(tokens, h, device=dev).to(torch.bfloat16)
-    inp = torch.randn(sum(send), h, device=dev).to(torch.bfloat16)
-    out = torch.empty(sum(recv), h, dtype=torch.bfloat16, device=dev)
-    splits_dev = torch.tensor(send, dtype=torch.int64, device=dev)
-    weights = torch.rand(tokens, args.topk, device=dev)
     res = {
         "tokens": tokens,
         "bytes": moved,
@@ -159,7 +166,6 @@ def _measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
         "gocomm all_to_all_v rbuf graph",
         lambda: _graphed(lambda: gocomm.all_to_all_v(inp, splits_dev, out=rbuf), dev, sync),
     )
-    didx = idx.to(dev)
     run("gocomm dispatch", lambda: _timeit(lambda: gocomm.moe.dispatch(x, didx, weights, args.experts), sync))
     recv_x, _, handle = gocomm.moe.dispatch(x, didx, weights, args.experts)
     run("gocomm combine", lambda: _timeit(lambda: gocomm.moe.combine(recv_x, handle), sync))
@@ -185,13 +191,7 @@ def _host_measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
 
     from .gpu import _host_paired
 
-    send, recv, idx = _splits(rank, world, tokens, args)
-    h = args.hidden
-    x = torch.randn(tokens, h, device=dev).to(torch.bfloat16)
-    inp = torch.randn(sum(send), h, device=dev).to(torch.bfloat16)
-    out = torch.empty(sum(recv), h, dtype=torch.bfloat16, device=dev)
-    splits_dev = torch.tensor(send, dtype=torch.int64, device=dev)
-    didx, weights = idx.to(dev), torch.rand(tokens, args.topk, device=dev)
+    send, recv, x, inp, out, splits_dev, didx, weights = _inputs(rank, world, dev, args, tokens)
 
     def padded():
         return gocomm.moe.dispatch(x, didx, weights, args.experts, max_tokens_per_rank=tokens, padded=True)
