@@ -24,11 +24,12 @@ type Engine interface {
 	LoadNVSHMEM() error
 	// Check says whether a reduction of dtype by op can run on the device.
 	Check(dt wire.DType, op wire.RedOp) error
-	// Attach binds a session to the device with this UUID. released, where not nil, is called
+	// Attach binds a session to the device with this UUID; its counter memory is a file it
+	// makes in dir (Session.CountersPath). released, where not nil, is called
 	// with the slot before any release of a slot's counters (Session.Release, and the releases
 	// the engine makes itself when it aborts a group) writes them: whoever made the session learns
 	// of a release before any stream it lets go can run on.
-	Attach(uuid [16]byte, released func(slot int)) (Session, error)
+	Attach(uuid [16]byte, dir string, released func(slot int)) (Session, error)
 }
 
 // Device describes one GPU.
@@ -40,10 +41,12 @@ type Device struct {
 
 // Session is one client's use of its device.
 type Session interface {
-	// Counters is the CUDA IPC handle of the session's counter memory (CounterMemBytes of
-	// device memory the engine allocated, zeroed): the client maps it to order its streams
-	// against the engine's (see NewGroup), and to wait for graph ops (TriggerOffset).
-	Counters() [64]byte
+	// CountersPath is the file holding the session's counter memory (CounterMemBytes of
+	// shared host memory, zeroed, registered for the device in the engine's process): the
+	// client maps it, registers it for its own streams and unlinks it, to order its streams
+	// against the engine's (see NewGroup) and to wait for graph ops (TriggerOffset). Being
+	// host memory, a release is a CPU store that no stream can hold up.
+	CountersPath() string
 	// RegisterIPC maps an allocation of the client (CUDA IPC handle) as segment seg.
 	RegisterIPC(seg uint32, handle [64]byte, size uint64) error
 	// RegisterVMM maps, as segment seg, an allocation of the client made of physical chunks
@@ -75,9 +78,8 @@ type Session interface {
 	// client's stream waits for each op it submitted, so an op refused before any device
 	// group of the slot exists must still be let through (the group is broken, the op failed).
 	Release(slot int, floor [2]uint32) error
-	// ReleaseTriggers writes D[t] = 1 for each trigger t (TriggerOffset) through a stream
-	// that waits for nothing: a replaying stream waiting for a graph op that failed, or that
-	// a broken group will not run, goes on.
+	// ReleaseTriggers stores D[t] = 1 for each trigger t (TriggerOffset): a replaying
+	// stream waiting for a graph op that failed, or that a broken group will not run, goes on.
 	ReleaseTriggers(ts []uint32) error
 	Close() error
 }
@@ -129,10 +131,10 @@ var (
 	ErrTimeout = errors.New("deadline exceeded")
 )
 
-// Counter slots live in device memory the engine allocates per session and shares with the
-// client by CUDA IPC (not in host memory: host pages registered by two MPS clients were
-// suspected to alias; docs/decisions/0004-stream-counters.md). Slot i is four u32 words at
-// 16*i: collective ready, collective done, p2p ready, p2p done.
+// Counter slots live in a shared host-memory file the engine makes per session and both
+// processes register for the device (docs/decisions/0004-stream-counters.md): a release is
+// then a CPU store, which no stream stuck on a counter can hold up. Slot i is four u32 words
+// at 16*i: collective ready, collective done, p2p ready, p2p done.
 const (
 	CounterBytes = 4096
 	CounterSlots = CounterBytes / 16

@@ -53,7 +53,7 @@ func (e *fakeEngine) Check(dt wire.DType, op wire.RedOp) error {
 	}
 	return nil
 }
-func (e *fakeEngine) Attach(_ [16]byte, released func(slot int)) (gpu.Session, error) {
+func (e *fakeEngine) Attach(_ [16]byte, _ string, released func(slot int)) (gpu.Session, error) {
 	return &fakeDevSession{e: e, hook: released, segs: map[uint32]uint64{}, d: map[uint32]uint32{}}, nil
 }
 
@@ -121,7 +121,7 @@ func (s *fakeDevSession) releasedSlots() []int {
 	return append([]int(nil), s.released...)
 }
 
-func (s *fakeDevSession) Counters() [64]byte { return [64]byte{1} }
+func (s *fakeDevSession) CountersPath() string { return "/dev/shm/fake-counters" }
 func (s *fakeDevSession) RegisterIPC(seg uint32, _ [64]byte, size uint64) error {
 	if size == 7 {
 		return errors.New("cuIpcOpenMemHandle: CUDA_ERROR_INVALID_VALUE")
@@ -330,8 +330,8 @@ func deviceCluster(t *testing.T, n int, timeout time.Duration, eng *fakeEngine) 
 			t.Fatal(err)
 		}
 		c := attachClient(t, sess)
-		if h, err := sess.AttachDevice([16]byte{byte(r)}); err != nil || h[0] != 1 {
-			t.Fatalf("AttachDevice = %v, %v", h[:1], err)
+		if p, err := sess.AttachDevice([16]byte{byte(r)}); err != nil || p != "/dev/shm/fake-counters" {
+			t.Fatalf("AttachDevice = %q, %v", p, err)
 		}
 		g, blob, err := sess.CreateGroup("g", r, n, nil, timeout)
 		if err != nil {

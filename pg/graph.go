@@ -25,7 +25,7 @@ import (
 //     registration is answered by a completion, so a bad op raises at capture.
 //  2. A replay's stream writes D[t] = 0, then T[t] = 1, then waits for D[t] == 1. T is a page
 //     of host memory of the session's (an arena block the client names in every
-//     registration); D is device memory next to the stream counters (gpu.TriggerOffset).
+//     registration); D is in the counter memory after the stream counters (gpu.TriggerOffset).
 //  3. The session's watcher scans the live triggers. Seeing T[t] == 1 it stores T[t] = 0 and
 //     hands the op to its group's graph lane (gpu.Op.Graph), whose stream writes D[t] = 1
 //     after the op. The next replay's writes are ordered after this replay's wait passed,

@@ -70,10 +70,10 @@ type Session struct {
 	fdConns   []*net.UnixConn
 }
 
-// AttachDevice binds the session to the client's GPU (by UUID) and returns the IPC handle of
-// the groups' stream counters (gpu.Session.Counters).
-func (sess *Session) AttachDevice(uuid [16]byte) ([64]byte, error) {
-	var none [64]byte
+// AttachDevice binds the session to the client's GPU (by UUID) and returns the file holding
+// the groups' stream counters (gpu.Session.CountersPath).
+func (sess *Session) AttachDevice(uuid [16]byte) (string, error) {
+	none := ""
 	dev := sess.srv.cfg.Device
 	if dev == nil {
 		return none, fmt.Errorf("%w: this sidecar has no GPU engine", ErrNoDevice)
@@ -87,14 +87,14 @@ func (sess *Session) AttachDevice(uuid [16]byte) ([64]byte, error) {
 	sess.devLock.Lock()
 	defer sess.devLock.Unlock()
 	if sess.device == nil {
-		ds, err := dev.Attach(uuid, sess.released)
+		ds, err := dev.Attach(uuid, sess.srv.cfg.ShmDir, sess.released)
 		if err != nil {
 			return none, fmt.Errorf("%w: %v", ErrNoDevice, err)
 		}
 		sess.device = ds
 		sess.log.Info("device attached", "uuid", fmt.Sprintf("%x", uuid))
 	}
-	return sess.device.Counters(), nil
+	return sess.device.CountersPath(), nil
 }
 
 // Each counter slot has a mark word in the ring's header.

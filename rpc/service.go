@@ -177,11 +177,11 @@ func (s *Service) AttachDevice(_ context.Context, req *v1.AttachDeviceRequest) (
 	}
 	var uuid [16]byte
 	copy(uuid[:], req.DeviceUuid)
-	h, err := sess.AttachDevice(uuid)
+	path, err := sess.AttachDevice(uuid)
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	return &v1.AttachDeviceResponse{CountersHandle: h[:]}, nil
+	return &v1.AttachDeviceResponse{CountersPath: path}, nil
 }
 
 // Watch holds the session open: when the client's stream ends, the session closes; when the

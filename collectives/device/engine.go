@@ -1,17 +1,18 @@
 // Package device runs collectives on GPUs for the sidecar: NCCL directly on the client's
-// memory (CUDA IPC), ordered against the client's streams by counters in device memory that
-// both processes map.
+// memory (CUDA IPC), ordered against the client's streams by counters in host memory that
+// both processes map and register for the device.
 // It implements gpu.Engine; cmd/pgserver wires it in where the driver loads.
 package device
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/gocomm/gocomm/config"
 	"github.com/gocomm/gocomm/gpu"
@@ -19,6 +20,7 @@ import (
 	"github.com/gocomm/gocomm/internal/nccl"
 	"github.com/gocomm/gocomm/kernels"
 	"github.com/gocomm/gocomm/segment"
+	"github.com/gocomm/gocomm/shm"
 	"github.com/gocomm/gocomm/sparse/nvshmem"
 	"github.com/gocomm/gocomm/wire"
 )
@@ -152,7 +154,7 @@ func archMatches(arch []int, want int) error {
 func (e *Engine) Check(dt wire.DType, op wire.RedOp) error { return Check(dt, op) }
 
 // Attach implements gpu.Engine.
-func (e *Engine) Attach(uuid [16]byte, released func(slot int)) (gpu.Session, error) {
+func (e *Engine) Attach(uuid [16]byte, dir string, released func(slot int)) (gpu.Session, error) {
 	if e.err != nil {
 		return nil, e.err
 	}
@@ -175,29 +177,23 @@ func (e *Engine) Attach(uuid [16]byte, released func(slot int)) (gpu.Session, er
 	e.mu.Lock()
 	s.shmem = nvshmem.New(s, e.log, e.A2A, e.nvshmemPath)
 	e.mu.Unlock()
-	err = s.do(func() (err error) {
-		if s.ctl, err = cuda.NewStream(cuda.StreamNonBlocking); err != nil {
-			return err
-		}
-		if s.counters, err = cuda.Alloc(gpu.CounterMemBytes); err != nil {
-			return err
-		}
-		if err = s.ctl.CopyToDeviceOn(s.counters, make([]byte, gpu.CounterMemBytes)); err != nil {
-			return err
-		}
-		s.countersIPC, err = cuda.ExportIPC(s.counters)
-		return err
-	})
+	// Counters live in shared host memory (gpu.Session.CountersPath): zeroed by the file's
+	// creation, reached by streams at their registered address and by the CPU in place.
+	mem, err := shm.Create(dir, "gocomm-counters", gpu.CounterMemBytes)
 	if err != nil {
-		s.do(func() error {
-			if s.counters != 0 {
-				cuda.Free(s.counters)
-			}
-			return nil
-		})
 		dev.ReleasePrimaryContext()
 		return nil, fmt.Errorf("stream counters: %w", err)
 	}
+	err = s.do(func() (err error) {
+		s.counters, err = cuda.HostRegister(mem.Data)
+		return err
+	})
+	if err != nil {
+		mem.Close()
+		dev.ReleasePrimaryContext()
+		return nil, fmt.Errorf("stream counters: %w", err)
+	}
+	s.counterMem = mem
 	return s, nil
 }
 
@@ -208,24 +204,24 @@ func (e *Engine) Attach(uuid [16]byte, released func(slot int)) (gpu.Session, er
 //     or a group's executor thread).
 //  2. A segment stays mapped while an op that resolved it may still run: ops hold a
 //     reference until their Done, and DropIPC unmaps only when the last is released.
-//  3. The counters are written by streams only, except on abort, when release writes them
-//     through ctl, a non-blocking stream that waits for no other stream (so it runs while
-//     every stream waiting on a counter is stuck).
+//  3. The counters are written by streams only, except on a release, when the CPU stores them
+//     in place (counterMem): no stream, copy or driver call, so nothing a blocked stream holds
+//     up (a stream waiting on a counter can hold up every stream sharing its hardware queue,
+//     docs/decisions/0004-stream-counters.md) can keep a release from landing.
 //  4. released (Attach's hook) is called with a slot before every write of a release to its
 //     counters, so the session's owner knows before any stream let go runs on.
 type session struct {
-	log         *slog.Logger
-	spin        time.Duration
-	ahead       int
-	a2a         config.A2A
-	dev         cuda.Device
-	ctx         cuda.Context
-	ctl         cuda.Stream
-	counters    cuda.Ptr
-	countersIPC cuda.IPCHandle
-	relMu       sync.Mutex
-	released    func(slot int)  // invariant 4; nil: no one is told
-	shmem       *nvshmem.Engine // the sparse engine: the NVSHMEM PE, made by the first OpAllToAllV
+	log        *slog.Logger
+	spin       time.Duration
+	ahead      int
+	a2a        config.A2A
+	dev        cuda.Device
+	ctx        cuda.Context
+	counterMem *shm.Segment // the counters' shared host pages (gpu.Session.CountersPath)
+	counters   cuda.Ptr     // their device address, registered in this process
+	relMu      sync.Mutex
+	released   func(slot int)  // invariant 4; nil: no one is told
+	shmem      *nvshmem.Engine // the sparse engine: the NVSHMEM PE, made by the first OpAllToAllV
 
 	segs *segment.Table[ipcSeg]
 }
@@ -278,46 +274,44 @@ func (s *session) do(f func() error) error {
 	return f()
 }
 
-func (s *session) Counters() [64]byte { return s.countersIPC }
+func (s *session) CountersPath() string { return s.counterMem.Path }
+
+// store writes v to the u32 counter word at byte offset off (invariant 3).
+func (s *session) store(off int, v uint32) {
+	atomic.StoreUint32((*uint32)(unsafe.Pointer(&s.counterMem.Data[off])), v)
+}
 
 // Release implements gpu.Session: ready = done = floor + gpu.ReleaseAhead on both lanes
-// of the slot, through ctl (invariant 3). The values depend on floor only, so releasing
+// of the slot, stored by the CPU (invariant 3). The values depend on floor only, so releasing
 // again writes them again (which also undoes done writes that ran after the first release).
 func (s *session) Release(slot int, floor [2]uint32) error {
 	if slot < 0 || slot >= gpu.CounterSlots {
 		return fmt.Errorf("counter slot %d out of range", slot)
-	}
-	var w [16]byte
-	le := binary.LittleEndian
-	for lane, f := range floor {
-		far := f + gpu.ReleaseAhead
-		le.PutUint32(w[8*lane:], far)
-		le.PutUint32(w[8*lane+4:], far)
 	}
 	s.relMu.Lock()
 	defer s.relMu.Unlock()
 	if s.released != nil {
 		s.released(slot) // invariant 4
 	}
-	return s.do(func() error { return s.ctl.CopyToDeviceOn(s.counters+cuda.Ptr(16*slot), w[:]) })
+	for lane, f := range floor {
+		far := f + gpu.ReleaseAhead
+		s.store(16*slot+8*lane, far)
+		s.store(16*slot+8*lane+4, far)
+	}
+	return nil
 }
 
-// ReleaseTriggers implements gpu.Session: D[t] = 1 through ctl (invariant 3).
+// ReleaseTriggers implements gpu.Session: D[t] = 1, stored by the CPU (invariant 3).
 func (s *session) ReleaseTriggers(ts []uint32) error {
-	one := []byte{1, 0, 0, 0}
 	s.relMu.Lock()
 	defer s.relMu.Unlock()
-	return s.do(func() error {
-		for _, t := range ts {
-			if t >= gpu.TriggerSlots {
-				return fmt.Errorf("trigger %d out of range", t)
-			}
-			if err := s.ctl.CopyToDeviceOn(s.trigger(t), one); err != nil {
-				return err
-			}
+	for _, t := range ts {
+		if t >= gpu.TriggerSlots {
+			return fmt.Errorf("trigger %d out of range", t)
 		}
-		return nil
-	})
+		s.store(gpu.TriggerOffset+4*int(t), 1)
+	}
+	return nil
 }
 
 // trigger is the device address of D[t].
@@ -447,8 +441,10 @@ func (s *session) Close() error {
 		for _, g := range segs {
 			g.unmap()
 		}
-		s.ctl.Destroy()
-		cuda.Free(s.counters)
+		if err := cuda.HostUnregister(s.counterMem.Data); err != nil {
+			s.log.Warn("could not unregister the stream counters", "err", err)
+		}
+		s.counterMem.Close()
 		return s.dev.ReleasePrimaryContext()
 	})
 }

@@ -1,6 +1,7 @@
 package device
 
 import (
+	"encoding/binary"
 	"errors"
 	"io"
 	"log/slog"
@@ -10,7 +11,9 @@ import (
 	"time"
 
 	"github.com/gocomm/gocomm/collectives/reduce"
+	"github.com/gocomm/gocomm/gpu"
 	"github.com/gocomm/gocomm/internal/nccl"
+	"github.com/gocomm/gocomm/shm"
 	"github.com/gocomm/gocomm/wire"
 )
 
@@ -62,7 +65,7 @@ func TestNoDriver(t *testing.T) {
 	if why == "" {
 		t.Fatal("no reason given for the missing GPU engine")
 	}
-	if _, err := e.Attach([16]byte{}, nil); err == nil {
+	if _, err := e.Attach([16]byte{}, t.TempDir(), nil); err == nil {
 		t.Fatal("Attach without a driver succeeded")
 	}
 }
@@ -160,5 +163,59 @@ func TestTurns(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("a broken group left a waiter waiting")
+	}
+}
+
+// TestReleaseStoresInPlace: a release is a CPU store into the shared counter file, seen
+// through another mapping of it (the client's), after the session's hook ran; nothing else in
+// the slot's neighbourhood changes.
+func TestReleaseStoresInPlace(t *testing.T) {
+	mem, err := shm.Create(t.TempDir(), "counters", gpu.CounterMemBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mem.Close()
+	peer, err := shm.Open(mem.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer peer.Close()
+	word := func(off int) uint32 { return binary.LittleEndian.Uint32(peer.Data[off:]) }
+	var hooked []int
+	s := &session{counterMem: mem, released: func(slot int) {
+		if word(16*slot) != 0 {
+			t.Errorf("slot %d written before its hook ran", slot)
+		}
+		hooked = append(hooked, slot)
+	}}
+	high := uint32(1<<32 - 3) // wraps past 2^32 when released
+	if err := s.Release(7, [2]uint32{5, high}); err != nil {
+		t.Fatal(err)
+	}
+	want := []uint32{5 + gpu.ReleaseAhead, 5 + gpu.ReleaseAhead, high + gpu.ReleaseAhead, high + gpu.ReleaseAhead}
+	for i, w := range want {
+		if got := word(16*7 + 4*i); got != w {
+			t.Errorf("slot 7 word %d = %d, want %d", i, got, w)
+		}
+	}
+	for _, off := range []int{16 * 6, 16*6 + 12, 16 * 8} {
+		if got := word(off); got != 0 {
+			t.Errorf("word at %d = %d, want 0 (another slot)", off, got)
+		}
+	}
+	if len(hooked) != 1 || hooked[0] != 7 {
+		t.Errorf("hook calls %v, want [7]", hooked)
+	}
+	if err := s.Release(gpu.CounterSlots, [2]uint32{}); err == nil {
+		t.Error("a slot out of range was released")
+	}
+	if err := s.ReleaseTriggers([]uint32{0, gpu.TriggerSlots - 1}); err != nil {
+		t.Fatal(err)
+	}
+	if word(gpu.TriggerOffset) != 1 || word(gpu.TriggerOffset+4*(gpu.TriggerSlots-1)) != 1 || word(gpu.TriggerOffset+4) != 0 {
+		t.Error("ReleaseTriggers did not store D[t] = 1 for exactly the triggers named")
+	}
+	if err := s.ReleaseTriggers([]uint32{gpu.TriggerSlots}); err == nil {
+		t.Error("a trigger out of range was released")
 	}
 }

@@ -59,8 +59,7 @@ const graphPeer = -2
 //     aborts the group.
 //  6. Abort cancels the communicators (ncclCommAbort, which also frees a worker stuck in a
 //     call), then releases every stream waiting on a counter, the client's and ours, by
-//     writing far-ahead values into the counters from a stream that waits for nothing
-//     (session invariant 3): nothing stays blocked on a GPU after a failure. Each op's Done is
+//     storing far-ahead values into the counters from the CPU (session invariant 3): nothing stays blocked on a GPU after a failure. Each op's Done is
 //     called exactly once, however the abort and the workers interleave.
 //  7. Replays of ops captured in CUDA graphs run on a third kind of worker, the graph lane:
 //     its own communicator (made like the collective one) and stream, in the order replays

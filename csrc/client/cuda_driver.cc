@@ -25,7 +25,6 @@ constexpr unsigned kWaitEq = 1;  // CU_STREAM_WAIT_VALUE_EQ
 constexpr unsigned kHostRegisterPortableDevicemap = 1 | 2;  // CU_MEMHOSTREGISTER_PORTABLE | _DEVICEMAP
 constexpr unsigned kUserObjectNoDestructorSync = 1;  // CU_USER_OBJECT_NO_DESTRUCTOR_SYNC
 constexpr unsigned kGraphUserObjectMove = 1;  // CU_GRAPH_USER_OBJECT_MOVE
-constexpr unsigned kStreamNonBlocking = 1;
 constexpr Result kNotReady = 600;  // CUDA_ERROR_NOT_READY
 constexpr int kAttrSMs = 16, kAttrMajor = 75, kAttrMinor = 76, kAttrMps = 133;  // CU_DEVICE_ATTRIBUTE_*
 constexpr unsigned kHostPortableMapped = 3;  // CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP
@@ -51,13 +50,6 @@ struct Api {
   Result (*memRelease)(unsigned long long) = nullptr;
   Result (*deviceGet)(int*, int) = nullptr;
   Result (*primaryCtxRetain)(void**, int) = nullptr;
-  Result (*ctxPushCurrent)(void*) = nullptr;
-  Result (*ctxPopCurrent)(void**) = nullptr;
-  Result (*streamCreate)(Stream*, unsigned) = nullptr;
-  Result (*streamDestroy)(Stream) = nullptr;
-  Result (*streamSynchronize)(Stream) = nullptr;
-  Result (*memcpyDtoHAsync)(void*, DevPtr, size_t, Stream) = nullptr;
-  Result (*memcpyHtoDAsync)(DevPtr, const void*, size_t, Stream) = nullptr;
   // cuStreamGetCaptureInfo_v3 (12.3+, with edge data), or _v2 on older drivers
   Result (*captureInfoV2)(Stream, int*, uint64_t*, void**, const void**, size_t*) = nullptr;
   Result (*captureInfoV3)(Stream, int*, uint64_t*, void**, const void**, const void**, size_t*) = nullptr;
@@ -119,13 +111,6 @@ const Api& api() {
     sym(a, a.memRelease, "cuMemRelease");
     sym(a, a.deviceGet, "cuDeviceGet");
     sym(a, a.primaryCtxRetain, "cuDevicePrimaryCtxRetain");
-    sym(a, a.ctxPushCurrent, "cuCtxPushCurrent_v2");
-    sym(a, a.ctxPopCurrent, "cuCtxPopCurrent_v2");
-    sym(a, a.streamCreate, "cuStreamCreate");
-    sym(a, a.streamDestroy, "cuStreamDestroy_v2");
-    sym(a, a.streamSynchronize, "cuStreamSynchronize");
-    sym(a, a.memcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
-    sym(a, a.memcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
     sym(a, a.userObjectCreate, "cuUserObjectCreate");
     sym(a, a.graphRetainUserObject, "cuGraphRetainUserObject");
     sym(a, a.userObjectRelease, "cuUserObjectRelease");
@@ -231,41 +216,6 @@ bool host_unregister(void* p) {
   return api().memHostUnregister(p) == kSuccess;
 }
 
-namespace {
-
-// Runs body(api, stream) on a fresh non-blocking stream of device's primary context (pushed
-// for the call), waits for the stream, and raises naming what where any step failed.
-template <typename F>
-void on_side_stream(int device, const char* what, F&& body) {
-  const Api& a = api();
-  int dev = 0;
-  void* ctx = nullptr;
-  check("cuDeviceGet", a.deviceGet(&dev, device));
-  check("cuDevicePrimaryCtxRetain", a.primaryCtxRetain(&ctx, dev));
-  check("cuCtxPushCurrent", a.ctxPushCurrent(ctx));
-  Stream st = nullptr;
-  Result r = a.streamCreate(&st, kStreamNonBlocking);
-  if (r == kSuccess) {
-    r = body(a, st);
-  }
-  if (r == kSuccess) {
-    r = a.streamSynchronize(st);
-  }
-  if (st != nullptr) {
-    a.streamDestroy(st);
-  }
-  void* popped = nullptr;
-  a.ctxPopCurrent(&popped);
-  check(what, r);
-}
-
-}  // namespace
-
-void write_words(int device, DevPtr addr, const uint32_t* words, size_t n) {
-  on_side_stream(device, "writing device words",
-                 [&](const Api& a, Stream st) { return a.memcpyHtoDAsync(addr, words, 4 * n, st); });
-}
-
 uint64_t buffer_id(DevPtr ptr) {
   uint64_t id = 0;
   check("cuPointerGetAttribute", api().pointerGetAttribute(&id, kAttrBufferId, ptr));
@@ -333,23 +283,6 @@ std::string no_fd_reason(DevPtr ptr) {
   }
   return "it was created with no exportable handle (TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=0, the default of fbcode "
          "builds of torch)";
-}
-
-void release_counters(int device, DevPtr addr, size_t nbytes) {
-  std::vector<uint32_t> buf(nbytes / 4);
-  on_side_stream(device, "releasing the stream counters", [&](const Api& a, Stream st) {
-    Result r = a.memcpyDtoHAsync(buf.data(), addr, nbytes, st);
-    if (r == kSuccess) {
-      r = a.streamSynchronize(st);
-    }
-    if (r == kSuccess) {
-      for (size_t i = 0; i + 1 < buf.size(); i += 2) {
-        buf[i + 1] = buf[i] + (1u << 30);
-      }
-      r = a.memcpyHtoDAsync(addr, buf.data(), nbytes, st);
-    }
-    return r;
-  });
 }
 
 void ensure_context(int device) {

@@ -44,9 +44,6 @@ void retain_user_object(void* graph, void (*destroy)(void*), void* arg);
 DevPtr host_register(void* p, size_t n);
 // Undoes host_register; false where the driver refused (it may be gone at exit).
 bool host_unregister(void* p);
-// Copies n u32 words to device memory at addr through a stream of its own that waits for
-// nothing, and waits for the copy. Makes the primary context of device current first.
-void write_words(int device, DevPtr addr, const uint32_t* words, size_t n);
 // The process-unique id of the allocation holding ptr (never reused).
 uint64_t buffer_id(DevPtr ptr);
 // (base, size) of the allocation holding ptr.
@@ -69,10 +66,6 @@ int export_fd(DevPtr base);
 // Why the allocation mapped at ptr cannot be exported to a POSIX fd, in words, or "" where
 // the driver does not say: it was created with a fabric handle only, or with none.
 std::string no_fd_reason(DevPtr ptr);
-// Set every (ready, done) pair of the counters at addr to done = ready + 2^30, through a
-// stream of its own that waits for nothing: streams stuck on a counter of a sidecar that is
-// gone go on. Makes the primary context of device current first.
-void release_counters(int device, DevPtr addr, size_t nbytes);
 
 // ----- the in-process engine's calls (csrc/client/inprocess.cc) ------------------------------
 

@@ -1,9 +1,15 @@
 #include "dispatcher.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <ATen/Parallel.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 
@@ -96,13 +102,19 @@ Dispatcher::Dispatcher(Config cfg)
 
 Dispatcher::~Dispatcher() {
   close();
-  if (page_ != nullptr) {
-    // before the arena unmaps it: a later session's page may be mapped at the same address
-    try {
-      cuda::host_unregister(page_);
-    } catch (const std::exception&) {
-      // no driver left (exit): nothing to undo
+  // Unregistered before they are unmapped: a later session's pages may be mapped at the same
+  // address.
+  for (void* p : {static_cast<void*>(page_), static_cast<void*>(counters_host_)}) {
+    if (p != nullptr) {
+      try {
+        cuda::host_unregister(p);
+      } catch (const std::exception&) {
+        // no driver left (exit): nothing to undo
+      }
     }
+  }
+  if (counters_host_ != nullptr) {
+    ::munmap(counters_host_, wire::kCounterMemBytes);
   }
 }
 
@@ -317,22 +329,24 @@ void Dispatcher::fail_all(const std::string& why) {
     }
     pending_.clear();
   }
-  int device;
-  cuda::DevPtr counters;
+  // CUDA streams waiting on this sidecar must not hang: every done word goes 2^30 past its
+  // ready word, and replays waiting for D[t] go on (later ones: orphan_triggers). CPU stores
+  // into the shared counter pages, no CUDA call: a stream stuck on a counter cannot hold
+  // them up, as it could a copy queued on any stream of this process.
+  uint32_t* words = nullptr;
   {
     std::lock_guard<std::mutex> lock(dev_mu_);
-    device = device_;
-    counters = counters_;
+    words = counters_host_;
   }
-  if (counters != 0) {  // CUDA streams waiting on this sidecar must not hang
-    try {
-      cuda::release_counters(device, counters, wire::kTriggerOffset);
-      if (live_triggers() > 0) {  // replays waiting for D[t]; later ones: orphan_triggers
-        const std::vector<uint32_t> ones(wire::kTriggerSlots, 1);
-        cuda::write_words(device, counters + wire::kTriggerOffset, ones.data(), ones.size());
+  if (words != nullptr) {
+    for (size_t i = 0; i + 1 < wire::kTriggerOffset / 4; i += 2) {
+      const uint32_t ready = __atomic_load_n(&words[i], __ATOMIC_ACQUIRE);
+      __atomic_store_n(&words[i + 1], ready + (1u << 30), __ATOMIC_RELEASE);
+    }
+    if (live_triggers() > 0) {
+      for (uint32_t t = 0; t < wire::kTriggerSlots; t++) {
+        __atomic_store_n(&words[wire::kTriggerOffset / 4 + t], 1u, __ATOMIC_RELEASE);
       }
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "gocomm: could not release CUDA streams waiting on the lost sidecar: %s\n", e.what());
     }
   }
   for (auto& p : pending) {
@@ -356,10 +370,40 @@ cuda::DevPtr Dispatcher::counters(int device) {
 cuda::DevPtr Dispatcher::attach(int device) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   cuda::ensure_context(device);
-  std::string handle = cfg_.attach_device(device, cuda::device_uuid(device));
-  TORCH_CHECK(handle.size() == 64, "gocomm: the sidecar's stream counters handle has ", handle.size(),
-              " bytes, want 64");
-  cuda::DevPtr counters = cuda::ipc_open(reinterpret_cast<const uint8_t*>(handle.data()));
+  const std::string path = cfg_.attach_device(device, cuda::device_uuid(device));
+  // The counters: a shared-memory file of the sidecar's (docs/decisions/0004), mapped,
+  // unlinked (both processes hold it now) and registered for this process's streams.
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    C10_THROW_ERROR(DistBackendError, "gocomm: cannot open the sidecar's stream counters " + path + ": " +
+                                          std::strerror(errno));
+  }
+  struct stat st {};
+  void* m = MAP_FAILED;
+  int err = 0;
+  if (::fstat(fd, &st) != 0) {
+    err = errno;
+  } else if (static_cast<size_t>(st.st_size) != wire::kCounterMemBytes) {
+    err = EINVAL;
+  } else {
+    m = ::mmap(nullptr, wire::kCounterMemBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    err = errno;
+  }
+  ::close(fd);
+  ::unlink(path.c_str());
+  if (m == MAP_FAILED) {
+    C10_THROW_ERROR(DistBackendError, "gocomm: cannot map the sidecar's stream counters " + path + " (" +
+                                          std::to_string(st.st_size) + " bytes, want " +
+                                          std::to_string(wire::kCounterMemBytes) + "): " + std::strerror(err));
+  }
+  cuda::DevPtr counters = 0;
+  try {
+    counters = cuda::host_register(m, wire::kCounterMemBytes);
+  } catch (...) {
+    ::munmap(m, wire::kCounterMemBytes);
+    throw;
+  }
+  counters_host_ = static_cast<uint32_t*>(m);
   // under MPS a rank and its sidecar share the GPU's context; without it every hand-off
   // switches contexts: what each sidecar op costs (docs/decisions/0002-mps.md)
   if (cfg_.log && cuda::mps_client(device)) {
@@ -485,28 +529,15 @@ void Dispatcher::send_drops() {
 }
 
 void Dispatcher::orphan_triggers() {
-  std::vector<uint32_t> fired;
-  int device;
-  {
-    std::lock_guard<std::mutex> lock(dev_mu_);
-    if (page_ == nullptr) {
-      return;
-    }
-    device = device_;
-    for (uint32_t t = 0; t < wire::kTriggerSlots; t++) {
-      if (live_[t] && __atomic_load_n(&page_[t], __ATOMIC_ACQUIRE) != 0) {
-        __atomic_store_n(&page_[t], 0, __ATOMIC_RELEASE);
-        fired.push_back(t);
-      }
-    }
+  std::lock_guard<std::mutex> lock(dev_mu_);
+  if (page_ == nullptr || counters_host_ == nullptr) {
+    return;
   }
-  const uint32_t one = 1;
-  for (uint32_t t : fired) {
-    try {
-      cuda::write_words(device, done_word(t), &one, 1);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "gocomm: could not release a CUDA graph replay waiting on the lost sidecar: %s\n",
-                   e.what());
+  for (uint32_t t = 0; t < wire::kTriggerSlots; t++) {
+    if (live_[t] && __atomic_load_n(&page_[t], __ATOMIC_ACQUIRE) != 0) {
+      __atomic_store_n(&page_[t], 0, __ATOMIC_RELEASE);
+      // a CPU store into the shared counter pages (see fail_all)
+      __atomic_store_n(&counters_host_[wire::kTriggerOffset / 4 + t], 1u, __ATOMIC_RELEASE);
     }
   }
 }

@@ -86,8 +86,8 @@ class Dispatcher {
     Arena::Grow grow;
     size_t first_segment = 16 << 20;
     // The control plane's AttachDevice rpc, which binds the sidecar to this process's GPU
-    // (once, by the device's UUID): the CUDA IPC handle (64 bytes) of the groups' stream
-    // counters, which the client maps (counters).
+    // (once, by the device's UUID): the path of the shared-memory file holding the groups'
+    // stream counters, which the client maps (counters).
     std::function<std::string(int device, const std::array<uint8_t, 16>& uuid)> attach_device;
     // The "gocomm" logger (level, message) and the rank it names, for what attaching found.
     std::function<void(int, const std::string&)> log;
@@ -140,7 +140,7 @@ class Dispatcher {
   // Registers d as the op of trigger t with the sidecar and waits for its answer (no CUDA
   // call: allowed while a capture is open); raises the sidecar's refusal.
   void register_graph_op(Pending p, wire::Desc& d, uint32_t t);
-  // The device addresses of T[t] (host memory) and D[t] (the sidecar's device memory).
+  // The device addresses of T[t] (an arena page) and D[t] (the sidecar's counter memory).
   cuda::DevPtr trigger_word(uint32_t t);
   cuda::DevPtr done_word(uint32_t t);
   std::shared_ptr<DropQueue> drops() const { return drops_; }
@@ -167,12 +167,13 @@ class Dispatcher {
   std::unordered_map<uint64_t, Pending> pending_;
   std::optional<std::string> lost_;
   std::vector<std::vector<at::Tensor>> leaked_;  // buffers of ops never answered: never reused
-  // Binds the sidecar to device (Config::attach_device) and maps the stream counters it
-  // answers with (dev_mu_ held).
+  // Binds the sidecar to device (Config::attach_device) and maps the stream counters' file it
+  // answers with, registered for the device (dev_mu_ held).
   cuda::DevPtr attach(int device);
   std::mutex dev_mu_;
   int device_ = -1;
   cuda::DevPtr counters_ = 0;
+  uint32_t* counters_host_ = nullptr;  // the same words, mapped here (fail_all stores to them)
   std::atomic<bool> stop_{false};
   std::thread thread_;
   // graph triggers (dev_mu_): the page (an arena block, pinned and mapped for the device),

@@ -25,6 +25,8 @@ constexpr size_t kGraphOpHeader = 16;
 // stream counters (gpu.TriggerSlots, gpu.TriggerOffset).
 constexpr uint32_t kTriggerSlots = 1024;
 constexpr size_t kTriggerOffset = 4096;
+// The counter memory's size: the slots, then D[t] of every trigger (gpu.CounterMemBytes).
+constexpr size_t kCounterMemBytes = kTriggerOffset + 4 * kTriggerSlots;
 
 // CUDA allocations registered with kRecIpc carry this bit in their segment id.
 constexpr uint32_t kCudaSegment = 1u << 31;

@@ -63,6 +63,9 @@ static CUresult (*p_cuIpcCloseMemHandle)(CUdeviceptr);
 static CUresult (*p_cuIpcGetMemHandle)(CUipcMemHandle*, CUdeviceptr);
 static CUresult (*p_cuMemAlloc)(CUdeviceptr*, size_t);
 static CUresult (*p_cuMemFree)(CUdeviceptr);
+static CUresult (*p_cuMemHostRegister)(void*, size_t, unsigned int);
+static CUresult (*p_cuMemHostUnregister)(void*);
+static CUresult (*p_cuMemHostGetDevicePointer)(CUdeviceptr*, void*, unsigned int);
 static CUresult (*p_cuMemGetAddressRange)(CUdeviceptr*, size_t*, CUdeviceptr);
 static CUresult (*p_cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
 static CUresult (*p_cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream);
@@ -113,6 +116,9 @@ static int gc_load(const char* path, char* err, int errlen) {
 	SYM(p_cuIpcGetMemHandle, "cuIpcGetMemHandle");
 	SYM(p_cuMemAlloc, "cuMemAlloc_v2");
 	SYM(p_cuMemFree, "cuMemFree_v2");
+	SYM(p_cuMemHostRegister, "cuMemHostRegister_v2");
+	SYM(p_cuMemHostUnregister, "cuMemHostUnregister");
+	SYM(p_cuMemHostGetDevicePointer, "cuMemHostGetDevicePointer_v2");
 	SYM(p_cuMemGetAddressRange, "cuMemGetAddressRange_v2");
 	SYM(p_cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
 	SYM(p_cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
@@ -177,6 +183,10 @@ static CUresult gc_cuIpcCloseMemHandle(CUdeviceptr p) { return p_cuIpcCloseMemHa
 static CUresult gc_cuIpcGetMemHandle(void* h, CUdeviceptr p) { return p_cuIpcGetMemHandle((CUipcMemHandle*)h, p); }
 static CUresult gc_cuMemAlloc(CUdeviceptr* p, size_t n) { return p_cuMemAlloc(p, n); }
 static CUresult gc_cuMemFree(CUdeviceptr p) { return p_cuMemFree(p); }
+// flags 0x1 | 0x2: CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
+static CUresult gc_cuMemHostRegister(void* p, size_t n) { return p_cuMemHostRegister(p, n, 0x1 | 0x2); }
+static CUresult gc_cuMemHostUnregister(void* p) { return p_cuMemHostUnregister(p); }
+static CUresult gc_cuMemHostGetDevicePointer(CUdeviceptr* d, void* p) { return p_cuMemHostGetDevicePointer(d, p, 0); }
 static CUresult gc_cuMemGetAddressRange(CUdeviceptr* b, size_t* n, CUdeviceptr p) { return p_cuMemGetAddressRange(b, n, p); }
 static CUresult gc_cuMemcpyDtoHAsync(void* d, CUdeviceptr s, size_t n, CUstream st) { return p_cuMemcpyDtoHAsync(d, s, n, st); }
 static CUresult gc_cuMemcpyHtoDAsync(CUdeviceptr d, const void* s, size_t n, CUstream st) { return p_cuMemcpyHtoDAsync(d, s, n, st); }
@@ -604,6 +614,35 @@ func Alloc(n int) (Ptr, error) {
 	}
 	var p C.CUdeviceptr
 	return Ptr(p), check("cuMemAlloc", C.gc_cuMemAlloc(&p, C.size_t(n)))
+}
+
+// HostRegister pins b (host memory of this process, page-aligned, e.g. a shared mapping) for
+// every context and maps it for the device: stream memory ops and kernels reach it at the
+// returned address while the CPU reads and writes it in place.
+func HostRegister(b []byte) (Ptr, error) {
+	if err := loaded(); err != nil {
+		return 0, err
+	}
+	if len(b) == 0 {
+		return 0, errors.New("cuda: registering no host memory")
+	}
+	if err := check("cuMemHostRegister", C.gc_cuMemHostRegister(unsafe.Pointer(&b[0]), C.size_t(len(b)))); err != nil {
+		return 0, err
+	}
+	var d C.CUdeviceptr
+	if err := check("cuMemHostGetDevicePointer", C.gc_cuMemHostGetDevicePointer(&d, unsafe.Pointer(&b[0]))); err != nil {
+		C.gc_cuMemHostUnregister(unsafe.Pointer(&b[0]))
+		return 0, err
+	}
+	return Ptr(d), nil
+}
+
+// HostUnregister undoes HostRegister(b).
+func HostUnregister(b []byte) error {
+	if err := loaded(); err != nil {
+		return err
+	}
+	return check("cuMemHostUnregister", C.gc_cuMemHostUnregister(unsafe.Pointer(&b[0])))
 }
 
 // AddressRange is the allocation p lies in, as the driver knows it: its base and size.

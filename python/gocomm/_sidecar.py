@@ -251,18 +251,18 @@ class Sidecar:
 
     def attach_device(self, device: torch.device) -> int:
         """Bind the sidecar to this process's GPU (once); returns the device address of the
-        groups' stream counters (device memory of the sidecar's, mapped here by IPC)."""
+        groups' stream counters (shared host memory, registered here for the device)."""
         idx = device.index if device.index is not None else torch.cuda.current_device()
         return self.client.counters(idx)
 
-    def _attach(self, idx: int, uuid: bytes) -> bytes:
+    def _attach(self, idx: int, uuid: bytes) -> str:
         """attach_device's rpc, AttachDevice, made by the client the first time it needs the
-        GPU (cuda:idx, of that UUID): the IPC handle of the groups' stream counters, which the
+        GPU (cuda:idx, of that UUID): the file of the groups' stream counters, which the
         client maps (csrc/client/dispatcher.cc, Dispatcher::attach)."""
         if not self.info.cuda_available:
             raise NotImplementedError(f"gocomm: pgserver cannot run CUDA ops here: {self.info.cuda_error}")
         req = pb.AttachDeviceRequest(session=self.session, device_uuid=uuid)
-        return self.call("AttachDevice", req).counters_handle
+        return self.call("AttachDevice", req).counters_path
 
     def cuda_segments(self) -> dict:
         """This client's CUDA allocations as the sidecar maps them: registered (and not
