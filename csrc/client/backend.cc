@@ -696,13 +696,14 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
   }
   const c10::DeviceIndex di = dev.index();
   if (ev) {
-    work->cuda_wait = [ev, di] { ev->block(c10::cuda::getCurrentCUDAStream(di)); };
+    work->cuda_wait = [ev](const c10::cuda::CUDAStream& s) { ev->block(s); };
   } else {
-    work->cuda_wait = [di, done, k] {
-      c10::cuda::CUDAGuard g(di);
-      cuda::wait_value(c10::cuda::getCurrentCUDAStream(di).stream(), done, k);
+    work->cuda_wait = [done, k](const c10::cuda::CUDAStream& s) {
+      c10::cuda::CUDAGuard g(s.device_index());
+      cuda::wait_value(s.stream(), done, k);
     };
   }
+  work->cuda_device = di;
   return work;
 }
 
@@ -759,7 +760,7 @@ intrusive_ptr<Work> Backend::capture_op(Op& op, wire::Desc& d, const c10::cuda::
   unpack_outputs(unpack);
   // The capturing stream already waits for the op: wait() has nothing left to do.
   auto work = c10::make_intrusive<Work>(label(op.name), result, cfg_.timeout_s, op.type);
-  work->cuda_wait = [] {};
+  work->cuda_wait = [](const c10::cuda::CUDAStream&) {};
   work->finish_op(nullptr);
   return work;
 }

@@ -1,5 +1,6 @@
 #include "work.h"
 
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -65,7 +66,7 @@ bool Work::wait(std::chrono::milliseconds timeout) {
     if (std::exception_ptr e = exception()) {
       std::rethrow_exception(e);
     }
-    cuda_wait();
+    cuda_wait(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(cuda_device)));
     return true;
   }
   double limit = limit_;
@@ -87,7 +88,25 @@ bool Work::wait(std::chrono::milliseconds timeout) {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Work::getFuture() {
-  return future_;
+  if (!cuda_wait || cuda_device < 0) {
+    return future_;
+  }
+  std::lock_guard<std::mutex> lock(cuda_future_mu_);
+  if (!cuda_future_ && exception()) {  // known to have failed: the future says so
+    return future_;
+  }
+  if (!cuda_future_) {
+    const auto dev = static_cast<c10::DeviceIndex>(cuda_device);
+    c10::cuda::CUDAGuard device_guard(dev);
+    c10::cuda::CUDAStream on = c10::cuda::getStreamFromPool(false, dev);
+    cuda_wait(on);
+    // markCompleted records the future's event on the current stream: the one that waits
+    c10::cuda::CUDAStreamGuard guard(on);
+    cuda_future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                            std::vector<c10::Device>{c10::Device(c10::kCUDA, dev)});
+    cuda_future_->markCompleted(c10::IValue(result_));
+  }
+  return cuda_future_;
 }
 
 namespace {
@@ -112,10 +131,27 @@ c10::intrusive_ptr<BatchWork> BatchWork::make(std::string op, std::vector<c10::i
     batch->finish_op(nullptr);
     return batch;
   }
+  // CUDA ops of one device (not captured): the batch's future is a CUDA future too, its
+  // stream waiting for every op
+  int dev = batch->works_.front()->cuda_device;
+  for (auto& w : batch->works_) {
+    if (!w->cuda_wait || w->cuda_device != dev) {
+      dev = -1;
+    }
+  }
+  if (dev >= 0) {
+    batch->cuda_device = dev;
+    BatchWork* self = batch.get();  // cuda_wait is called only through the batch
+    batch->cuda_wait = [self](const c10::cuda::CUDAStream& s) {
+      for (auto& w : self->works_) {
+        w->cuda_wait(s);
+      }
+    };
+  }
   // The children's futures hold the callbacks (each holding the batch) until they ran.
   auto remaining = std::make_shared<std::atomic<size_t>>(batch->works_.size());
   for (auto& w : batch->works_) {
-    w->getFuture()->addCallback([self = batch, remaining](c10::ivalue::Future&) {
+    w->done_future()->addCallback([self = batch, remaining](c10::ivalue::Future&) {
       if (remaining->fetch_sub(1) != 1) {
         return;
       }

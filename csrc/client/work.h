@@ -1,9 +1,11 @@
 // What a gocomm op returns: a c10d::Work finished by the completion thread when the
 // sidecar's completion arrives (CPU ops: outputs copied into the caller's tensors by then), or,
 // for a CUDA op, one whose wait() makes the caller's current stream wait for the op, as
-// ProcessGroupNCCL's does. Its Future completes with the op's result tensors.
+// ProcessGroupNCCL's does. Its Future holds the op's result tensors: completed with the
+// sidecar's answer for a CPU op, a CUDA future completed at once for a CUDA op (cuda_device).
 #pragma once
 
+#include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
@@ -35,8 +37,16 @@ class Work : public c10d::Work {
   // Called once by the completion side: exc null for success.
   void finish_op(std::exception_ptr exc, int source = -1);
 
-  // CUDA ops: queues the current stream's wait for the op (set before the Work is returned).
-  std::function<void()> cuda_wait;
+  // CUDA ops: queues a stream's wait for the op (set before the Work is returned).
+  std::function<void(const c10::cuda::CUDAStream&)> cuda_wait;
+  // CUDA ops not captured in a graph: the op's device. get_future() is then a CUDA future, as
+  // ProcessGroupNCCL's: completed at once, its event on a pool stream that waits for the op, so
+  // its wait() and then() order the caller's streams after the op and never block the host
+  // (DDP's hooks take it after each bucket). Elsewhere it is the host completion below.
+  int cuda_device = -1;
+  // Completed on the host when the sidecar's answer came (CPU ops: outputs in place), with
+  // the op's error if it failed: what BatchWork counts.
+  c10::intrusive_ptr<c10::ivalue::Future> done_future() { return future_; }
   const std::string& op() const { return op_; }
   double limit() const { return limit_; }
 
@@ -46,6 +56,8 @@ class Work : public c10d::Work {
   double limit_;
   int source_ = -1;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::mutex cuda_future_mu_;
+  c10::intrusive_ptr<c10::ivalue::Future> cuda_future_;  // made at the first get_future()
 };
 
 // A Work standing for several (the coalesced forms made of one op per tensor): finished

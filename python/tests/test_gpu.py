@@ -355,9 +355,11 @@ def check_killed_sidecar_cuda(rk, seed):
     err = None
     try:
         for w in works:
-            w.get_future().wait()
-        dist.all_reduce(x)
-        x.sum().item()
+            w.get_future().wait()  # a CUDA future: orders this stream, never holds the host
+        # the failure reaches each rank's calls once its group broke or its sidecar was lost
+        while time.monotonic() - t0 < rk.timeout_s + 10:
+            dist.all_reduce(x)
+            x.sum().item()  # returns once the op finished or its counters were released
     except Exception as e:  # noqa: BLE001
         err = e
     torch.cuda.synchronize()  # must not hang: counters were released
@@ -1174,6 +1176,70 @@ def test_inprocess_future(worlds, seed):
     """2 ranks with the in-process all_reduce forced (on one GPU they share it through CUDA IPC)."""
     with worlds.fresh(2, label="kernel-future", env={"GOCOMM_TRANSPORT": "nvshmem"}) as w:
         w.run(check_kernel_future, seed=seed, timeout=RUN_LIMIT_S)
+
+
+def check_sidecar_future(rk, seed):
+    """A sidecar op's Work (GOCOMM_TRANSPORT=nccl: the sidecar's NCCL runs every op): with the
+    op queued behind ~0.5 s of GPU work on the caller's stream, get_future(), its then() and
+    its wait() all return at once, as ProcessGroupNCCL's CUDA future does (DDP's hooks take it
+    after each bucket; a future completed by the sidecar's answer would hold the host until the
+    GPU got there), is_completed() is False meanwhile, and the value and then()'s result are
+    the sum once the caller's stream is ordered after them; the same for the coalesced form's
+    Work, whose future waits for every op of the batch."""
+    dev = torch.device("cuda", rk.rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    ck = Checker("sidecar future", seed, rk.rank)
+    n = rk.size
+    xs = [gen(seed, "sfuture", r, 1 << 14, torch.float32) for r in range(n)]
+    want = torch.stack([x.double() for x in xs]).sum(0)
+    warm = torch.ones(4096, device=dev)
+    # the process's first CUDA future, and its first then(), make torch's stream pools and
+    # callback state, which wait for the device: once per process, as with ProcessGroupNCCL's
+    dist.all_reduce(warm, async_op=True).get_future().then(lambda f: f.value()[0] * 2).wait()
+    torch.cuda.synchronize()
+    b = _state(dist.group.WORLD)._ref.get()
+    ck.expect("on the sidecar", b.ar_path(dev.index) is None, "the in-process all_reduce serves the group")
+    x = xs[rk.rank].to(dev)
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time ahead of the op on this stream
+    t0 = time.monotonic()
+    w = dist.all_reduce(x, async_op=True)
+    fut = w.get_future()
+    doubled = fut.then(lambda f: f.value()[0] * 2)
+    got = fut.wait()[0]  # orders this stream after the op; the host does not wait
+    twice = doubled.wait()
+    took = time.monotonic() - t0
+    ck.expect("the call, get_future, then() and wait() hold nothing", took < 0.1, f"{took * 1000:.1f} ms")
+    ck.expect("not completed while the stream is busy", not w.is_completed())
+    torch.cuda.synchronize(dev)
+    err = (got.double().cpu() - want).abs().max().item()
+    ck.expect("future value is the sum", err < 1e-3, f"max error {err}")
+    err2 = (twice.double().cpu() - 2 * want).abs().max().item()
+    ck.expect("then() sees the sum", err2 < 2e-3, f"max error {err2}")
+    with ck.case("coalesced all_gather_into_tensor"):
+        parts = [[gen(seed, f"sfuture/ag{i}", r, 1000 * (i + 1), torch.float32) for r in range(n)] for i in range(3)]
+        ins = [p[rk.rank].to(dev) for p in parts]
+        outs = [torch.zeros(n * t.numel(), device=dev) for t in ins]
+        torch.cuda._sleep(1_000_000_000)
+        t0 = time.monotonic()
+        cw = dist.group.WORLD.allgather_into_tensor_coalesced(outs, ins)
+        vals = cw.get_future().wait()
+        took = time.monotonic() - t0
+        ck.expect("the call and its future hold nothing", took < 0.1, f"{took * 1000:.1f} ms")
+        ptrs = [v.data_ptr() for v in vals]
+        ck.expect("the batch's outputs", ptrs == [o.data_ptr() for o in outs], f"{len(vals)} values")
+        torch.cuda.synchronize(dev)
+        for i, o in enumerate(outs):
+            ck.same(f"output {i}", o.cpu(), torch.cat(parts[i]))
+    return ck.done()
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_sidecar_future(worlds, seed, size):
+    """Every op on the sidecar's NCCL (GOCOMM_TRANSPORT=nccl); 2 ranks need 2 GPUs (NCCL takes one
+    rank per GPU)."""
+    _need(size)
+    with worlds.fresh(size, label="sidecar-future", env={"GOCOMM_TRANSPORT": "nccl"}) as w:
+        w.run(check_sidecar_future, seed=seed, timeout=RUN_LIMIT_S)
 
 
 def check_transport(rk, want):
