@@ -1,11 +1,9 @@
 #include "arena.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <unistd.h>
+#include "shm_file.h"
 
-#include <cerrno>
-#include <cstring>
+#include <sys/mman.h>
+
 #include <stdexcept>
 
 namespace gocomm {
@@ -31,19 +29,9 @@ Arena::~Arena() {
 
 uint32_t Arena::grow(size_t need) {
   const NewSegment ns = grow_(need > next_size_ ? need : next_size_);
-  int fd = ::open(ns.path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) {
-    throw std::runtime_error("gocomm: cannot open segment " + ns.path + ": " + std::strerror(errno));
-  }
-  void* m = ::mmap(nullptr, ns.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int err = errno;
-  ::close(fd);
-  if (m == MAP_FAILED) {
-    throw std::runtime_error("gocomm: cannot map segment " + ns.path + ": " + std::strerror(err));
-  }
-  ::unlink(ns.path.c_str());
+  uint8_t* base = map_shared_file(ns.path, ns.bytes, "segment").data;
   Segment& s = segs_[ns.id];
-  s.base = static_cast<uint8_t*>(m);
+  s.base = base;
   s.size = ns.bytes;
   s.free = {{0, ns.bytes}};
   next_size_ = 2 * ns.bytes;

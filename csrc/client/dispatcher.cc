@@ -1,15 +1,13 @@
 #include "dispatcher.h"
 
-#include <fcntl.h>
+#include "shm_file.h"
+
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <ATen/Parallel.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
-#include <cerrno>
 #include <cstdio>
 #include <cstring>
 
@@ -373,37 +371,25 @@ cuda::DevPtr Dispatcher::attach(int device) {
   const std::string path = cfg_.attach_device(device, cuda::device_uuid(device));
   // The counters: a shared-memory file of the sidecar's (docs/decisions/0004), mapped,
   // unlinked (both processes hold it now) and registered for this process's streams.
-  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) {
-    C10_THROW_ERROR(DistBackendError, "gocomm: cannot open the sidecar's stream counters " + path + ": " +
-                                          std::strerror(errno));
-  }
-  struct stat st {};
-  void* m = MAP_FAILED;
-  int err = 0;
-  if (::fstat(fd, &st) != 0) {
-    err = errno;
-  } else if (static_cast<size_t>(st.st_size) != wire::kCounterMemBytes) {
-    err = EINVAL;
-  } else {
-    m = ::mmap(nullptr, wire::kCounterMemBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    err = errno;
-  }
-  ::close(fd);
-  ::unlink(path.c_str());
-  if (m == MAP_FAILED) {
-    C10_THROW_ERROR(DistBackendError, "gocomm: cannot map the sidecar's stream counters " + path + " (" +
-                                          std::to_string(st.st_size) + " bytes, want " +
-                                          std::to_string(wire::kCounterMemBytes) + "): " + std::strerror(err));
+  SharedFile f;
+  try {
+    f = map_shared_file(path, wire::kCounterMemBytes, "the sidecar's stream counters");
+  } catch (const std::exception& e) {
+    C10_THROW_ERROR(DistBackendError, e.what());
   }
   cuda::DevPtr counters = 0;
   try {
-    counters = cuda::host_register(m, wire::kCounterMemBytes);
+    if (f.file_bytes != wire::kCounterMemBytes) {
+      C10_THROW_ERROR(DistBackendError, "gocomm: the sidecar's stream counters " + path + " hold " +
+                                            std::to_string(f.file_bytes) + " bytes, want " +
+                                            std::to_string(wire::kCounterMemBytes));
+    }
+    counters = cuda::host_register(f.data, wire::kCounterMemBytes);
   } catch (...) {
-    ::munmap(m, wire::kCounterMemBytes);
+    ::munmap(f.data, wire::kCounterMemBytes);
     throw;
   }
-  counters_host_ = static_cast<uint32_t*>(m);
+  counters_host_ = reinterpret_cast<uint32_t*>(f.data);
   // under MPS a rank and its sidecar share the GPU's context; without it every hand-off
   // switches contexts: what each sidecar op costs (docs/decisions/0002-mps.md)
   if (cfg_.log && cuda::mps_client(device)) {

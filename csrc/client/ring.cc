@@ -1,12 +1,12 @@
 #include "ring.h"
 
-#include <fcntl.h>
+#include "shm_file.h"
+
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <cstring>
 #include <ctime>
 #include <stdexcept>
@@ -37,18 +37,7 @@ uint16_t Ring::rd16(const uint8_t* p) {
 }
 
 Ring::Ring(const std::string& path, size_t size) : size_(size) {
-  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) {
-    throw std::runtime_error("gocomm: cannot open the ring " + path + ": " + std::strerror(errno));
-  }
-  void* m = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int err = errno;
-  ::close(fd);
-  if (m == MAP_FAILED) {
-    throw std::runtime_error("gocomm: cannot map the ring " + path + ": " + std::strerror(err));
-  }
-  ::unlink(path.c_str());
-  mem_ = static_cast<uint8_t*>(m);
+  mem_ = map_shared_file(path, size, "the ring").data;
   uint64_t magic;
   uint32_t version;
   std::memcpy(&magic, mem_, 8);
