@@ -60,7 +60,6 @@ static CUresult (*p_cuModuleGetFunction)(CUfunction*, CUmodule, const char*);
 static CUresult (*p_cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void**, void**);
 static CUresult (*p_cuIpcOpenMemHandle)(CUdeviceptr*, CUipcMemHandle, unsigned int);
 static CUresult (*p_cuIpcCloseMemHandle)(CUdeviceptr);
-static CUresult (*p_cuIpcGetMemHandle)(CUipcMemHandle*, CUdeviceptr);
 static CUresult (*p_cuMemAlloc)(CUdeviceptr*, size_t);
 static CUresult (*p_cuMemFree)(CUdeviceptr);
 static CUresult (*p_cuMemHostRegister)(void*, size_t, unsigned int);
@@ -113,7 +112,6 @@ static int gc_load(const char* path, char* err, int errlen) {
 	SYM(p_cuLaunchKernel, "cuLaunchKernel");
 	SYM(p_cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2");
 	SYM(p_cuIpcCloseMemHandle, "cuIpcCloseMemHandle");
-	SYM(p_cuIpcGetMemHandle, "cuIpcGetMemHandle");
 	SYM(p_cuMemAlloc, "cuMemAlloc_v2");
 	SYM(p_cuMemFree, "cuMemFree_v2");
 	SYM(p_cuMemHostRegister, "cuMemHostRegister_v2");
@@ -180,7 +178,6 @@ static CUresult gc_cuIpcOpenMemHandle(CUdeviceptr* p, const void* h, unsigned in
 	CUipcMemHandle hh; memcpy(&hh, h, sizeof hh); return p_cuIpcOpenMemHandle(p, hh, f);
 }
 static CUresult gc_cuIpcCloseMemHandle(CUdeviceptr p) { return p_cuIpcCloseMemHandle(p); }
-static CUresult gc_cuIpcGetMemHandle(void* h, CUdeviceptr p) { return p_cuIpcGetMemHandle((CUipcMemHandle*)h, p); }
 static CUresult gc_cuMemAlloc(CUdeviceptr* p, size_t n) { return p_cuMemAlloc(p, n); }
 static CUresult gc_cuMemFree(CUdeviceptr p) { return p_cuMemFree(p); }
 // flags 0x1 | 0x2: CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
@@ -532,15 +529,6 @@ func CloseIPC(p Ptr) error {
 		return err
 	}
 	return check("cuIpcCloseMemHandle", C.gc_cuIpcCloseMemHandle(C.CUdeviceptr(p)))
-}
-
-// ExportIPC returns the IPC handle of an allocation of this process (its base address).
-func ExportIPC(p Ptr) (IPCHandle, error) {
-	var h IPCHandle
-	if err := loaded(); err != nil {
-		return h, err
-	}
-	return h, check("cuIpcGetMemHandle", C.gc_cuIpcGetMemHandle(unsafe.Pointer(&h[0]), C.CUdeviceptr(p)))
 }
 
 // MemHandle is a physical allocation of the virtual memory API (CUmemGenericAllocationHandle).
