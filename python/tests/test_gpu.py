@@ -1470,12 +1470,17 @@ def _free_memory_back(dev, want, timeout=10.0):
         time.sleep(0.05)
 
 
-def _fence(dev):
-    """An all_reduce whose future completed: the completion thread has released every op's
-    tensors by then (completions arrive in order, each op's tensors are let go before its
-    Work finishes), so what the caller dropped is back in torch's allocator."""
+def _fence(dev, timeout=30.0):
+    """An all_reduce whose Work completed on the host: the completion thread has released every
+    op's tensors by then (completions arrive in order, each op's tensors are let go before its
+    Work finishes), so what the caller dropped is back in torch's allocator. Not its future,
+    which, as ProcessGroupNCCL's, completes at once and only orders streams."""
     t = torch.ones(16, device=dev)
-    dist.all_reduce(t, async_op=True).get_future().wait()
+    w = dist.all_reduce(t, async_op=True)
+    end = time.monotonic() + timeout
+    while not w.is_completed():
+        assert time.monotonic() < end, f"the fence's all_reduce did not complete within {timeout}s"
+        time.sleep(0.0005)
 
 
 def check_freed_memory_leaves_sidecar(rk, seed):
