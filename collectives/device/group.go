@@ -56,7 +56,9 @@ const graphPeer = -2
 //     group's streams hold waits for the client's counters (design 9).
 //  5. A poller retires ops as their events complete and calls Done; it is also the watchdog:
 //     an op past its deadline, whether in flight on the GPU or stuck in a worker's NCCL call,
-//     aborts the group.
+//     aborts the group. Nothing wakes a thread on an op's way to the GPU: an idle poller is
+//     woken when the op flies, or by a timer when a launch runs past watchDelay, and an op
+//     wakes its worker only if the worker sleeps (a spinning worker finds it).
 //  6. Abort cancels the communicators (ncclCommAbort, which also frees a worker stuck in a
 //     call), then releases every stream waiting on a counter, the client's and ours, by
 //     storing far-ahead values into the counters from the CPU (session invariant 3): nothing stays blocked on a GPU after a failure. Each op's Done is
@@ -98,6 +100,7 @@ type group struct {
 	workers  int // worker goroutines running
 	inflight []*flight
 	retired  uint64       // rounds of retirements by the poller: wakes sleeping workers to spin again
+	pollIdle bool         // the poller waits on cond for an op to fly or a worker to get busy
 	events   []cuda.Event // pool (see event)
 	broken   error
 	aborted  chan struct{} // closed by Abort: wakes a pending communicator init
@@ -141,7 +144,8 @@ type worker struct {
 	queue  []*dop
 	busy   *dop // being enqueued: the watchdog's view of a stuck NCCL call
 	comm   nccl.Comm
-	ahead  int // ops enqueued on this worker's stream and not yet retired (design 8)
+	ahead  int  // ops enqueued on this worker's stream and not yet retired (design 8)
+	idle   bool // waiting on cond for an op: only then does Enqueue wake it (see spin)
 }
 
 func (w *worker) lane() int {
@@ -255,7 +259,9 @@ func (g *group) Enqueue(op gpu.Op) {
 		o.w = w
 		w.queue = append(w.queue, o)
 		w.queued.Add(1)
-		g.cond.Broadcast()
+		if w.idle {
+			g.cond.Broadcast()
+		}
 		g.mu.Unlock()
 		return
 	}
@@ -274,7 +280,9 @@ func (g *group) Enqueue(op gpu.Op) {
 	o.w, o.ticket = w, g.tickets
 	w.queue = append(w.queue, o)
 	w.queued.Add(1)
-	g.cond.Broadcast()
+	if w.idle { // a worker that is not idle finds the op by itself: spinning, or before it waits
+		g.cond.Broadcast()
+	}
 	g.mu.Unlock()
 }
 

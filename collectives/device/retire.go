@@ -139,7 +139,9 @@ func (g *group) poll() {
 	for {
 		g.mu.Lock()
 		for len(g.inflight) == 0 && !g.anyBusy() && !(g.closing && g.workers == 0) {
+			g.pollIdle = true
 			g.cond.Wait()
+			g.pollIdle = false
 		}
 		if len(g.inflight) == 0 && g.closing && g.workers == 0 {
 			g.mu.Unlock()

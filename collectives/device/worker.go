@@ -54,7 +54,9 @@ func (g *group) work(w *worker) {
 		g.mu.Lock()
 		retired := g.retired
 		for len(w.queue) == 0 && !g.closing && g.broken == nil && (g.s.spin <= 0 || g.retired == retired) {
+			w.idle = true
 			g.cond.Wait()
+			w.idle = false
 		}
 		for len(w.queue) > 0 && w.ahead >= g.s.ahead && g.broken == nil {
 			g.cond.Wait() // design 8: the poller retires one of this stream's ops
@@ -71,10 +73,16 @@ func (g *group) work(w *worker) {
 		w.queue = w.queue[1:]
 		w.queued.Add(-1)
 		broken := g.broken
+		var watch *time.Timer
 		if broken == nil {
 			w.busy = o
-			w.ahead++          // counted before the poller can retire it
-			g.cond.Broadcast() // the watchdog watches busy ops
+			w.ahead++ // counted before the poller can retire it
+			if g.pollIdle {
+				// The watchdog watches busy ops, but waking it now would put its thread's
+				// wake-up on this op's path to the GPU: a launch that ends within
+				// watchDelay never needs it.
+				watch = time.AfterFunc(watchDelay, g.wake)
+			}
 		}
 		g.mu.Unlock()
 		if broken != nil {
@@ -82,6 +90,9 @@ func (g *group) work(w *worker) {
 			continue
 		}
 		err := g.launch(w, o, st)
+		if watch != nil {
+			watch.Stop()
+		}
 		g.mu.Lock()
 		w.busy = nil
 		if err != nil {
@@ -101,17 +112,27 @@ func (g *group) work(w *worker) {
 // GPU. Only on hosts that asked for spinning (Engine.Spin: GOCOMM_SPIN or the sidecar's
 // --spin). A worker that went to sleep while a long op ran spins again once the poller
 // retires an op: the client's next op usually follows a completion.
+//
+// The loop yields (runtime.Gosched) only where spinners could crowd out the sidecar's other
+// goroutines: more of them than half of GOMAXPROCS. A goroutine locked to its thread yields
+// by handing its P to another thread and sleeping until it gets it back, two thread wake-ups
+// that put 5-10 us on the next op's path to the GPU.
 func (g *group) spin(w *worker) {
 	if g.s.spin <= 0 {
 		return
 	}
+	n := g.s.spinners.Add(1)
+	defer g.s.spinners.Add(-1)
+	yield := int(n) > runtime.GOMAXPROCS(0)/2
 	end := time.Now().Add(g.s.spin)
 	for i := 0; w.queued.Load() == 0; i++ {
 		if i&63 == 63 {
 			if time.Now().After(end) {
 				return
 			}
-			runtime.Gosched()
+			if yield {
+				runtime.Gosched()
+			}
 		}
 	}
 }
@@ -178,6 +199,16 @@ func (g *group) launch(w *worker, o *dop, st cuda.Stream) error {
 		return g.sequence(f)
 	}
 	return g.record(o, st, nil)
+}
+
+// watchDelay is how long a worker's launch may run before it wakes an idle watchdog.
+const watchDelay = time.Millisecond
+
+// wake wakes whatever waits on g.cond (the watchdog, for a launch that takes long).
+func (g *group) wake() {
+	g.mu.Lock()
+	g.cond.Broadcast()
+	g.mu.Unlock()
 }
 
 // awaitTurn waits until every op with an earlier ticket has its GPU work enqueued (design 9),
