@@ -29,6 +29,9 @@ sidecar's NVSHMEM kernel, the host engine; CPU tensors, fp8, rows the kernels do
 they are torch.ops.gocomm.moe_dispatch_any / moe_combine_any (csrc/client/moe_any.cc): the
 kernels' launches (csrc/client/moe_kernels.cc) or ATen ops around gocomm.all_to_all_v's
 exchange (csrc/client/a2av.cc), where the counts cross the host once more.
+
+No backward yet: a backward that reaches dispatch or combine raises, naming the op
+(docs/decisions/0038-moe-autograd.md); under torch.no_grad() nothing changes.
 """
 
 from __future__ import annotations

@@ -378,6 +378,44 @@ def test_moe_dispatch_combine(worlds, seed, size):
     worlds.get(size).run(check_moe, seed=seed)
 
 
+def check_no_silent_backward(rk, seed):
+    """A backward that reaches dispatch, combine or all_to_all_v raises, naming the op, instead of
+    letting the gradient stop there (torch's default for an op without an Autograd kernel is
+    a warning); calls that need no gradient are untouched."""
+    n, me = rk.size, rk.rank
+    ck = Checker("no silent backward", seed, me)
+    experts = 2 * n
+    x = gen(seed, "nsb x", me, (5, 16), torch.float32).requires_grad_()
+    idx = _routing(seed, me, 5, experts, 2, n, "uniform")
+    w = gen(seed, "nsb w", me, (5, 2), torch.float32).abs().requires_grad_()
+    for label, leaf in (("x", x), ("topk_weights", w)):
+        with ck.case(f"dispatch + combine, {label} needs a gradient"):
+            xi, wi = (x, w.detach()) if leaf is x else (x.detach(), w)
+            recv, _, handle = gocomm.moe.dispatch(xi, idx, wi, experts)
+            out = gocomm.moe.combine(recv * 2, handle)
+            try:
+                out.sum().backward()
+                ck.fail(label, f"backward returned; the gradient is {leaf.grad}")
+            except RuntimeError as e:
+                ck.expect("names the op", "gocomm::moe_" in str(e) and "not implemented" in str(e), str(e))
+            with torch.no_grad():
+                recv, _, handle = gocomm.moe.dispatch(xi, idx, wi, experts)
+                ck.expect("no_grad: no graph", gocomm.moe.combine(recv, handle).grad_fn is None)
+    with ck.case("all_to_all_v"):
+        out, _ = gocomm.all_to_all_v(x, torch.tensor([5 if d == me else 0 for d in range(n)]))
+        try:
+            out.sum().backward()
+            ck.fail("all_to_all_v", "backward returned")
+        except RuntimeError as e:
+            ck.expect("names the op", "gocomm::all_to_all_v" in str(e), str(e))
+    return ck.done()
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_no_silent_backward(worlds, seed, size):
+    worlds.get(size).run(check_no_silent_backward, seed=seed)
+
+
 def check_sparse_choice(rk):
     """The sidecar says which sparse transport it chose for this client and why (info and
     the group agree); a client without CUDA NCCL gets NCCL."""
