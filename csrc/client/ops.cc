@@ -17,7 +17,6 @@
 // kernels give the GPU paths' shapes (out_rows rows, or out whole): the host-count path's
 // output rows depend on the counts, which only the exchange learns.
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 #include <string>
@@ -63,17 +62,6 @@ std::tuple<at::Tensor, at::Tensor> a2av_out_meta(const at::Tensor&, const at::Te
 TORCH_LIBRARY(gocomm, m) {
   m.def("all_to_all_v(Tensor input, Tensor in_splits, SymInt out_rows, str group_name) -> (Tensor, Tensor)");
   m.def("all_to_all_v_out(Tensor input, Tensor in_splits, Tensor(a!) out, str group_name) -> (Tensor(a!), Tensor)");
-}
-
-// No op of gocomm has a backward yet (docs/decisions/0038-moe-autograd.md). Without an
-// Autograd kernel torch only warns when a backward reaches one and lets the gradient stop
-// there, silently; torch's fallback for ops without a derivative raises at that backward
-// instead, naming the op, and does nothing to calls that need no gradient.
-TORCH_LIBRARY_IMPL(gocomm, Autograd, m) {
-  for (const char* op : {"all_to_all_v", "all_to_all_v_out", "moe_dispatch", "moe_combine", "moe_dispatch_any",
-                         "moe_combine_any"}) {
-    m.impl(op, torch::autograd::autogradNotImplementedFallback());
-  }
 }
 
 TORCH_LIBRARY_IMPL(gocomm, CUDA, m) {

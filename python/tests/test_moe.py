@@ -401,13 +401,22 @@ def check_no_silent_backward(rk, seed):
             with torch.no_grad():
                 recv, _, handle = gocomm.moe.dispatch(xi, idx, wi, experts)
                 ck.expect("no_grad: no graph", gocomm.moe.combine(recv, handle).grad_fn is None)
+    splits = torch.tensor([5 if d == me else 0 for d in range(n)])
     with ck.case("all_to_all_v"):
-        out, _ = gocomm.all_to_all_v(x, torch.tensor([5 if d == me else 0 for d in range(n)]))
+        out, _ = gocomm.all_to_all_v(x, splits)
         try:
             out.sum().backward()
             ck.fail("all_to_all_v", "backward returned")
         except RuntimeError as e:
             ck.expect("names the op", "gocomm::all_to_all_v" in str(e), str(e))
+    with ck.case("all_to_all_v with out= refuses a gradient at the call, as torch's out= ops"):
+        try:
+            gocomm.all_to_all_v(x, splits, out=torch.empty(5 * n, 16))
+            ck.fail("out=", "called")
+        except RuntimeError as e:
+            ck.expect("says why", "no backward" in str(e), str(e))
+        got, _ = gocomm.all_to_all_v(x.detach(), splits, out=torch.empty(5 * n, 16))
+        ck.same("detached, the rows", got[:5], x.detach())
     return ck.done()
 
 
