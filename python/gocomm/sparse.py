@@ -70,7 +70,8 @@ def all_to_all_v(
         on that device ran outside the capture (it sets the path up, collectively); replays
         and eager calls of a group are ordered by the caller, as with torch's NCCL. The
         sidecar's kernel cannot be captured (every call hands the sidecar one op, and a
-        replayed graph would not).
+        replayed graph would not). Differentiable (without out): the backward sends the
+        output's gradient back by out_splits, a collective every rank must run.
     """
     # one op call: the op checks the arguments and picks the path (csrc/client/a2av.cc)
     name = (group if group is not None else dist.group.WORLD).group_name

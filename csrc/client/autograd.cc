@@ -1,10 +1,19 @@
-// Autograd kernels for gocomm's operators, which have no derivative yet
-// (docs/decisions/0038-moe-autograd.md). Without one, torch's own fallback only warns when a
-// backward reaches such an op and lets the gradient stop there, silently. Each kernel here
-// runs the op below autograd; where a gradient is wanted it gives the op's floating outputs a
-// node that raises at backward, naming the op (torch's NotImplemented, as its fallback for
-// ops without a derivative would, but unboxed: calls that need no gradient pay one check).
-// all_to_all_v_out, an out= op, raises at the call instead, as torch's out= ops do.
+// Autograd kernels for gocomm's operators (docs/decisions/0038-moe-autograd.md). Without one,
+// torch only warns when a backward reaches an op and lets the gradient stop there, silently.
+//
+// all_to_all_v: its backward is all_to_all_v again, transposed. Each row of the output came
+// from one rank, grouped by source rank as out_splits counts them, so sending the output's
+// gradient back by out_splits returns every row's gradient to its sender, where it lands in
+// the order the sender sent the rows: its input's order. Rows the sender did not send (past
+// sum(in_splits), where a GPU path allows them) get zeros. It is a collective, as the forward
+// is: every rank of the group must backpropagate through the same calls.
+//
+// The MoE ops have no derivative yet: their kernels run the op below autograd and, where a
+// gradient is wanted, give the floating outputs torch's NotImplemented node, which raises at
+// backward naming the op (as torch's fallback for ops without a derivative does, but typed:
+// calls that need no gradient pay one check). all_to_all_v_out, an out= op, raises at the
+// call instead, as torch's out= ops do.
+#include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
@@ -61,16 +70,51 @@ using DispatchAnySig = std::vector<Tensor>(const Tensor&, const Tensor&, const T
 using CombineAnySig = Tensor(const Tensor&, const std::vector<Tensor>&, int64_t, at::ScalarType, int64_t,
                              const std::string&);
 
+// all_to_all_v's backward (see the top of the file).
+struct AllToAllVBackward : public torch::autograd::Node {
+  Tensor in_splits, out_splits;  // the forward's
+  c10::SymInt rows;              // the forward input's rows
+  std::string group;
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    static const auto op = handle<A2avSig>("gocomm::all_to_all_v");
+    const Tensor& g = grads.at(0);
+    if (!g.defined()) {
+      return {Tensor()};
+    }
+    // through the dispatcher, so that a backward of the backward (create_graph) has one too
+    Tensor back = std::get<0>(op.call(g.contiguous(), out_splits, rows, group));
+    const Tensor sent =
+        at::arange(back.size(0), back.options().dtype(at::kLong)).lt(in_splits.to(back.device(), at::kLong).sum());
+    std::vector<int64_t> shape(back.dim(), 1);
+    shape[0] = back.size(0);
+    return {at::where(sent.view(shape), back, at::zeros({}, back.options()))};
+  }
+
+  std::string name() const override { return "gocomm::AllToAllVBackward"; }
+
+  void release_variables() override {
+    in_splits.reset();
+    out_splits.reset();
+  }
+};
+
 std::tuple<Tensor, Tensor> a2av(const Tensor& input, const Tensor& splits, c10::SymInt rows, std::string group) {
   static const auto op = handle<A2avSig>("gocomm::all_to_all_v");
   const bool grad = wants_grad({&input});
   std::tuple<Tensor, Tensor> out;
   {
     at::AutoDispatchBelowADInplaceOrView below;
-    out = op.call(input, splits, std::move(rows), std::move(group));
+    out = op.call(input, splits, std::move(rows), group);
   }
   if (grad) {
-    no_backward("gocomm::all_to_all_v", {input}, {std::get<0>(out)});
+    auto node = std::shared_ptr<AllToAllVBackward>(new AllToAllVBackward(), torch::autograd::deleteNode);
+    node->set_next_edges(torch::autograd::collect_next_edges(input));
+    node->in_splits = splits;
+    node->out_splits = std::get<1>(out);
+    node->rows = input.sym_size(0);
+    node->group = std::move(group);
+    torch::autograd::set_history(std::get<0>(out), node);
   }
   return out;
 }
