@@ -84,11 +84,14 @@ struct AllToAllVBackward : public torch::autograd::Node {
     }
     // through the dispatcher, so that a backward of the backward (create_graph) has one too
     Tensor back = std::get<0>(op.call(g.contiguous(), out_splits, rows, group));
-    const Tensor sent =
-        at::arange(back.size(0), back.options().dtype(at::kLong)).lt(in_splits.to(back.device(), at::kLong).sum());
-    std::vector<int64_t> shape(back.dim(), 1);
-    shape[0] = back.size(0);
-    return {at::where(sent.view(shape), back, at::zeros({}, back.options()))};
+    // row i was sent iff i < sum(in_splits); in sizes torch.compile may keep symbolic
+    const c10::SymInt n = back.sym_size(0);
+    const Tensor sent = at::ones_symint({n}, back.options().dtype(at::kLong))
+                            .cumsum(0)
+                            .le(in_splits.to(back.device(), at::kLong).sum());
+    std::vector<c10::SymInt> shape(back.dim(), 1);
+    shape[0] = n;
+    return {at::where(sent.view_symint(shape), back, at::zeros({}, back.options()))};
   }
 
   std::string name() const override { return "gocomm::AllToAllVBackward"; }

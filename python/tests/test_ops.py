@@ -190,3 +190,21 @@ def test_moe_route_receive_cpu(fp8):
             assert torch.equal(got[0][: len(rows)], x[rows])
         assert got[2].tolist() == [sum(1 for e2, _ in order if e2 == e) for e in range(experts)]
         assert got[4].tolist() == [len(sent), len(sent)], "sent and received, by rank"
+
+
+def test_all_to_all_v_backward_traces():
+    # the backward is all_to_all_v of the gradient by out_splits into input's rows: traced
+    # (symbolic sizes, as torch.compile traces) with no group, the graph has two exchanges
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(x, s):
+        out, _ = torch.ops.gocomm.all_to_all_v(x, s, 3 * x.shape[0], "g")
+        return torch.autograd.grad(out.sum(), x)[0]
+
+    x = torch.empty(5, 4, device="meta", requires_grad=True)
+    s = torch.empty(3, dtype=torch.int64, device="meta")
+    gm = make_fx(step, tracing_mode="symbolic")(x, s)
+    calls = [n for n in gm.graph.nodes if n.target == torch.ops.gocomm.all_to_all_v.default]
+    assert len(calls) == 2, gm.code
+    grad = step(x, s)
+    assert (grad.shape, grad.dtype, grad.device.type) == ((5, 4), torch.float32, "meta")
