@@ -1111,6 +1111,23 @@ def test_inprocess_kernel_timeout(worlds, seed):
         w.run(check_kernel_timeout, seed=seed, timeout=RUN_LIMIT_S)
 
 
+def _future_case(rk, seed, what, key):
+    """The future checks' start: this rank's device (made current), a Checker, every rank's
+    float32 input of 2^14 elements from the seed, and their sum in float64."""
+    dev = torch.device("cuda", rk.rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    xs = [gen(seed, key, r, 1 << 14, torch.float32) for r in range(rk.size)]
+    return dev, Checker(what, seed, rk.rank), xs, torch.stack([x.double() for x in xs]).sum(0)
+
+
+def _expect_future_sums(ck, got, twice, want):
+    """A future's value is the sum, and its then() doubling saw it (the caller's stream synced)."""
+    err = (got.double().cpu() - want).abs().max().item()
+    ck.expect("future value is the sum", err < 1e-3, f"max error {err}")
+    err2 = (twice.double().cpu() - 2 * want).abs().max().item()
+    ck.expect("then() sees the sum", err2 < 2e-3, f"max error {err2}")
+
+
 def check_kernel_future(rk, seed):
     """The in-process all_reduce's Work: get_future() returns at once while the kernel waits
     behind a long kernel on the stream (ProcessGroupNCCL's CUDA future: DDP takes it right
@@ -1118,12 +1135,7 @@ def check_kernel_future(rk, seed):
     a then() callback see the sum once the caller's stream is ordered after it; an op on a
     stream torch does not own, destroyed after the op, leaves the next op on another stream
     unharmed."""
-    dev = torch.device("cuda", rk.rank % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
-    ck = Checker("in-process future", seed, rk.rank)
-    n = rk.size
-    xs = [gen(seed, "future", r, 1 << 14, torch.float32) for r in range(n)]
-    want = torch.stack([x.double() for x in xs]).sum(0)
+    dev, ck, xs, want = _future_case(rk, seed, "in-process future", "future")
     x = xs[rk.rank].to(dev)
     warm = torch.ones(4096, device=dev)
     dist.all_reduce(warm)  # sets the path up (collective)
@@ -1141,10 +1153,7 @@ def check_kernel_future(rk, seed):
     twice = doubled.wait()
     torch.cuda.synchronize(dev)
     ck.expect("completed after a sync", w.is_completed())
-    err = (got.double().cpu() - want).abs().max().item()
-    ck.expect("future value is the sum", err < 1e-3, f"max error {err}")
-    err2 = (twice.double().cpu() - 2 * want).abs().max().item()
-    ck.expect("then() sees the sum", err2 < 2e-3, f"max error {err2}")
+    _expect_future_sums(ck, got, twice, want)
     with ck.case("an external stream destroyed after its op"):
         # the next op on another stream must not record on it (it may be gone by then)
         rt = ctypes.CDLL("libcudart.so.13")  # loaded by torch already
@@ -1186,12 +1195,8 @@ def check_sidecar_future(rk, seed):
     GPU got there), is_completed() is False meanwhile, and the value and then()'s result are
     the sum once the caller's stream is ordered after them; the same for the coalesced form's
     Work, whose future waits for every op of the batch."""
-    dev = torch.device("cuda", rk.rank % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
-    ck = Checker("sidecar future", seed, rk.rank)
+    dev, ck, xs, want = _future_case(rk, seed, "sidecar future", "sfuture")
     n = rk.size
-    xs = [gen(seed, "sfuture", r, 1 << 14, torch.float32) for r in range(n)]
-    want = torch.stack([x.double() for x in xs]).sum(0)
     warm = torch.ones(4096, device=dev)
     # the process's first CUDA future, and its first then(), make torch's stream pools and
     # callback state, which wait for the device: once per process, as with ProcessGroupNCCL's
@@ -1211,10 +1216,7 @@ def check_sidecar_future(rk, seed):
     ck.expect("the call, get_future, then() and wait() hold nothing", took < 0.1, f"{took * 1000:.1f} ms")
     ck.expect("not completed while the stream is busy", not w.is_completed())
     torch.cuda.synchronize(dev)
-    err = (got.double().cpu() - want).abs().max().item()
-    ck.expect("future value is the sum", err < 1e-3, f"max error {err}")
-    err2 = (twice.double().cpu() - 2 * want).abs().max().item()
-    ck.expect("then() sees the sum", err2 < 2e-3, f"max error {err2}")
+    _expect_future_sums(ck, got, twice, want)
     with ck.case("coalesced all_gather_into_tensor"):
         parts = [[gen(seed, f"sfuture/ag{i}", r, 1000 * (i + 1), torch.float32) for r in range(n)] for i in range(3)]
         ins = [p[rk.rank].to(dev) for p in parts]
