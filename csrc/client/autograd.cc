@@ -59,6 +59,13 @@ c10::TypedOperatorHandle<Sig> handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
+// op's kernel under autograd: the device's (or Meta's), with autograd's keys excluded.
+template <class Sig, class... Args>
+auto below(const c10::TypedOperatorHandle<Sig>& op, Args&&... args) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(std::forward<Args>(args)...);
+}
+
 using A2avSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, c10::SymInt, std::string);
 using A2avOutSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, Tensor&, std::string);
 using DispatchSig = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, int64_t,
@@ -70,6 +77,11 @@ using DispatchAnySig = std::vector<Tensor>(const Tensor&, const Tensor&, const T
 using CombineAnySig = Tensor(const Tensor&, const std::vector<Tensor>&, int64_t, at::ScalarType, int64_t,
                              const std::string&);
 
+const c10::TypedOperatorHandle<A2avSig>& a2av_op() {
+  static const auto op = handle<A2avSig>("gocomm::all_to_all_v");
+  return op;
+}
+
 // all_to_all_v's backward (see the top of the file).
 struct AllToAllVBackward : public torch::autograd::Node {
   Tensor in_splits, out_splits;  // the forward's
@@ -77,13 +89,12 @@ struct AllToAllVBackward : public torch::autograd::Node {
   std::string group;
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    static const auto op = handle<A2avSig>("gocomm::all_to_all_v");
     const Tensor& g = grads.at(0);
     if (!g.defined()) {
       return {Tensor()};
     }
     // through the dispatcher, so that a backward of the backward (create_graph) has one too
-    Tensor back = std::get<0>(op.call(g.contiguous(), out_splits, rows, group));
+    Tensor back = std::get<0>(a2av_op().call(g.contiguous(), out_splits, rows, group));
     // row i was sent iff i < sum(in_splits); in sizes torch.compile may keep symbolic
     const c10::SymInt n = back.sym_size(0);
     const Tensor sent = at::ones_symint({n}, back.options().dtype(at::kLong))
@@ -103,13 +114,8 @@ struct AllToAllVBackward : public torch::autograd::Node {
 };
 
 std::tuple<Tensor, Tensor> a2av(const Tensor& input, const Tensor& splits, c10::SymInt rows, std::string group) {
-  static const auto op = handle<A2avSig>("gocomm::all_to_all_v");
   const bool grad = wants_grad({&input});
-  std::tuple<Tensor, Tensor> out;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    out = op.call(input, splits, std::move(rows), group);
-  }
+  std::tuple<Tensor, Tensor> out = below(a2av_op(), input, splits, std::move(rows), group);
   if (grad) {
     auto node = std::shared_ptr<AllToAllVBackward>(new AllToAllVBackward(), torch::autograd::deleteNode);
     node->set_next_edges(torch::autograd::collect_next_edges(input));
@@ -127,8 +133,7 @@ std::tuple<Tensor, Tensor> a2av_out(const Tensor& input, const Tensor& splits, T
   TORCH_CHECK(!wants_grad({&input, &out}),
               "gocomm all_to_all_v with out= has no backward (as torch's out= ops): call it on tensors that need no "
               "gradient, or under torch.no_grad()");
-  at::AutoDispatchBelowADInplaceOrView below;
-  return op.call(input, splits, out, std::move(group));
+  return below(op, input, splits, out, std::move(group));
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> dispatch(const Tensor& x, const Tensor& idx, const Tensor& w,
@@ -136,11 +141,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dispatch(const Tensor& x, const Tenso
                                                     std::string group) {
   static const auto op = handle<DispatchSig>("gocomm::moe_dispatch");
   const bool grad = wants_grad({&x, &w});
-  std::tuple<Tensor, Tensor, Tensor, Tensor> out;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    out = op.call(x, idx, w, experts, ranks, cap, padded, std::move(group));
-  }
+  std::tuple<Tensor, Tensor, Tensor, Tensor> out = below(op, x, idx, w, experts, ranks, cap, padded, std::move(group));
   if (grad) {
     no_backward("gocomm::moe_dispatch", {x, w}, {std::get<0>(out)});
   }
@@ -151,11 +152,7 @@ Tensor combine(const Tensor& y, const Tensor& ws, int64_t tokens, int64_t cap, i
                int64_t recv_rows, int64_t send_rows, std::string group) {
   static const auto op = handle<CombineSig>("gocomm::moe_combine");
   const bool grad = wants_grad({&y});
-  Tensor out;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    out = op.call(y, ws, tokens, cap, k, experts, recv_rows, send_rows, std::move(group));
-  }
+  Tensor out = below(op, y, ws, tokens, cap, k, experts, recv_rows, send_rows, std::move(group));
   if (grad) {
     no_backward("gocomm::moe_combine", {y}, {out});
   }
@@ -166,11 +163,7 @@ std::vector<Tensor> dispatch_any(const Tensor& x, const Tensor& idx, const Tenso
                                  std::optional<int64_t> bound, bool padded, const std::string& group) {
   static const auto op = handle<DispatchAnySig>("gocomm::moe_dispatch_any");
   const bool grad = wants_grad({&x, &w});
-  std::vector<Tensor> out;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    out = op.call(x, idx, w, experts, fp8, bound, padded, group);
-  }
+  std::vector<Tensor> out = below(op, x, idx, w, experts, fp8, bound, padded, group);
   if (grad) {
     no_backward("gocomm::moe_dispatch_any", {x, w}, out);
   }
@@ -181,11 +174,7 @@ Tensor combine_any(const Tensor& y, const std::vector<Tensor>& handle_, int64_t 
                    int64_t rows, const std::string& group) {
   static const auto op = handle<CombineAnySig>("gocomm::moe_combine_any");
   const bool grad = wants_grad({&y});
-  Tensor out;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    out = op.call(y, handle_, tokens, dtype, rows, group);
-  }
+  Tensor out = below(op, y, handle_, tokens, dtype, rows, group);
   if (grad) {
     no_backward("gocomm::moe_combine_any", {y}, {out});
   }
