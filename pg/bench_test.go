@@ -56,7 +56,12 @@ func BenchmarkSubmitCUDA(b *testing.B) {
 	c, sess := clients[0], clients[0].sess
 	seg := uint32(wire.CUDASegment | 1)
 	c.registerIPC(seg, 1<<30)
-	time.Sleep(100 * time.Millisecond) // serve registers it
+	for end := time.Now().Add(10 * time.Second); sess.deviceSession().Segments().Live == 0; { // serve registers it
+		if time.Now().After(end) {
+			b.Fatal("the segment was not registered within 10 s")
+		}
+		time.Sleep(time.Millisecond)
+	}
 	stop := make(chan struct{})
 	drained := make(chan struct{})
 	var failed int32 // a completion that was not OK: the benchmark timed the refusal path
@@ -64,7 +69,7 @@ func BenchmarkSubmitCUDA(b *testing.B) {
 		defer close(drained)
 		for {
 			if rec, ok, _ := c.cons.Next(); ok {
-				if int32(binary.LittleEndian.Uint32(rec.Payload[8:])) != wire.StatusOK {
+				if decodeDone(rec.Payload).status != wire.StatusOK {
 					failed++
 				}
 				c.cons.Release()

@@ -90,6 +90,12 @@ type done struct {
 	msg    string
 }
 
+// decodeDone reads a completion record's payload.
+func decodeDone(p []byte) done {
+	return done{binary.LittleEndian.Uint64(p), int32(binary.LittleEndian.Uint32(p[8:])),
+		int32(binary.LittleEndian.Uint32(p[12:])), string(p[16:])}
+}
+
 func (c *client) next(timeout time.Duration) done {
 	c.t.Helper()
 	deadline := time.Now().Add(timeout)
@@ -102,9 +108,7 @@ func (c *client) next(timeout time.Duration) done {
 			c.cons.Wait(0, 50*time.Millisecond)
 			continue
 		}
-		p := rec.Payload
-		d := done{binary.LittleEndian.Uint64(p), int32(binary.LittleEndian.Uint32(p[8:])),
-			int32(binary.LittleEndian.Uint32(p[12:])), string(p[16:])}
+		d := decodeDone(rec.Payload)
 		c.cons.Release()
 		return d
 	}

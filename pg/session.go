@@ -73,23 +73,22 @@ type Session struct {
 // AttachDevice binds the session to the client's GPU (by UUID) and returns the file holding
 // the groups' stream counters (gpu.Session.CountersPath).
 func (sess *Session) AttachDevice(uuid [16]byte) (string, error) {
-	none := ""
 	dev := sess.srv.cfg.Device
 	if dev == nil {
-		return none, fmt.Errorf("%w: this sidecar has no GPU engine", ErrNoDevice)
+		return "", fmt.Errorf("%w: this sidecar has no GPU engine", ErrNoDevice)
 	}
 	if ok, why, _ := dev.Info(); !ok {
-		return none, fmt.Errorf("%w: %s", ErrNoDevice, why)
+		return "", fmt.Errorf("%w: %s", ErrNoDevice, why)
 	}
 	if !sess.nccl {
-		return none, fmt.Errorf("%w: the client's NCCL could not be loaded in the sidecar (see its log)", ErrNoDevice)
+		return "", fmt.Errorf("%w: the client's NCCL could not be loaded in the sidecar (see its log)", ErrNoDevice)
 	}
 	sess.devLock.Lock()
 	defer sess.devLock.Unlock()
 	if sess.device == nil {
 		ds, err := dev.Attach(uuid, sess.srv.cfg.ShmDir, sess.released)
 		if err != nil {
-			return none, fmt.Errorf("%w: %v", ErrNoDevice, err)
+			return "", fmt.Errorf("%w: %v", ErrNoDevice, err)
 		}
 		sess.device = ds
 		sess.log.Info("device attached", "uuid", fmt.Sprintf("%x", uuid))

@@ -61,8 +61,9 @@ const graphPeer = -2
 //     wakes its worker only if the worker sleeps (a spinning worker finds it).
 //  6. Abort cancels the communicators (ncclCommAbort, which also frees a worker stuck in a
 //     call), then releases every stream waiting on a counter, the client's and ours, by
-//     storing far-ahead values into the counters from the CPU (session invariant 3): nothing stays blocked on a GPU after a failure. Each op's Done is
-//     called exactly once, however the abort and the workers interleave.
+//     storing far-ahead values into the counters from the CPU (session invariant 3): nothing
+//     stays blocked on a GPU after a failure. Each op's Done is called exactly once, however
+//     the abort and the workers interleave.
 //  7. Replays of ops captured in CUDA graphs run on a third kind of worker, the graph lane:
 //     its own communicator (made like the collective one) and stream, in the order replays
 //     reach the sidecar, which differs from the eager order (docs/decisions/0020). After
