@@ -29,7 +29,7 @@ var Modules = map[string][]string{
 		"gocomm_ar_one_bf16", "gocomm_ar_one_f16", "gocomm_ar_one_f32",
 		"gocomm_ar_two_bf16", "gocomm_ar_two_f16", "gocomm_ar_two_f32",
 	},
-	"moe": {"gocomm_moe_wsum_bf16", "gocomm_moe_wsum_f16", "gocomm_moe_wsum_f32", "gocomm_moe_route_count", "gocomm_moe_route_place", "gocomm_moe_route", "gocomm_moe_pack", "gocomm_moe_group_count", "gocomm_moe_group_place", "gocomm_moe_group", "gocomm_moe_gather", "gocomm_moe_route_pack", "gocomm_moe_group_gather"},
+	"moe": {"gocomm_moe_wsum_bf16", "gocomm_moe_wsum_f16", "gocomm_moe_wsum_f32", "gocomm_moe_route_count", "gocomm_moe_route_place", "gocomm_moe_route", "gocomm_moe_pack", "gocomm_moe_group_count", "gocomm_moe_group_place", "gocomm_moe_group", "gocomm_moe_gather", "gocomm_moe_route_pack", "gocomm_moe_group_gather", "gocomm_moe_ll_dispatch", "gocomm_moe_ll_combine_bf16", "gocomm_moe_ll_combine_f16", "gocomm_moe_ll_combine_f32"},
 }
 
 // NVSHMEM says which modules use NVSHMEM's device library (the driver must set their state

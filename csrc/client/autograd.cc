@@ -74,6 +74,9 @@ using CombineSig = Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_
                           std::string);
 using DispatchAnySig = std::vector<Tensor>(const Tensor&, const Tensor&, const Tensor&, int64_t, bool,
                                            std::optional<int64_t>, bool, const std::string&);
+using DispatchLlSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
+                                                       int64_t, std::string);
+using CombineLlSig = Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t, int64_t, std::string);
 using CombineAnySig = Tensor(const Tensor&, const std::vector<Tensor>&, int64_t, at::ScalarType, int64_t,
                              const std::string&);
 
@@ -159,6 +162,28 @@ Tensor combine(const Tensor& y, const Tensor& ws, int64_t tokens, int64_t cap, i
   return out;
 }
 
+std::tuple<Tensor, Tensor, Tensor> dispatch_ll(const Tensor& x, const Tensor& idx, const Tensor& w, int64_t experts,
+                                              int64_t ranks, int64_t bound, std::string group) {
+  static const auto op = handle<DispatchLlSig>("gocomm::moe_dispatch_ll");
+  const bool grad = wants_grad({&x, &w});
+  std::tuple<Tensor, Tensor, Tensor> out = below(op, x, idx, w, experts, ranks, bound, std::move(group));
+  if (grad) {
+    no_backward("gocomm::moe_dispatch_ll", {x, w}, {std::get<0>(out)});
+  }
+  return out;
+}
+
+Tensor combine_ll(const Tensor& y, const Tensor& ws, int64_t tokens, int64_t bound, int64_t k, int64_t experts,
+                  std::string group) {
+  static const auto op = handle<CombineLlSig>("gocomm::moe_combine_ll");
+  const bool grad = wants_grad({&y});
+  Tensor out = below(op, y, ws, tokens, bound, k, experts, std::move(group));
+  if (grad) {
+    no_backward("gocomm::moe_combine_ll", {y}, {out});
+  }
+  return out;
+}
+
 std::vector<Tensor> dispatch_any(const Tensor& x, const Tensor& idx, const Tensor& w, int64_t experts, bool fp8,
                                  std::optional<int64_t> bound, bool padded, const std::string& group) {
   static const auto op = handle<DispatchAnySig>("gocomm::moe_dispatch_any");
@@ -189,6 +214,8 @@ TORCH_LIBRARY_IMPL(gocomm, Autograd, m) {
   m.impl("all_to_all_v_out", &gocomm::a2av_out);
   m.impl("moe_dispatch", &gocomm::dispatch);
   m.impl("moe_combine", &gocomm::combine);
+  m.impl("moe_dispatch_ll", &gocomm::dispatch_ll);
+  m.impl("moe_combine_ll", &gocomm::combine_ll);
   m.impl("moe_dispatch_any", &gocomm::dispatch_any);
   m.impl("moe_combine_any", &gocomm::combine_any);
 }

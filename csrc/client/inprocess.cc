@@ -43,6 +43,10 @@ constexpr int64_t kA2Table = 9920;  // A2_TABLE: u64 [MAX_OUTS][MAX_RANKS], the 
 constexpr int64_t kFastMax = 2 << 20;  // bytes: a pair that fits goes before the meta rows are in
 static_assert(sizeof(A2Args) == 8 * 8 + 5 * 8 + 7 * 8 + 8 * 8 + 8 + 16, "a2av_ipc.cu's A2Args");
 
+// moe.cu's low-latency layout
+constexpr int64_t kLlHead = 64 << 10;  // LL_HEAD: the words before it, the rows after
+static_assert(sizeof(LlArgs) == 8 * 8 + 5 * 8 + 12 * 8 + 2 * 8 + 8 * 8 + 4 * 8 + 3 * 8 + 8 + 8, "moe.cu's LlArgs");
+
 int64_t half_bytes(int64_t cap) {
   return 2 * (cap + kArSlack);
 }
@@ -542,6 +546,80 @@ int A2Path::add_output(const std::vector<uint64_t>& maps, int64_t nbytes) {
   return o;
 }
 
+// ----- the low-latency MoE path ----------------------------------------------------------------------
+
+int64_t LlShape::bytes(int n) const {
+  return kLlHead + 2 * int64_t(n) * slots * (slot_bytes + cslot_bytes);
+}
+
+LlPath::LlPath(Engine& e, int device, const Shared& sh, LlShape shape, int grid)
+    : mu_(e.lock()),
+      device_(device),
+      grid_(grid),
+      shape_(shape),
+      words_(static_cast<volatile uint32_t*>(sh.err_host)) {
+  for (size_t p = 0; p < sh.maps.size(); p++) {
+    base_.base[p] = sh.maps[p];
+  }
+  base_.err = sh.err_dev;
+  base_.slots = shape.slots;
+  base_.slot_bytes = shape.slot_bytes;
+  base_.cslot_bytes = shape.cslot_bytes;
+  base_.crows = kLlHead + 2 * int64_t(e.size()) * shape.slots * shape.slot_bytes;
+  base_.timeout_ns = uint64_t(e.timeout_s() * 1e9);
+  base_.rank = uint32_t(e.rank());
+  base_.n = uint32_t(e.size());
+  Module& m = Module::get("moe.cubin");
+  dispatch_fn_ = m.function(device, "gocomm_moe_ll_dispatch");
+  combine_fn_[0] = m.function(device, "gocomm_moe_ll_combine_bf16");
+  combine_fn_[1] = m.function(device, "gocomm_moe_ll_combine_f16");
+  combine_fn_[2] = m.function(device, "gocomm_moe_ll_combine_f32");
+}
+
+bool LlPath::failed() const {
+  return words_[0] != 0;
+}
+
+void LlPath::give_up() {
+  words_[0] = 1;
+}
+
+void LlPath::run(cuda::Function fn, LlArgs& a, unsigned block, unsigned smem) {
+  std::copy(std::begin(base_.base), std::end(base_.base), std::begin(a.base));
+  a.err = base_.err;
+  a.slots = base_.slots;
+  a.slot_bytes = base_.slot_bytes;
+  a.cslot_bytes = base_.cslot_bytes;
+  a.crows = base_.crows;
+  a.timeout_ns = base_.timeout_ns;
+  a.rank = base_.rank;
+  a.n = base_.n;
+  std::lock_guard<std::mutex> lock(mu_);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  cuda::Stream stream = c10::cuda::getCurrentCUDAStream(device_).stream();
+  // graph replays are ordered by the caller (moe.cu's low-latency section)
+  const bool cap = capturing();
+  if (!cap) {
+    order_.before(stream);
+  }
+  void* arg = &a;
+  cuda::launch(fn, unsigned(grid_), block, smem, stream, &arg);
+  if (!cap) {
+    order_.after(stream, lasting_stream(device_));
+  }
+}
+
+void LlPath::dispatch(LlArgs a, unsigned block, unsigned smem) {
+  run(dispatch_fn_, a, block, smem);
+}
+
+void LlPath::combine(LlArgs a, at::ScalarType dtype) {
+  const int i = dtype == at::kBFloat16 ? 0 : dtype == at::kHalf ? 1 : 2;
+  // a thread per 16 bytes of a row, at most 256 (the rows loop)
+  const int64_t vec = std::max<int64_t>(1, a.hbytes / 16);
+  run(combine_fn_[i], a, unsigned(std::min<int64_t>(256, (vec + 31) / 32 * 32)), 0);
+}
+
 // ----- the engine -----------------------------------------------------------------------------------
 
 Engine::Engine(int rank, int size, std::string name, double timeout_s, bool ar, bool a2a, Settings s, Hooks h)
@@ -603,6 +681,11 @@ void Engine::sidecar_broke() {
     }
   }
   for (auto& [d, p] : a2_) {
+    if (p) {
+      p->give_up();
+    }
+  }
+  for (auto& [d, p] : ll_) {
     if (p) {
       p->give_up();
     }
@@ -670,6 +753,35 @@ std::shared_ptr<A2Path> Engine::a2av_path(int idx) {
   if (path && path->failed()) {
     h_.fall_back("all_to_all_v", "an earlier all_to_all_v kernel timed out; the group is aborted");
     fail_kernel("all_to_all_v");
+  }
+  return path;
+}
+
+std::shared_ptr<LlPath> Engine::ll_path(int idx, const LlShape& want) {
+  if (!a2a_on_ || !open()) {
+    return nullptr;
+  }
+  const std::string op = "moe.dispatch(low_latency=True)";
+  std::unique_lock<std::mutex> lock(setup_mu_);
+  auto it = ll_.find(idx);
+  std::shared_ptr<LlPath> path;
+  if (it != ll_.end()) {
+    path = it->second;
+    lock.unlock();
+  } else if (want.slots == 0) {  // a lookup (combine): nothing set up
+    return nullptr;
+  } else {
+    lock.unlock();  // the setup is collective: it waits for the peers
+    if (capturing()) {
+      refuse_setup(op, name_, idx);
+    }
+    path = setup_ll(idx, want);
+    lock.lock();
+    ll_[idx] = path;
+    lock.unlock();
+  }
+  if (path && path->failed()) {
+    fail_kernel(op);
   }
   return path;
 }
@@ -768,6 +880,43 @@ std::shared_ptr<A2Path> Engine::setup_a2(int idx) {
   log(kInfo, "gocomm group " + repr_of(name_) + ": all_to_all_v in this process (IPC peers, device " +
                  std::to_string(idx) + ", " + std::to_string(sh->cap >> 20) + " MiB receive buffer)");
   return path;
+}
+
+std::shared_ptr<LlPath> Engine::setup_ll(int idx, const LlShape& want) {
+  std::string why;
+  int grid = 0;
+  try {
+    if (size_ > kMaxRanks) {
+      why = "more than " + std::to_string(kMaxRanks) + " ranks";
+    } else {
+      why = Module::get("moe.cubin").why_not(idx);
+    }
+    if (why.empty()) {
+      // the blocks wait for each other: at most what the GPU holds at once, at the largest
+      // block and shared memory a launch takes
+      Module& m = Module::get("moe.cubin");
+      const int per_sm =
+          std::min(cuda::blocks_per_sm(m.function(idx, "gocomm_moe_ll_dispatch"), int(kLlThreads), size_t(kLlSmem)),
+                   cuda::blocks_per_sm(m.function(idx, "gocomm_moe_ll_combine_f32"), int(kLlThreads)));
+      grid = std::min(s_.a2a_blocks, per_sm * cuda::sm_count(idx));
+      if (grid < 1) {
+        why = "its kernels do not fit on the GPU";
+      }
+    }
+  } catch (const std::exception& e) {  // any failure turns the path off for the group
+    why = why_of(e);
+  }
+  // the ranks agree on the strides and the grid (share() compares the settings word)
+  const int64_t settings = (want.slots << 44) ^ (want.slot_bytes << 22) ^ want.cslot_bytes ^ (int64_t(grid) << 56);
+  const int64_t nbytes = want.bytes(size_);
+  auto sh = share(idx, "moe.dispatch(low_latency=True)", why, nbytes, nbytes, settings);
+  if (!sh) {
+    return nullptr;
+  }
+  log(kInfo, "gocomm group " + repr_of(name_) + ": low-latency MoE kernels on cuda:" + std::to_string(idx) + " (" +
+                 std::to_string(want.slots) + " tokens a rank, " + std::to_string((nbytes + (1 << 20) - 1) >> 20) +
+                 " MiB buffer)");
+  return std::make_shared<LlPath>(*this, idx, *sh, want, grid);
 }
 
 at::Tensor Engine::receive_buffer(int idx, int64_t nbytes) {

@@ -240,6 +240,60 @@ class A2Path {
   std::vector<std::pair<uint64_t, int64_t>> outputs_;  // receive buffers: (address here, bytes)
 };
 
+// kernels/inprocess/moe.cu's LlArgs, field for field.
+struct LlArgs {
+  uint64_t base[kMaxRanks];
+  uint64_t x, idx, w, out, tpe;
+  uint64_t meta, send_order, send_rank, t_idx, t_offs, rows_sorted, w_sorted, e_idx, w_e, e_offs, gmeta, rcount;
+  uint64_t flag, err;
+  int64_t tokens, k, experts, per, xbytes, id_off, w_off, row_bytes;
+  int64_t slots, slot_bytes, cslot_bytes, crows;
+  int64_t cap, hbytes, segs;
+  uint64_t timeout_ns;
+  uint32_t rank, n;
+};
+
+// What the low-latency kernels take (moe.cu): at most kLlTokens tokens a rank (a thread each
+// in a block of kLlThreads), k up to kLlMaxK (a lane each), per up to kLlMaxPer local experts;
+// the grouping's counts, runs x (per + 1) int32, fit kLlSmem bytes of dynamic shared memory
+// (beside ~26 KiB of static).
+constexpr int64_t kLlTokens = 1024, kLlThreads = 1024, kLlMaxK = 32, kLlMaxPer = 1024, kLlSmem = 20 << 10;
+
+// The strides of a group's low-latency buffer on a device: slots per source (the largest
+// max_tokens_per_rank), bytes of a dispatch slot (a packed row) and of a combine slot (a
+// row of x). Fixed by the group's first low-latency dispatch there, the same on every rank.
+struct LlShape {
+  int64_t slots = 0, slot_bytes = 0, cslot_bytes = 0;
+  int64_t bytes(int n) const;  // the buffer's size for n ranks
+};
+
+// One group's low-latency MoE kernels on one device (docs/decisions/0036,
+// kernels/inprocess/moe.cu's gocomm_moe_ll_*): a buffer every peer maps, one launch a
+// dispatch and one a combine.
+class LlPath {
+ public:
+  LlPath(Engine& e, int device, const Shared& sh, LlShape shape, int grid);
+  int device() const { return device_; }
+  const LlShape& shape() const { return shape_; }
+  bool failed() const;
+  void give_up();
+  // Launch the dispatch (a: the call's fields; the path fills the rest) on the current
+  // stream, block threads and smem bytes of shared memory, under the engine's lock.
+  void dispatch(LlArgs a, unsigned block, unsigned smem);
+  // Launch the combine of y's dtype.
+  void combine(LlArgs a, at::ScalarType dtype);
+
+ private:
+  void run(cuda::Function fn, LlArgs& a, unsigned block, unsigned smem);
+  std::mutex& mu_;  // the engine's
+  int device_, grid_;
+  LlShape shape_;
+  volatile uint32_t* words_;
+  LlArgs base_{};
+  cuda::Function dispatch_fn_, combine_fn_[3];
+  StreamOrder order_;
+};
+
 class Engine {
  public:
   // What the engine takes from the control plane's knobs (python/gocomm/_config.py) and the
@@ -284,6 +338,11 @@ class Engine {
   std::shared_ptr<A2Path> a2av_path(int device);
   // all_reduce's path on device, or null where it is not set up (or declined) there.
   std::shared_ptr<ArPath> ar_path(int device);
+  // The low-latency MoE path on device, set up (collectively) at the group's first call there
+  // for want's strides (want.slots 0: only looked up); null where the group does not take it
+  // (logged why: peers that cannot map it, ranks that asked for different strides). Raises
+  // (and aborts the group) once one of its kernels gave up waiting for a peer.
+  std::shared_ptr<LlPath> ll_path(int device, const LlShape& want);
   // gocomm.receive_buffer (collective; the a2av path is set up on device): a uint8 tensor of
   // nbytes the peers write into, or an undefined tensor where the ranks did not agree on one.
   at::Tensor receive_buffer(int device, int64_t nbytes);
@@ -304,6 +363,7 @@ class Engine {
  private:
   std::shared_ptr<ArPath> setup_ar(int device);
   std::shared_ptr<A2Path> setup_a2(int device);
+  std::shared_ptr<LlPath> setup_ll(int device, const LlShape& want);
   // paths[device], set up (collectively: setup(device)) at the group's first call there; a
   // declined setup falls the route of op back. Raises where that first call is captured.
   template <typename P, typename Setup>
@@ -328,6 +388,7 @@ class Engine {
   std::mutex setup_mu_;  // the maps below
   std::map<int, std::shared_ptr<ArPath>> ar_;  // null: declined on that device
   std::map<int, std::shared_ptr<A2Path>> a2_;
+  std::map<int, std::shared_ptr<LlPath>> ll_;
 };
 
 }  // namespace gocomm::inproc

@@ -222,6 +222,140 @@ at::Tensor combine_cuda(const at::Tensor& y_in, const at::Tensor& ws, int64_t to
   return out;
 }
 
+// The low-latency mode (docs/decisions/0036): the padded dispatch's result in one launch over
+// the group's low-latency buffer (inprocess.h's LlPath), combine in one launch. The fields of
+// the call's workspace, as Carve lays it out for cap rows.
+void ws_fields(LlArgs& a, const at::Tensor& ws, const Carve& c) {
+  const uint64_t base = uint64_t(addr(ws));
+  auto at_ = [&](int i) { return base + uint64_t(c.at[i]); };
+  a.meta = at_(Carve::kCounts);
+  a.send_order = at_(Carve::kSendOrder);
+  a.send_rank = at_(Carve::kSendRank);
+  a.t_idx = at_(Carve::kTIdx);
+  a.t_offs = at_(Carve::kTOffs);
+  a.rows_sorted = at_(Carve::kRowsSorted);
+  a.w_sorted = at_(Carve::kWSorted);
+  a.e_idx = at_(Carve::kEIdx);
+  a.w_e = at_(Carve::kWE);
+  a.e_offs = at_(Carve::kEOffs);
+  a.gmeta = base + uint64_t(c.gmeta);
+  a.rcount = at_(Carve::kCsplits);  // the rows received from each source
+}
+
+// The low-latency grouping's runs of rows for per local experts: a warp each, as many as
+// kLlSmem holds counts for.
+int64_t ll_segs(int64_t per) {
+  return std::clamp<int64_t>(kLlSmem / ((per + 1) * 4), 1, kLlThreads / 32);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_ll_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
+                                                                const at::Tensor& topk_weights, int64_t experts,
+                                                                int64_t ranks, int64_t bound, std::string group) {
+  const char* op = "moe.dispatch(low_latency=True)";
+  auto [b, a2] = path_of(group, x, op);  // NotImplementedError where the group's exchange is not in-process
+  const int64_t n = b->engine().size();
+  TORCH_CHECK_VALUE(ranks == n, "gocomm moe_dispatch_ll: group '" + group + "' has " + std::to_string(n) +
+                                    " ranks, not " + std::to_string(ranks));
+  TORCH_CHECK_VALUE(bound >= 0, "gocomm moe.dispatch(low_latency=True): max_tokens_per_rank must be >= 0, got " +
+                                    std::to_string(bound));
+  const int64_t cap = bound * n;
+  check_dispatch(x, topk_idx, topk_weights, experts, n, cap, true);
+  const int64_t t = x.size(0), h = x.size(1), k = topk_idx.size(1), per = experts / n;
+  const int64_t xbytes = h * x.element_size();
+  const moe::Row layout = moe::row_layout(xbytes, k);
+  TORCH_CHECK_NOT_IMPLEMENTED(bound <= kLlTokens && k <= kLlMaxK && per <= kLlMaxPer && layout.bytes < (int64_t(1) << 20),
+                              "gocomm " + std::string(op) + ": its kernels take at most " + std::to_string(kLlTokens) +
+                                  " tokens a rank, k <= " + std::to_string(kLlMaxK) + ", at most " +
+                                  std::to_string(kLlMaxPer) + " experts a rank and rows under 1 MiB, got " +
+                                  std::to_string(bound) + " tokens, k " + std::to_string(k) + ", " +
+                                  std::to_string(per) + " experts a rank");
+  const int dev = a2->device();
+  auto ll = b->engine().ll_path(dev, LlShape{std::max<int64_t>(bound, 1), layout.bytes, xbytes});
+  TORCH_CHECK_NOT_IMPLEMENTED(ll, "gocomm " + std::string(op) + ": group '" + group +
+                                      "' declined its buffer on cuda:" + std::to_string(dev) + " (logged why)");
+  const LlShape& has = ll->shape();
+  TORCH_CHECK_VALUE(bound <= has.slots && layout.bytes <= has.slot_bytes && xbytes <= has.cslot_bytes,
+                    "gocomm " + std::string(op) + ": group '" + group + "''s buffer on cuda:" + std::to_string(dev) +
+                        " was sized by its first low-latency dispatch: max_tokens_per_rank " +
+                        std::to_string(has.slots) + ", rows of " + std::to_string(has.cslot_bytes) +
+                        " bytes, " + std::to_string(has.slot_bytes) + " bytes with the ids and weights; this call " +
+                        "needs " + std::to_string(bound) + ", " + std::to_string(xbytes) + " and " +
+                        std::to_string(layout.bytes) + " (make the first call the largest)");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+  // int64 ids and float32 weights on x's device, contiguous (each conversion is a dispatcher
+  // call even where nothing changes: asked first)
+  auto as = [&](const at::Tensor& v, at::ScalarType st) {
+    return v.device() == x.device() && v.scalar_type() == st && v.is_contiguous() ? v
+                                                                                  : v.to(x.device(), st).contiguous();
+  };
+  const at::Tensor idx = as(topk_idx, at::kLong), w = as(topk_weights, at::kFloat);
+  const Carve c(t, n, k, per, cap, 0, 0);
+  at::Tensor ws = at::empty({c.size}, x.options().dtype(at::kByte));
+  at::Tensor tpe = at::empty({per}, x.options().dtype(at::kLong));
+  at::Tensor out = at::empty({cap * k, h}, x.options());
+  LlArgs a{};
+  a.x = uint64_t(addr(x));
+  a.idx = uint64_t(addr(idx));
+  a.w = uint64_t(addr(w));
+  a.out = uint64_t(addr(out));
+  a.tpe = uint64_t(addr(tpe));
+  ws_fields(a, ws, c);
+  a.flag = uint64_t(flag_word(dev));
+  a.tokens = t, a.k = k, a.experts = experts, a.per = per, a.xbytes = xbytes;
+  a.id_off = layout.id_off, a.w_off = layout.w_off, a.row_bytes = layout.bytes;
+  a.cap = cap, a.hbytes = xbytes, a.segs = ll_segs(per);
+  // a thread a token (the routing), a warp a run of rows (the grouping)
+  ll->dispatch(a, unsigned(kLlThreads), unsigned(a.segs * (per + 1) * 4));
+  return {out, tpe, ws};
+}
+
+at::Tensor combine_ll_cuda(const at::Tensor& y_in, const at::Tensor& ws, int64_t tokens, int64_t bound, int64_t k,
+                           int64_t experts, std::string group) {
+  const char* op = "moe.combine";
+  TORCH_CHECK_VALUE(y_in.dim() == 2, "gocomm moe.combine: y must be [rows, hidden], got shape " +
+                                         shape_name(y_in.sizes()));
+  auto [b, a2] = path_of(group, y_in, op);
+  const int64_t n = b->engine().size(), per = experts / n, cap = bound * n;
+  const int dev = a2->device();
+  auto ll = b->engine().ll_path(dev, LlShape{});
+  TORCH_CHECK(ll, "gocomm moe.combine: no low-latency dispatch ran on group '" + group + "' on cuda:" +
+                      std::to_string(dev));
+  const at::Tensor y = y_in.contiguous();
+  const int64_t hbytes = y.size(1) * y.element_size();
+  TORCH_CHECK_VALUE(hbytes % 16 == 0 && hbytes <= ll->shape().cslot_bytes && y.size(0) == cap * k,
+                    "gocomm moe.combine: y must be [" + std::to_string(cap * k) + ", hidden] with rows of a " +
+                        "multiple of 16 bytes, at most dispatch's x's, got " + shape_name(y.sizes()));
+  moe::check_sums(y.scalar_type());
+  const Carve c(tokens, n, k, per, cap, 0, 0);
+  TORCH_CHECK_VALUE(ws.dim() == 1 && ws.scalar_type() == at::kByte && ws.device() == y.device() && ws.size(0) >= c.size,
+                    "gocomm moe_combine_ll: dispatch's workspace on y's device, for these sizes");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+  at::Tensor out = at::empty({tokens, y.size(1)}, y.options());
+  LlArgs a{};
+  a.x = uint64_t(addr(y));
+  a.out = uint64_t(addr(out));
+  ws_fields(a, ws, c);
+  a.tokens = tokens, a.k = k, a.experts = experts, a.per = per, a.cap = cap, a.hbytes = hbytes;
+  ll->combine(a, y.scalar_type());
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_ll_meta(const at::Tensor& x, const at::Tensor& idx,
+                                                                const at::Tensor&, int64_t experts, int64_t ranks,
+                                                                int64_t bound, std::string) {
+  TORCH_CHECK_VALUE(ranks > 0 && experts > 0 && experts % ranks == 0,
+                    "gocomm moe_dispatch_ll: num_experts must spread evenly over the ranks");
+  const int64_t t = x.size(0), h = x.size(1), k = idx.size(1), per = experts / ranks, cap = bound * ranks;
+  const Carve c(t, ranks, k, per, cap, 0, 0);
+  return {at::empty({cap * k, h}, x.options()), at::empty({per}, x.options().dtype(at::kLong)),
+          at::empty({c.size}, x.options().dtype(at::kByte))};
+}
+
+at::Tensor combine_ll_meta(const at::Tensor& y, const at::Tensor&, int64_t tokens, int64_t, int64_t, int64_t,
+                           std::string) {
+  return at::empty({tokens, y.size(1)}, y.options());
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_meta(const at::Tensor& x, const at::Tensor& idx,
                                                                          const at::Tensor&, int64_t experts,
                                                                          int64_t ranks, int64_t cap, bool padded,
@@ -287,14 +421,22 @@ TORCH_LIBRARY_FRAGMENT(gocomm, m) {
   m.def(
       "moe_combine(Tensor y, Tensor ws, int tokens, int cap, int k, int num_experts, int recv_rows, int send_rows, "
       "str group_name) -> Tensor");
+  m.def(
+      "moe_dispatch_ll(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, int ranks, int bound, "
+      "str group_name) -> (Tensor, Tensor, Tensor)");
+  m.def("moe_combine_ll(Tensor y, Tensor ws, int tokens, int bound, int k, int num_experts, str group_name) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gocomm, CUDA, m) {
   m.impl("moe_dispatch", &gocomm::inproc::dispatch_cuda);
   m.impl("moe_combine", &gocomm::inproc::combine_cuda);
+  m.impl("moe_dispatch_ll", &gocomm::inproc::dispatch_ll_cuda);
+  m.impl("moe_combine_ll", &gocomm::inproc::combine_ll_cuda);
 }
 
 TORCH_LIBRARY_IMPL(gocomm, Meta, m) {
   m.impl("moe_dispatch", &gocomm::inproc::dispatch_meta);
   m.impl("moe_combine", &gocomm::inproc::combine_meta);
+  m.impl("moe_dispatch_ll", &gocomm::inproc::dispatch_ll_meta);
+  m.impl("moe_combine_ll", &gocomm::inproc::combine_ll_meta);
 }

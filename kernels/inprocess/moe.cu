@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "float.cuh"
+#include "sync.cuh"
 
 
 template <typename T>
@@ -542,4 +543,464 @@ extern "C" __global__ void gocomm_moe_group_gather(GROUP_PLACE_ARGS, int G, char
   for (int64_t p = id - gather0; p < m; p += gridDim.x - gather0)
     copy_row(reinterpret_cast<int4*>(out + p * xbytes),
              reinterpret_cast<const int4*>(recv + __ldcg(rows_sorted + p) * row_bytes), xbytes / 16);
+}
+
+// ----- the low-latency mode (docs/decisions/0036): one kernel a dispatch, one a combine ------
+//
+// Every rank of the group owns one buffer (csrc/client/inprocess.cc's LlPath: cuMemAlloc'd,
+// zeroed, mapped into every peer by CUDA IPC at the group's first low-latency call), laid out
+// with strides fixed at that setup (S slots a source, D bytes a dispatch slot, C bytes a
+// combine slot; n ranks):
+//   0      dcount u64 [2][8]   dcount[p][s] = ll_count(epoch, rows s sent here, s's row bytes)
+//                              for dispatches of parity p, written by s once its rows landed
+//   128    cdone  u64 [2][8]   cdone[p][d] = ll_count(epoch, 1, 0) once rank d's combine rows for this
+//                              rank landed, for combines of parity p
+//   256    bar    u64 [4]      [0] dispatch's blocks that sent, [1] combine's blocks that sent,
+//                              [2] the last dispatch whose rows block 0 grouped (all monotonic)
+//   320    failed u64          1 once a wait gave up: every later launch returns at once
+//   1024   dep    u64 [1024]   dep[b] = the last dispatch block b of this rank ran
+//   9216   cep    u64 [1024]   cep[b] = the last combine block b ran
+//   65536  drows  [2][n][S][D] dispatch: source s's rows of parity p, packed as
+//                              gocomm_moe_pack packs them, at [p][s][i]
+//   ...    crows  [2][n][S][C] combine: rank d's partial sums for this rank's slot i at [p][d][i]
+//
+// Why two parities are enough, and nothing is ever zeroed: each kernel copies what it
+// received out of the buffer before it ends, and a rank's kernels of one kind run one after
+// another (the shim orders a stream change after the previous call; graph replays are
+// ordered by the caller). A rank at epoch e + 2 finished e + 1, which waited for every rank's
+// word of e + 1, written after that rank's e + 1 started, so after its e (which read the
+// slots of e's parity) ended. Every word carries its epoch, so an old value never passes for
+// a new one. A kernel that gave up waiting leaves the epochs of the ranks disagreeing: the
+// rank is marked failed and the shim aborts the group at its next call (as a2av_ipc.cu's
+// invariant 1).
+//
+// The blocks of a launch wait for each other (a grid-wide arrival, then one block's publish):
+// the shim caps the grid at what the GPU holds at once, as a2av_ipc's. Every block routes
+// every token itself (at most blockDim.x tokens, as gocomm_moe_route_pack's one-block path),
+// so no block waits for routing.
+#define LL_MAX_RANKS 8
+#define LL_DCOUNT 0
+#define LL_CDONE 128
+#define LL_BAR 256
+#define LL_FAILED 320
+#define LL_DEP 1024
+#define LL_CEP 9216
+#define LL_HEAD 65536
+
+struct LlArgs {
+  uint64_t base[LL_MAX_RANKS];  // every rank's buffer, mapped here
+  // dispatch: x [t, h], topk ids int64 and weights float32 [t, k]; out [cap * k, h], tpe [per];
+  // combine: x is y [cap * k, h'], out [t, h']
+  uint64_t x, idx, w, out, tpe;
+  // the call's workspace (the handle's; csrc/client/moe.cc's Carve): routing, grouping, counts
+  uint64_t meta, send_order, send_rank, t_idx, t_offs, rows_sorted, w_sorted, e_idx, w_e, e_offs, gmeta, rcount;
+  uint64_t flag;  // host words: [0] ids out of range, [1] rows dropped (more than cap, or row sizes differ)
+  uint64_t err;   // host words: [0] 1 once a wait gave up (the shim also sets it when the group broke)
+  int64_t tokens, k, experts, per, xbytes, id_off, w_off, row_bytes;  // dispatch's packed rows: row_bytes
+  int64_t slots, slot_bytes, cslot_bytes, crows;  // the buffer's strides; crows: the combine rows' offset
+  int64_t cap;     // rows this rank takes (out has cap * k rows)
+  int64_t hbytes;  // combine: bytes of a row of y and out
+  int64_t segs;    // dispatch: the grouping's runs of rows (ll_group)
+  uint64_t timeout_ns;
+  uint32_t rank, n;
+};
+static_assert(sizeof(LlArgs) == 352, "csrc/client/inprocess.h's LlArgs");
+
+__device__ __forceinline__ uint64_t* ll_word(uint64_t base, int64_t off) {
+  return reinterpret_cast<uint64_t*>(base + off);
+}
+
+// A count word: the epoch's low 32 bits, then the row size in 16-byte units (16 bits) and
+// the rows (16 bits): a reader that sees the epoch has both (one aligned 8-byte store).
+__device__ __forceinline__ uint64_t ll_count(uint64_t epoch, int64_t rows, int64_t row_bytes) {
+  return (epoch << 32) | ((uint64_t)(row_bytes >> 4) & 0xffff) << 16 | ((uint64_t)rows & 0xffff);
+}
+
+// The low-latency waits poll with plain (volatile) loads and a pause between them, then fence
+// once (up to 128 blocks may wait on one word while block 0 groups the rows).
+// ll_await_tag spins (thread-wise) until the word's top 32 bits are the epoch's; returns the
+// word, or 0 once the deadline passed or the shim set err (*late set).
+__device__ __forceinline__ uint64_t ll_await_tag(const uint64_t* word, uint64_t epoch, uint64_t deadline, uint64_t err,
+                                                 int* late) {
+  uint64_t v;
+  for (uint32_t spins = 0; ((v = *reinterpret_cast<const volatile uint64_t*>(word)) >> 32) != (epoch & 0xffffffffull);
+       spins++) {
+    __nanosleep(32);
+    if ((spins & 255) == 255 && give_up(deadline, err)) {
+      atomicExch(late, 1);
+      return 0;
+    }
+  }
+  __threadfence_system();  // what the writer released before the word is visible after it
+  return v;
+}
+
+// Spins until *word >= want (as ll_await_tag gives up).
+__device__ __forceinline__ void ll_await_ge(const uint64_t* word, uint64_t want, uint64_t deadline, uint64_t err,
+                                            int* late) {
+  for (uint32_t spins = 0, ns = 32; *reinterpret_cast<const volatile uint64_t*>(word) < want; spins++) {
+    __nanosleep(ns);
+    ns = min(ns * 2, 1024u);  // backs off: block 0 groups the rows meanwhile (several us)
+    if ((spins & 255) == 255 && give_up(deadline, err)) {
+      atomicExch(late, 1);
+      return;
+    }
+  }
+  __threadfence_system();
+}
+
+// The grid's arrival: this block's writes (peers' memory included) are visible before its
+// count; block 0 then waits for every block's count of this epoch. Returns in every block.
+__device__ __forceinline__ void ll_arrive_all(uint64_t* bar, uint64_t epoch, uint64_t deadline, uint64_t err,
+                                              int* late) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    atomicAdd(reinterpret_cast<unsigned long long*>(bar), 1ull);
+    if (blockIdx.x == 0) ll_await_ge(bar, epoch * gridDim.x, deadline, err, late);
+  }
+  __syncthreads();
+}
+
+// The rank's state on entry: this block's epoch (each block counts every launch, so all agree
+// without waiting), or 0 where the rank failed (the launch returns at once).
+__device__ __forceinline__ uint64_t ll_epoch(uint64_t mine, int64_t counters) {
+  if (*reinterpret_cast<volatile uint64_t*>(ll_word(mine, LL_FAILED))) return 0;
+  return *reinterpret_cast<volatile uint64_t*>(ll_word(mine, counters) + blockIdx.x) + 1;
+}
+
+// The launch's end: a block that gave up marks the rank failed; every block counts the launch.
+__device__ __forceinline__ void ll_end(const LlArgs& a, uint64_t mine, int64_t counters, uint64_t epoch, int late) {
+  if (threadIdx.x != 0) return;
+  if (late) {
+    reinterpret_cast<volatile uint32_t*>(a.err)[0] = 1;
+    *reinterpret_cast<volatile uint64_t*>(ll_word(mine, LL_FAILED)) = 1;
+    __threadfence_system();
+  }
+  *reinterpret_cast<volatile uint64_t*>(ll_word(mine, counters) + blockIdx.x) = epoch;
+}
+
+// Where received row r lies: the sources' rows one after another (roff [n + 1]: the first row
+// of each), source s's slot i at [par][s][i] of this rank's dispatch rows.
+__device__ __forceinline__ const char* ll_row(const LlArgs& a, const int64_t* roff, int par, int64_t r) {
+  int s = 0;
+  while (s + 1 < (int)a.n && r >= roff[s + 1]) s++;
+  return reinterpret_cast<const char*>(a.base[a.rank] + LL_HEAD) +
+         (((int64_t)par * a.n + s) * a.slots + (r - roff[s])) * a.slot_bytes;
+}
+
+// ll_group: dispatch's grouping of the R received rows by local expert, in one block, with
+// the outputs gocomm_moe_group writes (the same values: expert e's pairs in row order, a
+// row's pairs in the order of its ids). The rows are cut into a.segs runs, one a warp; cc
+// [segs][per + 1] (shared) first counts each run's pairs per expert (and in all: column per),
+// then holds where the run's pairs of each expert start, and the warp walks its run row by
+// row, a lane an id, moving those starts on as it places the row's pairs.
+__device__ __forceinline__ void ll_group(const LlArgs& a, const int64_t* roff, int par, int64_t R, int32_t* cc,
+                                         int64_t* ebase) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int k = (int)a.k, per = (int)a.per, P = per + 1, S = (int)a.segs;
+  const int64_t q = (R + S - 1) / S;  // rows a run
+  int64_t* rows_sorted = reinterpret_cast<int64_t*>(a.rows_sorted);
+  float* w_sorted = reinterpret_cast<float*>(a.w_sorted);
+  int64_t* e_idx = reinterpret_cast<int64_t*>(a.e_idx);
+  float* w_e = reinterpret_cast<float*>(a.w_e);
+  int64_t* e_offs = reinterpret_cast<int64_t*>(a.e_offs);
+  for (int i = threadIdx.x; i < S * P; i += blockDim.x) cc[i] = 0;
+  __syncthreads();
+  // 1. each run's pairs per expert: a thread a (row, id)
+  for (int64_t i = threadIdx.x; i < R * k; i += blockDim.x) {
+    const int64_t r = i / k;
+    const int32_t e = reinterpret_cast<const int32_t*>(ll_row(a, roff, par, r) + a.id_off)[i % k];
+    if (e >= 0 && e < per) {
+      int32_t* run = cc + (r / q) * P;
+      atomicAdd(run + e, 1);
+      atomicAdd(run + per, 1);
+    }
+  }
+  __syncthreads();
+  // 2. each column over the runs: exclusive, in place, its total in ebase; then where each
+  //    expert's pairs start
+  for (int e = threadIdx.x; e < P; e += blockDim.x) {
+    int64_t acc = 0;
+    for (int g = 0; g < S; g++) {
+      const int32_t v = cc[g * P + e];
+      cc[g * P + e] = (int32_t)acc;
+      acc += v;
+    }
+    ebase[e] = acc;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t acc = 0;
+    for (int e = 0; e < per; e++) {
+      const int64_t tot = ebase[e];
+      reinterpret_cast<int64_t*>(a.tpe)[e] = tot;
+      ebase[e] = acc;
+      acc += tot;
+    }
+    reinterpret_cast<int64_t*>(a.gmeta)[0] = acc;  // the pairs (ebase[per] counted them too)
+    reinterpret_cast<int64_t*>(a.gmeta)[1] = R;
+    e_offs[R] = acc;
+  }
+  __syncthreads();
+  // 3. warp g places run g's pairs, row by row
+  if (warp < S) {
+    int32_t* run = cc + warp * P;
+    int64_t pos = run[per];  // the run's first pair
+    const unsigned lt = (1u << lane) - 1;
+    const int64_t end = min((warp + 1) * q, R);
+    int32_t e_next = -1;
+    float w_next = 0.f;
+    auto load = [&](int64_t r) {  // the row's id and weight of this lane, a row ahead
+      if (r < end && lane < k) {
+        const char* row = ll_row(a, roff, par, r);
+        e_next = reinterpret_cast<const int32_t*>(row + a.id_off)[lane];
+        w_next = reinterpret_cast<const float*>(row + a.w_off)[lane];
+      }
+    };
+    load(warp * q);
+    for (int64_t r = warp * q; r < end; r++) {
+      const int32_t e = e_next;
+      const float wj = w_next;
+      e_next = -1;
+      load(r + 1);
+      const bool valid = e >= 0 && e < per;
+      const unsigned vm = __ballot_sync(0xffffffffu, valid);
+      // lanes with the same expert (an invalid id matches no lane but its own)
+      const unsigned same = __match_any_sync(0xffffffffu, valid ? e : -1 - lane);
+      if (lane == 0) e_offs[r] = pos;
+      if (valid) {
+        const int64_t p = ebase[e] + run[e] + __popc(same & lt);
+        const int64_t at = pos + __popc(vm & lt);  // this pair among the row's
+        rows_sorted[p] = r, w_sorted[p] = wj, e_idx[at] = p, w_e[at] = wj;
+      }
+      __syncwarp();
+      if (valid && (same & lt) == 0) run[e] += __popc(same);  // the lowest lane of each expert
+      __syncwarp();
+      pos += __popc(vm);
+    }
+  }
+  __syncthreads();
+}
+
+// gocomm_moe_ll_dispatch: moe.dispatch(padded=True)'s result in one launch (the same rows,
+// counts and workspace as the three-launch path, bit for bit). Dynamic shared memory: ll_group's
+// cc, a.segs x (per + 1) int32.
+//   1. Every block routes every token (a thread each); block 0 writes the routing into the
+//      workspace (combine reads it).
+//   2. Slot s of the routing (token t for rank r, the i-th of r's) is packed straight into
+//      r's dispatch rows at [par][this rank][i], the blocks taking every gridDim.x-th slot.
+//   3. Once every block packed (the grid's arrival), block 0 tells each rank how many rows it
+//      sent there, and the row size.
+//   4. Block 0 waits for every source's word, groups the rows (ll_group), and marks the
+//      epoch grouped. Rows from a source whose row size differs from this rank's, or more
+//      rows than cap: none received (counted in flag[1]; a later combine raises).
+//   5. Every block waits for the grouping and gathers the grouped tokens into out.
+extern "C" __global__ void __launch_bounds__(1024, 1) gocomm_moe_ll_dispatch(const LlArgs a) {
+  extern __shared__ int32_t cc[];
+  __shared__ uint8_t mask[kRoutePackTokens];
+  __shared__ int64_t bcount[LL_MAX_RANKS + 2];
+  __shared__ uint16_t table[kRoutePackTokens * LL_MAX_RANKS];  // slot -> t << 3 | r
+  __shared__ int64_t sbase[LL_MAX_RANKS], roff[LL_MAX_RANKS + 1], ebase[1025];
+  __shared__ int late, take;
+  const int me = a.rank, n = a.n;
+  const uint64_t mine = a.base[me];
+  const uint64_t epoch = ll_epoch(mine, LL_DEP);
+  if (epoch == 0) return;
+  const int par = (int)(epoch & 1);
+  const uint64_t deadline = now_ns() + a.timeout_ns;
+  if (threadIdx.x == 0) late = 0;
+  const int64_t* idx = reinterpret_cast<const int64_t*>(a.idx);
+  const int k = (int)a.k, per = (int)a.per;
+  volatile uint32_t* flag = reinterpret_cast<volatile uint32_t*>(a.flag);
+
+  // 1. routing
+  route_count(idx, a.tokens, k, a.experts, per, n, mask, bcount, 0);
+  __syncthreads();
+  const bool writer = blockIdx.x == 0;
+  route_place(a.tokens, n, mask, bcount, writer ? reinterpret_cast<int64_t*>(a.meta) : nullptr,
+              reinterpret_cast<int64_t*>(a.send_order), reinterpret_cast<int32_t*>(a.send_rank),
+              reinterpret_cast<int64_t*>(a.t_idx), reinterpret_cast<int64_t*>(a.t_offs), flag, 0, 1, table);
+  if (threadIdx.x == 0) {
+    int64_t at = 0;
+    for (int r = 0; r < n; r++) sbase[r] = at, at += bcount[r];
+  }
+  __syncthreads();
+
+  // 2. packing into the receivers' rows
+  const int64_t total = bcount[n];
+  for (int64_t s = blockIdx.x; s < total; s += gridDim.x) {
+    const uint16_t e = table[s];
+    const int r = e & 7;
+    char* dst = reinterpret_cast<char*>(a.base[r] + LL_HEAD) +
+                (((int64_t)par * n + me) * a.slots + (s - sbase[r])) * a.slot_bytes;
+    pack_row(dst, reinterpret_cast<const char*>(a.x), idx, reinterpret_cast<const float*>(a.w), e >> 3, r, k,
+             a.experts, per, a.xbytes, a.id_off, a.w_off);
+  }
+
+  // 3. the counts, once every block's rows are out
+  ll_arrive_all(ll_word(mine, LL_BAR), epoch, deadline, a.err, &late);
+  if (writer && threadIdx.x < n && !late)
+    st_release_sys(ll_word(a.base[threadIdx.x], LL_DCOUNT) + par * LL_MAX_RANKS + me,
+                   ll_count(epoch, bcount[threadIdx.x], a.row_bytes));
+
+  // 4. receiving and grouping, in block 0
+  if (writer) {
+    __shared__ int64_t got[LL_MAX_RANKS];
+    __shared__ int same;
+    if (threadIdx.x == 0) same = 1;
+    __syncthreads();
+    if (threadIdx.x < n && !late) {
+      const uint64_t v = ll_await_tag(ll_word(mine, LL_DCOUNT) + par * LL_MAX_RANKS + threadIdx.x, epoch, deadline,
+                                      a.err, &late);
+      got[threadIdx.x] = (int64_t)(v & 0xffff);
+      if ((int64_t)((v >> 16) & 0xffff) != ((a.row_bytes >> 4) & 0xffff)) same = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int64_t at = 0;
+      for (int s = 0; s < n; s++) roff[s] = at, at += late ? 0 : got[s];
+      take = !late && same && at <= a.cap;
+      if (!late && !take) flag[1] = flag[1] + 1, __threadfence_system();  // the host reads it
+      roff[n] = take ? at : 0;
+      for (int s = 0; s < n; s++) reinterpret_cast<int64_t*>(a.rcount)[s] = take ? got[s] : 0;
+    }
+    __syncthreads();
+    ll_group(a, roff, par, roff[n], cc, ebase);
+    if (threadIdx.x == 0) {
+      __threadfence();
+      st_release_sys(ll_word(mine, LL_BAR) + 2, epoch);
+    }
+  } else if (threadIdx.x == 0) {
+    ll_await_ge(ll_word(mine, LL_BAR) + 2, epoch, deadline, a.err, &late);
+  }
+  __syncthreads();
+
+  // 5. the gather: rows_sorted and the rows' offsets were written by block 0 (read through L2)
+  if (!late) {
+    if (!writer && threadIdx.x == 0) {
+      int64_t at = 0;
+      for (int s = 0; s < n; s++) roff[s] = at, at += __ldcg(reinterpret_cast<const int64_t*>(a.rcount) + s);
+      roff[n] = at;
+    }
+    __syncthreads();
+    const int64_t m = min(__ldcg(reinterpret_cast<const int64_t*>(a.gmeta)), a.cap * k);
+    for (int64_t p = blockIdx.x; p < m; p += gridDim.x)
+      copy_row(reinterpret_cast<int4*>(reinterpret_cast<char*>(a.out) + p * a.xbytes),
+               reinterpret_cast<const int4*>(ll_row(a, roff, par, __ldcg(reinterpret_cast<const int64_t*>(a.rows_sorted) + p))),
+               a.xbytes / 16);
+  }
+  ll_end(a, mine, LL_DEP, epoch, late);
+}
+
+// gocomm_moe_ll_combine_<dtype>: moe.combine of a low-latency dispatch in one launch (the same
+// sums as the three-launch combine, bit for bit).
+//   1. Received row r (source s, slot i): the weighted sum of its experts' outputs (float32
+//      in its pairs' order, rounded once) goes straight into s's combine rows at [par][this
+//      rank][i], the blocks taking every gridDim.x-th row.
+//   2. Once every block wrote (the grid's arrival), block 0 tells every rank.
+//   3. Every block waits for every rank's word, then sums each token's rows, by rank (float32,
+//      rounded once), into out.
+template <typename T>
+__device__ __forceinline__ void ll_combine(const LlArgs& a) {
+  constexpr int V = 16 / sizeof(T);
+  __shared__ int64_t roff[LL_MAX_RANKS + 1], sbase[LL_MAX_RANKS];
+  __shared__ int late;
+  const int me = a.rank, n = a.n;
+  const uint64_t mine = a.base[me];
+  const uint64_t epoch = ll_epoch(mine, LL_CEP);
+  if (epoch == 0) return;
+  const int par = (int)(epoch & 1);
+  const uint64_t deadline = now_ns() + a.timeout_ns;
+  const int64_t hv = a.hbytes / 16;
+  if (threadIdx.x == 0) {
+    late = 0;
+    int64_t at = 0, sat = 0;
+    for (int s = 0; s < n; s++) {
+      roff[s] = at, at += reinterpret_cast<const int64_t*>(a.rcount)[s];
+      sbase[s] = sat, sat += reinterpret_cast<const int64_t*>(a.meta)[s];
+    }
+    roff[n] = at;
+  }
+  __syncthreads();
+  const T* y = reinterpret_cast<const T*>(a.x);
+  const int64_t* e_idx = reinterpret_cast<const int64_t*>(a.e_idx);
+  const float* w_e = reinterpret_cast<const float*>(a.w_e);
+  const int64_t* e_offs = reinterpret_cast<const int64_t*>(a.e_offs);
+  const int64_t h = a.hbytes / (int64_t)sizeof(T);
+
+  // 1. the experts' side
+  for (int64_t r = blockIdx.x; r < roff[n]; r += gridDim.x) {
+    int s = 0;
+    while (s + 1 < n && r >= roff[s + 1]) s++;
+    char* dst = reinterpret_cast<char*>(a.base[s] + a.crows) +
+                (((int64_t)par * n + me) * a.slots + (r - roff[s])) * a.cslot_bytes;
+    const int64_t lo = e_offs[r], hi = e_offs[r + 1];
+    for (int64_t c = threadIdx.x; c < hv; c += blockDim.x) {
+      float acc[V];
+#pragma unroll
+      for (int u = 0; u < V; u++) acc[u] = 0.f;
+      for (int64_t j = lo; j < hi; j++) {
+        const float wj = w_e[j];
+        const int4 raw = reinterpret_cast<const int4*>(y + e_idx[j] * h)[c];
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int u = 0; u < V; u++) acc[u] = fmaf(wj, to_f(e[u]), acc[u]);
+      }
+      int4 o;
+      T* oe = reinterpret_cast<T*>(&o);
+#pragma unroll
+      for (int u = 0; u < V; u++) oe[u] = from_f<T>(acc[u]);
+      reinterpret_cast<int4*>(dst)[c] = o;
+    }
+  }
+
+  // 2. every rank learns this rank's rows for it are in
+  ll_arrive_all(ll_word(mine, LL_BAR) + 1, epoch, deadline, a.err, &late);
+  if (blockIdx.x == 0 && threadIdx.x < n && !late)
+    st_release_sys(ll_word(a.base[threadIdx.x], LL_CDONE) + par * LL_MAX_RANKS + me, ll_count(epoch, 1, 0));
+
+  // 3. the tokens' side
+  if (threadIdx.x < n && !late)
+    ll_await_tag(ll_word(mine, LL_CDONE) + par * LL_MAX_RANKS + threadIdx.x, epoch, deadline, a.err, &late);
+  __syncthreads();
+  if (!late) {
+    const int64_t* t_idx = reinterpret_cast<const int64_t*>(a.t_idx);
+    const int64_t* t_offs = reinterpret_cast<const int64_t*>(a.t_offs);
+    const int32_t* send_rank = reinterpret_cast<const int32_t*>(a.send_rank);
+    const char* rows = reinterpret_cast<const char*>(mine + a.crows);
+    for (int64_t t = blockIdx.x; t < a.tokens; t += gridDim.x) {
+      const int64_t lo = t_offs[t], hi = t_offs[t + 1];
+      for (int64_t c = threadIdx.x; c < hv; c += blockDim.x) {
+        float acc[V];
+#pragma unroll
+        for (int u = 0; u < V; u++) acc[u] = 0.f;
+        for (int64_t j = lo; j < hi; j++) {
+          const int64_t slot = t_idx[j];
+          const int d = send_rank[slot];
+          const int4 raw = reinterpret_cast<const int4*>(
+              rows + (((int64_t)par * n + d) * a.slots + (slot - sbase[d])) * a.cslot_bytes)[c];
+          const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+          for (int u = 0; u < V; u++) acc[u] += to_f(e[u]);
+        }
+        int4 o;
+        T* oe = reinterpret_cast<T*>(&o);
+#pragma unroll
+        for (int u = 0; u < V; u++) oe[u] = from_f<T>(acc[u]);
+        reinterpret_cast<int4*>(reinterpret_cast<char*>(a.out) + t * a.hbytes)[c] = o;
+      }
+    }
+  }
+  ll_end(a, mine, LL_CEP, epoch, late);
+}
+
+extern "C" __global__ void __launch_bounds__(1024, 1) gocomm_moe_ll_combine_bf16(const LlArgs a) {
+  ll_combine<__nv_bfloat16>(a);
+}
+extern "C" __global__ void __launch_bounds__(1024, 1) gocomm_moe_ll_combine_f16(const LlArgs a) {
+  ll_combine<__half>(a);
+}
+extern "C" __global__ void __launch_bounds__(1024, 1) gocomm_moe_ll_combine_f32(const LlArgs a) {
+  ll_combine<float>(a);
 }

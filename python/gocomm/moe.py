@@ -51,6 +51,8 @@ FP8_BLOCK = 128  # channels per scale in fp8 dispatch
 _DISPATCH = torch.ops.gocomm.moe_dispatch.default
 _COMBINE = torch.ops.gocomm.moe_combine.default
 _CHECK = torch.ops.gocomm.moe_check.default
+_DISPATCH_LL = torch.ops.gocomm.moe_dispatch_ll.default
+_COMBINE_LL = torch.ops.gocomm.moe_combine_ll.default
 _DISPATCH_ANY = torch.ops.gocomm.moe_dispatch_any.default
 _COMBINE_ANY = torch.ops.gocomm.moe_combine_any.default
 
@@ -79,6 +81,7 @@ def dispatch(
     fp8: bool = False,
     max_tokens_per_rank: int | None = None,
     padded: bool = False,
+    low_latency: bool = False,
 ):
     """Send tokens to the ranks of their experts; group what arrives by local expert.
 
@@ -110,6 +113,9 @@ def dispatch(
             combine's exchange, so no peer is left waiting), or in gocomm.moe.check(), which
             waits for the GPU first. Elsewhere the result is the same, after one sync, and
             such errors raise in dispatch.
+        low_latency: padded's result in one launch each way where the exchange runs in this
+            process (docs/decisions/0036), else padded's path. The group's first such call sizes
+            its buffer for its max_tokens_per_rank, hidden size and k: later calls stay within.
 
     Returns:
         (recv, tokens_per_expert, handle): recv holds the received tokens grouped by local
@@ -118,6 +124,15 @@ def dispatch(
         int64 tensor of E/n counts on x's device; handle is for combine.
     """
     g = group if group is not None else dist.group.WORLD
+    if low_latency and not fp8 and max_tokens_per_rank is not None:
+        n, k, b = g.size(), topk_idx.shape[1], max_tokens_per_rank
+        try:
+            out, tpe, ws = _DISPATCH_LL(x, topk_idx, topk_weights, num_experts, n, b, g.group_name)
+            sizes = [x.get_device(), b, k, num_experts, -1, -1, True]  # recv_rows -1: low-latency
+            return out, tpe, Handle(g.group_name, x.shape[0], x.dtype, b * n * k, ws, sizes)
+        except NotImplementedError:  # not in this process, or shapes its kernels do not take
+            pass
+    padded = padded or low_latency
     if padded and not fp8 and max_tokens_per_rank is not None:
         # the fast path: the group's in-process kernels serve x's device (found at an earlier
         # dispatch); the op checks the arguments and converts topk_idx / topk_weights
@@ -188,7 +203,8 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
             f"gocomm moe.combine: y must be {handle.dtype} on cuda:{device} like dispatch's x, got {y.dtype} on {y.device}"
         )
     # the op checks the rest (rows of a multiple of 16 bytes)
-    out = _COMBINE(y, handle.state, handle.tokens, cap, k, experts, recv_rows, send_rows, handle.name)
+    args = (y, handle.state, handle.tokens, cap, k, experts)  # low-latency where recv_rows < 0 (cap: its bound)
+    out = _COMBINE_LL(*args, handle.name) if recv_rows < 0 else _COMBINE(*args, recv_rows, send_rows, handle.name)
     if padded:  # what the GPU found, after this pair's last exchange
         _client.C.moe_raise_new(device, experts)
     return out

@@ -643,16 +643,50 @@ def test_moe_graph(worlds, seed, size):
         w.run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
 
 
-def check_moe_graph(rk, seed):
-    """Padded dispatch and combine (no host sync) captured in one CUDA graph with an expert
-    step between them, replayed with new tokens and routings (uniform, all to rank 0's
-    experts, with -1 entries): the counts, the grouped tokens and combine's sums equal, bit
-    for bit, what dispatch and combine give eagerly (with their sync) on the same inputs."""
+def _sharing(size):
+    """The environment of a world whose in-process kernels run even where its ranks share GPUs:
+    every block of such a kernel waits for its peers', so all must be resident at once, and
+    each rank sizes its grid for a GPU of its own (128 blocks; three ranks of all_to_all_v on
+    one GPU did not fit and timed out)."""
+    env = {"GOCOMM_TRANSPORT": "nvshmem"}
+    if size > torch.cuda.device_count():
+        env["GOCOMM_A2AV_BLOCKS"] = "32"
+    return env
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_moe_low_latency(worlds, seed, size):
+    """moe.dispatch(low_latency=True) and its combine (one launch each): captured in a CUDA
+    graph against the eager path with its sync, then eager against the padded path and
+    float64 (check_moe), with too small bounds and empty ranks. Where the machine has fewer
+    GPUs than ranks, ranks share one (their kernels map each other's memory by CUDA IPC)."""
+    with worlds.fresh(size, label="moell", env=_sharing(size)) as w:
+        w.run(check_moe_graph, seed=seed, low_latency=True, timeout=RUN_LIMIT_S)
+        w.run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_autograd_cuda(worlds, seed, size):
+    """all_to_all_v's backward and the MoE ops' refusal of one (csrc/client/autograd.cc) on the
+    in-process path, ranks sharing the GPUs where there are fewer."""
+    from test_moe import check_all_to_all_v_backward, check_no_silent_backward
+
+    with worlds.fresh(size, label="autograd", env=_sharing(size)) as w:
+        w.run(check_all_to_all_v_backward, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
+        w.run(check_no_silent_backward, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
+
+
+def check_moe_graph(rk, seed, low_latency=False):
+    """Padded dispatch and combine (no host sync; low_latency: in one launch each) captured in
+    one CUDA graph with an expert step between them, replayed with new tokens and routings
+    (uniform, all to rank 0's experts, with -1 entries): the counts, the grouped tokens and
+    combine's sums equal, bit for bit, what dispatch and combine give eagerly (with their
+    sync) on the same inputs."""
     import gocomm
 
     dev, _ = _setup(rk)
     n, me = rk.size, rk.rank
-    ck = Checker("moe captured", seed, me)
+    ck = Checker("moe captured" + (" low-latency" if low_latency else ""), seed, me)
     per, k, h = 8, 4, 512
     experts = per * n
     tokens = [20 + 3 * r for r in range(n)]
@@ -672,14 +706,17 @@ def check_moe_graph(rk, seed):
     def expert_step(recv):  # stands in for the experts: any op on the grouped rows
         return (recv.float() * 1.5 - 0.25).to(torch.bfloat16)
 
-    gocomm.moe.dispatch(x, idx, w, experts, max_tokens_per_rank=bound, padded=True)  # sets up: not while capturing
+    kw = {"max_tokens_per_rank": bound, "padded": True, "low_latency": low_latency}
+    gocomm.moe.dispatch(x, idx, w, experts, **kw)  # sets up: not while capturing
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side), torch.cuda.graph(graph):
-        recv, tpe, handle = gocomm.moe.dispatch(x, idx, w, experts, max_tokens_per_rank=bound, padded=True)
+        recv, tpe, handle = gocomm.moe.dispatch(x, idx, w, experts, **kw)
         out = gocomm.moe.combine(expert_step(recv), handle)
     torch.cuda.current_stream(dev).wait_stream(side)
+    if low_latency:  # its own kernels, not the padded path it falls back to
+        ck.expect("low-latency kernels", handle.inproc is not None and handle.inproc[4] == -1, str(handle.inproc))
     for step in range(5):
         with ck.case(f"replay {step}"):
             x.copy_(gen(seed, f"mg{step}", me, (t, h), torch.bfloat16))

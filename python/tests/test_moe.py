@@ -5,6 +5,8 @@ The check functions take a device so that test_gpu.py runs them on CUDA tensors 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -243,25 +245,39 @@ def check_moe(rk, seed, device="cpu", per=4):
                 ck.fail(f"{label} padded combine of the wrong rows", "no error")
             except ValueError as e:
                 ck.expect(f"{label} padded combine of the wrong rows", str(most) in str(e), str(e))
-        with ck.case(f"{label} padded, too small a bound"):
-            # found on the GPU where nothing syncs: raised at the end of a combine (the
-            # next once the GPU ran the dispatch), never on a rank that was not sent too much
-            raised = 0
-            for bound in (tokens_of[me], max(tokens_of)):
-                try:
-                    r, _, hd = gocomm.moe.dispatch(*args, max_tokens_per_rank=bound, padded=True)
-                    if inprocess:
-                        gocomm.moe.combine(r, hd)
-                except OverflowError:
-                    raised += 1
-                if device == "cuda":
-                    torch.cuda.synchronize()
-            if inprocess:
-                try:
-                    gocomm.moe.check(dev)  # by here at the latest
-                except OverflowError:
-                    raised += 1
-            ck.expect(f"{label} padded overflow raised", raised == (sent_to_me > tokens_of[me] * n), f"{raised}")
+            # low-latency: the same result (in one launch each way where the exchange runs in
+            # this process; elsewhere it is this padded path)
+            lrecv, ltpe, lh = gocomm.moe.dispatch(*args, max_tokens_per_rank=bound, low_latency=True)
+            ck.expect(f"{label} low-latency shape", tuple(lrecv.shape) == (most, hidden), str(tuple(lrecv.shape)))
+            ck.same(f"{label} low-latency tokens per expert", ltpe.cpu(), ptpe.cpu())
+            ck.same(f"{label} low-latency grouped tokens", lrecv[: sum(counts)].cpu(), want)
+            ck.same(f"{label} low-latency combine", gocomm.moe.combine(yp, lh).cpu(), got.cpu())
+            if inprocess:  # its own kernels ran, not the padded path it falls back to
+                ck.expect(f"{label} low-latency kernels", lh.inproc[4] == -1, str(lh.inproc))
+        for ll in (False, True):
+            with ck.case(f"{label} padded{' low-latency' if ll else ''}, too small a bound"):
+                # found on the GPU where nothing syncs: raised at the end of a combine (the
+                # next once the GPU ran the dispatch), never on a rank that was not sent too much
+                raised = 0
+                for bound in (tokens_of[me], max(tokens_of)):
+                    try:
+                        r, _, hd = gocomm.moe.dispatch(*args, max_tokens_per_rank=bound, padded=True, low_latency=ll)
+                        if inprocess:
+                            gocomm.moe.combine(r, hd)
+                    except OverflowError:
+                        raised += 1
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                if inprocess:
+                    try:
+                        gocomm.moe.check(dev)  # by here at the latest
+                    except OverflowError:
+                        raised += 1
+                ck.expect(
+                    f"{label} padded{' low-latency' if ll else ''} overflow raised",
+                    raised == (sent_to_me > tokens_of[me] * n),
+                    f"{raised}",
+                )
     with ck.case("fp8 dispatch"):
         x = gen(seed, "fp8", me, (6, hidden), torch.bfloat16)
         idx = _routing(seed, me, 6, experts, k, n, "uniform")
@@ -378,12 +394,17 @@ def test_moe_dispatch_combine(worlds, seed, size):
     worlds.get(size).run(check_moe, seed=seed)
 
 
-def check_all_to_all_v_backward(rk, seed):
+def _dev(rk, device):
+    """The rank's device of that type (ranks share GPUs where there are fewer)."""
+    return torch.device(device, rk.rank % torch.cuda.device_count()) if device == "cuda" else torch.device("cpu")
+
+
+def check_all_to_all_v_backward(rk, seed, device="cpu"):
     """all_to_all_v's backward sends each output row's gradient back to the rank that sent the
     row, into the place it had in that rank's input: against the same routing built from the
     shared seed on every rank, exactly (the gradient is only moved). Also its second backward
     (create_graph), and a gradient that reaches only part of the output."""
-    n, me = rk.size, rk.rank
+    n, me, dev = rk.size, rk.rank, _dev(rk, device)
     ck = Checker("all_to_all_v backward", seed, me)
     for label, splits_of in ROUTINGS.items():
         with ck.case(label):
@@ -400,25 +421,25 @@ def check_all_to_all_v_backward(rk, seed):
                 off = sum(sends[src][d] for src in range(me))
                 want[at : at + sends[me][d]] = gs[d][off : off + sends[me][d]]
                 at += sends[me][d]
-            x = xs[me].clone().requires_grad_()
-            out, out_splits = gocomm.all_to_all_v(x, torch.tensor(sends[me]))
+            x = xs[me].clone().to(dev).requires_grad_()
+            out, out_splits = gocomm.all_to_all_v(x, torch.tensor(sends[me], device=dev))
             ck.same(
                 "the received rows",
-                out[: outs[me]].detach(),
+                out[: outs[me]].detach().cpu(),
                 torch.cat([xs[src][sum(sends[src][:me]) : sum(sends[src][: me + 1])] for src in range(n)])
                 if outs[me]
                 else torch.empty(0, 3),
             )
-            (out[: outs[me]] * gs[me]).sum().backward()
-            ck.same("the gradient", x.grad, want)
+            (out[: outs[me]] * gs[me].to(dev)).sum().backward()
+            ck.same("the gradient", x.grad.cpu(), want)
     with ck.case("second backward"):
         sends = [ROUTINGS["uneven"](seed, src, n) for src in range(n)]
-        x = gen(seed, "a2ab2", me, (sum(sends[me]), 2), torch.float32).requires_grad_()
-        out, _ = gocomm.all_to_all_v(x, torch.tensor(sends[me]))
+        x = gen(seed, "a2ab2", me, (sum(sends[me]), 4), torch.float32).to(dev).requires_grad_()
+        out, _ = gocomm.all_to_all_v(x, torch.tensor(sends[me], device=dev))
         (gx,) = torch.autograd.grad((out * out).sum(), x, create_graph=True)
-        ck.same("d(sum out^2)/dx = 2x", gx.detach(), 2 * x.detach())
+        ck.same("d(sum out^2)/dx = 2x", gx.detach().cpu(), 2 * x.detach().cpu())
         (ggx,) = torch.autograd.grad(gx.sum(), x)
-        ck.same("its derivative", ggx, torch.full_like(x, 2.0))
+        ck.same("its derivative", ggx.cpu(), torch.full_like(x, 2.0).cpu())
     return ck.done()
 
 
@@ -427,20 +448,21 @@ def test_all_to_all_v_backward(worlds, seed, size):
     worlds.get(size).run(check_all_to_all_v_backward, seed=seed)
 
 
-def check_no_silent_backward(rk, seed):
+def check_no_silent_backward(rk, seed, device="cpu"):
     """A backward that reaches dispatch or combine raises, naming the op, instead of letting the
     gradient stop there (torch's default for an op without an Autograd kernel is a warning);
     calls that need no gradient are untouched. all_to_all_v with out= refuses at the call."""
-    n, me = rk.size, rk.rank
+    n, me, dev = rk.size, rk.rank, _dev(rk, device)
     ck = Checker("no silent backward", seed, me)
     experts = 2 * n
-    x = gen(seed, "nsb x", me, (5, 16), torch.float32).requires_grad_()
-    idx = _routing(seed, me, 5, experts, 2, n, "uniform")
-    w = gen(seed, "nsb w", me, (5, 2), torch.float32).abs().requires_grad_()
-    for label, leaf in (("x", x), ("topk_weights", w)):
-        with ck.case(f"dispatch + combine, {label} needs a gradient"):
+    x = gen(seed, "nsb x", me, (5, 16), torch.float32).to(dev).requires_grad_()
+    idx = _routing(seed, me, 5, experts, 2, n, "uniform").to(dev)
+    w = gen(seed, "nsb w", me, (5, 2), torch.float32).abs().to(dev).requires_grad_()
+    for (label, leaf), kw in itertools.product((("x", x), ("topk_weights", w)), ({}, {"low_latency": True})):
+        kw = {"max_tokens_per_rank": 5, **kw} if kw else kw  # low-latency (padded elsewhere)
+        with ck.case(f"dispatch + combine {kw}, {label} needs a gradient"):
             xi, wi = (x, w.detach()) if leaf is x else (x.detach(), w)
-            recv, _, handle = gocomm.moe.dispatch(xi, idx, wi, experts)
+            recv, _, handle = gocomm.moe.dispatch(xi, idx, wi, experts, **kw)
             out = gocomm.moe.combine(recv * 2, handle)
             try:
                 out.sum().backward()
@@ -448,17 +470,17 @@ def check_no_silent_backward(rk, seed):
             except RuntimeError as e:
                 ck.expect("names the op", "gocomm::moe_" in str(e) and "not implemented" in str(e), str(e))
             with torch.no_grad():
-                recv, _, handle = gocomm.moe.dispatch(xi, idx, wi, experts)
+                recv, _, handle = gocomm.moe.dispatch(xi, idx, wi, experts, **kw)
                 ck.expect("no_grad: no graph", gocomm.moe.combine(recv, handle).grad_fn is None)
-    splits = torch.tensor([5 if d == me else 0 for d in range(n)])
+    splits = torch.tensor([5 if d == me else 0 for d in range(n)], device=dev)
     with ck.case("all_to_all_v with out= refuses a gradient at the call, as torch's out= ops"):
         try:
-            gocomm.all_to_all_v(x, splits, out=torch.empty(5 * n, 16))
+            gocomm.all_to_all_v(x, splits, out=torch.empty(5 * n, 16, device=dev))
             ck.fail("out=", "called")
         except RuntimeError as e:
             ck.expect("says why", "no backward" in str(e), str(e))
-        got, _ = gocomm.all_to_all_v(x.detach(), splits, out=torch.empty(5 * n, 16))
-        ck.same("detached, the rows", got[:5], x.detach())
+        got, _ = gocomm.all_to_all_v(x.detach(), splits, out=torch.empty(5 * n, 16, device=dev))
+        ck.same("detached, the rows", got[:5].cpu(), x.detach().cpu())
     return ck.done()
 
 
