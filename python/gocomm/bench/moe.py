@@ -24,7 +24,9 @@ Two process sets run one after the other in one invocation:
   - gocomm dispatch / combine: gocomm.moe.dispatch and gocomm.moe.combine (top-k routing,
     dedupe, grouping by expert; combine weights and sums), with the host sync that sizes
     dispatch's output; "padded": without it (max_tokens_per_rank bounds the output), and
-    both captured in one CUDA graph ("dispatch+combine padded graph", as decode steps run).
+    both captured in one CUDA graph ("dispatch+combine padded graph", as decode steps run);
+    "low-latency": padded's result in one launch each way (moe.dispatch(low_latency=True)),
+    eager and captured alike.
 - torch's ranks, as torch users run them (NCCL default group, no MPS unless
   --torch-under-mps), the baselines of docs/perf.md:
   - torch nccl a2a (splits known): all_to_all_single with host splits.
@@ -41,8 +43,10 @@ the ratios to torch's NCCL with the count exchange and to torch's all_to_all_vde
 time per op in a loop of back-to-back ops, its GB/s and the same two ratios.
 
 --host times instead the host side of each call (gocomm's ranks only): the wall time of
-gocomm.all_to_all_v (and of the same op called as torch.ops, as compiled graphs call it),
-moe.dispatch(padded=True) and moe.combine of its handle in the calling thread
+gocomm.all_to_all_v (and of the same op called as torch.ops, as compiled graphs call it; the
+low-latency ops too, and three torch.empty calls for the allocations' share),
+moe.dispatch(padded=True), moe.dispatch(low_latency=True) and moe.combine of their handles
+in the calling thread
 (time.perf_counter_ns), after warm-up, the stream idle before each call, against torch's NCCL
 all_to_all_single of the same rows (splits known) in the same processes: the median of 200
 calls, the variants interleaved, of the slowest rank.
@@ -82,7 +86,9 @@ def _timeit(fn, sync) -> list[float]:
 def _graphed(fn, dev, sync) -> list[float] | str:
     """_timeit of fn captured in a CUDA graph (one call per replay), as decode loops run; only
     where all_to_all_v takes the shim's kernel (the sidecar's cannot be captured)."""
-    if dist.group.WORLD._a2av_path(dev.index) is None:
+    from .._backend import state
+
+    if state(dist.group.WORLD)._a2av_path(dev.index) is None:
         return "not capturable: all_to_all_v goes through the sidecar here"
     fn()
     side = torch.cuda.Stream(dev)
@@ -182,6 +188,23 @@ def _measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
         gocomm.moe.combine(recv_x, handle)
 
     run("gocomm dispatch+combine padded graph", lambda: _graphed(both, dev, sync))
+
+    def low_latency():
+        return gocomm.moe.dispatch(x, didx, weights, args.experts, max_tokens_per_rank=tokens, low_latency=True)
+
+    if tokens > 1024:  # more than its kernels take: moe.dispatch would run the padded path
+        for name in ("dispatch", "combine", "dispatch+combine"):
+            res[f"gocomm {name} low-latency" + (" graph" if "+" in name else "")] = "n/a (over 1024 tokens)"
+        return res
+    run("gocomm dispatch low-latency", lambda: _timeit(low_latency, sync))
+    lrecv, _, lhandle = low_latency()
+    run("gocomm combine low-latency", lambda: _timeit(lambda: gocomm.moe.combine(lrecv, lhandle), sync))
+
+    def both_ll():
+        recv_x, _, handle = low_latency()
+        gocomm.moe.combine(recv_x, handle)
+
+    run("gocomm dispatch+combine low-latency graph", lambda: _graphed(both_ll, dev, sync))
     return res
 
 
@@ -196,8 +219,13 @@ def _host_measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
     def padded():
         return gocomm.moe.dispatch(x, didx, weights, args.experts, max_tokens_per_rank=tokens, padded=True)
 
+    def low_latency():
+        return gocomm.moe.dispatch(x, didx, weights, args.experts, max_tokens_per_rank=tokens, low_latency=True)
+
     precv, _, handle = padded()
+    lrecv, _, lhandle = low_latency()
     a2av_op, name = torch.ops.gocomm.all_to_all_v_out.default, dist.group.WORLD.group_name
+    ll_ops = (torch.ops.gocomm.moe_dispatch_ll.default, torch.ops.gocomm.moe_combine_ll.default)
     fns = {
         "torch nccl a2a (splits known)": lambda: dist.all_to_all_single(out, inp, recv, send, group=nccl),
         "gocomm all_to_all_v": lambda: gocomm.all_to_all_v(inp, splits_dev, out=out),
@@ -205,6 +233,18 @@ def _host_measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
         "gocomm all_to_all_v torch.ops": lambda: a2av_op(inp, splits_dev, out, name),
         "gocomm dispatch padded": padded,
         "gocomm combine padded": lambda: gocomm.moe.combine(precv, handle),
+        "gocomm dispatch low-latency": low_latency,
+        "gocomm combine low-latency": lambda: gocomm.moe.combine(lrecv, lhandle),
+        # the low-latency ops called as torch.ops, without moe.py's wrappers
+        "gocomm dispatch low-latency torch.ops": lambda: ll_ops[0](x, didx, weights, args.experts, world, tokens, name),
+        "gocomm combine low-latency torch.ops": lambda: ll_ops[1](
+            lrecv, lhandle.state, tokens, tokens, args.topk, args.experts, name
+        ),
+        "torch.empty x3": lambda: (
+            torch.empty(tokens, device=dev),
+            torch.empty(8, device=dev),
+            torch.empty(9, device=dev),
+        ),
     }
     sync()
     host = _host_paired(fns)
@@ -353,6 +393,9 @@ VARIANTS = (
     "gocomm dispatch padded",
     "gocomm combine padded",
     "gocomm dispatch+combine padded graph",
+    "gocomm dispatch low-latency",
+    "gocomm combine low-latency",
+    "gocomm dispatch+combine low-latency graph",
 )
 
 
