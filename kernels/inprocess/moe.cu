@@ -15,32 +15,40 @@
 #include "sync.cuh"
 
 
+// wsum_vec: 16-byte vector c of the sum over j in [lo, hi) of weight(j) * row(j)[c], in
+// float32 in j order, rounded once to T (a row of no terms is zero). row(j) is the address of
+// term j's row, weight(j) its weight.
+template <typename T, typename Row, typename Weight>
+__device__ __forceinline__ int4 wsum_vec(int64_t lo, int64_t hi, int64_t c, Row row, Weight weight) {
+  constexpr int V = 16 / sizeof(T);  // elements per 16-byte vector
+  float acc[V];
+#pragma unroll
+  for (int u = 0; u < V; u++) acc[u] = 0.f;
+  for (int64_t j = lo; j < hi; j++) {
+    const float wj = weight(j);
+    const int4 raw = reinterpret_cast<const int4*>(row(j))[c];
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int u = 0; u < V; u++) acc[u] = fmaf(wj, to_f(e[u]), acc[u]);
+  }
+  int4 o;
+  T* oe = reinterpret_cast<T*>(&o);
+#pragma unroll
+  for (int u = 0; u < V; u++) oe[u] = from_f<T>(acc[u]);
+  return o;
+}
+
 template <typename T>
 __device__ __forceinline__ void wsum(T* __restrict__ out, const T* __restrict__ src, const int64_t* __restrict__ idx,
                                      const float* __restrict__ w, const int64_t* __restrict__ offs, int64_t rows,
                                      const int64_t* __restrict__ nrows, int64_t h) {
-  constexpr int V = 16 / sizeof(T);  // elements per 16-byte vector
-  const int64_t hv = h / V;
+  const int64_t hv = h / (16 / sizeof(T));
   if (nrows) rows = min(rows, *nrows);
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int64_t lo = offs[r], hi = offs[r + 1];
-    for (int64_t c = threadIdx.x; c < hv; c += blockDim.x) {
-      float acc[V];
-#pragma unroll
-      for (int k = 0; k < V; k++) acc[k] = 0.f;
-      for (int64_t j = lo; j < hi; j++) {
-        const float wj = w ? w[j] : 1.f;
-        const int4 raw = reinterpret_cast<const int4*>(src + idx[j] * h)[c];
-        const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-        for (int k = 0; k < V; k++) acc[k] = fmaf(wj, to_f(e[k]), acc[k]);
-      }
-      int4 o;
-      T* oe = reinterpret_cast<T*>(&o);
-#pragma unroll
-      for (int k = 0; k < V; k++) oe[k] = from_f<T>(acc[k]);
-      reinterpret_cast<int4*>(out + r * h)[c] = o;
-    }
+    for (int64_t c = threadIdx.x; c < hv; c += blockDim.x)
+      reinterpret_cast<int4*>(out + r * h)[c] = wsum_vec<T>(
+          lo, hi, c, [&](int64_t j) { return src + idx[j] * h; }, [&](int64_t j) { return w ? w[j] : 1.f; });
   }
 }
 
@@ -903,7 +911,6 @@ extern "C" __global__ void __launch_bounds__(1024, 1) gocomm_moe_ll_dispatch(con
 //      rounded once), into out.
 template <typename T>
 __device__ __forceinline__ void ll_combine(const LlArgs& a) {
-  constexpr int V = 16 / sizeof(T);
   __shared__ int64_t roff[LL_MAX_RANKS + 1], sbase[LL_MAX_RANKS];
   __shared__ int late;
   const int me = a.rank, n = a.n;
@@ -936,23 +943,9 @@ __device__ __forceinline__ void ll_combine(const LlArgs& a) {
     char* dst = reinterpret_cast<char*>(a.base[s] + a.crows) +
                 (((int64_t)par * n + me) * a.slots + (r - roff[s])) * a.cslot_bytes;
     const int64_t lo = e_offs[r], hi = e_offs[r + 1];
-    for (int64_t c = threadIdx.x; c < hv; c += blockDim.x) {
-      float acc[V];
-#pragma unroll
-      for (int u = 0; u < V; u++) acc[u] = 0.f;
-      for (int64_t j = lo; j < hi; j++) {
-        const float wj = w_e[j];
-        const int4 raw = reinterpret_cast<const int4*>(y + e_idx[j] * h)[c];
-        const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-        for (int u = 0; u < V; u++) acc[u] = fmaf(wj, to_f(e[u]), acc[u]);
-      }
-      int4 o;
-      T* oe = reinterpret_cast<T*>(&o);
-#pragma unroll
-      for (int u = 0; u < V; u++) oe[u] = from_f<T>(acc[u]);
-      reinterpret_cast<int4*>(dst)[c] = o;
-    }
+    for (int64_t c = threadIdx.x; c < hv; c += blockDim.x)
+      reinterpret_cast<int4*>(dst)[c] = wsum_vec<T>(
+          lo, hi, c, [&](int64_t j) { return y + e_idx[j] * h; }, [&](int64_t j) { return w_e[j]; });
   }
 
   // 2. every rank learns this rank's rows for it are in
@@ -971,25 +964,14 @@ __device__ __forceinline__ void ll_combine(const LlArgs& a) {
     const char* rows = reinterpret_cast<const char*>(mine + a.crows);
     for (int64_t t = blockIdx.x; t < a.tokens; t += gridDim.x) {
       const int64_t lo = t_offs[t], hi = t_offs[t + 1];
-      for (int64_t c = threadIdx.x; c < hv; c += blockDim.x) {
-        float acc[V];
-#pragma unroll
-        for (int u = 0; u < V; u++) acc[u] = 0.f;
-        for (int64_t j = lo; j < hi; j++) {
-          const int64_t slot = t_idx[j];
-          const int d = send_rank[slot];
-          const int4 raw = reinterpret_cast<const int4*>(
-              rows + (((int64_t)par * n + d) * a.slots + (slot - sbase[d])) * a.cslot_bytes)[c];
-          const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-          for (int u = 0; u < V; u++) acc[u] += to_f(e[u]);
-        }
-        int4 o;
-        T* oe = reinterpret_cast<T*>(&o);
-#pragma unroll
-        for (int u = 0; u < V; u++) oe[u] = from_f<T>(acc[u]);
-        reinterpret_cast<int4*>(reinterpret_cast<char*>(a.out) + t * a.hbytes)[c] = o;
-      }
+      auto row = [&](int64_t j) {  // the rank's partial sum of slot t_idx[j]
+        const int64_t slot = t_idx[j];
+        const int d = send_rank[slot];
+        return rows + (((int64_t)par * n + d) * a.slots + (slot - sbase[d])) * a.cslot_bytes;
+      };
+      for (int64_t c = threadIdx.x; c < hv; c += blockDim.x)
+        reinterpret_cast<int4*>(reinterpret_cast<char*>(a.out) + t * a.hbytes)[c] =
+            wsum_vec<T>(lo, hi, c, row, [](int64_t) { return 1.f; });
     }
   }
   ll_end(a, mine, LL_CEP, epoch, late);
