@@ -8,18 +8,22 @@
 // sum(in_splits), where a GPU path allows them) get zeros. It is a collective, as the forward
 // is: every rank of the group must backpropagate through the same calls.
 //
-// The MoE ops have no derivative yet: their kernels run the op below autograd and, where a
-// gradient is wanted, give the floating outputs torch's NotImplemented node, which raises at
-// backward naming the op (as torch's fallback for ops without a derivative does, but typed:
-// calls that need no gradient pay one check). all_to_all_v_out, an out= op, raises at the
-// call instead, as torch's out= ops do.
+// The MoE ops: their kernels run the op below autograd and, where a gradient is wanted, give
+// the outputs a node of the backward below (calls that need no gradient pay one check);
+// where there is none to give (fp8 dispatch, a combine not told the routing), torch's
+// NotImplemented node, which raises at backward naming the op (as torch's fallback for ops
+// without a derivative does, but typed). all_to_all_v_out, an out= op, raises at the call
+// instead, as torch's out= ops do.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/library.h>
 
+#include <functional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -71,14 +75,11 @@ using A2avOutSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, Tens
 using DispatchSig = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, int64_t,
                                                                int64_t, int64_t, bool, std::string);
 using CombineSig = Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          std::string);
-using DispatchAnySig = std::vector<Tensor>(const Tensor&, const Tensor&, const Tensor&, int64_t, bool,
-                                           std::optional<int64_t>, bool, const std::string&);
+                          std::string, const std::optional<Tensor>&, const std::optional<Tensor>&);
 using DispatchLlSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
                                                        int64_t, std::string);
-using CombineLlSig = Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t, int64_t, std::string);
-using CombineAnySig = Tensor(const Tensor&, const std::vector<Tensor>&, int64_t, at::ScalarType, int64_t,
-                             const std::string&);
+using CombineLlSig = Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t, int64_t, std::string,
+                            const std::optional<Tensor>&, const std::optional<Tensor>&);
 
 const c10::TypedOperatorHandle<A2avSig>& a2av_op() {
   static const auto op = handle<A2avSig>("gocomm::all_to_all_v");
@@ -139,70 +140,230 @@ std::tuple<Tensor, Tensor> a2av_out(const Tensor& input, const Tensor& splits, T
   return below(op, input, splits, out, std::move(group));
 }
 
+// ----- the MoE ops' backward (docs/decisions/0038-moe-autograd.md) ---------------------------
+//
+// Row p of dispatch's output is token t's copy for one of its top-k slots j (expert e), and
+// combine returns out[t] = sum_j w[t, j] * y[p(t, j)]. With g the gradient of a result:
+//   dispatch: grad_x[t] = sum of grad_recv over t's rows, a combine with unit weights along the
+//     same routing (the handle of a dispatch of a narrow zero tensor with unit weights);
+//   combine: grad_y[p] = w[t, j] * g[t] and grad_w[t, j] = g[t] . y[p]: [g | ids | w] is
+//     dispatched along the same routing with unit weights; each row's expert (from its place
+//     among tokens_per_expert) names its slot j among the ids; the dot products go back by a
+//     combine of that dispatch's handle, each in its slot's column.
+// Every path groups rows in one order (local expert, source rank, token), so the backward's
+// dispatches line up with the forward's rows. They run on moe_dispatch_any / moe_combine_any
+// whatever path the forward took (the same exchange, counts through the host where it
+// reads them): a backward is a collective every rank of the group runs, as the forward is.
+// combine learns the routing (topk_idx) and gets its edge to topk_weights from the arguments
+// gocomm.moe passes it; called without them, a backward through it raises.
+
+using DispatchAnyOp = std::vector<Tensor>(const Tensor&, const Tensor&, const Tensor&, int64_t, bool,
+                                          std::optional<int64_t>, bool, const std::string&);
+using CombineAnyOp = Tensor(const Tensor&, const std::vector<Tensor>&, int64_t, at::ScalarType, int64_t,
+                            const std::string&, const std::optional<Tensor>&, const std::optional<Tensor>&, int64_t);
+
+const c10::TypedOperatorHandle<DispatchAnyOp>& dispatch_any_op() {
+  static const auto op = handle<DispatchAnyOp>("gocomm::moe_dispatch_any");
+  return op;
+}
+
+const c10::TypedOperatorHandle<CombineAnyOp>& combine_any_op() {
+  static const auto op = handle<CombineAnyOp>("gocomm::moe_combine_any");
+  return op;
+}
+
+// The routing of a forward dispatch, as its backward re-runs it.
+struct Routing {
+  Tensor idx;  // topk_idx [T, k]
+  int64_t experts = 0, tokens = 0;
+  std::optional<int64_t> bound;  // max_tokens_per_rank where the rows were padded to it
+  std::string group;
+
+  int64_t padded_rows() const {
+    const int64_t n = c10d::resolve_process_group(group)->getSize();
+    return bound ? *bound * n * idx.size(1) : 0;
+  }
+  // dispatch of z along the routing with unit weights: [rows, scales, tokens_per_expert, handle...]
+  std::vector<Tensor> dispatch(const Tensor& z) const {
+    const Tensor ones = at::ones(idx.sizes(), z.options().dtype(at::kFloat));
+    return dispatch_any_op().call(z, idx, ones, experts, false, bound, bound.has_value(), group);
+  }
+  // combine of rows by a handle of dispatch(): [tokens, columns] in dtype
+  Tensor combine(const Tensor& rows, const std::vector<Tensor>& hd, at::ScalarType dtype) const {
+    return combine_any_op().call(rows.contiguous(), hd, tokens, dtype, padded_rows(), group, std::nullopt,
+                                 std::nullopt, 0);
+  }
+};
+
+std::vector<Tensor> handle_of(const std::vector<Tensor>& got) {
+  return std::vector<Tensor>(got.begin() + 3, got.end());
+}
+
+struct MoeDispatchBackward : public torch::autograd::Node {
+  Routing r;
+  at::ScalarType dtype = at::kFloat;  // x's
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    const Tensor& g = grads.at(0);
+    if (!g.defined()) {
+      return {Tensor()};
+    }
+    // a unit-weight handle of the same routing (16 bytes a row: every path takes it)
+    const auto got = r.dispatch(at::zeros({r.tokens, 4}, g.options().dtype(at::kFloat)));
+    return {r.combine(g, handle_of(got), dtype)};
+  }
+  std::string name() const override { return "gocomm::MoeDispatchBackward"; }
+  void release_variables() override { r.idx.reset(); }
+};
+
+struct MoeCombineBackward : public torch::autograd::Node {
+  Routing r;
+  torch::autograd::SavedVariable y_, w_;  // the experts' outputs, topk_weights
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    const Tensor& g = grads.at(0);
+    if (!g.defined()) {
+      return {Tensor(), Tensor()};
+    }
+    const Tensor y = y_.unpack(), w = w_.unpack();
+    const auto pg = c10d::resolve_process_group(r.group);
+    const int64_t k = r.idx.size(1), h = g.size(1), per = r.experts / pg->getSize();
+    const auto f32 = g.options().dtype(at::kFloat);
+    const Tensor z = at::cat({g.to(at::kFloat), r.idx.to(f32), w.to(f32)}, 1);
+    const auto got = r.dispatch(z);
+    const Tensor& rz = got[0];  // y's rows: g, the token's ids and weights
+    const int64_t rows = rz.size(0);
+    // each row's local expert (rows past the grouped ones: none), its global id, its slot
+    const Tensor ends = got[2].to(rz.device()).cumsum(0);
+    const Tensor p = at::arange(rows, f32.dtype(at::kLong));
+    const Tensor e = at::bucketize(p, ends, /*out_int32=*/false, /*right=*/true);
+    const Tensor ids = rz.slice(1, h, h + k);
+    const Tensor match = ids.eq((e + pg->getRank() * per).to(at::kFloat).unsqueeze(1));
+    const Tensor j = match.to(at::kInt).argmax(1, /*keepdim=*/true);
+    const Tensor has = match.any(1).logical_and(e.lt(per)).to(at::kFloat);
+    const Tensor wp = rz.slice(1, h + k, h + 2 * k).gather(1, j).squeeze(1) * has;
+    const Tensor gy = rz.slice(1, 0, h);
+    const Tensor grad_y = (gy * wp.unsqueeze(1)).to(y.scalar_type());
+    // g[t] . y[p] of each row, in its slot's column (columns padded to 16 bytes), summed back
+    const Tensor dot = (gy * y.to(at::kFloat)).sum(1) * has;
+    const Tensor d = at::zeros({rows, (k + 3) / 4 * 4}, f32).scatter_(1, j.to(at::kLong), dot.unsqueeze(1));
+    const Tensor gw = r.combine(d, handle_of(got), at::kFloat).slice(1, 0, k).to(w.scalar_type());
+    return {grad_y, gw};
+  }
+  std::string name() const override { return "gocomm::MoeCombineBackward"; }
+  void release_variables() override {
+    y_.reset_data();
+    w_.reset_data();
+    r.idx.reset();
+  }
+};
+
+// dispatch's recv gets a MoeDispatchBackward where x needs a gradient (topk_weights gets its
+// own through combine); fp8 dispatch has none (its tokens are quantized).
+void dispatch_backward(const char* op, const Tensor& x, const Tensor& idx, int64_t experts,
+                       std::optional<int64_t> bound, const std::string& group, const Tensor& recv, bool fp8) {
+  if (!wants_grad({&x})) {
+    return;
+  }
+  if (fp8) {
+    no_backward(op, {x}, {recv});
+    return;
+  }
+  auto node = std::shared_ptr<MoeDispatchBackward>(new MoeDispatchBackward(), torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(x));
+  node->r = Routing{idx.detach(), experts, x.size(0), bound, group};
+  node->dtype = x.scalar_type();
+  torch::autograd::set_history(const_cast<Tensor&>(recv), node);
+}
+
+// combine's out gets a MoeCombineBackward where y or topk_weights needs a gradient, given the
+// routing (else the node that raises at backward); bound() gives the forward dispatch's bound
+// where its rows were padded (asked only then: it may look the group up).
+void combine_backward(const char* op, const Tensor& y, const std::optional<Tensor>& idx,
+                      const std::optional<Tensor>& w, int64_t experts, int64_t tokens,
+                      const std::function<std::optional<int64_t>()>& bound, const std::string& group,
+                      const Tensor& out) {
+  const Tensor wt = w.has_value() ? *w : Tensor();
+  if (!wants_grad({&y, &wt})) {
+    return;
+  }
+  if (!idx.has_value() || !wt.defined() || experts <= 0) {
+    no_backward(op, {y}, {out});
+    return;
+  }
+  auto node = std::shared_ptr<MoeCombineBackward>(new MoeCombineBackward(), torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(y, wt));
+  node->r = Routing{idx->detach(), experts, tokens, bound(), group};
+  node->y_ = torch::autograd::SavedVariable(y, false);
+  node->w_ = torch::autograd::SavedVariable(wt, false);
+  torch::autograd::set_history(const_cast<Tensor&>(out), node);
+}
+
+int64_t group_size(const std::string& group) {
+  return c10d::resolve_process_group(group)->getSize();
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> dispatch(const Tensor& x, const Tensor& idx, const Tensor& w,
                                                     int64_t experts, int64_t ranks, int64_t cap, bool padded,
                                                     std::string group) {
   static const auto op = handle<DispatchSig>("gocomm::moe_dispatch");
-  const bool grad = wants_grad({&x, &w});
-  std::tuple<Tensor, Tensor, Tensor, Tensor> out = below(op, x, idx, w, experts, ranks, cap, padded, std::move(group));
-  if (grad) {
-    no_backward("gocomm::moe_dispatch", {x, w}, {std::get<0>(out)});
-  }
+  auto out = below(op, x, idx, w, experts, ranks, cap, padded, group);
+  dispatch_backward("gocomm::moe_dispatch", x, idx, experts,
+                    padded ? std::optional<int64_t>(cap / std::max<int64_t>(ranks, 1)) : std::nullopt, group,
+                    std::get<0>(out), false);
   return out;
 }
 
 Tensor combine(const Tensor& y, const Tensor& ws, int64_t tokens, int64_t cap, int64_t k, int64_t experts,
-               int64_t recv_rows, int64_t send_rows, std::string group) {
+               int64_t recv_rows, int64_t send_rows, std::string group, const std::optional<Tensor>& idx,
+               const std::optional<Tensor>& w) {
   static const auto op = handle<CombineSig>("gocomm::moe_combine");
-  const bool grad = wants_grad({&y});
-  Tensor out = below(op, y, ws, tokens, cap, k, experts, recv_rows, send_rows, std::move(group));
-  if (grad) {
-    no_backward("gocomm::moe_combine", {y}, {out});
-  }
+  Tensor out = below(op, y, ws, tokens, cap, k, experts, recv_rows, send_rows, group, idx, w);
+  // padded: y has every row the bound allows (the forward's cap is the bound x the group)
+  combine_backward(
+      "gocomm::moe_combine", y, idx, w, experts, tokens,
+      [&]() { return y.size(0) == cap * k ? std::optional<int64_t>(cap / group_size(group)) : std::nullopt; }, group,
+      out);
   return out;
 }
 
 std::tuple<Tensor, Tensor, Tensor> dispatch_ll(const Tensor& x, const Tensor& idx, const Tensor& w, int64_t experts,
                                               int64_t ranks, int64_t bound, std::string group) {
   static const auto op = handle<DispatchLlSig>("gocomm::moe_dispatch_ll");
-  const bool grad = wants_grad({&x, &w});
-  std::tuple<Tensor, Tensor, Tensor> out = below(op, x, idx, w, experts, ranks, bound, std::move(group));
-  if (grad) {
-    no_backward("gocomm::moe_dispatch_ll", {x, w}, {std::get<0>(out)});
-  }
+  auto out = below(op, x, idx, w, experts, ranks, bound, group);
+  dispatch_backward("gocomm::moe_dispatch_ll", x, idx, experts, bound, group, std::get<0>(out), false);
   return out;
 }
 
 Tensor combine_ll(const Tensor& y, const Tensor& ws, int64_t tokens, int64_t bound, int64_t k, int64_t experts,
-                  std::string group) {
+                  std::string group, const std::optional<Tensor>& idx, const std::optional<Tensor>& w) {
   static const auto op = handle<CombineLlSig>("gocomm::moe_combine_ll");
-  const bool grad = wants_grad({&y});
-  Tensor out = below(op, y, ws, tokens, bound, k, experts, std::move(group));
-  if (grad) {
-    no_backward("gocomm::moe_combine_ll", {y}, {out});
-  }
+  Tensor out = below(op, y, ws, tokens, bound, k, experts, group, idx, w);
+  combine_backward(
+      "gocomm::moe_combine_ll", y, idx, w, experts, tokens, [&]() { return std::optional<int64_t>(bound); }, group,
+      out);
   return out;
 }
 
 std::vector<Tensor> dispatch_any(const Tensor& x, const Tensor& idx, const Tensor& w, int64_t experts, bool fp8,
                                  std::optional<int64_t> bound, bool padded, const std::string& group) {
-  static const auto op = handle<DispatchAnySig>("gocomm::moe_dispatch_any");
-  const bool grad = wants_grad({&x, &w});
-  std::vector<Tensor> out = below(op, x, idx, w, experts, fp8, bound, padded, group);
-  if (grad) {
-    no_backward("gocomm::moe_dispatch_any", {x, w}, out);
-  }
+  std::vector<Tensor> out = below(dispatch_any_op(), x, idx, w, experts, fp8, bound, padded, group);
+  dispatch_backward("gocomm::moe_dispatch_any", x, idx, experts, padded ? bound : std::nullopt, group, out.at(0),
+                    fp8);
   return out;
 }
 
 Tensor combine_any(const Tensor& y, const std::vector<Tensor>& handle_, int64_t tokens, at::ScalarType dtype,
-                   int64_t rows, const std::string& group) {
-  static const auto op = handle<CombineAnySig>("gocomm::moe_combine_any");
-  const bool grad = wants_grad({&y});
-  Tensor out = below(op, y, handle_, tokens, dtype, rows, group);
-  if (grad) {
-    no_backward("gocomm::moe_combine_any", {y}, {out});
-  }
+                   int64_t rows, const std::string& group, const std::optional<Tensor>& idx,
+                   const std::optional<Tensor>& w, int64_t experts) {
+  Tensor out = below(combine_any_op(), y, handle_, tokens, dtype, rows, group, idx, w, experts);
+  // padded to the bound: rows = bound x group x k
+  auto bound = [&]() {
+    return rows > 0 && idx.has_value()
+               ? std::optional<int64_t>(rows / (group_size(group) * std::max<int64_t>(idx->size(1), 1)))
+               : std::nullopt;
+  };
+  combine_backward("gocomm::moe_combine_any", y, idx, w, experts, tokens, bound, group, out);
   return out;
 }
 

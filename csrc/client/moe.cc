@@ -186,7 +186,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const a
 }
 
 at::Tensor combine_cuda(const at::Tensor& y_in, const at::Tensor& ws, int64_t tokens, int64_t cap, int64_t k,
-                        int64_t experts, int64_t recv_rows, int64_t send_rows, std::string group) {
+                        int64_t experts, int64_t recv_rows, int64_t send_rows, std::string group,
+                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
   // moe.py checked y's rows, dtype and device against dispatch's; the rest here
   TORCH_CHECK_VALUE(y_in.dim() == 2, "gocomm moe.combine: y must be [rows, hidden], got shape " +
                                          shape_name(y_in.sizes()));
@@ -310,7 +311,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_ll_cuda(const at::Tensor
 }
 
 at::Tensor combine_ll_cuda(const at::Tensor& y_in, const at::Tensor& ws, int64_t tokens, int64_t bound, int64_t k,
-                           int64_t experts, std::string group) {
+                           int64_t experts, std::string group, const std::optional<at::Tensor>&,
+                           const std::optional<at::Tensor>&) {
   const char* op = "moe.combine";
   TORCH_CHECK_VALUE(y_in.dim() == 2, "gocomm moe.combine: y must be [rows, hidden], got shape " +
                                          shape_name(y_in.sizes()));
@@ -352,7 +354,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_ll_meta(const at::Tensor
 }
 
 at::Tensor combine_ll_meta(const at::Tensor& y, const at::Tensor&, int64_t tokens, int64_t, int64_t, int64_t,
-                           std::string) {
+                           std::string, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
   return at::empty({tokens, y.size(1)}, y.options());
 }
 
@@ -370,7 +372,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_meta(const a
 }
 
 at::Tensor combine_meta(const at::Tensor& y, const at::Tensor&, int64_t tokens, int64_t, int64_t, int64_t, int64_t,
-                        int64_t, std::string) {
+                        int64_t, std::string, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
   return at::empty({tokens, y.size(1)}, y.options());
 }
 
@@ -420,11 +422,13 @@ TORCH_LIBRARY_FRAGMENT(gocomm, m) {
       "str group_name) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "moe_combine(Tensor y, Tensor ws, int tokens, int cap, int k, int num_experts, int recv_rows, int send_rows, "
-      "str group_name) -> Tensor");
+      "str group_name, Tensor? topk_idx=None, Tensor? topk_weights=None) -> Tensor");
   m.def(
       "moe_dispatch_ll(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, int ranks, int bound, "
       "str group_name) -> (Tensor, Tensor, Tensor)");
-  m.def("moe_combine_ll(Tensor y, Tensor ws, int tokens, int bound, int k, int num_experts, str group_name) -> Tensor");
+  m.def(
+      "moe_combine_ll(Tensor y, Tensor ws, int tokens, int bound, int k, int num_experts, str group_name, "
+      "Tensor? topk_idx=None, Tensor? topk_weights=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gocomm, CUDA, m) {

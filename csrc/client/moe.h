@@ -18,9 +18,18 @@
 //     A padded counts is an empty int64 tensor on x's device. Meta kernel: the padded form.
 //     topk_idx: any integer dtype, topk_weights: any float dtype, either on any device
 //     (copied as int64 / float32 to x's device where they are not so).
-//   moe_combine(y, ws, tokens, cap, k, num_experts, recv_rows, send_rows, group_name) -> out
+//   moe_combine(y, ws, tokens, cap, k, num_experts, recv_rows, send_rows, group_name,
+//               topk_idx=None, topk_weights=None) -> out
 //     the weighted sums per received token, the exchange back, the sums per token: [tokens,
 //     hidden] in y's dtype. recv_rows and send_rows bound what the exchange moves each way.
+//     topk_idx / topk_weights (dispatch's): only its backward reads them (autograd.cc).
+//   moe_dispatch_ll(x, topk_idx, topk_weights, num_experts, ranks, bound, group_name)
+//       -> (recv, tokens_per_expert, ws)
+//   moe_combine_ll(y, ws, tokens, bound, k, num_experts, group_name, topk_idx=None,
+//                  topk_weights=None) -> out
+//     the low-latency mode (docs/decisions/0036): padded's result in one launch each way over
+//     the group's LlPath buffer (inprocess.h); NotImplementedError where it cannot run (no
+//     in-process exchange, more than kLlTokens tokens, k over kLlMaxK, the buffer declined).
 #pragma once
 
 #include <cstdint>

@@ -26,9 +26,11 @@
 //     values), scales (fp8, else empty), tokens_per_expert [E/n], handle...], the handle being
 //     what moe_combine_any takes. One sync: the counts. OverflowError where more rows arrived
 //     than recv holds (the splits-on-GPU paths report it in the counts).
-//   moe_combine_any(y, handle, tokens, dtype, padded_rows, group_name) -> [tokens, H] in dtype
+//   moe_combine_any(y, handle, tokens, dtype, padded_rows, group_name, topk_idx=None,
+//                   topk_weights=None, num_experts=0) -> [tokens, H] in dtype
 //     the weighted sums per received token (float32, one rounding), the exchange back, the sums
 //     per token; y has padded_rows rows where dispatch padded (only the grouped ones are read).
+//     The last three (dispatch's) only its backward reads (autograd.cc).
 //
 // The handle: [send_order, splits (int64 [2n] on the host: sent, received by rank), rows [P]
 // (the received row of each grouped row), weights [P] float32] and, where the kernels grouped
@@ -315,7 +317,8 @@ std::pair<at::Tensor, at::Tensor> csr(const at::Tensor& keys, int64_t n) {
 }
 
 at::Tensor combine_any(const at::Tensor& y_in, const std::vector<at::Tensor>& handle, int64_t tokens,
-                       at::ScalarType dtype, int64_t padded_rows, const std::string& group) {
+                       at::ScalarType dtype, int64_t padded_rows, const std::string& group,
+                       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t) {
   TORCH_CHECK_VALUE(handle.size() == kHWeights + 1 || handle.size() == kHTOffs + 1,
                     "gocomm moe_combine_any: handle is what moe_receive_any returned");
   const at::Tensor &send_order = handle[kHSendOrder], &rows_sorted = handle[kHRows], &weights = handle[kHWeights];
@@ -408,8 +411,8 @@ TORCH_LIBRARY_FRAGMENT(gocomm, m) {
       "moe_receive_any(Tensor recv, Tensor recv_splits, Tensor[] routed, int num_experts, bool fp8, "
       "int padded_rows) -> Tensor[]");
   m.def(
-      "moe_combine_any(Tensor y, Tensor[] handle, int tokens, ScalarType dtype, int padded_rows, str group_name) -> "
-      "Tensor");
+      "moe_combine_any(Tensor y, Tensor[] handle, int tokens, ScalarType dtype, int padded_rows, str group_name, "
+      "Tensor? topk_idx=None, Tensor? topk_weights=None, int num_experts=0) -> Tensor");
 }
 
 // one function for either device: the CUDA kernels where they take the rows, ATen elsewhere

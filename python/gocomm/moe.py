@@ -30,8 +30,8 @@ they are torch.ops.gocomm.moe_dispatch_any / moe_combine_any (csrc/client/moe_an
 kernels' launches (csrc/client/moe_kernels.cc) or ATen ops around gocomm.all_to_all_v's
 exchange (csrc/client/a2av.cc), where the counts cross the host once more.
 
-No backward yet: a backward that reaches dispatch or combine raises, naming the op
-(docs/decisions/0038-moe-autograd.md); under torch.no_grad() nothing changes.
+Both are differentiable (x, topk_weights, and y through combine; the compiled client's
+Autograd kernels, docs/decisions/0038-moe-autograd.md); fp8 dispatch raises at a backward.
 """
 
 from __future__ import annotations
@@ -61,14 +61,14 @@ class Handle:
     """What combine needs to send the experts' outputs back (opaque to callers): the routing
     dispatch left on the device, in the form the compiled client's combine op takes."""
 
-    __slots__ = ("name", "tokens", "dtype", "rows", "state", "inproc")
+    __slots__ = ("name", "tokens", "dtype", "rows", "state", "inproc", "routing")
 
-    def __init__(self, name, tokens, dtype, rows, state, inproc=None):
+    def __init__(self, name, tokens, dtype, rows, state, inproc=None, routing=None):
         self.name, self.tokens, self.dtype = name, tokens, dtype  # the group's name, x's rows and dtype
         self.rows = rows  # y's rows where they are fixed (in-process, padded), else 0
         self.state = state  # moe_dispatch's workspace, or moe_dispatch_any's handle tensors
         # in-process: [device, cap, k, experts, recv_rows, send_rows, padded] (moe_combine's sizes)
-        self.inproc = inproc
+        self.inproc, self.routing = inproc, routing  # routing: (topk_idx, topk_weights, num_experts)
 
 
 def dispatch(
@@ -124,12 +124,13 @@ def dispatch(
         int64 tensor of E/n counts on x's device; handle is for combine.
     """
     g = group if group is not None else dist.group.WORLD
+    routing = (topk_idx, topk_weights, num_experts)  # what combine's backward needs
     if low_latency and not fp8 and max_tokens_per_rank is not None:
         n, k, b = g.size(), topk_idx.shape[1], max_tokens_per_rank
         try:
             out, tpe, ws = _DISPATCH_LL(x, topk_idx, topk_weights, num_experts, n, b, g.group_name)
-            sizes = [x.get_device(), b, k, num_experts, -1, -1, True]  # recv_rows -1: low-latency
-            return out, tpe, Handle(g.group_name, x.shape[0], x.dtype, b * n * k, ws, sizes)
+            sizes = [x.get_device(), b, k, num_experts, -1, -1, True]  # recv_rows -1: low-latency (cap: b)
+            return out, tpe, Handle(g.group_name, x.shape[0], x.dtype, b * n * k, ws, sizes, routing)
         except NotImplementedError:  # not in this process, or shapes its kernels do not take
             pass
     padded = padded or low_latency
@@ -155,8 +156,8 @@ def dispatch(
         return _dispatch_inprocess(fast, x, topk_idx, topk_weights, num_experts, max_tokens_per_rank, padded)
     # the other paths: one op around gocomm.all_to_all_v's exchange, one host sync (or two)
     got = _DISPATCH_ANY(x, topk_idx, topk_weights, num_experts, fp8, max_tokens_per_rank, padded, g.group_name)
-    handle = Handle(g.group_name, x.shape[0], x.dtype, max_tokens_per_rank * n * k if padded else 0, got[3:])
-    return ((got[0], got[1]) if fp8 else got[0]), got[2], handle
+    hd = Handle(g.group_name, x.shape[0], x.dtype, max_tokens_per_rank * n * k if padded else 0, got[3:], None, routing)
+    return ((got[0], got[1]) if fp8 else got[0]), got[2], hd
 
 
 def _dispatch_inprocess(fast: _backend.Served, x, topk_idx, topk_weights, experts: int, bound, padded: bool):
@@ -170,7 +171,7 @@ def _dispatch_inprocess(fast: _backend.Served, x, topk_idx, topk_weights, expert
     cap = bound * n if bound is not None else _capacity_rows(_client.C.moe_row_bytes(x.shape[1] * x.element_size(), k))
     out, tpe, ws, counts = _DISPATCH(x, topk_idx, topk_weights, experts, n, cap, padded, fast.name)
     sizes = [x.get_device(), cap, k, experts, cap, t * min(n, k), padded]
-    hd = Handle(fast.name, t, x.dtype, cap * k, ws, sizes)
+    hd = Handle(fast.name, t, x.dtype, cap * k, ws, sizes, (topk_idx, topk_weights, experts))
     if not padded:  # the rows the exchanges move: what the counts say
         c = counts.tolist()
         hd.rows, sizes[4], sizes[5] = c[2 * n + 2], c[2 * n + 3], c[n]
@@ -192,7 +193,7 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
         fixed order (the same result every time); elsewhere in ATen ops (index_add_).
     """
     if handle.inproc is None:
-        return _COMBINE_ANY(y, handle.state, handle.tokens, handle.dtype, handle.rows, handle.name)
+        return _COMBINE_ANY(y, handle.state, handle.tokens, handle.dtype, handle.rows, handle.name, *handle.routing)
     device, cap, k, experts, recv_rows, send_rows, padded = handle.inproc
     if y.dim() != 2 or y.shape[0] != handle.rows:
         raise ValueError(
@@ -203,8 +204,8 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
             f"gocomm moe.combine: y must be {handle.dtype} on cuda:{device} like dispatch's x, got {y.dtype} on {y.device}"
         )
     # the op checks the rest (rows of a multiple of 16 bytes)
-    args = (y, handle.state, handle.tokens, cap, k, experts)  # low-latency where recv_rows < 0 (cap: its bound)
-    out = _COMBINE_LL(*args, handle.name) if recv_rows < 0 else _COMBINE(*args, recv_rows, send_rows, handle.name)
+    args, tail = (y, handle.state, handle.tokens, cap, k, experts), (handle.name, *handle.routing[:2])
+    out = _COMBINE_LL(*args, *tail) if recv_rows < 0 else _COMBINE(*args, recv_rows, send_rows, *tail)
     if padded:  # what the GPU found, after this pair's last exchange
         _client.C.moe_raise_new(device, experts)
     return out

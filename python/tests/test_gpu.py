@@ -667,13 +667,16 @@ def test_moe_low_latency(worlds, seed, size):
 
 @pytest.mark.parametrize("size", [1, 2])
 def test_autograd_cuda(worlds, seed, size):
-    """all_to_all_v's backward and the MoE ops' refusal of one (csrc/client/autograd.cc) on the
-    in-process path, ranks sharing the GPUs where there are fewer."""
-    from test_moe import check_all_to_all_v_backward, check_no_silent_backward
+    """all_to_all_v's and the MoE layer's backward, and the refusal of one where there is none
+    (csrc/client/autograd.cc), on the in-process path, ranks sharing the GPUs where there are
+    fewer."""
+    from test_moe import check_all_to_all_v_backward, check_moe_backward, check_no_silent_backward
 
     with worlds.fresh(size, label="autograd", env=_sharing(size)) as w:
         w.run(check_all_to_all_v_backward, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
         w.run(check_no_silent_backward, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
+        for dtype in (torch.float32, torch.bfloat16):
+            w.run(check_moe_backward, seed=seed, device="cuda", dtype=dtype, timeout=RUN_LIMIT_S)
 
 
 def check_moe_graph(rk, seed, low_latency=False):

@@ -448,38 +448,121 @@ def test_all_to_all_v_backward(worlds, seed, size):
     worlds.get(size).run(check_all_to_all_v_backward, seed=seed)
 
 
+def check_moe_backward(rk, seed, device="cpu", dtype=torch.float32):
+    """A MoE layer (dispatch, a matmul per local expert, combine) trains: the gradients of x,
+    topk_weights and the experts' matrices equal a float64 autograd of the same layer over
+    every rank's tokens (built on every rank from the seed), with uneven, -1 and all-to-one
+    routings and a rank without tokens, padded and not, and low-latency (padded's path where
+    the kernels do not run). Gradients of tokens no rank's expert took are zero."""
+    n, me, dev = rk.size, rk.rank, _dev(rk, device)
+    ck = Checker(f"moe backward on {device} {str(dtype).removeprefix('torch.')}", seed, me)
+    per, k, hidden = 3, 2, 8
+    experts = per * n
+    mats = gen(seed, "mbW", 0, (experts, hidden, hidden), torch.float64) / hidden**0.5
+    tol = 2e-4 if dtype == torch.float32 else 6e-2
+    for label in ("uniform", "with -1", "all to rank 0", "no tokens on rank 0"):
+        tokens_of = [0 if (label == "no tokens on rank 0" and src == 0) else 4 + 2 * src for src in range(n)]
+        xs = [gen(seed, f"mbx{label}", src, (tokens_of[src], hidden), torch.float64) for src in range(n)]
+        idxs = [_routing(seed, src, tokens_of[src], experts, k, n, label) for src in range(n)]
+        ws = [gen(seed, f"mbw{label}", src, (tokens_of[src], k), torch.float64).abs() for src in range(n)]
+        gs = [gen(seed, f"mbg{label}", src, (tokens_of[src], hidden), torch.float64) for src in range(n)]
+        # the reference: every rank's tokens, float64
+        rx = [x.clone().requires_grad_() for x in xs]
+        rw = [w.clone().requires_grad_() for w in ws]
+        rm = mats.clone().requires_grad_()
+        loss = 0
+        for src in range(n):
+            for t in range(tokens_of[src]):
+                for j in range(k):
+                    e = int(idxs[src][t, j])
+                    if e >= 0:
+                        loss = loss + rw[src][t, j] * (rx[src][t] @ rm[e] * gs[src][t]).sum()
+        if torch.is_tensor(loss):
+            loss.backward()
+        want = {
+            "x": rx[me].grad if rx[me].grad is not None else torch.zeros_like(xs[me]),
+            "topk_weights": rw[me].grad if rw[me].grad is not None else torch.zeros_like(ws[me]),
+            "experts' matrices": rm.grad[me * per : (me + 1) * per]
+            if rm.grad is not None
+            else torch.zeros(per, hidden, hidden, dtype=torch.float64),
+        }
+        bound = max(tokens_of)
+        for kind, kw in (
+            ("", {}),
+            (" padded", {"max_tokens_per_rank": bound, "padded": True}),
+            (" low-latency", {"max_tokens_per_rank": bound, "low_latency": True}),
+        ):
+            with ck.case(label + kind):
+                x = xs[me].to(dev, dtype).requires_grad_()
+                w = ws[me].to(dev, torch.float32).requires_grad_()
+                m = mats[me * per : (me + 1) * per].to(dev, dtype).requires_grad_()
+                recv, tpe, handle = gocomm.moe.dispatch(x, idxs[me].to(dev), w, experts, **kw)
+                counts, rows, at = tpe.tolist(), [], 0
+                for e in range(per):
+                    rows.append(recv[at : at + counts[e]] @ m[e])
+                    at += counts[e]
+                rows.append(torch.zeros(recv.shape[0] - at, hidden, dtype=dtype, device=dev))  # padding
+                out = gocomm.moe.combine(torch.cat(rows), handle)
+                (out * gs[me].to(dev, dtype)).sum().backward()
+                for name, got in (("x", x.grad), ("topk_weights", w.grad), ("experts' matrices", m.grad)):
+                    got = torch.zeros_like(want[name]) if got is None else got.double().cpu()
+                    err = float((got - want[name]).abs().max()) if got.numel() else 0.0
+                    scale = float(want[name].abs().max()) if got.numel() else 0.0
+                    ck.expect(f"{name} gradient", err <= tol * max(scale, 1.0), f"max error {err:.3g} of {scale:.3g}")
+    return ck.done()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_moe_backward(worlds, seed, size, dtype):
+    worlds.get(size).run(check_moe_backward, seed=seed, dtype=dtype)
+
+
 def check_no_silent_backward(rk, seed, device="cpu"):
-    """A backward that reaches dispatch or combine raises, naming the op, instead of letting the
-    gradient stop there (torch's default for an op without an Autograd kernel is a warning);
-    calls that need no gradient are untouched. all_to_all_v with out= refuses at the call."""
+    """Where dispatch or combine has no gradient to give (fp8 dispatch; a combine not told the
+    routing, as torch.ops callers may call it), a backward that reaches it raises, naming the
+    op, instead of letting the gradient stop there (torch's default for an op without an
+    Autograd kernel is a warning); such a combine has no edge to topk_weights at all. Calls that
+    need no gradient are untouched. all_to_all_v with out= refuses at the call."""
     n, me, dev = rk.size, rk.rank, _dev(rk, device)
     ck = Checker("no silent backward", seed, me)
     experts = 2 * n
-    x = gen(seed, "nsb x", me, (5, 16), torch.float32).to(dev).requires_grad_()
+    x = gen(seed, "nsb x", me, (5, 128), torch.float32).to(dev).requires_grad_()
     idx = _routing(seed, me, 5, experts, 2, n, "uniform").to(dev)
     w = gen(seed, "nsb w", me, (5, 2), torch.float32).abs().to(dev).requires_grad_()
+    with ck.case("fp8 dispatch"):
+        (vals, _), _, _ = gocomm.moe.dispatch(x, idx, w, experts, fp8=True)
+        try:
+            vals.float().sum().backward()
+            ck.fail("fp8", f"backward returned; the gradient is {x.grad}")
+        except RuntimeError as e:
+            ck.expect("names the op", "gocomm::moe_dispatch" in str(e) and "not implemented" in str(e), str(e))
     for (label, leaf), kw in itertools.product((("x", x), ("topk_weights", w)), ({}, {"low_latency": True})):
         kw = {"max_tokens_per_rank": 5, **kw} if kw else kw  # low-latency (padded elsewhere)
-        with ck.case(f"dispatch + combine {kw}, {label} needs a gradient"):
+        with ck.case(f"combine without the routing {kw}, {label} needs a gradient"):
             xi, wi = (x, w.detach()) if leaf is x else (x.detach(), w)
             recv, _, handle = gocomm.moe.dispatch(xi, idx, wi, experts, **kw)
+            handle.routing = (None, None, 0)  # as a torch.ops caller that passes none
             out = gocomm.moe.combine(recv * 2, handle)
+            if leaf is w:  # topk_weights' edge is one of those arguments: without it, no graph
+                ck.expect("no graph to topk_weights", out.grad_fn is None, str(out.grad_fn))
+                continue
             try:
                 out.sum().backward()
                 ck.fail(label, f"backward returned; the gradient is {leaf.grad}")
             except RuntimeError as e:
-                ck.expect("names the op", "gocomm::moe_" in str(e) and "not implemented" in str(e), str(e))
+                ck.expect("names the op", "gocomm::moe_combine" in str(e) and "not implemented" in str(e), str(e))
             with torch.no_grad():
                 recv, _, handle = gocomm.moe.dispatch(xi, idx, wi, experts, **kw)
                 ck.expect("no_grad: no graph", gocomm.moe.combine(recv, handle).grad_fn is None)
     splits = torch.tensor([5 if d == me else 0 for d in range(n)], device=dev)
     with ck.case("all_to_all_v with out= refuses a gradient at the call, as torch's out= ops"):
         try:
-            gocomm.all_to_all_v(x, splits, out=torch.empty(5 * n, 16, device=dev))
+            gocomm.all_to_all_v(x, splits, out=torch.empty(5 * n, 128, device=dev))
             ck.fail("out=", "called")
         except RuntimeError as e:
             ck.expect("says why", "no backward" in str(e), str(e))
-        got, _ = gocomm.all_to_all_v(x.detach(), splits, out=torch.empty(5 * n, 16, device=dev))
+        got, _ = gocomm.all_to_all_v(x.detach(), splits, out=torch.empty(5 * n, 128, device=dev))
         ck.same("detached, the rows", got[:5].cpu(), x.detach().cpu())
     return ck.done()
 
