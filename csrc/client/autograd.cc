@@ -259,14 +259,10 @@ struct MoeCombineBackward : public torch::autograd::Node {
 };
 
 // dispatch's recv gets a MoeDispatchBackward where x needs a gradient (topk_weights gets its
-// own through combine); fp8 dispatch has none (its tokens are quantized).
-void dispatch_backward(const char* op, const Tensor& x, const Tensor& idx, int64_t experts,
-                       std::optional<int64_t> bound, const std::string& group, const Tensor& recv, bool fp8) {
+// own through combine).
+void dispatch_backward(const Tensor& x, const Tensor& idx, int64_t experts, std::optional<int64_t> bound,
+                       const std::string& group, const Tensor& recv) {
   if (!wants_grad({&x})) {
-    return;
-  }
-  if (fp8) {
-    no_backward(op, {x}, {recv});
     return;
   }
   auto node = std::shared_ptr<MoeDispatchBackward>(new MoeDispatchBackward(), torch::autograd::deleteNode);
@@ -308,9 +304,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dispatch(const Tensor& x, const Tenso
                                                     std::string group) {
   static const auto op = handle<DispatchSig>("gocomm::moe_dispatch");
   auto out = below(op, x, idx, w, experts, ranks, cap, padded, group);
-  dispatch_backward("gocomm::moe_dispatch", x, idx, experts,
-                    padded ? std::optional<int64_t>(cap / std::max<int64_t>(ranks, 1)) : std::nullopt, group,
-                    std::get<0>(out), false);
+  dispatch_backward(x, idx, experts, padded ? std::optional<int64_t>(cap / std::max<int64_t>(ranks, 1)) : std::nullopt,
+                    group, std::get<0>(out));
   return out;
 }
 
@@ -331,7 +326,7 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_ll(const Tensor& x, const Tensor& id
                                               int64_t ranks, int64_t bound, std::string group) {
   static const auto op = handle<DispatchLlSig>("gocomm::moe_dispatch_ll");
   auto out = below(op, x, idx, w, experts, ranks, bound, group);
-  dispatch_backward("gocomm::moe_dispatch_ll", x, idx, experts, bound, group, std::get<0>(out), false);
+  dispatch_backward(x, idx, experts, bound, group, std::get<0>(out));
   return out;
 }
 
@@ -348,8 +343,13 @@ Tensor combine_ll(const Tensor& y, const Tensor& ws, int64_t tokens, int64_t bou
 std::vector<Tensor> dispatch_any(const Tensor& x, const Tensor& idx, const Tensor& w, int64_t experts, bool fp8,
                                  std::optional<int64_t> bound, bool padded, const std::string& group) {
   std::vector<Tensor> out = below(dispatch_any_op(), x, idx, w, experts, fp8, bound, padded, group);
-  dispatch_backward("gocomm::moe_dispatch_any", x, idx, experts, padded ? bound : std::nullopt, group, out.at(0),
-                    fp8);
+  if (fp8) {  // no backward: its tokens are quantized (values and scales)
+    if (wants_grad({&x})) {
+      no_backward("gocomm::moe_dispatch_any", {x}, {out.at(0), out.at(1)});
+    }
+    return out;
+  }
+  dispatch_backward(x, idx, experts, padded ? bound : std::nullopt, group, out.at(0));
   return out;
 }
 

@@ -264,7 +264,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_ll_cuda(const at::Tensor
   const int64_t t = x.size(0), h = x.size(1), k = topk_idx.size(1), per = experts / n;
   const int64_t xbytes = h * x.element_size();
   const moe::Row layout = moe::row_layout(xbytes, k);
-  TORCH_CHECK_NOT_IMPLEMENTED(bound <= kLlTokens && k <= kLlMaxK && per <= kLlMaxPer && layout.bytes < (int64_t(1) << 20),
+  const bool takes = bound <= kLlTokens && k <= kLlMaxK && per <= kLlMaxPer && layout.bytes < (int64_t(1) << 20);
+  TORCH_CHECK_NOT_IMPLEMENTED(takes,
                               "gocomm " + std::string(op) + ": its kernels take at most " + std::to_string(kLlTokens) +
                                   " tokens a rank, k <= " + std::to_string(kLlMaxK) + ", at most " +
                                   std::to_string(kLlMaxPer) + " experts a rank and rows under 1 MiB, got " +
