@@ -80,8 +80,28 @@ def test_moe_combine_meta():
     assert (out.shape, out.dtype, out.device.type) == ((128, 7168), torch.float16, "meta")
 
 
+def test_moe_low_latency_meta():
+    # the low-latency ops' Meta kernels give padded's shapes (torch.compile traces them)
+    x = torch.empty(128, 7168, dtype=torch.bfloat16, device="meta")
+    idx = torch.empty(128, 8, dtype=torch.int64, device="meta")
+    w = torch.empty(128, 8, dtype=torch.float32, device="meta")
+    recv, tpe, ws = torch.ops.gocomm.moe_dispatch_ll(x, idx, w, 256, 8, 128, "g")
+    padded = torch.ops.gocomm.moe_dispatch(x, idx, w, 256, 8, 128 * 8, True, "g")
+    assert (recv.shape, recv.dtype) == (padded[0].shape, torch.bfloat16) == ((128 * 8 * 8, 7168), torch.bfloat16)
+    assert (tpe.shape, ws.shape, ws.dtype) == ((32,), padded[2].shape, torch.uint8)
+    out = torch.ops.gocomm.moe_combine_ll(recv, ws, 128, 128, 8, 256, "g")
+    assert (out.shape, out.dtype, out.device.type) == ((128, 7168), torch.bfloat16, "meta")
+    with pytest.raises(ValueError, match="spread evenly"):
+        torch.ops.gocomm.moe_dispatch_ll(x, idx, w, 255, 8, 128, "g")
+
+
 def test_moe_schemas_mutate_nothing():
-    for op in (torch.ops.gocomm.moe_dispatch, torch.ops.gocomm.moe_combine):
+    for op in (
+        torch.ops.gocomm.moe_dispatch,
+        torch.ops.gocomm.moe_combine,
+        torch.ops.gocomm.moe_dispatch_ll,
+        torch.ops.gocomm.moe_combine_ll,
+    ):
         s = op.default._schema
         assert not any(arg.alias_info for arg in s.arguments), str(s)
 
@@ -92,6 +112,11 @@ def test_moe_ops_refuse_cpu_tensors():
         torch.ops.gocomm.moe_dispatch(x, torch.zeros(4, 2, dtype=torch.int64), torch.ones(4, 2), 4, 2, 8, True, "g")
     with pytest.raises(NotImplementedError):
         torch.ops.gocomm.moe_combine(x, torch.zeros(64, dtype=torch.uint8), 4, 8, 2, 4, 8, 8, "g")
+    # the low-latency ops too (gocomm.moe then takes the padded path)
+    with pytest.raises(NotImplementedError):
+        torch.ops.gocomm.moe_dispatch_ll(x, torch.zeros(4, 2, dtype=torch.int64), torch.ones(4, 2), 4, 2, 4, "g")
+    with pytest.raises(NotImplementedError):
+        torch.ops.gocomm.moe_combine_ll(x, torch.zeros(64, dtype=torch.uint8), 4, 4, 2, 4, "g")
 
 
 def test_moe_any_ops_schemas():
