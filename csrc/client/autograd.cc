@@ -172,6 +172,10 @@ const c10::TypedOperatorHandle<CombineAnyOp>& combine_any_op() {
   return op;
 }
 
+int64_t group_size(const std::string& group) {
+  return c10d::resolve_process_group(group)->getSize();
+}
+
 // The routing of a forward dispatch, as its backward re-runs it.
 struct Routing {
   Tensor idx;  // topk_idx [T, k]
@@ -179,10 +183,7 @@ struct Routing {
   std::optional<int64_t> bound;  // max_tokens_per_rank where the rows were padded to it
   std::string group;
 
-  int64_t padded_rows() const {
-    const int64_t n = c10d::resolve_process_group(group)->getSize();
-    return bound ? *bound * n * idx.size(1) : 0;
-  }
+  int64_t padded_rows() const { return bound ? *bound * group_size(group) * idx.size(1) : 0; }
   // dispatch of z along the routing with unit weights: [rows, scales, tokens_per_expert, handle...]
   std::vector<Tensor> dispatch(const Tensor& z) const {
     const Tensor ones = at::ones(idx.sizes(), z.options().dtype(at::kFloat));
@@ -293,10 +294,6 @@ void combine_backward(const char* op, const Tensor& y, const std::optional<Tenso
   node->y_ = torch::autograd::SavedVariable(y, false);
   node->w_ = torch::autograd::SavedVariable(wt, false);
   torch::autograd::set_history(const_cast<Tensor&>(out), node);
-}
-
-int64_t group_size(const std::string& group) {
-  return c10d::resolve_process_group(group)->getSize();
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> dispatch(const Tensor& x, const Tensor& idx, const Tensor& w,

@@ -585,15 +585,6 @@ void LlPath::give_up() {
 }
 
 void LlPath::run(cuda::Function fn, LlArgs& a, unsigned block, unsigned smem) {
-  std::copy(std::begin(base_.base), std::end(base_.base), std::begin(a.base));
-  a.err = base_.err;
-  a.slots = base_.slots;
-  a.slot_bytes = base_.slot_bytes;
-  a.cslot_bytes = base_.cslot_bytes;
-  a.crows = base_.crows;
-  a.timeout_ns = base_.timeout_ns;
-  a.rank = base_.rank;
-  a.n = base_.n;
   std::lock_guard<std::mutex> lock(mu_);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   cuda::Stream stream = c10::cuda::getCurrentCUDAStream(device_).stream();
@@ -708,7 +699,7 @@ std::shared_ptr<P> Engine::path_at(std::map<int, std::shared_ptr<P>>& paths, int
   lock.lock();
   paths[device] = path;
   lock.unlock();
-  if (!path) {
+  if (!path && !op.empty()) {
     h_.fall_back(op, "the in-process kernel's setup declined on cuda:" + std::to_string(device) + " (logged why)");
   }
   return path;
@@ -762,23 +753,13 @@ std::shared_ptr<LlPath> Engine::ll_path(int idx, const LlShape& want) {
     return nullptr;
   }
   const std::string op = "moe.dispatch(low_latency=True)";
-  std::unique_lock<std::mutex> lock(setup_mu_);
-  auto it = ll_.find(idx);
   std::shared_ptr<LlPath> path;
-  if (it != ll_.end()) {
-    path = it->second;
-    lock.unlock();
-  } else if (want.slots == 0) {  // a lookup (combine): nothing set up
-    return nullptr;
-  } else {
-    lock.unlock();  // the setup is collective: it waits for the peers
-    if (capturing()) {
-      refuse_setup(op, name_, idx);
-    }
-    path = setup_ll(idx, want);
-    lock.lock();
-    ll_[idx] = path;
-    lock.unlock();
+  if (want.slots == 0) {  // a lookup (combine): nothing is set up
+    std::lock_guard<std::mutex> lock(setup_mu_);
+    auto it = ll_.find(idx);
+    path = it == ll_.end() ? nullptr : it->second;
+  } else {  // no route to fall back: moe.dispatch takes the padded path where this is null
+    path = path_at(ll_, idx, "", op, [&](int d) { return setup_ll(d, want); });
   }
   if (path && path->failed()) {
     fail_kernel(op);

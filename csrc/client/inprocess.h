@@ -277,8 +277,10 @@ class LlPath {
   const LlShape& shape() const { return shape_; }
   bool failed() const;
   void give_up();
-  // Launch the dispatch (a: the call's fields; the path fills the rest) on the current
-  // stream, block threads and smem bytes of shared memory, under the engine's lock.
+  // The path's fields of a launch (the buffers, strides, rank, timeout); the call fills the rest.
+  LlArgs args() const { return base_; }
+  // Launch the dispatch (a: args() with the call's fields) on the current stream, block
+  // threads and smem bytes of shared memory, under the engine's lock.
   void dispatch(LlArgs a, unsigned block, unsigned smem);
   // Launch the combine of y's dtype.
   void combine(LlArgs a, at::ScalarType dtype);
@@ -365,7 +367,8 @@ class Engine {
   std::shared_ptr<A2Path> setup_a2(int device);
   std::shared_ptr<LlPath> setup_ll(int device, const LlShape& want);
   // paths[device], set up (collectively: setup(device)) at the group's first call there; a
-  // declined setup falls the route of op back. Raises where that first call is captured.
+  // declined setup falls the route of op back (op "": none, the caller falls back itself).
+  // Raises, naming captured, where that first call is captured.
   template <typename P, typename Setup>
   std::shared_ptr<P> path_at(std::map<int, std::shared_ptr<P>>& paths, int device, const std::string& op,
                              const std::string& captured, Setup setup);

@@ -90,6 +90,13 @@ uint64_t addr(const at::Tensor& t) {
   return reinterpret_cast<uint64_t>(t.data_ptr());
 }
 
+// v as st on x's device, contiguous, as the kernels read topk_idx (int64) and topk_weights
+// (float32): v itself where it is (a conversion is a dispatcher call even where nothing
+// changes, so it is asked first).
+at::Tensor on_x(const at::Tensor& x, const at::Tensor& v, at::ScalarType st) {
+  return v.device() == x.device() && v.scalar_type() == st && v.is_contiguous() ? v : v.to(x.device(), st).contiguous();
+}
+
 // gocomm.moe.dispatch's arguments on a group of n ranks, with the errors of its other paths
 // (moe_kernels' check_args; moe.py's fast path leaves them to the op); then whether the kernels
 // take x (moe_kernels' takes, the rule moe.py asks through _C.moe_takes before the path is
@@ -123,8 +130,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const a
   check_dispatch(x, topk_idx, topk_weights, experts, n, cap, padded);
   // int64 ids and float32 weights on x's device, contiguous, as the kernels read them (no copy
   // where they are)
-  const at::Tensor idx = topk_idx.to(x.device(), at::kLong).contiguous();
-  const at::Tensor w = topk_weights.to(x.device(), at::kFloat).contiguous();
+  const at::Tensor idx = on_x(x, topk_idx, at::kLong), w = on_x(x, topk_weights, at::kFloat);
   const int64_t t = x.size(0), h = x.size(1), k = idx.size(1), per = experts / n;
   moe::check_ranks(n);
   const int dev = path->device();
@@ -284,18 +290,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_ll_cuda(const at::Tensor
                         "needs " + std::to_string(bound) + ", " + std::to_string(xbytes) + " and " +
                         std::to_string(layout.bytes) + " (make the first call the largest)");
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
-  // int64 ids and float32 weights on x's device, contiguous (each conversion is a dispatcher
-  // call even where nothing changes: asked first)
-  auto as = [&](const at::Tensor& v, at::ScalarType st) {
-    return v.device() == x.device() && v.scalar_type() == st && v.is_contiguous() ? v
-                                                                                  : v.to(x.device(), st).contiguous();
-  };
-  const at::Tensor idx = as(topk_idx, at::kLong), w = as(topk_weights, at::kFloat);
+  const at::Tensor idx = on_x(x, topk_idx, at::kLong), w = on_x(x, topk_weights, at::kFloat);
   const Carve c(t, n, k, per, cap, 0, 0);
   at::Tensor ws = at::empty({c.size}, x.options().dtype(at::kByte));
   at::Tensor tpe = at::empty({per}, x.options().dtype(at::kLong));
   at::Tensor out = at::empty({cap * k, h}, x.options());
-  LlArgs a{};
+  LlArgs a = ll->args();
   a.x = uint64_t(addr(x));
   a.idx = uint64_t(addr(idx));
   a.w = uint64_t(addr(w));
@@ -334,7 +334,7 @@ at::Tensor combine_ll_cuda(const at::Tensor& y_in, const at::Tensor& ws, int64_t
                     "gocomm moe_combine_ll: dispatch's workspace on y's device, for these sizes");
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
   at::Tensor out = at::empty({tokens, y.size(1)}, y.options());
-  LlArgs a{};
+  LlArgs a = ll->args();
   a.x = uint64_t(addr(y));
   a.out = uint64_t(addr(out));
   ws_fields(a, ws, c);

@@ -23,6 +23,11 @@ ROUTINGS = {
 }
 
 
+def _dev(rk, device):
+    """The rank's device of that type (ranks share GPUs where there are fewer)."""
+    return torch.device(device, rk.rank % torch.cuda.device_count()) if device == "cuda" else torch.device("cpu")
+
+
 def _elsewhere(rk, device):
     """On CUDA, make a device other than the rank's current (as torch's NCCL backend allows,
     ops run on their tensors' device); this once broke the shim's stream operations."""
@@ -31,7 +36,7 @@ def _elsewhere(rk, device):
 
 
 def check_all_to_all_v(rk, seed, device="cpu"):
-    dev = torch.device(device, rk.rank % torch.cuda.device_count()) if device == "cuda" else torch.device("cpu")
+    dev = _dev(rk, device)
     _elsewhere(rk, device)
     n, me = rk.size, rk.rank
     # On the NVSHMEM path (CUDA, where the sidecars chose it) the output is the whole buffer
@@ -156,7 +161,7 @@ def _routing(seed, src, tokens, experts, k, n, label):
 
 
 def check_moe(rk, seed, device="cpu", per=4):
-    dev = torch.device(device, rk.rank % torch.cuda.device_count()) if device == "cuda" else torch.device("cpu")
+    dev = _dev(rk, device)
     _elsewhere(rk, device)
     n, me = rk.size, rk.rank
     ck = Checker(f"moe dispatch/combine on {device}", seed, me)
@@ -392,11 +397,6 @@ def test_all_to_all_v(worlds, seed, size):
 @pytest.mark.parametrize("size", [1, 2, 4])
 def test_moe_dispatch_combine(worlds, seed, size):
     worlds.get(size).run(check_moe, seed=seed)
-
-
-def _dev(rk, device):
-    """The rank's device of that type (ranks share GPUs where there are fewer)."""
-    return torch.device(device, rk.rank % torch.cuda.device_count()) if device == "cuda" else torch.device("cpu")
 
 
 def check_all_to_all_v_backward(rk, seed, device="cpu"):

@@ -193,8 +193,7 @@ def _measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
         return gocomm.moe.dispatch(x, didx, weights, args.experts, max_tokens_per_rank=tokens, low_latency=True)
 
     if tokens > 1024:  # more than its kernels take: moe.dispatch would run the padded path
-        for name in ("dispatch", "combine", "dispatch+combine"):
-            res[f"gocomm {name} low-latency" + (" graph" if "+" in name else "")] = "n/a (over 1024 tokens)"
+        res.update((v, "n/a (over 1024 tokens)") for v in VARIANTS if "low-latency" in v)
         return res
     run("gocomm dispatch low-latency", lambda: _timeit(low_latency, sync))
     lrecv, _, lhandle = low_latency()
