@@ -126,18 +126,23 @@ def _join(rank: int, world: int, port: int):
     return dev, nccl, sync
 
 
-def _host_paired(fns: dict, iters=200, warm=20) -> dict:
+def _host_paired(fns: dict, iters=200, warm=20, idle=True) -> dict:
     """The host time of one call of each implementation (us, median of iters): the wall time in
-    the calling thread, the stream idle before each call, the implementations interleaved."""
+    the calling thread, the implementations interleaved. idle: the stream idle before each call;
+    else back to back, the GPU behind (a sync every 10 rounds keeps the launch queue short), as a
+    training loop calls them."""
     import time
 
     for fn in fns.values():
         for _ in range(warm):
             fn()
     ts = {name: [] for name in fns}
-    for _ in range(iters):
-        for name, fn in fns.items():
+    for i in range(iters):
+        if not idle and i % 10 == 0:
             torch.cuda.synchronize()
+        for name, fn in fns.items():
+            if idle:
+                torch.cuda.synchronize()
             t0 = time.perf_counter_ns()
             fn()
             ts[name].append((time.perf_counter_ns() - t0) / 1000)

@@ -44,12 +44,14 @@ time per op in a loop of back-to-back ops, its GB/s and the same two ratios.
 
 --host times instead the host side of each call (gocomm's ranks only): the wall time of
 gocomm.all_to_all_v (and of the same op called as torch.ops, as compiled graphs call it; the
-low-latency ops too, and three torch.empty calls for the allocations' share),
+low-latency ops too; torch's add_ on 16 elements, the floor of an op of one launch, and
+three torch.empty calls for the allocations' share),
 moe.dispatch(padded=True), moe.dispatch(low_latency=True) and moe.combine of their handles
 in the calling thread
-(time.perf_counter_ns), after warm-up, the stream idle before each call, against torch's NCCL
-all_to_all_single of the same rows (splits known) in the same processes: the median of 200
-calls, the variants interleaved, of the slowest rank.
+(time.perf_counter_ns), after warm-up, against torch's NCCL all_to_all_single of the same rows
+(splits known) in the same processes: the median of 200 calls, the variants interleaved, of the
+slowest rank; once with the stream idle before each call, once back to back with the GPU
+behind ("(busy)"), as a training loop calls them.
 """
 
 from __future__ import annotations
@@ -224,6 +226,7 @@ def _host_measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
     precv, _, handle = padded()
     lrecv, _, lhandle = low_latency()
     a2av_op, name = torch.ops.gocomm.all_to_all_v_out.default, dist.group.WORLD.group_name
+    small = torch.zeros(16, device=dev)
     ll_ops = (torch.ops.gocomm.moe_dispatch_ll.default, torch.ops.gocomm.moe_combine_ll.default)
     fns = {
         "torch nccl a2a (splits known)": lambda: dist.all_to_all_single(out, inp, recv, send, group=nccl),
@@ -239,6 +242,8 @@ def _host_measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
         "gocomm combine low-latency torch.ops": lambda: ll_ops[1](
             lrecv, lhandle.state, tokens, tokens, args.topk, args.experts, name
         ),
+        # the platform's floor for an op of one launch from Python
+        "torch add_": lambda: small.add_(1),
         "torch.empty x3": lambda: (
             torch.empty(tokens, device=dev),
             torch.empty(8, device=dev),
@@ -247,6 +252,8 @@ def _host_measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
     }
     sync()
     host = _host_paired(fns)
+    sync()
+    host.update({f"{k} (busy)": v for k, v in _host_paired(fns, idle=False).items()})
     worst = torch.tensor(list(host.values()), dtype=torch.float64, device=dev)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=nccl)
     return {"tokens": tokens, "world": world, "host": dict(zip(host, worst.tolist(), strict=True))}
