@@ -674,6 +674,7 @@ def test_autograd_cuda(worlds, seed, size):
 
     with worlds.fresh(size, label="autograd", env=_sharing(size)) as w:
         w.run(check_all_to_all_v_backward, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
+        # first of the low-latency calls: the group's first one sizes its buffer for the rest
         w.run(check_no_silent_backward, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
         for dtype in (torch.float32, torch.bfloat16):
             w.run(check_moe_backward, seed=seed, device="cuda", dtype=dtype, timeout=RUN_LIMIT_S)
