@@ -128,24 +128,27 @@ def _join(rank: int, world: int, port: int):
 
 def _host_paired(fns: dict, iters=200, warm=20, idle=True) -> dict:
     """The host time of one call of each implementation (us, median of iters): the wall time in
-    the calling thread, the implementations interleaved. idle: the stream idle before each call;
-    else back to back, the GPU behind (a sync every 10 rounds keeps the launch queue short), as a
-    training loop calls them."""
+    the calling thread. idle: the stream idle before each call, the implementations
+    interleaved call by call; else back to back, as a loop calls them: blocks of 10 calls of
+    one implementation after a sync and one uncounted call, the GPU behind, the
+    implementations' blocks interleaved (interleaving single calls would charge each call
+    for the one before it)."""
     import time
 
     for fn in fns.values():
         for _ in range(warm):
             fn()
     ts = {name: [] for name in fns}
-    for i in range(iters):
-        if not idle and i % 10 == 0:
-            torch.cuda.synchronize()
+    block = 1 if idle else 10
+    for _ in range(iters // block):
         for name, fn in fns.items():
-            if idle:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter_ns()
-            fn()
-            ts[name].append((time.perf_counter_ns() - t0) / 1000)
+            torch.cuda.synchronize()
+            if not idle:
+                fn()
+            for _ in range(block):
+                t0 = time.perf_counter_ns()
+                fn()
+                ts[name].append((time.perf_counter_ns() - t0) / 1000)
     torch.cuda.synchronize()
     return {name: statistics.median(v) for name, v in ts.items()}
 

@@ -42,16 +42,15 @@ Columns: time of one op alone, bytes this rank sends to other ranks over that ti
 the ratios to torch's NCCL with the count exchange and to torch's all_to_all_vdev; then the
 time per op in a loop of back-to-back ops, its GB/s and the same two ratios.
 
---host times instead the host side of each call (gocomm's ranks only): the wall time of
-gocomm.all_to_all_v (and of the same op called as torch.ops, as compiled graphs call it; the
-low-latency ops too; torch's add_ on 16 elements, the floor of an op of one launch, and
-three torch.empty calls for the allocations' share),
-moe.dispatch(padded=True), moe.dispatch(low_latency=True) and moe.combine of their handles
-in the calling thread
-(time.perf_counter_ns), after warm-up, against torch's NCCL all_to_all_single of the same rows
-(splits known) in the same processes: the median of 200 calls, the variants interleaved, of the
-slowest rank; once with the stream idle before each call, once back to back with the GPU
-behind ("(busy)"), as a training loop calls them.
+--host times instead the host side of each call (gocomm's ranks only): the wall time in the
+calling thread (time.perf_counter_ns), after warm-up, of gocomm.all_to_all_v (and of the same
+op called as torch.ops, as compiled graphs call it), moe.dispatch(padded=True),
+moe.dispatch(low_latency=True) and moe.combine of their handles (the low-latency ops as
+torch.ops too), against torch's NCCL all_to_all_single of the same rows (splits known) in the
+same processes, with torch's add_ on 16 elements (the floor of an op of one launch) and three
+torch.empty calls (the allocations' share): the median of 200 calls of the slowest rank; once
+with the stream idle before each call (the variants interleaved call by call), once back to
+back with the GPU behind ("(busy)", blocks of 10 calls of one variant), as a loop calls them.
 """
 
 from __future__ import annotations
