@@ -13,8 +13,10 @@ the same ranks and times, on bf16 tensors, each op two ways (nccl-tests' columns
   iterations interleaved so that the machine's drift falls on both alike;
 - loop: 20 ops back to back between two events, time per op.
 --host times instead the host side of each call: the wall time of the call in the calling
-thread (time.perf_counter_ns), after warm-up, the stream idle before each call (median of 200,
-gocomm's and NCCL's calls interleaved), with the GPU work left queued as the call returns it.
+thread (time.perf_counter_ns), after warm-up, with the GPU work left queued as the call returns
+it (median of 200, in blocks of 10 calls of one backend, gocomm's and NCCL's blocks
+interleaved): once with the stream idle before each call, once back to back, the GPU behind,
+as a loop calls them.
 Columns (default mode): time (us), algorithm bandwidth (bytes / time) and bus bandwidth (algbw times 2(n-1)/n
 for all_reduce, (n-1)/n for the others), and gocomm's time over NCCL's. Set MPS up first
 (gocomm.launch) to measure what the design expects.
@@ -128,24 +130,24 @@ def _join(rank: int, world: int, port: int):
 
 def _host_paired(fns: dict, iters=200, warm=20, idle=True) -> dict:
     """The host time of one call of each implementation (us, median of iters): the wall time in
-    the calling thread. idle: the stream idle before each call, the implementations
-    interleaved call by call; else back to back, as a loop calls them: blocks of 10 calls of
-    one implementation after a sync and one uncounted call, the GPU behind, the
-    implementations' blocks interleaved (interleaving single calls would charge each call
-    for the one before it)."""
+    the calling thread, in blocks of 10 calls of one implementation, the implementations'
+    blocks interleaved (interleaving single calls would charge each call for the one before
+    it). idle: a sync before each call; else the block's calls back to back after a sync and
+    one uncounted call, the GPU behind, as a loop calls them."""
     import time
 
     for fn in fns.values():
         for _ in range(warm):
             fn()
     ts = {name: [] for name in fns}
-    block = 1 if idle else 10
-    for _ in range(iters // block):
+    for _ in range(iters // 10):
         for name, fn in fns.items():
             torch.cuda.synchronize()
             if not idle:
                 fn()
-            for _ in range(block):
+            for _ in range(10):
+                if idle:
+                    torch.cuda.synchronize()
                 t0 = time.perf_counter_ns()
                 fn()
                 ts[name].append((time.perf_counter_ns() - t0) / 1000)
@@ -162,6 +164,8 @@ def _host_worker(rank: int, world: int, port: int, sizes: list[int], ops: list[s
             fns = {name: _op(op, n, world, dev, g) for name, g in (("nccl", nccl), ("gocomm", None))}
             sync()
             host = _host_paired(fns)
+            sync()
+            host.update({f"{k} busy": v for k, v in _host_paired(fns, idle=False).items()})
             rows.append({"op": op, "bytes": n * 2, "world": world, "host": host})
             if rank == 0:
                 print(f"{op} {_fmt(n * 2)}: host us {host}", flush=True)
@@ -173,14 +177,17 @@ def _host_worker(rank: int, world: int, port: int, sizes: list[int], ops: list[s
 
 def _print_host_table(rows, world) -> None:
     print(f"host time per call (us, median), {world}x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    hdr = f"{'op':18s} {'size':>6s} | {'nccl us':>9s} {'gocomm us':>9s} {'ratio':>6s}"
+    cols = f"{'nccl us':>9s} {'gocomm us':>9s} {'ratio':>6s}"
+    print(f"{'':25s} | {'stream idle':^26s} | {'back to back':^26s}")
+    hdr = f"{'op':18s} {'size':>6s} | {cols} | {cols}"
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        h = r["host"]
-        print(
-            f"{r['op']:18s} {_fmt(r['bytes']):>6s} | {h['nccl']:9.1f} {h['gocomm']:9.1f} {h['gocomm'] / h['nccl']:6.2f}"
-        )
+        h, line = r["host"], f"{r['op']:18s} {_fmt(r['bytes']):>6s}"
+        for sfx in ("", " busy"):
+            nccl, ours = h["nccl" + sfx], h["gocomm" + sfx]
+            line += f" | {nccl:9.1f} {ours:9.1f} {ours / nccl:6.2f}"
+        print(line)
 
 
 def _sidecar_ops() -> int:

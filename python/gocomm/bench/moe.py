@@ -48,9 +48,9 @@ op called as torch.ops, as compiled graphs call it), moe.dispatch(padded=True),
 moe.dispatch(low_latency=True) and moe.combine of their handles (the low-latency ops as
 torch.ops too), against torch's NCCL all_to_all_single of the same rows (splits known) in the
 same processes, with torch's add_ on 16 elements (the floor of an op of one launch) and three
-torch.empty calls (the allocations' share): the median of 200 calls of the slowest rank; once
-with the stream idle before each call (the variants interleaved call by call), once back to
-back with the GPU behind ("(busy)", blocks of 10 calls of one variant), as a loop calls them.
+torch.empty calls (the allocations' share): the median of 200 calls of the slowest rank, in
+blocks of 10 calls of one variant (gpu._host_paired); once with the stream idle before each
+call, once back to back with the GPU behind ("(busy)"), as a loop calls them.
 """
 
 from __future__ import annotations
