@@ -441,7 +441,11 @@ func (g *Group) runCollective(ep *transport.Endpoint, seq uint64, o *op) {
 	case wire.OpAllToAll:
 		sig.Count = 0 // splits differ per rank; the transport checks each pair's length
 	}
-	err := runHost(ctx, hostComm{ep.Op(seq, sig)}, d, o.bufs)
+	comm := ep.Op(seq, sig)
+	err := runHost(ctx, hostComm{comm}, d, o.bufs)
+	if err == nil {
+		err = comm.Done() // a peer's part this rank ran without: a mismatch
+	}
 	if err != nil {
 		status, msg := g.failure(ctx, d, seq, o.timeout, err)
 		ep.Break(errors.New(msg))

@@ -83,17 +83,47 @@ func (c *OpComm) Recv(from int, t Tag, s Sink) *Request {
 	return r
 }
 
+// Done tells the endpoint that this rank finished the collective (invariant 9): a frame of
+// it, or of an earlier one, that no receive took is a mismatch, which breaks the endpoint
+// and is returned. Call it once the collective's receives all finished without error.
+func (c *OpComm) Done() error {
+	ep := c.ep
+	ep.mu.Lock()
+	if c.seq+1 > ep.done {
+		ep.done = c.seq + 1
+	}
+	ep.doneSigs[c.seq%uint64(len(ep.doneSigs))] = c.sig
+	var left []*early
+	for k, e := range ep.early {
+		if k.seq <= c.seq {
+			delete(ep.early, k)
+			left = append(left, e)
+		}
+	}
+	if len(left) == 0 {
+		ep.mu.Unlock()
+		return nil
+	}
+	first := left[0]
+	for _, e := range left {
+		if e.f.seq < first.f.seq || (e.f.seq == first.f.seq && e.src < first.src) {
+			first = e
+		}
+	}
+	err := ep.unreadLocked(first.src, &first.f)
+	ep.mu.Unlock()
+	for _, e := range left {
+		e.release() // outside mu: an ack is a send
+	}
+	ep.Break(err)
+	return err
+}
+
 // checkColl compares an arriving frame with the receive it matched.
 func checkColl(r *Request, from int, f *frame) error {
 	if !f.sig.equal(r.sig) {
-		theirs := f.sig
-		if theirs.Op == r.sig.Op {
-			theirs.OpName = r.sig.OpName
-		} else if opName != nil {
-			theirs.OpName = opName(theirs.Op)
-		}
 		return fmt.Errorf("%w: rank %d called %s, this rank called %s", ErrMismatch, from,
-			describe(theirs), describe(r.sig))
+			describe(named(f.sig, r.sig)), describe(r.sig))
 	}
 	if f.length != uint64(r.sink.Len()) {
 		return fmt.Errorf("%w: rank %d sent %d bytes for %s, this rank expects %d", ErrMismatch, from,

@@ -60,6 +60,12 @@ var (
 //  8. Early frames are charged to their sender (unmatched: inline bytes plus earlyCost each)
 //     until taken or released; a sender past Config.UnmatchedMax breaks the endpoint
 //     (ErrUnmatchedMax) before its next frame is read into memory.
+//  9. A rank runs its collectives one at a time in seq order and says when one is done
+//     (OpComm.Done): a frame of a seq this rank finished that no receive took, kept early or
+//     arriving after, was sent for a collective this rank ran without it (the ranks disagree
+//     on its shape, e.g. its root), and breaks the endpoint as a mismatch. Without this a
+//     small frame to a rank that expected none would wait unread forever and every rank
+//     would go on with different data.
 type Endpoint struct {
 	node   *Node
 	id     [16]byte
@@ -75,7 +81,9 @@ type Endpoint struct {
 	left      []bool // peer said bye
 	posted    map[collKey]*Request
 	early     map[collKey]*early
-	lastSeq   []uint64 // per peer: highest seq+1 seen in a collective frame
+	lastSeq   []uint64     // per peer: highest seq+1 seen in a collective frame
+	done      uint64       // collectives of seq < done finished on this rank (invariant 9)
+	doneSigs  [8]Signature // the signatures of the last of them, at seq % 8, for errors
 	p2pPosted map[p2pKey][]*Request
 	anyPosted map[int64][]*Request
 	p2pEarly  map[p2pKey][]*early
@@ -255,6 +263,30 @@ var opName func(op uint8) string
 
 // SetOpNames tells the transport how to name the op codes of signatures (call once, at start).
 func SetOpNames(f func(op uint8) string) { opName = f }
+
+// named gives a peer's signature (whose name is not sent) the name this rank's op of its code
+// has, for describe.
+func named(theirs, ours Signature) Signature {
+	if theirs.Op == ours.Op {
+		theirs.OpName = ours.OpName
+	} else if opName != nil {
+		theirs.OpName = opName(theirs.Op)
+	}
+	return theirs
+}
+
+// unreadLocked is the mismatch of invariant 9: from sent f for a collective this rank
+// finished without taking it. Called with mu held.
+func (ep *Endpoint) unreadLocked(from int, f *frame) error {
+	ours := fmt.Sprintf("collective #%d", f.seq)
+	var sig Signature
+	if f.seq+uint64(len(ep.doneSigs)) >= ep.done { // recent enough to be remembered
+		sig = ep.doneSigs[f.seq%uint64(len(ep.doneSigs))]
+		ours = describe(sig)
+	}
+	return fmt.Errorf("%w: rank %d sent a part of %s #%d, which this rank ran as %s without a part from rank %d",
+		ErrMismatch, from, describe(named(f.sig, sig)), f.seq, ours, from)
+}
 
 // describe renders a signature for errors, e.g. "op 1 (float32 sum, root 0, count 1024)".
 func describe(s Signature) string {

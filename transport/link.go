@@ -281,7 +281,15 @@ func (ep *Endpoint) deliverColl(from int, f *frame, p payload, scratch []byte) e
 		delete(ep.posted, key)
 		ep.fills.Add(1)
 	}
+	var late error
+	if r == nil && f.seq < ep.done { // invariant 9
+		late = ep.unreadLocked(from, f)
+	}
 	ep.mu.Unlock()
+	if late != nil {
+		ep.Break(late)
+		return p.discard(f.length)
+	}
 	for _, s := range stale {
 		err := fmt.Errorf("%w: rank %d moved on to a later collective without sending its part of %s", ErrMismatch, from, s.what)
 		s.finish(err)
@@ -318,6 +326,13 @@ func (ep *Endpoint) deliverColl(from int, f *frame, p payload, scratch []byte) e
 		return nil
 	}
 	r = ep.posted[key]
+	if r == nil && f.seq < ep.done { // the collective finished while the frame was read
+		late := ep.unreadLocked(from, f)
+		ep.mu.Unlock()
+		e.release()
+		ep.Break(late)
+		return nil
+	}
 	if r == nil {
 		ep.early[key] = e
 		ep.mu.Unlock()

@@ -111,6 +111,76 @@ func TestMovedOn(t *testing.T) {
 	}
 }
 
+// TestUnreadPart: a rank that finished a collective without taking a peer's part of it (the
+// ranks disagree on its root, say) finds the mismatch whether the part arrived before it
+// said Done or after, and the group breaks (invariant 9).
+func TestUnreadPart(t *testing.T) {
+	bcast := Signature{Op: 2, DType: wire.Float32, Count: 4, Root: 1, OpName: "broadcast"}
+	ours := bcast
+	ours.Root = 0
+	t.Run("kept early", func(t *testing.T) {
+		_, eps := group(t, 2, "a secret of at least sixteen bytes")
+		ctx := ctxT(t)
+		// rank 1 thinks it is the root and sends; rank 0 thinks so too and takes nothing
+		if err := eps[1].Op(0, bcast).Send(0, Tag{}, make([]byte, 16)).Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			eps[0].mu.Lock()
+			n := len(eps[0].early)
+			eps[0].mu.Unlock()
+			if n > 0 || time.Now().After(deadline) {
+				break
+			}
+			time.Sleep(time.Millisecond)
+		}
+		err := eps[0].Op(0, ours).Done()
+		if !errors.Is(err, ErrMismatch) || !strings.Contains(err.Error(), "root=1") ||
+			!strings.Contains(err.Error(), "root=0") {
+			t.Fatalf("Done = %v, want a mismatch naming both roots", err)
+		}
+		if eps[0].Broken() == nil {
+			t.Fatal("the mismatch must break the group")
+		}
+	})
+	t.Run("arriving after", func(t *testing.T) {
+		_, eps := group(t, 2, "a secret of at least sixteen bytes")
+		ctx := ctxT(t)
+		if err := eps[0].Op(0, ours).Done(); err != nil {
+			t.Fatal(err)
+		}
+		// rank 0 goes on to the next collective; rank 1's part of the first one arrives
+		r := eps[0].Op(1, sigF32).Recv(1, Tag{}, copySink{Dst: make([]byte, 16)})
+		eps[1].Op(0, bcast).Send(0, Tag{}, make([]byte, 16))
+		err := r.Wait(ctx)
+		if !errors.Is(err, ErrMismatch) || !strings.Contains(err.Error(), "broadcast(") {
+			t.Fatalf("next receive = %v, want the mismatch naming the broadcast", err)
+		}
+	})
+	t.Run("taken parts are no mismatch", func(t *testing.T) {
+		_, eps := group(t, 2, "a secret of at least sixteen bytes")
+		ctx := ctxT(t)
+		for seq := uint64(0); seq < 3; seq++ {
+			a, b := eps[0].Op(seq, sigF32), eps[1].Op(seq, sigF32)
+			s := a.Send(1, Tag{}, make([]byte, 16))
+			time.Sleep(10 * time.Millisecond) // early on the even seqs' second frame
+			if err := b.Recv(0, Tag{}, copySink{Dst: make([]byte, 16)}).Wait(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Wait(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if err := a.Done(); err != nil {
+				t.Fatal(err)
+			}
+			if err := b.Done(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	})
+}
+
 func TestWrongSecretIsRejected(t *testing.T) {
 	nodes, _ := group(t, 2, "the real secret, sixteen+ bytes")
 	impostor, err := nodes[0].Join([]byte("a different secret, 16+ bytes"), 0, []string{nodes[0].Addr(), nodes[1].Addr()})

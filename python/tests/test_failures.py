@@ -55,6 +55,9 @@ def check_disagree(rk, seed, case):
                 dist.all_reduce(torch.ones(8), group=g)
             else:
                 dist.all_gather([torch.zeros(8) for _ in range(n)], torch.ones(8), group=g)
+        elif case == "root":  # every rank the root of its broadcast (a small one: no rank waits), then all_reduce
+            dist.broadcast(torch.full((4,), float(me)), src=me, group=g)
+            dist.all_reduce(torch.ones(8), group=g)
         elif case == "skip":  # rank 1 calls all_reduce once then barrier; the others all_reduce twice
             dist.all_reduce(torch.ones(8), group=g)
             if me == 1:
@@ -95,12 +98,16 @@ def disagree_failures(results, words, first=0):
         (2, "kind", ["mismatch"]),
         (3, "kind", ["mismatch"]),
         (3, "skip", []),
+        (2, "root", ["mismatch", "broadcast"]),
+        (3, "root", ["mismatch", "broadcast"]),
     ],
     ids=[
         "w2-count-10-vs-12",
         "w2-all_reduce-vs-all_gather",
         "w3-all_reduce-vs-all_gather",
         "w3-rank1-skips",
+        "w2-every-rank-its-own-broadcast-root",
+        "w3-every-rank-its-own-broadcast-root",
     ],
 )
 def test_ranks_that_disagree_get_errors(worlds, seed, size, case, words):
