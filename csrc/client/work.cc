@@ -70,14 +70,20 @@ bool Work::wait(std::chrono::milliseconds timeout) {
     return true;
   }
   double limit = limit_;
-  if (timeout != kNoTimeout && timeout.count() > 0) {
-    limit = std::min(limit, timeout.count() / 1000.0);
+  const bool caller = timeout != kNoTimeout && timeout.count() > 0 && timeout.count() / 1000.0 < limit_;
+  if (caller) {
+    limit = timeout.count() / 1000.0;
   }
   std::unique_lock<std::mutex> lock(mutex_);
   const bool done = cv_.wait_for(lock, std::chrono::duration<double>(limit), [this] { return completed_; });
   if (!done) {
     char secs[32];
-    std::snprintf(secs, sizeof secs, "%.0f", limit);
+    std::snprintf(secs, sizeof secs, "%.3g", limit);
+    if (caller) {  // the caller's own bound: the op goes on, and a later wait() can still get it
+      C10_THROW_ERROR(DistBackendError, "gocomm " + op_ + ": not completed within wait()'s timeout of " + secs +
+                                            "s; the op is still running (the group's timeout bounds it), and a " +
+                                            "later wait() returns its result");
+    }
     C10_THROW_ERROR(DistBackendError, "gocomm " + op_ + ": no completion from pgserver within " + secs +
                                           "s (the sidecar enforces op deadlines itself; it may be wedged)");
   }
@@ -169,8 +175,15 @@ c10::intrusive_ptr<BatchWork> BatchWork::make(std::string op, std::vector<c10::i
 }
 
 bool BatchWork::wait(std::chrono::milliseconds timeout) {
+  // the caller's timeout bounds the batch, not each of its works
+  const auto end = std::chrono::steady_clock::now() + timeout;
   for (auto& w : works_) {
-    w->wait(timeout);
+    auto left = timeout;
+    if (timeout != kNoTimeout && timeout.count() > 0) {
+      left = std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                         end - std::chrono::steady_clock::now()));
+    }
+    w->wait(left);
   }
   return true;
 }

@@ -153,6 +153,52 @@ def check_world_works(rk, seed):
     return True
 
 
+# ----- wait() with a timeout of the caller's -----------------------------------------------------
+
+
+def check_wait_timeout(rk, seed):
+    """Rank 0 waits 0.2 s for an all_reduce (alone and in a coalesced batch of two) that rank 1
+    joins 1.5 s late: wait() raises at 0.2 s saying the caller's timeout passed and the op goes
+    on; a later wait() returns the right sum and the group still works."""
+    me = rk.rank
+    ck = Checker("wait(timeout)", seed, me)
+    for batch in (False, True):
+        with ck.case("a batch of two" if batch else "one op"):
+            if me == 1:
+                time.sleep(1.5)
+            ts = [torch.full((8,), float(me + 1 + i)) for i in range(2 if batch else 1)]
+            if batch:
+                with dist._coalescing_manager(async_ops=True) as cm:
+                    for t in ts:
+                        dist.all_reduce(t)
+                assert len(cm.works) == 1, cm.works  # the backend's one Work of the batch
+                work = cm.works[0]
+            else:
+                work = dist.all_reduce(ts[0], async_op=True)
+            if me == 0:
+                t0 = time.monotonic()
+                try:
+                    work.wait(timeout=datetime.timedelta(milliseconds=200))
+                    ck.fail("wait", "returned before the peer joined")
+                except dist.DistBackendError as e:
+                    took = time.monotonic() - t0
+                    ck.expect("raised at the caller's timeout", 0.15 < took < 1.0, f"after {took:.2f}s")
+                    ck.expect(
+                        "says whose timeout and that the op goes on",
+                        "wait()'s timeout of 0.2s" in str(e) and "still running" in str(e),
+                        str(e),
+                    )
+            work.wait()
+            for i, t in enumerate(ts):
+                ck.expect(f"sum {i}", bool(torch.all(t == 3 + 2 * i)), str(t.tolist()))
+    ck.done()
+    return check_world_works(rk, seed)
+
+
+def test_wait_timeout_leaves_the_op_running(worlds, seed):
+    worlds.get(2).run(check_wait_timeout, seed=seed)
+
+
 # ----- a sidecar killed mid-collective ------------------------------------------------------------
 
 
