@@ -40,8 +40,20 @@ std::tuple<at::Tensor, at::Tensor> a2av_out(const at::Tensor& input, const at::T
   return {o, s};
 }
 
+// The devices the real kernels check: a meta tensor among real ones dispatches here, where
+// nothing would be exchanged.
+void same_devices(const at::Tensor& input, const at::Tensor& in_splits, const at::Tensor* out) {
+  TORCH_CHECK_VALUE(in_splits.is_cpu() || in_splits.device() == input.device(),
+                    "gocomm all_to_all_v: in_splits is on " + in_splits.device().str() + ", input on " +
+                        input.device().str());
+  TORCH_CHECK_VALUE(out == nullptr || out->device() == input.device(),
+                    "gocomm all_to_all_v: out is on " + (out ? out->device().str() : "") + ", input on " +
+                        input.device().str());
+}
+
 std::tuple<at::Tensor, at::Tensor> a2av_meta(const at::Tensor& input, const at::Tensor& in_splits,
                                              c10::SymInt out_rows, std::string) {
+  same_devices(input, in_splits, nullptr);
   const auto rows = out_rows.maybe_as_int();
   TORCH_CHECK_NOT_IMPLEMENTED(!rows || *rows >= 0,
                               "gocomm all_to_all_v: out_rows -1 (the path's default) has no shape before the call; "
@@ -51,8 +63,9 @@ std::tuple<at::Tensor, at::Tensor> a2av_meta(const at::Tensor& input, const at::
   return {at::empty_symint(shape, input.options()), at::empty_symint(in_splits.sym_sizes(), in_splits.options())};
 }
 
-std::tuple<at::Tensor, at::Tensor> a2av_out_meta(const at::Tensor&, const at::Tensor& in_splits, at::Tensor& out,
-                                                 std::string) {
+std::tuple<at::Tensor, at::Tensor> a2av_out_meta(const at::Tensor& input, const at::Tensor& in_splits,
+                                                 at::Tensor& out, std::string) {
+  same_devices(input, in_splits, &out);
   return {out, at::empty_symint(in_splits.sym_sizes(), in_splits.options())};
 }
 

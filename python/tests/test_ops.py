@@ -38,6 +38,21 @@ def test_all_to_all_v_default_rows_have_no_meta_shape():
         torch.ops.gocomm.all_to_all_v(x, torch.empty(2, dtype=torch.int64, device="meta"), -1, "g")
 
 
+def test_a_meta_tensor_among_real_ones_is_refused():
+    # the dispatcher sends any call with a meta tensor to the Meta kernel, which exchanges
+    # nothing: it checks the devices as the real kernels do instead of returning quietly
+    x, s = torch.ones(4, 2), torch.ones(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="in_splits is on meta, input on cpu"):
+        torch.ops.gocomm.all_to_all_v(x, s.to("meta"), 8, "g")
+    with pytest.raises(ValueError, match="in_splits is on meta, input on cpu"):
+        torch.ops.gocomm.all_to_all_v_out(x, s.to("meta"), torch.empty(8, 2), "g")
+    with pytest.raises(ValueError, match="out is on meta, input on cpu"):
+        torch.ops.gocomm.all_to_all_v_out(x, s, torch.empty(8, 2, device="meta"), "g")
+    # CPU splits with meta tensors are what a trace passes, as the real kernels take them
+    out, got = torch.ops.gocomm.all_to_all_v(x.to("meta"), s, 8, "g")
+    assert (out.shape, got.device.type) == ((8, 2), "cpu")
+
+
 def test_schemas_name_the_mutation():
     a = torch.ops.gocomm.all_to_all_v.default._schema
     b = torch.ops.gocomm.all_to_all_v_out.default._schema
