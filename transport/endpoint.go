@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -253,6 +254,13 @@ func (ep *Endpoint) lost(peer int, err error) error {
 	case <-ep.inEnded[peer]:
 	case <-t.C:
 	case <-ep.ctx.Done():
+	}
+	ep.mu.Lock()
+	left := ep.left[peer]
+	ep.mu.Unlock()
+	if left { // it said bye first: it destroyed its group, or its process closed it
+		err = fmt.Errorf("%w: rank %d left the group while this rank still had data for it (%s)", ErrPeerLost, peer,
+			strings.TrimPrefix(err.Error(), ErrPeerLost.Error()+": "))
 	}
 	ep.Break(err)
 	return ep.Broken()

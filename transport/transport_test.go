@@ -295,6 +295,30 @@ func TestCloseSaysBye(t *testing.T) {
 	}
 }
 
+// TestSendToADepartedPeer: data for a peer that said bye (it destroyed its group while this
+// rank's op was under way) fails naming the departure, not as a bare broken pipe.
+func TestSendToADepartedPeer(t *testing.T) {
+	_, eps := group(t, 2, "a secret of at least sixteen bytes")
+	ctx := ctxT(t)
+	for _, r := range []*Request{ // links both ways, as after any op of the group
+		eps[0].Op(0, sigF32).Send(1, Tag{}, make([]byte, 16)),
+		eps[1].Op(0, sigF32).Send(0, Tag{}, make([]byte, 16)),
+	} {
+		if err := r.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	eps[1].Close()
+	var err error
+	for i := uint64(1); i < 200 && err == nil; i++ { // until the writes reach the closed socket
+		err = eps[0].Op(i, sigF32).Send(1, Tag{}, make([]byte, 1<<20)).Wait(ctx)
+	}
+	if !errors.Is(err, ErrPeerLost) || !strings.Contains(err.Error(), "rank 1 left the group") ||
+		!strings.Contains(err.Error(), "(link to rank 1: ") {
+		t.Fatalf("send to a departed peer = %v, want it named as left", err)
+	}
+}
+
 // TestAbortReachesLateJoiner: a rank that breaks the group and leaves at once (the client
 // destroys the group on the error) still tells a peer that joined after the break; that
 // peer's receive fails with the abort, not at its timeout.
