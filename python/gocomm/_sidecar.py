@@ -36,7 +36,7 @@ def find_pgserver() -> str:
     """The pgserver binary: $GOCOMM_PGSERVER, then next to this package, then on PATH."""
     env = _config.pgserver()
     if env:
-        if not os.access(env, os.X_OK):
+        if not (os.path.isfile(env) and os.access(env, os.X_OK)):
             raise SidecarError(f"GOCOMM_PGSERVER={env} is not an executable file")
         return env
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", "pgserver")
@@ -225,6 +225,7 @@ class Sidecar:
                 return
             except grpc.FutureTimeoutError:
                 if time.monotonic() > deadline:
+                    self.close()  # a pgserver started here goes with the failed start
                     raise SidecarError(f"pgserver did not answer on {self.socket} within {timeout}s") from None
 
     def _log_tail(self) -> str:
@@ -353,10 +354,9 @@ class Sidecar:
                 self.stub.Detach(pb.DetachRequest(session=session, reason="client closed"), timeout=5)
             except grpc.RpcError:
                 pass
-        try:
-            self._watch.cancel()
-        except Exception:
-            pass
+        watch = getattr(self, "_watch", None)  # None where closed before attaching
+        if watch is not None:
+            watch.cancel()
         client = getattr(self, "client", None)  # None where attaching failed
         if client is not None:
             client.close()
@@ -364,7 +364,7 @@ class Sidecar:
             try:
                 self.stub.Shutdown(pb.ShutdownRequest(reason="client closed"), timeout=5)
             except grpc.RpcError:
-                pass
+                self.proc.kill()  # not answering (a start that timed out): it cannot be asked to go
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:

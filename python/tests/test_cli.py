@@ -135,9 +135,10 @@ def test_doctor_names_a_pgserver_of_another_version(other_pgserver):
 
 
 def test_doctor_names_a_missing_pgserver(tmp_path):
-    p = _gocomm("doctor", env={"GOCOMM_PGSERVER": str(tmp_path / "nope")})
-    assert p.returncode == 1
-    assert f"[fail] pgserver     GOCOMM_PGSERVER={tmp_path / 'nope'} is not an executable file" in p.stdout
+    for path in (tmp_path / "nope", tmp_path):  # a directory passes os.access(X_OK) too
+        p = _gocomm("doctor", env={"GOCOMM_PGSERVER": str(path)})
+        assert p.returncode == 1
+        assert f"[fail] pgserver     GOCOMM_PGSERVER={path} is not an executable file" in p.stdout, p.stdout
 
 
 def test_bench_names_the_benchmarks():

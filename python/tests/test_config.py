@@ -221,6 +221,40 @@ def test_attached_sidecar_knobs_are_its_own(fresh, tmp_path, caplog):
         proc.wait(timeout=30)
 
 
+def test_a_failed_start_leaves_no_pgserver(fresh, tmp_path):
+    """A sidecar that does not answer within GOCOMM_START_TIMEOUT fails init_process_group;
+    the pgserver started for it goes too, at each of three tries in one process (they shared
+    a socket path and a log file before)."""
+    import gocomm._sidecar as sc
+
+    slow = tmp_path / "slowpg.sh"
+    slow.write_text(f'#!/bin/sh\nsleep 3\nexec {sc.find_pgserver()} "$@"\n')
+    slow.chmod(0o755)
+    code = (
+        "import os, time, torch.distributed as dist, gocomm\n"
+        "for _ in range(3):\n"
+        "    try:\n"
+        "        dist.init_process_group('gocomm', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "        print('started')\n"
+        "    except Exception as e:\n"
+        "        print(type(e).__name__, e)\n"
+        "time.sleep(4)  # past the wrapper's sleep: a pgserver left behind would be up by now\n"
+        "mine = f'--parent-pid\\0{os.getpid()}\\0'.encode()\n"
+        "def cmd(p):\n"
+        "    try:\n"
+        "        return open(f'/proc/{p}/cmdline', 'rb').read()\n"
+        "    except OSError:\n"
+        "        return b''\n"
+        "print('left:', [p for p in os.listdir('/proc') if p.isdigit() and mine in cmd(p)])\n"
+    )
+    env = dict(os.environ, GOCOMM_START_TIMEOUT="0.5", GOCOMM_PGSERVER=str(slow), GOCOMM_LOG_DIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    lines = p.stdout.splitlines()
+    assert p.returncode == 0 and len(lines) == 4, p.stdout + p.stderr
+    assert all("did not answer" in line for line in lines[:3]), p.stdout
+    assert lines[3] == "left: []", p.stdout
+
+
 def test_nccl_path_is_the_loaded_one():
     """The NCCL the shim names to its sidecar at attach (the compiled client's nccl_path): the
     libnccl this process loaded with torch, as /proc/self/maps names it; where none is loaded,
