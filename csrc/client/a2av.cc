@@ -36,9 +36,7 @@ void check(int64_t n, const at::Tensor& input, const at::Tensor& in_splits, cons
                     "gocomm all_to_all_v: in_splits must be an int32/int64 tensor of " + std::to_string(n) +
                         " entries (one per rank), got " + dtype_name(st) + " of shape " +
                         shape_name(in_splits.sizes()));
-  TORCH_CHECK_VALUE(in_splits.is_cpu() || in_splits.device() == input.device(),
-                    "gocomm all_to_all_v: in_splits is on " + in_splits.device().str() + ", input on " +
-                        input.device().str());
+  check_splits_device(input, in_splits);
   if (out == nullptr) {
     return;
   }
@@ -162,6 +160,12 @@ std::pair<at::Tensor, at::Tensor> host_counts(c10d::ProcessGroup& pg, Backend* b
 }
 
 }  // namespace
+
+void check_splits_device(const at::Tensor& input, const at::Tensor& in_splits) {
+  TORCH_CHECK_VALUE(in_splits.is_cpu() || in_splits.device() == input.device(),
+                    "gocomm all_to_all_v: in_splits is on " + in_splits.device().str() + ", input on " +
+                        input.device().str());
+}
 
 std::pair<at::Tensor, at::Tensor> all_to_all_v_any(const at::Tensor& input, const at::Tensor& in_splits,
                                                    const at::Tensor* out, int64_t out_rows, const std::string& group) {

@@ -40,6 +40,9 @@ namespace gocomm {
 std::pair<at::Tensor, at::Tensor> all_to_all_v_any(const at::Tensor& input, const at::Tensor& in_splits,
                                                    const at::Tensor* out, int64_t out_rows, const std::string& group);
 
+// in_splits on input's device or the CPU, as every path takes them (ValueError naming both).
+void check_splits_device(const at::Tensor& input, const at::Tensor& in_splits);
+
 // Raise Python's OverflowError with msg: through the hook the Python module sets (it can name
 // Python's exception types; this library cannot), else as a c10::Error.
 [[noreturn]] void raise_overflow(const std::string& msg);

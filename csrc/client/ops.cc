@@ -43,9 +43,7 @@ std::tuple<at::Tensor, at::Tensor> a2av_out(const at::Tensor& input, const at::T
 // The devices the real kernels check: a meta tensor among real ones dispatches here, where
 // nothing would be exchanged.
 void same_devices(const at::Tensor& input, const at::Tensor& in_splits, const at::Tensor* out) {
-  TORCH_CHECK_VALUE(in_splits.is_cpu() || in_splits.device() == input.device(),
-                    "gocomm all_to_all_v: in_splits is on " + in_splits.device().str() + ", input on " +
-                        input.device().str());
+  check_splits_device(input, in_splits);
   TORCH_CHECK_VALUE(out == nullptr || out->device() == input.device(),
                     "gocomm all_to_all_v: out is on " + (out ? out->device().str() : "") + ", input on " +
                         input.device().str());
