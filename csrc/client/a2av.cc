@@ -52,7 +52,7 @@ void check(int64_t n, const at::Tensor& input, const at::Tensor& in_splits, cons
 at::Tensor rows_like(const at::Tensor& input, int64_t rows) {
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.at(0) = rows;
-  return at::empty(shape, input.options());
+  return inproc::fresh(shape, input.options());
 }
 
 // The GPU paths' output: out, or out_rows rows, or by default input's rows times the group

@@ -1,5 +1,7 @@
 #include "inprocess.h"
 
+#include <ATen/EmptyTensor.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -275,6 +277,15 @@ bool lasting_stream(int device) {
   // an external stream's id is the one getStreamFromExternal gives its handle; torch's own
   // streams have ids of their pools (the default stream's handle is null)
   return cur.stream() == nullptr || cur.id() != c10::cuda::getStreamFromExternal(cur.stream(), dev).id();
+}
+
+at::Tensor fresh(at::IntArrayRef sizes, const at::TensorOptions& o) {
+  const c10::Device d = o.device();
+  if (!d.is_cuda() || d.index() != c10::cuda::current_device()) {
+    return at::empty(sizes, o);
+  }
+  return at::detail::empty_generic(sizes, c10::cuda::CUDACachingAllocator::get(),
+                                   c10::DispatchKeySet(c10::DispatchKey::CUDA), o.dtype().toScalarType(), std::nullopt);
 }
 
 KernelWork::KernelWork(std::vector<at::Tensor> result, cuda::Stream stream, int device, c10d::OpType type,
@@ -793,7 +804,7 @@ std::pair<at::Tensor, at::Tensor> Engine::all_to_all_v(A2Path& path, const at::T
   const at::Tensor splits = in_splits.is_cuda() && in_splits.is_contiguous()
                                 ? in_splits
                                 : in_splits.to(input.device()).contiguous();
-  at::Tensor out_splits = at::empty({size_}, splits.options());
+  at::Tensor out_splits = fresh({size_}, splits.options());
   path.report();
   path.exchange(reinterpret_cast<uint64_t>(input.data_ptr()), input.size(0),
                  reinterpret_cast<uint64_t>(splits.data_ptr()), splits.scalar_type() == at::kInt, nullptr,

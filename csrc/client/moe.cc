@@ -141,15 +141,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const a
   const int64_t send_cap = t * std::min(n, k);
   const Carve c(t, n, k, per, cap, send_cap * row, cap * row);
   const auto bytes = x.options().dtype(at::kByte);
-  at::Tensor ws = at::empty({c.size}, bytes);
-  at::Tensor tpe = at::empty({per}, x.options().dtype(at::kLong));
+  at::Tensor ws = fresh({c.size}, bytes);
+  at::Tensor tpe = fresh({per}, x.options().dtype(at::kLong));
   const uint64_t base = addr(ws);
   auto at_ = [&](int i) { return int64_t(base + uint64_t(c.at[i])); };
   const int64_t meta = at_(Carve::kCounts), recv_splits = int64_t(base) + c.recv_splits,
                 gmeta = int64_t(base) + c.gmeta;
   // the payload and the exchange's output live only through this call (freed in stream order:
   // the kernels below are queued before any reuse)
-  at::Tensor tmp = at::empty({c.big}, bytes);
+  at::Tensor tmp = fresh({c.big}, bytes);
   const int64_t payload = int64_t(addr(tmp)), recv = payload + c.recv;
   const int64_t flag = padded ? int64_t(flag_word(dev)) : 0;  // a synced dispatch raises at once
   const int64_t xi = int64_t(addr(x)), ii = int64_t(addr(idx)), wi = int64_t(addr(w));
@@ -163,10 +163,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const a
                                at_(Carve::kEIdx),       at_(Carve::kWE),      at_(Carve::kEOffs),
                                gmeta,                   at_(Carve::kCsplits), at_(Carve::kBhist)};
   if (padded) {  // grouped and gathered in one launch, into every row the output may need
-    at::Tensor out = at::empty({cap * k, h}, x.options());
+    at::Tensor out = fresh({cap * k, h}, x.options());
     moe::group_gather(dev, recv, layout, k, per, recv_splits, n, cap, grouping, flag, int64_t(addr(out)), xbytes,
                       at_(Carve::kSync));
-    return {out, tpe, ws, at::empty({0}, x.options().dtype(at::kLong))};
+    return {out, tpe, ws, fresh({0}, x.options().dtype(at::kLong))};
   }
   moe::group(dev, recv, layout, k, per, recv_splits, n, cap, grouping, flag);
   const at::Tensor counts = ws.slice(0, 0, (2 * n + 4) * 8).view(at::kLong).cpu();  // the one sync
@@ -184,7 +184,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const a
     moe::raise_sent_too_many(std::vector<int64_t>(v + n + 2, v + 2 * n + 2), cap);
   }
   const int64_t rows = v[2 * n + 2];
-  at::Tensor out = at::empty({rows, h}, x.options());
+  at::Tensor out = fresh({rows, h}, x.options());
   if (rows) {
     moe::gather(dev, int64_t(addr(out)), recv, at_(Carve::kRowsSorted), gmeta, rows, row, xbytes);
   }
@@ -214,7 +214,7 @@ at::Tensor combine_cuda(const at::Tensor& y_in, const at::Tensor& ws, int64_t to
   auto at_ = [&](int i) { return int64_t(base + uint64_t(c.at[i])); };
   const at::ScalarType dtype = y.scalar_type();
   moe::check_sums(dtype);
-  at::Tensor tmp = at::empty({recv_rows * h + send_rows * h}, y.options());
+  at::Tensor tmp = fresh({recv_rows * h + send_rows * h}, y.options());
   const int64_t partial = int64_t(addr(tmp)), back = partial + recv_rows * row;
   if (recv_rows) {  // gmeta[1]: the rows received
     moe::wsum(dev, dtype, partial, int64_t(addr(y)), at_(Carve::kEIdx), at_(Carve::kWE), at_(Carve::kEOffs),
@@ -222,7 +222,7 @@ at::Tensor combine_cuda(const at::Tensor& y_in, const at::Tensor& ws, int64_t to
   }
   path->exchange(uint64_t(partial), recv_rows, uint64_t(at_(Carve::kCsplits)), false, nullptr, uint64_t(back),
                  send_rows, uint64_t(at_(Carve::kBackSplits)), row);
-  at::Tensor out = at::empty({tokens, h}, y.options());
+  at::Tensor out = fresh({tokens, h}, y.options());
   if (tokens) {
     moe::wsum(dev, dtype, int64_t(addr(out)), back, at_(Carve::kTIdx), 0, at_(Carve::kTOffs), tokens, 0, h);
   }
@@ -292,9 +292,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_ll_cuda(const at::Tensor
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
   const at::Tensor idx = on_x(x, topk_idx, at::kLong), w = on_x(x, topk_weights, at::kFloat);
   const Carve c(t, n, k, per, cap, 0, 0);
-  at::Tensor ws = at::empty({c.size}, x.options().dtype(at::kByte));
-  at::Tensor tpe = at::empty({per}, x.options().dtype(at::kLong));
-  at::Tensor out = at::empty({cap * k, h}, x.options());
+  at::Tensor ws = fresh({c.size}, x.options().dtype(at::kByte));
+  at::Tensor tpe = fresh({per}, x.options().dtype(at::kLong));
+  at::Tensor out = fresh({cap * k, h}, x.options());
   LlArgs a = ll->args();
   a.x = uint64_t(addr(x));
   a.idx = uint64_t(addr(idx));
@@ -333,7 +333,7 @@ at::Tensor combine_ll_cuda(const at::Tensor& y_in, const at::Tensor& ws, int64_t
   TORCH_CHECK_VALUE(ws.dim() == 1 && ws.scalar_type() == at::kByte && ws.device() == y.device() && ws.size(0) >= c.size,
                     "gocomm moe_combine_ll: dispatch's workspace on y's device, for these sizes");
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
-  at::Tensor out = at::empty({tokens, y.size(1)}, y.options());
+  at::Tensor out = fresh({tokens, y.size(1)}, y.options());
   LlArgs a = ll->args();
   a.x = uint64_t(addr(y));
   a.out = uint64_t(addr(out));
