@@ -663,6 +663,56 @@ def test_moe_low_latency(worlds, seed, size):
     with worlds.fresh(size, label="moell", env=_sharing(size)) as w:
         w.run(check_moe_graph, seed=seed, low_latency=True, timeout=RUN_LIMIT_S)
         w.run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
+        w.run(check_ll_buffer, seed=seed, timeout=RUN_LIMIT_S)
+
+
+def check_ll_buffer(rk, seed):
+    """The low-latency buffer is sized by a group's first low-latency dispatch (0036): on a new
+    group, later calls within its bound, hidden size and k give padded's result bit for bit;
+    a larger bound or hidden size raises ValueError on every rank, naming what the buffer
+    holds, before anything is launched, and the group goes on working."""
+    import gocomm
+
+    dev, _ = _setup(rk)
+    n, me = rk.size, rk.rank
+    ck = Checker("low-latency buffer", seed, me)
+    g = dist.new_group(list(range(n)))
+    per, k, first = 4, 2, 8
+    experts = per * n
+
+    def inputs(step, t, h):
+        gg = torch.Generator().manual_seed(seed * 17 + step * 5 + me)
+        x = gen(seed, f"llb{step}", me, (t, h), torch.bfloat16).to(dev)
+        idx = torch.rand(t, experts, generator=gg).argsort(dim=1)[:, :k].to(dev)
+        return x, idx, gen(seed, f"llbw{step}", me, (t, k), torch.float32).abs().to(dev)
+
+    def agree(label, step, bound, t, h):
+        x, idx, w = inputs(step, t, h)
+        lr, lt, lh = gocomm.moe.dispatch(x, idx, w, experts, group=g, max_tokens_per_rank=bound, low_latency=True)
+        ck.expect(f"{label}: low-latency kernels", lh.inproc is not None and lh.inproc[4] == -1, str(lh.inproc))
+        pr, pt, ph = gocomm.moe.dispatch(x, idx, w, experts, group=g, max_tokens_per_rank=bound, padded=True)
+        rows = int(pt.sum())
+        ck.same(f"{label}: tokens per expert", lt.cpu(), pt.cpu())
+        ck.same(f"{label}: grouped tokens", lr[:rows].cpu(), pr[:rows].cpu())
+        y = lr * 2
+        ck.same(f"{label}: combine", gocomm.moe.combine(y, lh).cpu(), gocomm.moe.combine(y, ph).cpu())
+
+    with ck.case("first call sizes the buffer"):
+        agree("first", 0, first, first, 256)
+    for label, bound, h in (("a larger bound", 2 * first, 256), ("a larger hidden size", first, 512)):
+        with ck.case(label):
+            x, idx, w = inputs(1, 3, h)
+            try:
+                gocomm.moe.dispatch(x, idx, w, experts, group=g, max_tokens_per_rank=bound, low_latency=True)
+                ck.fail(label, "no error")
+            except ValueError as e:
+                msg = str(e)
+                ck.expect(label, f"max_tokens_per_rank {first}" in msg and "first call the largest" in msg, msg)
+    with ck.case("a smaller call after the refusals"):
+        agree("smaller", 2, first // 2, 3 + me % 2, 128)
+    torch.cuda.synchronize()
+    dist.destroy_process_group(g)
+    return ck.done()
 
 
 @pytest.mark.parametrize("size", [1, 2])
