@@ -50,6 +50,9 @@ type Config struct {
 // hosts have cores to spare, and polling saves a wake-up per op), else no spinning.
 const SpinAuto time.Duration = -1
 
+// MaxSpin is the longest GOCOMM_SPIN (and --spin) accepted.
+const MaxSpin = time.Second
+
 // Client is the training process's side (the shim and its compiled client): knobs it needs
 // only once a sidecar answers, so the sidecar reads them and reports them at Attach.
 type Client struct {
@@ -332,15 +335,16 @@ var Params = []Param{
 		},
 	},
 	{
-		Env: "GOCOMM_SPIN", Accepts: "a Go duration (2ms, 500us) or 0",
+		Env: "GOCOMM_SPIN", Accepts: "a Go duration up to 1s (2ms, 500us) or 0",
 		Doc: "how long the sidecar polls its ring before sleeping, and its CUDA graph watcher after a replay (unset: 2ms where CUDA is available, else none; a --spin flag wins)",
 		set: func(c *Config, v string) error {
 			if v == "" {
 				c.Spin = SpinAuto
 				return nil
 			}
+			// a spinning sidecar holds a core: past a second it would hold one for good
 			d, err := time.ParseDuration(v)
-			if err != nil || d < 0 {
+			if err != nil || d < 0 || d > MaxSpin {
 				return errAccepts
 			}
 			c.Spin = d

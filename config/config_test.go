@@ -95,6 +95,7 @@ func TestBadValue(t *testing.T) {
 		{"GOCOMM_LOG_LEVEL", "loud", "debug, info, warn or error"},
 		{"GOCOMM_SPIN", "2", "a Go duration"},
 		{"GOCOMM_SPIN", "-1ms", "a Go duration"},
+		{"GOCOMM_SPIN", "2s", "up to 1s"},
 		{"GOCOMM_CUDA", "no", "0 or 1"},
 		{"GOCOMM_AR_MAX", "-1", "bytes, with K, M or G"},
 		{"GOCOMM_AR_MAX", "1e9", "bytes, with K, M or G"},

@@ -20,6 +20,7 @@ import (
 	"strings"
 	"syscall"
 
+	"github.com/gocomm/gocomm/config"
 	"github.com/gocomm/gocomm/internal/cuda"
 )
 
@@ -87,6 +88,7 @@ func doctor(args []string, out io.Writer) error {
 	if *gocomm != "" {
 		rows = append(rows, checkVersion(os.Args[0], version, *gocomm))
 	}
+	rows = append(rows, checkConfig(os.Getenv))
 	rows = append(rows, checkShm("/dev/shm", syscall.Statfs), checkFds(), checkPtrace("/proc/sys/kernel/yama/ptrace_scope"))
 	// a job started by `gocomm launch` finds its MPS daemon here: so does the driver we load
 	pipe := os.Getenv("CUDA_MPS_PIPE_DIRECTORY")
@@ -137,6 +139,20 @@ func printRows(out io.Writer, rows []checkRow, asJSON bool) error {
 }
 
 // checkTorch: the torch running against the one gocomm (the compiled client) was built for.
+// checkConfig reads every knob of the table (docs/config.md) as a sidecar started here and its
+// training process would: a value the table does not accept fails the row (the sidecar would
+// not start), a deprecated name warns.
+func checkConfig(getenv func(string) string) checkRow {
+	_, warnings, err := config.Load(getenv)
+	switch {
+	case err != nil:
+		return checkRow{"config", statusFail, err.Error(), "fix or unset the variables named (docs/config.md says what each accepts)"}
+	case len(warnings) > 0:
+		return checkRow{"config", statusWarn, strings.Join(warnings, "; "), "rename the variables named"}
+	}
+	return checkRow{"config", statusOK, "every GOCOMM_ variable of the table is accepted", ""}
+}
+
 func checkTorch(built, here string) checkRow {
 	base := func(v string) string { return strings.SplitN(v, "+", 2)[0] }
 	switch {

@@ -37,6 +37,32 @@ func TestCheckShm(t *testing.T) {
 	}
 }
 
+// TestCheckConfig: a knob's bad value fails the row naming the variable and what it accepts,
+// a deprecated name warns naming its new one, and an environment of accepted values passes.
+func TestCheckConfig(t *testing.T) {
+	env := func(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
+	for _, tc := range []struct {
+		env    map[string]string
+		status string
+		want   []string
+	}{
+		{map[string]string{"GOCOMM_SPIN": "forever", "GOCOMM_AR_MAX": "-3"}, statusFail, []string{"GOCOMM_SPIN", "GOCOMM_AR_MAX", "up to 1s"}},
+		{map[string]string{"GOCOMM_A2AV_HERE": "1"}, statusWarn, []string{"GOCOMM_A2AV_HERE", "GOCOMM_A2AV_INPROCESS"}},
+		{map[string]string{"GOCOMM_SPIN": "500us"}, statusOK, nil},
+		{nil, statusOK, nil},
+	} {
+		r := checkConfig(env(tc.env))
+		if r.Check != "config" || r.Status != tc.status || (r.Status == statusOK) != (r.Fix == "") {
+			t.Errorf("%v: %+v, want status %s", tc.env, r, tc.status)
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(r.Found, w) {
+				t.Errorf("%v: %q does not name %s", tc.env, r.Found, w)
+			}
+		}
+	}
+}
+
 func TestCheckPtrace(t *testing.T) {
 	dir := t.TempDir()
 	for scope, status := range map[string]string{"0\n": statusOK, "1\n": statusWarn, "": statusOK} {

@@ -67,6 +67,9 @@ func parseFlags(args []string) (options, error) {
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
 	err := fs.Parse(args)
 	fs.Visit(func(f *flag.Flag) { o.spinSet = o.spinSet || f.Name == "spin" })
+	if err == nil && o.spinSet && (o.spin < 0 || o.spin > config.MaxSpin) {
+		err = fmt.Errorf("--spin %v: want 0 up to %v", o.spin, config.MaxSpin)
+	}
 	if err == nil && fs.NArg() > 0 {
 		// a command this pgserver does not have must not start a server instead
 		err = fmt.Errorf("unknown command %q (pgserver takes doctor, info, or flags only)", fs.Arg(0))

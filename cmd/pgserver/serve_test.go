@@ -50,3 +50,15 @@ func TestUnknownCommand(t *testing.T) {
 		t.Errorf("flags only: %v", err)
 	}
 }
+
+// TestSpinFlagBounded: --spin takes what GOCOMM_SPIN takes, 0 up to config.MaxSpin.
+func TestSpinFlagBounded(t *testing.T) {
+	for _, v := range []string{"-1ms", "2s"} {
+		if _, err := parseFlags([]string{"--spin", v}); err == nil || !strings.Contains(err.Error(), "--spin") {
+			t.Errorf("--spin %s: %v, want refused", v, err)
+		}
+	}
+	if _, err := parseFlags([]string{"--spin", "1s"}); err != nil {
+		t.Errorf("--spin 1s: %v", err)
+	}
+}

@@ -23,7 +23,7 @@ def _pgserver() -> tuple[str, str]:
 
     try:
         return _sidecar.find_pgserver(), ""
-    except _sidecar.SidecarError as e:
+    except (_sidecar.SidecarError, ValueError) as e:  # ValueError: a knob's value (_config)
         return "", str(e)
 
 
@@ -112,7 +112,7 @@ def doctor(as_json: bool = False) -> int:
     exe, err = _pgserver()
     if err:
         return _cannot_check(
-            "pgserver", err, "reinstall the gocomm wheel, or set GOCOMM_PGSERVER to a pgserver of this version", as_json
+            "pgserver", err, "fix the variable named, or reinstall gocomm (or GOCOMM_PGSERVER)", as_json
         )
     b, gpu = _version.build_info(), torch.cuda.is_available()
     args = [exe, "doctor", "--gocomm", _version.__version__, "--torch-here", torch.__version__]

@@ -141,6 +141,19 @@ def test_doctor_names_a_missing_pgserver(tmp_path):
         assert f"[fail] pgserver     GOCOMM_PGSERVER={path} is not an executable file" in p.stdout, p.stdout
 
 
+def test_bad_knobs_are_named_without_a_traceback():
+    """A bad value of the shim's knobs (_config) or of the sidecar's (config/config.go): info and
+    doctor name the variable and what it accepts, and exit 1, with no traceback."""
+    for cmd in ("info", "doctor"):
+        p = _gocomm(cmd, env={"GOCOMM_START_TIMEOUT": "-1"})
+        assert p.returncode == 1 and "Traceback" not in p.stderr, p.stdout + p.stderr
+        assert "GOCOMM_START_TIMEOUT='-1': want seconds" in p.stdout, p.stdout
+    p = _gocomm("doctor", "--json", env={"GOCOMM_SPIN": "forever"})
+    rows = {r["check"]: r for r in json.loads(p.stdout)}
+    assert p.returncode == 1 and rows["config"]["status"] == "fail", rows
+    assert 'GOCOMM_SPIN="forever": want a Go duration up to 1s' in rows["config"]["found"], rows["config"]
+
+
 def test_bench_names_the_benchmarks():
     p = _gocomm("bench")
     assert p.returncode == 2 and "gocomm bench takes one of cpu, gpu, moe, fsdp, links" in p.stderr, p.stderr
