@@ -124,6 +124,9 @@ type Trace struct {
 	File string
 	// OnFailure: dump when a group breaks (a timeout, a lost peer, an abort).
 	OnFailure bool
+	// GoTrace is GOCOMM_GO_TRACE: where pgserver writes the Go runtime's execution trace and
+	// CPU profile of its whole life ("" for none), to see where a sidecar's microseconds go.
+	GoTrace string
 }
 
 // A2A is how the sparse all-to-all (all_to_all_v with its splits on the GPU) is sized and
@@ -312,6 +315,14 @@ var Params = []Param{
 		Doc: "where the flight recorder's JSON dump goes: this prefix followed by the rank, as TORCH_NCCL_DEBUG_INFO_TEMP_FILE (unset: next to the sidecar's log, its name with .trace.json for .log)",
 		set: func(c *Config, v string) error {
 			c.Trace.File = v
+			return nil
+		},
+	},
+	{
+		Env: "GOCOMM_GO_TRACE", Default: "", Accepts: "a path prefix",
+		Doc: "debugging the sidecar's latency: pgserver writes the Go runtime's execution trace (go tool trace) to this prefix followed by its pid and .trace, and its CPU profile to the same with .cpu, from start to exit (large: minutes fill gigabytes)",
+		set: func(c *Config, v string) error {
+			c.Trace.GoTrace = v
 			return nil
 		},
 	},

@@ -12,6 +12,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime/pprof"
+	"runtime/trace"
 	"strings"
 	"sync"
 	"syscall"
@@ -107,6 +108,13 @@ func run(args []string) error {
 	defer closeLog()
 	for _, w := range deprecated {
 		log.Warn(w)
+	}
+	if cfg.Trace.GoTrace != "" {
+		stop, err := goTrace(cfg.Trace.GoTrace)
+		if err != nil {
+			return err
+		}
+		defer stop()
 	}
 
 	// flags win over the knobs (a standalone pgserver takes either)
@@ -380,4 +388,36 @@ func traceFile(prefix, logFile string) func(rank int) string {
 		}
 		return ""
 	}
+}
+
+// goTrace starts the Go runtime's execution trace and CPU profile (GOCOMM_GO_TRACE) into
+// prefix + pid + .trace / .cpu; stop ends both and closes the files.
+func goTrace(prefix string) (stop func(), err error) {
+	base := fmt.Sprintf("%s%d", prefix, os.Getpid())
+	tf, err := os.Create(base + ".trace")
+	if err != nil {
+		return nil, fmt.Errorf("GOCOMM_GO_TRACE: %w", err)
+	}
+	cf, err := os.Create(base + ".cpu")
+	if err != nil {
+		tf.Close()
+		return nil, fmt.Errorf("GOCOMM_GO_TRACE: %w", err)
+	}
+	if err := pprof.StartCPUProfile(cf); err != nil {
+		tf.Close()
+		cf.Close()
+		return nil, fmt.Errorf("GOCOMM_GO_TRACE: %w", err)
+	}
+	if err := trace.Start(tf); err != nil {
+		pprof.StopCPUProfile()
+		tf.Close()
+		cf.Close()
+		return nil, fmt.Errorf("GOCOMM_GO_TRACE: %w", err)
+	}
+	return func() {
+		trace.Stop()
+		pprof.StopCPUProfile()
+		tf.Close()
+		cf.Close()
+	}, nil
 }

@@ -1,6 +1,9 @@
 package main
 
 import (
+	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -60,5 +63,25 @@ func TestSpinFlagBounded(t *testing.T) {
 	}
 	if _, err := parseFlags([]string{"--spin", "1s"}); err != nil {
 		t.Errorf("--spin 1s: %v", err)
+	}
+}
+
+// TestGoTrace: GOCOMM_GO_TRACE's files are written and closed by stop; a prefix in a missing
+// directory is an error naming the knob.
+func TestGoTrace(t *testing.T) {
+	prefix := filepath.Join(t.TempDir(), "pg-")
+	stop, err := goTrace(prefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop()
+	for _, ext := range []string{".trace", ".cpu"} {
+		st, err := os.Stat(fmt.Sprintf("%s%d%s", prefix, os.Getpid(), ext))
+		if err != nil || st.Size() == 0 {
+			t.Errorf("%s: %v, %v", ext, st, err)
+		}
+	}
+	if _, err := goTrace(filepath.Join(t.TempDir(), "nope", "pg-")); err == nil || !strings.Contains(err.Error(), "GOCOMM_GO_TRACE") {
+		t.Errorf("missing directory: %v", err)
 	}
 }
