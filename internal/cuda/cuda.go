@@ -132,7 +132,6 @@ static int gc_load(const char* path, char* err, int errlen) {
 	return 0;
 }
 
-static int gc_loaded(void) { return gc_lib != NULL; }
 static CUresult gc_cuInit(unsigned int f) { return p_cuInit(f); }
 static CUresult gc_cuDriverGetVersion(int* v) { return p_cuDriverGetVersion(v); }
 static CUresult gc_cuDeviceGetCount(int* n) { return p_cuDeviceGetCount(n); }
@@ -211,6 +210,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 )
 
@@ -220,6 +220,8 @@ var ErrNotLoaded = errors.New("cuda: driver library not loaded")
 var (
 	loadOnce sync.Once
 	loadErr  = ErrNotLoaded
+	// libOpen: libcuda is open (gc_lib set), read on every call without a cgo call of its own
+	libOpen atomic.Bool
 )
 
 // Load opens libcuda.so.1 and initializes the driver, once; later calls return the first
@@ -233,6 +235,7 @@ func Load() error {
 			loadErr = fmt.Errorf("%w: %s", ErrNotLoaded, C.GoString(&buf[0]))
 			return
 		}
+		libOpen.Store(true)
 		if r := Result(C.gc_cuInit(0)); r != Success {
 			loadErr = fmt.Errorf("cuda: cuInit: %w", r)
 			return
@@ -256,7 +259,7 @@ func DriverVersion() (int, error) {
 }
 
 func loaded() error {
-	if C.gc_loaded() == 0 {
+	if !libOpen.Load() {
 		return ErrNotLoaded
 	}
 	return nil

@@ -72,8 +72,6 @@ static int gn_load(const char* path, char* err, int errlen) {
 	return 0;
 }
 
-static int gn_loaded(void) { return gn_lib != NULL; }
-static void* gn_ptr(uintptr_t p) { return (void*)p; }
 static ncclResult_t gn_version(int* v) { return p_ncclGetVersion(v); }
 static ncclResult_t gn_unique_id(void* id) { return p_ncclGetUniqueId((ncclUniqueId*)id); }
 static ncclResult_t gn_init_rank(ncclComm_t* c, int n, const void* id, int r) {
@@ -85,15 +83,15 @@ static ncclResult_t gn_abort(ncclComm_t c) { return p_ncclCommAbort(c); }
 static ncclResult_t gn_async_error(ncclComm_t c, ncclResult_t* r) { return p_ncclCommGetAsyncError(c, r); }
 static const char* gn_error_string(ncclResult_t r) { return p_ncclGetErrorString(r); }
 static const char* gn_last_error(ncclComm_t c) { return p_ncclGetLastError(c); }
-static ncclResult_t gn_all_reduce(const void* s, void* r, size_t n, int dt, int op, ncclComm_t c, cudaStream_t st) { return p_ncclAllReduce(s, r, n, dt, op, c, st); }
-static ncclResult_t gn_broadcast(const void* s, void* r, size_t n, int dt, int root, ncclComm_t c, cudaStream_t st) { return p_ncclBroadcast(s, r, n, dt, root, c, st); }
-static ncclResult_t gn_reduce(const void* s, void* r, size_t n, int dt, int op, int root, ncclComm_t c, cudaStream_t st) { return p_ncclReduce(s, r, n, dt, op, root, c, st); }
-static ncclResult_t gn_all_gather(const void* s, void* r, size_t n, int dt, ncclComm_t c, cudaStream_t st) { return p_ncclAllGather(s, r, n, dt, c, st); }
-static ncclResult_t gn_reduce_scatter(const void* s, void* r, size_t n, int dt, int op, ncclComm_t c, cudaStream_t st) { return p_ncclReduceScatter(s, r, n, dt, op, c, st); }
-static ncclResult_t gn_send(const void* s, size_t n, int dt, int peer, ncclComm_t c, cudaStream_t st) { return p_ncclSend(s, n, dt, peer, c, st); }
-static ncclResult_t gn_recv(void* r, size_t n, int dt, int peer, ncclComm_t c, cudaStream_t st) { return p_ncclRecv(r, n, dt, peer, c, st); }
+static ncclResult_t gn_all_reduce(uintptr_t s, uintptr_t r, size_t n, int dt, int op, ncclComm_t c, cudaStream_t st) { return p_ncclAllReduce((const void*)s, (void*)r, n, dt, op, c, st); }
+static ncclResult_t gn_broadcast(uintptr_t s, uintptr_t r, size_t n, int dt, int root, ncclComm_t c, cudaStream_t st) { return p_ncclBroadcast((const void*)s, (void*)r, n, dt, root, c, st); }
+static ncclResult_t gn_reduce(uintptr_t s, uintptr_t r, size_t n, int dt, int op, int root, ncclComm_t c, cudaStream_t st) { return p_ncclReduce((const void*)s, (void*)r, n, dt, op, root, c, st); }
+static ncclResult_t gn_all_gather(uintptr_t s, uintptr_t r, size_t n, int dt, ncclComm_t c, cudaStream_t st) { return p_ncclAllGather((const void*)s, (void*)r, n, dt, c, st); }
+static ncclResult_t gn_reduce_scatter(uintptr_t s, uintptr_t r, size_t n, int dt, int op, ncclComm_t c, cudaStream_t st) { return p_ncclReduceScatter((const void*)s, (void*)r, n, dt, op, c, st); }
+static ncclResult_t gn_send(uintptr_t s, size_t n, int dt, int peer, ncclComm_t c, cudaStream_t st) { return p_ncclSend((const void*)s, n, dt, peer, c, st); }
+static ncclResult_t gn_recv(uintptr_t r, size_t n, int dt, int peer, ncclComm_t c, cudaStream_t st) { return p_ncclRecv((void*)r, n, dt, peer, c, st); }
 static int gn_has_all_to_all(void) { return p_ncclAlltoAll != NULL; }
-static ncclResult_t gn_all_to_all(const void* s, void* r, size_t n, int dt, ncclComm_t c, cudaStream_t st) { return p_ncclAlltoAll(s, r, n, dt, c, st); }
+static ncclResult_t gn_all_to_all(uintptr_t s, uintptr_t r, size_t n, int dt, ncclComm_t c, cudaStream_t st) { return p_ncclAlltoAll((const void*)s, (void*)r, n, dt, c, st); }
 static ncclResult_t gn_group_start(void) { return p_ncclGroupStart(); }
 static ncclResult_t gn_group_end(void) { return p_ncclGroupEnd(); }
 */
@@ -102,6 +100,7 @@ import "C"
 import (
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"unsafe"
 
 	"github.com/gocomm/gocomm/internal/dl"
@@ -111,6 +110,9 @@ import (
 var ErrNotLoaded = errors.New("nccl: library not loaded")
 
 var lib = dl.New("nccl", "libnccl.so.2", ErrNotLoaded)
+
+// libOpen: libnccl is open (gn_lib set), read on every call without a cgo call of its own.
+var libOpen atomic.Bool
 
 // Load opens libnccl from path ("" means "libnccl.so.2" through the loader's search). The
 // first successful load wins; a later call with another path reports which copy is in use.
@@ -122,12 +124,13 @@ func Load(path string) error {
 		if C.gn_load(cpath, &buf[0], C.int(len(buf))) != 0 {
 			return C.GoString(&buf[0])
 		}
+		libOpen.Store(true)
 		return ""
 	})
 }
 
 func loaded() error {
-	if C.gn_loaded() == 0 {
+	if !libOpen.Load() {
 		return ErrNotLoaded
 	}
 	return nil
@@ -293,7 +296,7 @@ func (c Comm) AllReduce(send, recv uintptr, count int, dt DataType, op RedOp, s 
 	if err := loaded(); err != nil {
 		return err
 	}
-	return c.enqueue("ncclAllReduce", C.gn_all_reduce(ptr(send), ptr(recv), C.size_t(count), C.int(dt), C.int(op), c.p, C.cudaStream_t(s)))
+	return c.enqueue("ncclAllReduce", C.gn_all_reduce(C.uintptr_t(send), C.uintptr_t(recv), C.size_t(count), C.int(dt), C.int(op), c.p, C.cudaStream_t(s)))
 }
 
 // Broadcast queues root's send into every rank's recv.
@@ -301,7 +304,7 @@ func (c Comm) Broadcast(send, recv uintptr, count int, dt DataType, root int, s 
 	if err := loaded(); err != nil {
 		return err
 	}
-	return c.enqueue("ncclBroadcast", C.gn_broadcast(ptr(send), ptr(recv), C.size_t(count), C.int(dt), C.int(root), c.p, C.cudaStream_t(s)))
+	return c.enqueue("ncclBroadcast", C.gn_broadcast(C.uintptr_t(send), C.uintptr_t(recv), C.size_t(count), C.int(dt), C.int(root), c.p, C.cudaStream_t(s)))
 }
 
 // Reduce queues the reduction of send into root's recv.
@@ -309,7 +312,7 @@ func (c Comm) Reduce(send, recv uintptr, count int, dt DataType, op RedOp, root 
 	if err := loaded(); err != nil {
 		return err
 	}
-	return c.enqueue("ncclReduce", C.gn_reduce(ptr(send), ptr(recv), C.size_t(count), C.int(dt), C.int(op), C.int(root), c.p, C.cudaStream_t(s)))
+	return c.enqueue("ncclReduce", C.gn_reduce(C.uintptr_t(send), C.uintptr_t(recv), C.size_t(count), C.int(dt), C.int(op), C.int(root), c.p, C.cudaStream_t(s)))
 }
 
 // AllGather queues the gathering of every rank's count elements into recv.
@@ -317,7 +320,7 @@ func (c Comm) AllGather(send, recv uintptr, count int, dt DataType, s Stream) er
 	if err := loaded(); err != nil {
 		return err
 	}
-	return c.enqueue("ncclAllGather", C.gn_all_gather(ptr(send), ptr(recv), C.size_t(count), C.int(dt), c.p, C.cudaStream_t(s)))
+	return c.enqueue("ncclAllGather", C.gn_all_gather(C.uintptr_t(send), C.uintptr_t(recv), C.size_t(count), C.int(dt), c.p, C.cudaStream_t(s)))
 }
 
 // ReduceScatter queues the reduction of send, leaving count elements of block rank in recv.
@@ -325,7 +328,7 @@ func (c Comm) ReduceScatter(send, recv uintptr, count int, dt DataType, op RedOp
 	if err := loaded(); err != nil {
 		return err
 	}
-	return c.enqueue("ncclReduceScatter", C.gn_reduce_scatter(ptr(send), ptr(recv), C.size_t(count), C.int(dt), C.int(op), c.p, C.cudaStream_t(s)))
+	return c.enqueue("ncclReduceScatter", C.gn_reduce_scatter(C.uintptr_t(send), C.uintptr_t(recv), C.size_t(count), C.int(dt), C.int(op), c.p, C.cudaStream_t(s)))
 }
 
 // Send queues count elements to peer (pair with the peer's Recv; group several with
@@ -334,7 +337,7 @@ func (c Comm) Send(send uintptr, count int, dt DataType, peer int, s Stream) err
 	if err := loaded(); err != nil {
 		return err
 	}
-	return c.enqueue("ncclSend", C.gn_send(ptr(send), C.size_t(count), C.int(dt), C.int(peer), c.p, C.cudaStream_t(s)))
+	return c.enqueue("ncclSend", C.gn_send(C.uintptr_t(send), C.size_t(count), C.int(dt), C.int(peer), c.p, C.cudaStream_t(s)))
 }
 
 // Recv queues count elements from peer.
@@ -342,7 +345,7 @@ func (c Comm) Recv(recv uintptr, count int, dt DataType, peer int, s Stream) err
 	if err := loaded(); err != nil {
 		return err
 	}
-	return c.enqueue("ncclRecv", C.gn_recv(ptr(recv), C.size_t(count), C.int(dt), C.int(peer), c.p, C.cudaStream_t(s)))
+	return c.enqueue("ncclRecv", C.gn_recv(C.uintptr_t(recv), C.size_t(count), C.int(dt), C.int(peer), c.p, C.cudaStream_t(s)))
 }
 
 // HasAllToAll says whether the loaded NCCL has ncclAlltoAll (2.28 and later).
@@ -357,7 +360,7 @@ func (c Comm) AllToAll(send, recv uintptr, count int, dt DataType, s Stream) err
 	if C.gn_has_all_to_all() == 0 {
 		return errors.New("nccl: this NCCL has no ncclAlltoAll (2.28 and later)")
 	}
-	return c.enqueue("ncclAlltoAll", C.gn_all_to_all(ptr(send), ptr(recv), C.size_t(count), C.int(dt), c.p, C.cudaStream_t(s)))
+	return c.enqueue("ncclAlltoAll", C.gn_all_to_all(C.uintptr_t(send), C.uintptr_t(recv), C.size_t(count), C.int(dt), c.p, C.cudaStream_t(s)))
 }
 
 // GroupStart and GroupEnd fuse the calls between them (send/recv pairs of an all-to-all).
@@ -378,4 +381,3 @@ func GroupEnd() error {
 
 // ptr turns a device address into the void* NCCL takes. Device addresses are not Go
 // pointers; the conversion goes through C so the Go runtime never sees them as pointers.
-func ptr(p uintptr) unsafe.Pointer { return C.gn_ptr(C.uintptr_t(p)) }
