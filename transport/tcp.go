@@ -436,7 +436,7 @@ func (n *Node) accept(hs *handshaking) {
 // make room for newer ones) are retried until the dial timeout; a peer that has not
 // joined the group yet, until the join wait ends. quick bounds it all by abortGrace and
 // retries only a peer that has not joined (links that only carry an abort). Close of the
-// endpoint stops it.
+// endpoint stops it (a handshake in progress, after closeGrace).
 func (n *Node) dial(ep *Endpoint, to int, quick bool) (net.Conn, bool, error) {
 	limit := max(n.dialLimit, n.joinWait)
 	if quick {
@@ -490,17 +490,23 @@ func (n *Node) dialOnce(ctx context.Context, d *net.Dialer, ep *Endpoint, to int
 		return nil, false, &dialFailure{err}
 	}
 	tune(conn)
-	conn.SetDeadline(time.Now().Add(n.handshake))
+	deadline := time.Now().Add(n.handshake)
+	conn.SetDeadline(deadline)
 	var pr probe
 	if n.locate != nil {
 		pr = n.probe
 	}
-	// the endpoint's Close cuts a handshake short (the peer may never answer)
-	stop := context.AfterFunc(ep.ctx, func() { conn.Close() })
+	// The endpoint's Close cuts a handshake short (the peer may never answer), after
+	// closeGrace: a live peer may have taken the link already (it does once it sent its
+	// grant), and a link that ends without a frame reads there as a lost peer. Finished in
+	// the grace, the link carries the bye (or abort) this rank leaves with.
+	stop := context.AfterFunc(ep.ctx, func() {
+		if d := time.Now().Add(closeGrace); d.Before(deadline) {
+			conn.SetDeadline(d)
+		}
+	})
 	refs, err := dialHandshake(conn, ep.secret, ep.rank, to, pr)
-	if !stop() {
-		err = cmp.Or(err, ErrClosed)
-	}
+	stop()
 	if err != nil {
 		conn.Close()
 		if errors.Is(err, ErrAborted) {
@@ -511,6 +517,9 @@ func (n *Node) dialOnce(ctx context.Context, d *net.Dialer, ep *Endpoint, to int
 	conn.SetDeadline(time.Time{})
 	return conn, refs, nil
 }
+
+// closeGrace is how long a handshake in progress may go on once its endpoint closed.
+const closeGrace = 500 * time.Millisecond
 
 // dialFailure is a connection that did not open (as opposed to a handshake that failed on
 // one that did): the peer's address may be unreachable from here.

@@ -518,3 +518,71 @@ func (s copySink) Take(b []byte) error {
 	copy(s.Dst, b)
 	return nil
 }
+
+// holdGrant proxies connections to addr, holding back what the acceptor sends after its
+// answer (the grant) until release is closed: the acceptor has taken the link by then, and
+// the dialer is still in its handshake.
+func holdGrant(t *testing.T, addr string, release <-chan struct{}) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			up, err := net.Dial("tcp", addr)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			go func() { io.Copy(up, c); up.Close() }()
+			go func() {
+				defer c.Close()
+				if _, err := io.CopyN(c, up, answerSize); err != nil {
+					return
+				}
+				<-release
+				io.Copy(c, up)
+			}()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+// TestCloseDuringHandshake: a rank that leaves the group while its link to a peer is still
+// in the handshake the peer already finished finishes it and says bye, so the peer reads
+// the departure as one (its receive from that rank names it left), not as a lost peer.
+func TestCloseDuringHandshake(t *testing.T) {
+	nodes, addrs := listen(t, 2)
+	secret := []byte("a secret of at least sixteen bytes")
+	release := make(chan struct{})
+	via := []string{holdGrant(t, addrs[0], release), addrs[1]} // rank 1 dials rank 0 through it
+	ep0, err := nodes[0].Join(secret, 0, addrs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(ep0.Close)
+	ep1, err := nodes[1].Join(secret, 1, via)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ep0.Connect()
+	ep1.Connect()                      // as the sidecar does once the group is made
+	time.Sleep(100 * time.Millisecond) // rank 0 has taken rank 1's link; rank 1 waits for the grant
+	closed := make(chan struct{})
+	go func() { ep1.Close(); close(closed) }()
+	time.Sleep(50 * time.Millisecond)
+	close(release)
+	<-closed
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	err = ep0.Op(0, sigF32).Recv(1, Tag{}, copySink{Dst: make([]byte, 16)}).Wait(ctx)
+	if !errors.Is(err, ErrPeerLost) || !strings.Contains(err.Error(), "rank 1 left the group") {
+		t.Fatalf("receive from a rank that left mid-handshake = %v, want it named as left", err)
+	}
+}
