@@ -588,7 +588,8 @@ const abortGrace = 2 * time.Second
 
 // Close leaves the group: peers get a bye, links close, and every request still pending
 // fails with ErrClosed. A broken endpoint first lets its abort frames reach the peers (at
-// most abortGrace). It does not wait for the peers to leave too.
+// most abortGrace), and a link still in its handshake may finish it to carry the bye (at
+// most closeGrace). It does not wait for the peers to leave too.
 func (ep *Endpoint) Close() {
 	ep.node.leave(ep)
 	ep.mu.Lock()

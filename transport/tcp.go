@@ -500,12 +500,21 @@ func (n *Node) dialOnce(ctx context.Context, d *net.Dialer, ep *Endpoint, to int
 	// closeGrace: a live peer may have taken the link already (it does once it sent its
 	// grant), and a link that ends without a frame reads there as a lost peer. Finished in
 	// the grace, the link carries the bye (or abort) this rank leaves with.
+	// (under mu, once the handshake ended: a late callback must not put its deadline on the
+	// finished link)
+	var mu sync.Mutex
+	ended := false
 	stop := context.AfterFunc(ep.ctx, func() {
-		if d := time.Now().Add(closeGrace); d.Before(deadline) {
+		mu.Lock()
+		defer mu.Unlock()
+		if d := time.Now().Add(closeGrace); !ended && d.Before(deadline) {
 			conn.SetDeadline(d)
 		}
 	})
 	refs, err := dialHandshake(conn, ep.secret, ep.rank, to, pr)
+	mu.Lock()
+	ended = true
+	mu.Unlock()
 	stop()
 	if err != nil {
 		conn.Close()

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -556,33 +557,47 @@ func holdGrant(t *testing.T, addr string, release <-chan struct{}) string {
 
 // TestCloseDuringHandshake: a rank that leaves the group while its link to a peer is still
 // in the handshake the peer already finished finishes it and says bye, so the peer reads
-// the departure as one (its receive from that rank names it left), not as a lost peer.
+// the departure as one (its receive from that rank names it left), not as a lost peer; its
+// Close waits for that no longer than closeGrace. Where the peer's grant never comes, Close
+// returns after closeGrace and the peer finds the link lost.
 func TestCloseDuringHandshake(t *testing.T) {
-	nodes, addrs := listen(t, 2)
-	secret := []byte("a secret of at least sixteen bytes")
-	release := make(chan struct{})
-	via := []string{holdGrant(t, addrs[0], release), addrs[1]} // rank 1 dials rank 0 through it
-	ep0, err := nodes[0].Join(secret, 0, addrs)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(ep0.Close)
-	ep1, err := nodes[1].Join(secret, 1, via)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ep0.Connect()
-	ep1.Connect()                      // as the sidecar does once the group is made
-	time.Sleep(100 * time.Millisecond) // rank 0 has taken rank 1's link; rank 1 waits for the grant
-	closed := make(chan struct{})
-	go func() { ep1.Close(); close(closed) }()
-	time.Sleep(50 * time.Millisecond)
-	close(release)
-	<-closed
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	err = ep0.Op(0, sigF32).Recv(1, Tag{}, copySink{Dst: make([]byte, 16)}).Wait(ctx)
-	if !errors.Is(err, ErrPeerLost) || !strings.Contains(err.Error(), "rank 1 left the group") {
-		t.Fatalf("receive from a rank that left mid-handshake = %v, want it named as left", err)
+	for _, answers := range []bool{true, false} {
+		nodes, addrs := listen(t, 2)
+		secret := []byte("a secret of at least sixteen bytes")
+		release := make(chan struct{})
+		var once sync.Once
+		free := func() { once.Do(func() { close(release) }) }
+		t.Cleanup(free)
+		via := []string{holdGrant(t, addrs[0], release), addrs[1]} // rank 1 dials rank 0 through it
+		ep0, err := nodes[0].Join(secret, 0, addrs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(ep0.Close)
+		ep1, err := nodes[1].Join(secret, 1, via)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ep0.Connect()
+		ep1.Connect()                      // as the sidecar does once the group is made
+		time.Sleep(100 * time.Millisecond) // rank 0 has taken rank 1's link; rank 1 waits for the grant
+		closed := make(chan time.Duration)
+		go func() { t0 := time.Now(); ep1.Close(); closed <- time.Since(t0) }()
+		if answers {
+			time.Sleep(50 * time.Millisecond)
+			free()
+		}
+		if took := <-closed; took > closeGrace+300*time.Millisecond {
+			t.Errorf("answers %v: Close took %v, want at most closeGrace (%v)", answers, took, closeGrace)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		err = ep0.Op(0, sigF32).Recv(1, Tag{}, copySink{Dst: make([]byte, 16)}).Wait(ctx)
+		cancel()
+		switch {
+		case answers && (!errors.Is(err, ErrPeerLost) || !strings.Contains(err.Error(), "rank 1 left the group")):
+			t.Fatalf("receive from a rank that left mid-handshake = %v, want it named as left", err)
+		case !answers && !errors.Is(err, ErrPeerLost):
+			t.Fatalf("receive from a rank whose handshake never ended = %v, want a lost peer", err)
+		}
 	}
 }

@@ -138,7 +138,6 @@ func printRows(out io.Writer, rows []checkRow, asJSON bool) error {
 	return nil
 }
 
-// checkTorch: the torch running against the one gocomm (the compiled client) was built for.
 // checkConfig reads every knob of the table (docs/config.md) as a sidecar started here and its
 // training process would: a value the table does not accept fails the row (the sidecar would
 // not start), a deprecated name warns.
@@ -153,6 +152,7 @@ func checkConfig(getenv func(string) string) checkRow {
 	return checkRow{"config", statusOK, "every GOCOMM_ variable of the table is accepted", ""}
 }
 
+// checkTorch: the torch running against the one gocomm (the compiled client) was built for.
 func checkTorch(built, here string) checkRow {
 	base := func(v string) string { return strings.SplitN(v, "+", 2)[0] }
 	switch {

@@ -281,11 +281,16 @@ bool lasting_stream(int device) {
 
 at::Tensor fresh(at::IntArrayRef sizes, const at::TensorOptions& o) {
   const c10::Device d = o.device();
-  if (!d.is_cuda() || d.index() != c10::cuda::current_device()) {
+  const auto& ctx = at::globalContext();
+  // at::empty where it does more: another device, a layout or pinning, or deterministic mode
+  // (it fills new memory there)
+  if (!d.is_cuda() || d.index() != c10::cuda::current_device() || o.layout() != at::kStrided || o.pinned_memory() ||
+      (ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory())) {
     return at::empty(sizes, o);
   }
   return at::detail::empty_generic(sizes, c10::cuda::CUDACachingAllocator::get(),
-                                   c10::DispatchKeySet(c10::DispatchKey::CUDA), o.dtype().toScalarType(), std::nullopt);
+                                   c10::DispatchKeySet(c10::DispatchKey::CUDA), o.dtype().toScalarType(),
+                                   o.memory_format_opt());
 }
 
 KernelWork::KernelWork(std::vector<at::Tensor> result, cuda::Stream stream, int device, c10d::OpType type,

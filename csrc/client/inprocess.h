@@ -110,9 +110,10 @@ class StreamOrder {
 // once the call returned.
 bool lasting_stream(int device);
 
-// A new tensor of o's dtype on o's CUDA device where that is the current device (the op's
-// CUDAGuard set it): at::empty's result without its dispatcher call and device guard, 0.9 us
-// less host time per allocation under MPS (docs/perf.md, "Unit costs"). Elsewhere at::empty.
+// A new tensor of o's dtype on o's CUDA device where that is the current device: at::empty's
+// result without its dispatcher call and device guard, 0.9 us less host time per allocation
+// under MPS (docs/perf.md, "What an output allocation costs"). Elsewhere (another device, a
+// layout or pinning, deterministic mode's fill) at::empty.
 at::Tensor fresh(at::IntArrayRef sizes, const at::TensorOptions& o);
 
 // A kernel the engine queued on stream (captured: queued while capturing a graph). wait()

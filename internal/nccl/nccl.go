@@ -83,6 +83,7 @@ static ncclResult_t gn_abort(ncclComm_t c) { return p_ncclCommAbort(c); }
 static ncclResult_t gn_async_error(ncclComm_t c, ncclResult_t* r) { return p_ncclCommGetAsyncError(c, r); }
 static const char* gn_error_string(ncclResult_t r) { return p_ncclGetErrorString(r); }
 static const char* gn_last_error(ncclComm_t c) { return p_ncclGetLastError(c); }
+// Buffers cross as uintptr_t: device addresses are not Go pointers, so they become void* only in C.
 static ncclResult_t gn_all_reduce(uintptr_t s, uintptr_t r, size_t n, int dt, int op, ncclComm_t c, cudaStream_t st) { return p_ncclAllReduce((const void*)s, (void*)r, n, dt, op, c, st); }
 static ncclResult_t gn_broadcast(uintptr_t s, uintptr_t r, size_t n, int dt, int root, ncclComm_t c, cudaStream_t st) { return p_ncclBroadcast((const void*)s, (void*)r, n, dt, root, c, st); }
 static ncclResult_t gn_reduce(uintptr_t s, uintptr_t r, size_t n, int dt, int op, int root, ncclComm_t c, cudaStream_t st) { return p_ncclReduce((const void*)s, (void*)r, n, dt, op, root, c, st); }
@@ -378,6 +379,3 @@ func GroupEnd() error {
 	}
 	return check("ncclGroupEnd", C.gn_group_end())
 }
-
-// ptr turns a device address into the void* NCCL takes. Device addresses are not Go
-// pointers; the conversion goes through C so the Go runtime never sees them as pointers.
