@@ -176,12 +176,22 @@ func run(args []string) error {
 	end := func(reason string, orderly bool) {
 		once.Do(func() {
 			log.Info("shutting down", "reason", reason, "orderly", orderly)
-			if orderly {
-				srv.Shutdown(reason)
-			} else {
+			if !orderly {
 				srv.Abandon(reason)
+				gs.Stop()
+				return
 			}
-			gs.Stop()
+			srv.Shutdown(reason)
+			// Stop would cut the connections at once, the Shutdown rpc's own answer with them:
+			// its client, seeing no answer, would kill this process in the middle of its
+			// cleanup. In-flight rpcs get shutdownGrace to finish.
+			stopped := make(chan struct{})
+			go func() { gs.GracefulStop(); close(stopped) }()
+			select {
+			case <-stopped:
+			case <-time.After(shutdownGrace):
+				gs.Stop()
+			}
 		})
 	}
 	stop := func(reason string) { end(reason, true) }
@@ -389,6 +399,9 @@ func traceFile(prefix, logFile string) func(rank int) string {
 		return ""
 	}
 }
+
+// shutdownGrace bounds how long an orderly shutdown lets in-flight rpcs finish.
+const shutdownGrace = time.Second
 
 // goTrace starts the Go runtime's execution trace and CPU profile (GOCOMM_GO_TRACE) into
 // prefix + pid + .trace / .cpu; stop ends both and closes the files.
