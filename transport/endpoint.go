@@ -244,20 +244,30 @@ const peerLostGrace = time.Second
 // the group, its abort frame may still be on its way on its own link to this rank, and the
 // endpoint must break with that reason, not with the link's error. Wait until the endpoint
 // broke (the abort arrived), the peer's link ended without one, peerLostGrace passed, or
-// the endpoint closed; then break with err (kept only if nothing broke it first). It
-// returns the endpoint's cause.
-func (ep *Endpoint) lost(peer int, err error) error {
-	t := time.NewTimer(peerLostGrace)
-	defer t.Stop()
-	select {
-	case <-ep.brokenC:
-	case <-ep.inEnded[peer]:
-	case <-t.C:
-	case <-ep.ctx.Done():
+// the endpoint closed; then break with err (kept only if nothing broke it first). A peer
+// that left in order (it said bye, or its node answered the dial so: answered) breaks
+// nothing where this rank had nothing queued for it (pending false): it left as the reader's
+// bye handling has it, and whatever needs it later fails naming its departure. It returns
+// the error the link's requests fail with.
+func (ep *Endpoint) lost(peer int, err error, pending, answered bool) error {
+	if !answered {
+		t := time.NewTimer(peerLostGrace)
+		defer t.Stop()
+		select {
+		case <-ep.brokenC:
+		case <-ep.inEnded[peer]:
+		case <-t.C:
+		case <-ep.ctx.Done():
+		}
 	}
 	ep.mu.Lock()
-	left := ep.left[peer]
+	left := ep.left[peer] || answered
+	ep.left[peer] = left
 	ep.mu.Unlock()
+	if left && !pending {
+		ep.failPostedFrom(peer)
+		return fmt.Errorf("%w: rank %d left the group", ErrPeerLost, peer)
+	}
 	if left { // it said bye first: it destroyed its group, or its process closed it
 		err = fmt.Errorf("%w: rank %d left the group while this rank still had data for it (%s)", ErrPeerLost, peer,
 			strings.TrimPrefix(err.Error(), ErrPeerLost.Error()+": "))

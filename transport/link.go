@@ -507,7 +507,7 @@ func (l *outLink) run() {
 				// with its reason; any other failure may be the wake of an abort still on
 				// its way, which lost waits for (invariant 7). Queued sends fail with the
 				// endpoint's cause, so an op reports the same reason as the endpoint.
-				aborted := errors.Is(err, ErrAborted)
+				aborted, left := errors.Is(err, ErrAborted), errors.Is(err, errLeft)
 				if !aborted {
 					err = ep.linkError("went to", l.to, err)
 				}
@@ -518,8 +518,13 @@ func (l *outLink) run() {
 					ep.Break(err)
 					err = ep.Broken()
 				default:
-					err = ep.lost(l.to, err)
-					ep.abortBack(l.to, err)
+					l.mu.Lock()
+					pending := len(l.q) > 0
+					l.mu.Unlock()
+					err = ep.lost(l.to, err, pending, left)
+					if ep.Broken() != nil {
+						ep.abortBack(l.to, err)
+					}
 				}
 				for _, m := range l.fail(err) {
 					m.req.finish(err)

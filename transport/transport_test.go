@@ -601,3 +601,49 @@ func TestCloseDuringHandshake(t *testing.T) {
 		}
 	}
 }
+
+// TestLeaverBreaksNothing: a peer that leaves the group in order while this rank has nothing
+// for it breaks nothing here, whether its bye came on an open link or its node answered this
+// rank's dial that it had left; what needs it later fails naming its departure, and ops of
+// the other ranks go on.
+func TestLeaverBreaksNothing(t *testing.T) {
+	for _, dialedAfter := range []bool{false, true} {
+		nodes, addrs := listen(t, 3)
+		secret := []byte("a secret of at least sixteen bytes")
+		eps := make([]*Endpoint, 3)
+		for r := range eps {
+			ep, err := nodes[r].Join(secret, r, addrs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(ep.Close)
+			eps[r] = ep
+		}
+		eps[1].Connect()
+		eps[2].Connect()
+		if !dialedAfter {
+			eps[0].Connect()
+			time.Sleep(100 * time.Millisecond) // every link up
+		}
+		eps[1].Close()
+		if dialedAfter {
+			eps[0].Connect() // rank 1's node answers the dial: it left
+		}
+		time.Sleep(peerLostGrace + 300*time.Millisecond)
+		if err := eps[0].Broken(); err != nil {
+			t.Fatalf("dialed after: %v: a leaver with nothing owed broke the group: %v", dialedAfter, err)
+		}
+		ctx := ctxT(t)
+		if err := eps[0].Op(0, sigF32).Recv(1, Tag{}, copySink{Dst: make([]byte, 16)}).Wait(ctx); !errors.Is(err, ErrPeerLost) ||
+			!strings.Contains(err.Error(), "rank 1 left the group") {
+			t.Fatalf("dialed after: %v: receive from the leaver = %v, want it named as left", dialedAfter, err)
+		}
+		s := eps[0].Op(1, sigF32).Send(2, Tag{}, make([]byte, 16))
+		r := eps[2].Op(1, sigF32).Recv(0, Tag{}, copySink{Dst: make([]byte, 16)})
+		for _, q := range []*Request{s, r} {
+			if err := q.Wait(ctx); err != nil {
+				t.Fatalf("dialed after: %v: ranks 0 and 2 after rank 1 left: %v", dialedAfter, err)
+			}
+		}
+	}
+}
