@@ -57,7 +57,10 @@ var (
 //     frame on its link to each rank, or (to a rank whose link reaches it only after the
 //     break) the reason in the handshake's answer. So a link to a peer that fails without a
 //     reason breaks the endpoint as a lost peer only once the peer's own link to this rank
-//     ended without an abort frame, or had peerLostGrace to deliver one (lost).
+//     ended without an abort frame, or had peerLostGrace to deliver one (lost). A peer that
+//     leaves in order (a bye, or its node's answer to a dial that it left) breaks nothing
+//     where this rank owes it nothing: receives posted from it fail, and what needs it
+//     later fails naming its departure.
 //  8. Early frames are charged to their sender (unmatched: inline bytes plus earlyCost each)
 //     until taken or released; a sender past Config.UnmatchedMax breaks the endpoint
 //     (ErrUnmatchedMax) before its next frame is read into memory.
