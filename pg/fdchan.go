@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 
 	"golang.org/x/sys/unix"
@@ -123,6 +124,10 @@ func (s *Server) serveFD(c *net.UnixConn) {
 	buf := make([]byte, fdRegHeader+8*fdPerMessage+8)
 	oob := make([]byte, unix.CmsgSpace(4*(fdPerMessage+13)))
 	sess, err := s.fdHello(c, buf, oob)
+	if errors.Is(err, io.EOF) { // a connection that sent nothing: a sibling's liveness probe
+		s.log.Debug("fd socket connection closed before its hello", "err", err)
+		return
+	}
 	if err != nil {
 		s.log.Warn("refused an fd socket connection", "err", err)
 		c.Write(fdReplyMsg(0, err))

@@ -1,12 +1,15 @@
 package pg
 
 import (
+	"bytes"
 	"encoding/binary"
 	"fmt"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -262,5 +265,40 @@ func TestFDSocketRefusals(t *testing.T) {
 	}
 	if err := sess.registerVMM(wire.CUDASegment|10, []int{0}, []uint64{2 << 20}); err == nil {
 		t.Fatal("registration into a closed session accepted")
+	}
+}
+
+// syncBuf is a log sink the test reads while the server writes it.
+type syncBuf struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuf) Write(p []byte) (int, error) { s.mu.Lock(); defer s.mu.Unlock(); return s.b.Write(p) }
+func (s *syncBuf) String() string              { s.mu.Lock(); defer s.mu.Unlock(); return s.b.String() }
+
+// TestFDSocketProbeIsQuiet: a connection that closes before its hello (a sibling sidecar's
+// check that this socket is live, cmd/pgserver's hygiene) is no refusal worth a warning; a
+// bad hello still is.
+func TestFDSocketProbeIsQuiet(t *testing.T) {
+	eng := &fakeEngine{}
+	clients, _ := deviceCluster(t, 1, 5*time.Second, eng)
+	srv := clients[0].sess.srv
+	var logs syncBuf
+	srv.log = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	path := fdServe(t, srv)
+	fdDial(t, path).Close()
+	for end := time.Now().Add(5 * time.Second); time.Now().Before(end); time.Sleep(5 * time.Millisecond) {
+		if strings.Contains(logs.String(), "fd socket connection") { // the probe's line, either kind
+			break
+		}
+	}
+	conn := fdDial(t, path)
+	fdSend(t, conn, fdHelloMsg(clients[0].sess.ID+100, clients[0].sess.FDToken()), nil)
+	if _, err := fdAnswer(t, conn); err == nil {
+		t.Fatal("a hello for an unknown session was answered ok")
+	}
+	if n := strings.Count(logs.String(), "refused an fd socket connection"); n != 1 {
+		t.Fatalf("%d refusals logged, want the bad hello's only:\n%s", n, logs.String())
 	}
 }
