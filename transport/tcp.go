@@ -416,8 +416,13 @@ func (n *Node) accept(hs *handshaking) {
 	}
 	ep.mu.Lock()
 	if ep.in[from] != nil || ep.broken != nil {
+		broken := ep.broken
 		ep.mu.Unlock()
-		n.rejects.warn("rejected duplicate peer link", "from", from)
+		if broken != nil {
+			n.log.Debug("closed a peer link to a broken or closed group", "from", from, "cause", broken)
+		} else {
+			n.rejects.warn("rejected duplicate peer link", "from", from)
+		}
 		conn.Close()
 		return
 	}
