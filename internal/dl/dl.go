@@ -6,6 +6,7 @@ package dl
 import (
 	"fmt"
 	"sync"
+	"sync/atomic"
 )
 
 // Library is one run-time loaded library of the process.
@@ -14,8 +15,9 @@ type Library struct {
 	defaultPath string
 	notLoaded   error
 
-	mu   sync.Mutex
-	path string // the file loaded, "" until one is
+	mu     sync.Mutex
+	path   string      // the file loaded, "" until one is
+	loaded atomic.Bool // path is set: read on every call of the bindings, without mu
 }
 
 // New describes a library: its short name, the file the loader searches for when no path
@@ -43,5 +45,15 @@ func (l *Library) Load(path string, open func(path string) string) error {
 		return fmt.Errorf("%w: %s", l.notLoaded, msg)
 	}
 	l.path = path
+	l.loaded.Store(true)
+	return nil
+}
+
+// Loaded is nil once a Load succeeded, else the library's not-loaded error. The bindings ask
+// it before each call into the library: no lock, no cgo call.
+func (l *Library) Loaded() error {
+	if !l.loaded.Load() {
+		return l.notLoaded
+	}
 	return nil
 }

@@ -20,8 +20,14 @@ func TestLoadOnce(t *testing.T) {
 	if err := l.Load("/bad/libx.so", open); !errors.Is(err, errNo) || !strings.Contains(err.Error(), "no such file") {
 		t.Fatalf("failed load: %v", err)
 	}
+	if err := l.Loaded(); !errors.Is(err, errNo) {
+		t.Fatalf("Loaded after a failed load: %v", err)
+	}
 	if err := l.Load("", open); err != nil {
 		t.Fatalf("default path: %v", err)
+	}
+	if err := l.Loaded(); err != nil {
+		t.Fatalf("Loaded after a load: %v", err)
 	}
 	if err := l.Load("libx.so.1", open); err != nil {
 		t.Fatalf("same path again: %v", err)

@@ -101,7 +101,6 @@ import "C"
 import (
 	"errors"
 	"fmt"
-	"sync/atomic"
 	"unsafe"
 
 	"github.com/gocomm/gocomm/internal/dl"
@@ -111,9 +110,6 @@ import (
 var ErrNotLoaded = errors.New("nccl: library not loaded")
 
 var lib = dl.New("nccl", "libnccl.so.2", ErrNotLoaded)
-
-// libOpen: libnccl is open (gn_lib set), read on every call without a cgo call of its own.
-var libOpen atomic.Bool
 
 // Load opens libnccl from path ("" means "libnccl.so.2" through the loader's search). The
 // first successful load wins; a later call with another path reports which copy is in use.
@@ -125,17 +121,11 @@ func Load(path string) error {
 		if C.gn_load(cpath, &buf[0], C.int(len(buf))) != 0 {
 			return C.GoString(&buf[0])
 		}
-		libOpen.Store(true)
 		return ""
 	})
 }
 
-func loaded() error {
-	if !libOpen.Load() {
-		return ErrNotLoaded
-	}
-	return nil
-}
+func loaded() error { return lib.Loaded() }
 
 // Result is ncclResult_t.
 type Result int32

@@ -68,7 +68,6 @@ static int gs_load(const char* path, char* err, int errlen) {
 	gs_lib = h;
 	return 0;
 }
-static int gs_loaded(void) { return gs_lib != NULL; }
 static int gs_get_uniqueid(void* id) { return p_get_uniqueid(id); }
 // gs_init fills the attribute struct (versions as the inline nvshmemx_init_attr writes them)
 // in C memory that outlives the call, and initialises with the unique-id bootstrap.
@@ -179,12 +178,7 @@ func Load(path string) error {
 	})
 }
 
-func loaded() error {
-	if C.gs_loaded() == 0 {
-		return ErrNotLoaded
-	}
-	return nil
-}
+func loaded() error { return lib.Loaded() }
 
 // UniqueID is the bootstrap id rank 0 makes and every PE initialises with.
 type UniqueID [128]byte
