@@ -75,7 +75,7 @@ func (c *OpComm) Recv(from int, t Tag, s Sink) *Request {
 	}
 	if ep.left[from] {
 		ep.mu.Unlock()
-		r.finish(fmt.Errorf("%w: rank %d left the group", ErrPeerLost, from))
+		r.finish(leftError(from))
 		return r
 	}
 	ep.posted[key] = r

@@ -269,7 +269,7 @@ func (ep *Endpoint) lost(peer int, err error, pending, answered bool) error {
 	ep.mu.Unlock()
 	if left && !pending {
 		ep.failPostedFrom(peer)
-		return fmt.Errorf("%w: rank %d left the group", ErrPeerLost, peer)
+		return leftError(peer)
 	}
 	if left { // it said bye first: it destroyed its group, or its process closed it
 		err = fmt.Errorf("%w: rank %d left the group while this rank still had data for it (%s)", ErrPeerLost, peer,
@@ -278,6 +278,9 @@ func (ep *Endpoint) lost(peer int, err error, pending, answered bool) error {
 	ep.Break(err)
 	return ep.Broken()
 }
+
+// leftError is what a request that needs a peer which left the group in order fails with.
+func leftError(peer int) error { return fmt.Errorf("%w: rank %d left the group", ErrPeerLost, peer) }
 
 // opName names op codes in errors about a peer's signature; SetOpNames installs it.
 var opName func(op uint8) string
@@ -361,7 +364,7 @@ func (ep *Endpoint) RecvP2P(from int, tag int64, s Sink) *Request {
 	}
 	if from >= 0 && ep.left[from] {
 		ep.mu.Unlock()
-		r.finish(fmt.Errorf("%w: rank %d left the group", ErrPeerLost, from))
+		r.finish(leftError(from))
 		return r
 	}
 	ep.postCount++

@@ -253,7 +253,7 @@ func (ep *Endpoint) failPostedFrom(from int) {
 	}
 	ep.mu.Unlock()
 	for _, r := range reqs {
-		r.finish(fmt.Errorf("%w: rank %d left the group", ErrPeerLost, from))
+		r.finish(leftError(from))
 	}
 }
 
