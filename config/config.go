@@ -65,6 +65,10 @@ type Client struct {
 	// A2AVInProcess is GOCOMM_A2AV_INPROCESS: all_to_all_v with splits on the GPU runs the
 	// in-process kernel where it can, else the sidecar's NVSHMEM kernel.
 	A2AVInProcess bool
+	// MoELowLatencyBytes is GOCOMM_MOE_LL_MB in bytes: the most a group's low-latency MoE
+	// buffer may take on a GPU where padded dispatch sets it up by itself; 0: padded dispatch
+	// keeps its three-launch kernels unless a call asks for low_latency.
+	MoELowLatencyBytes int64
 }
 
 // AllReduce shapes the in-process all_reduce kernel (csrc/client/inprocess.h). The same on
@@ -408,6 +412,15 @@ var Params = []Param{
 		Env: "GOCOMM_A2AV_INPROCESS", Aliases: []string{"GOCOMM_A2AV_HERE"}, Default: "1", Accepts: "0 or 1",
 		Doc: "all_to_all_v with splits on the GPU: 1 runs the in-process kernel where it can, 0 leaves it to the sidecar's NVSHMEM kernel. The same on every rank",
 		set: func(c *Config, v string) error { return flag(v, &c.Client.A2AVInProcess) },
+	},
+	{
+		Env: "GOCOMM_MOE_LL_MB", Default: "256", Accepts: "an integer of MiB, 0 to 1048576",
+		Doc: "the most memory, per group and GPU, that padded MoE dispatch may give the one-launch (low-latency) kernels' buffer when it sets it up by itself, at its first call where the group's exchange runs in this process; 0 keeps padded dispatch on its three-launch kernels unless a call passes low_latency=True. The same on every rank",
+		set: func(c *Config, v string) error {
+			n, err := intIn(v, 0, 1<<20)
+			c.Client.MoELowLatencyBytes = int64(n) << 20
+			return err
+		},
 	},
 	{
 		Env: "GOCOMM_ASYNC_ERROR_HANDLING", Default: "2", Accepts: "0, 1, 2 or 3",

@@ -21,7 +21,7 @@ func TestDefaults(t *testing.T) {
 		Log:   Log{MaxBytes: 64 << 20, Keep: 3},
 		Trace: Trace{Size: 2000, OnFailure: true},
 		Ahead: 32, LogLevel: "info", Spin: SpinAuto,
-		Client: Client{CUDA: true, AsyncErrorHandling: 2, A2AVInProcess: true,
+		Client: Client{CUDA: true, AsyncErrorHandling: 2, A2AVInProcess: true, MoELowLatencyBytes: 256 << 20,
 			AllReduce: AllReduce{Max: 1 << 62, Stage: 32 << 20, OneShot: 256 << 10, Blocks: 128}},
 	}
 	if got := Defaults(); got != want {

@@ -156,6 +156,7 @@ func clientKnobs(c config.Client) *v1.ClientKnobs {
 	return &v1.ClientKnobs{
 		Cuda: c.CUDA, AsyncErrorHandling: uint32(c.AsyncErrorHandling), A2AvInprocess: c.A2AVInProcess,
 		ArMax: uint64(ar.Max), ArStage: uint64(ar.Stage), ArOneshot: uint64(ar.OneShot), ArBlocks: uint32(ar.Blocks),
+		MoeLlBytes: uint64(c.MoELowLatencyBytes),
 	}
 }
 

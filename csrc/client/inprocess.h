@@ -315,6 +315,7 @@ class Engine {
     int64_t a2a_recv_bytes = 512 << 20;  // GOCOMM_A2A_RECV_MB
     int a2a_threads = 256;  // GOCOMM_A2AV_THREADS
     int a2a_blocks = 128;  // GOCOMM_A2AV_BLOCKS
+    int64_t moe_ll_bytes = 256 << 20;  // GOCOMM_MOE_LL_MB: padded dispatch's own low-latency buffer
   };
   struct Hooks {
     // the group's CPU all_gather (through the sidecar): every rank's rec, rank order

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -118,6 +119,184 @@ void check_dispatch(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
                                   " experts per rank");
 }
 
+// The low-latency mode (docs/decisions/0036): the padded dispatch's result in one launch over
+// the group's low-latency buffer (inprocess.h's LlPath), combine in one launch. The fields of
+// the call's workspace, as Carve lays it out for cap rows.
+void ws_fields(LlArgs& a, const at::Tensor& ws, const Carve& c) {
+  const uint64_t base = uint64_t(addr(ws));
+  auto at_ = [&](int i) { return base + uint64_t(c.at[i]); };
+  a.meta = at_(Carve::kCounts);
+  a.send_order = at_(Carve::kSendOrder);
+  a.send_rank = at_(Carve::kSendRank);
+  a.t_idx = at_(Carve::kTIdx);
+  a.t_offs = at_(Carve::kTOffs);
+  a.rows_sorted = at_(Carve::kRowsSorted);
+  a.w_sorted = at_(Carve::kWSorted);
+  a.e_idx = at_(Carve::kEIdx);
+  a.w_e = at_(Carve::kWE);
+  a.e_offs = at_(Carve::kEOffs);
+  a.gmeta = base + uint64_t(c.gmeta);
+  a.rcount = at_(Carve::kCsplits);  // the rows received from each source
+}
+
+// A low-latency dispatch's workspace: the three-launch one's size (Carve's), from torch's
+// allocator as every output, with ll_workspace_free as its DataPtr's deleter. That is how
+// moe_combine tells which kernels a padded dispatch ran: the Meta kernel gives both the same
+// shape (it cannot know), so the shape cannot say it.
+void ll_workspace_free(void* held) {
+  delete static_cast<c10::DataPtr*>(held);  // the allocator's own DataPtr frees the block
+}
+
+at::Tensor ll_workspace(int64_t bytes, const at::TensorOptions& o) {
+  at::Tensor ws = fresh({bytes}, o);
+  c10::StorageImpl* st = ws.storage().unsafeGetStorageImpl();
+  auto held = std::make_unique<c10::DataPtr>(st->set_data_ptr(c10::DataPtr(nullptr, ws.device())));
+  void* p = held->get();
+  st->set_data_ptr_noswap(c10::DataPtr(p, held.release(), &ll_workspace_free, ws.device()));
+  return ws;
+}
+
+bool is_ll_workspace(const at::Tensor& ws) {
+  return ws.has_storage() && ws.storage().data_ptr().get_deleter() == &ll_workspace_free;
+}
+
+// The low-latency grouping's runs of rows for per local experts: a warp each, as many as
+// kLlSmem holds counts for.
+int64_t ll_segs(int64_t per) {
+  return std::clamp<int64_t>(kLlSmem / ((per + 1) * 4), 1, kLlThreads / 32);
+}
+
+// Whether the low-latency kernels take a call's shapes, and the buffer shape it needs.
+bool ll_takes(int64_t bound, int64_t k, int64_t per, const moe::Row& layout) {
+  return bound <= kLlTokens && k <= kLlMaxK && per <= kLlMaxPer && layout.bytes < (int64_t(1) << 20);
+}
+
+bool ll_holds(const LlShape& has, int64_t bound, const moe::Row& layout, int64_t xbytes) {
+  return bound <= has.slots && layout.bytes <= has.slot_bytes && xbytes <= has.cslot_bytes;
+}
+
+// The group's low-latency buffer on dev where it takes a padded dispatch of these shapes
+// (docs/decisions/0039): the one there, or one set up now where there is none, no capture is
+// open and GOCOMM_MOE_LL_MB allows its size; else null, and the three-launch kernels run.
+// Every rank decides alike: the group's padded calls share their shapes and the knob, and a
+// buffer is set up on every rank or declined on every rank.
+std::shared_ptr<LlPath> padded_ll(Engine& e, int dev, int64_t bound, int64_t k, int64_t per,
+                                  const moe::Row& layout, int64_t xbytes) {
+  if (!ll_takes(bound, k, per, layout)) {
+    return nullptr;
+  }
+  std::shared_ptr<LlPath> ll = e.ll_path(dev, LlShape{});
+  const LlShape want{std::max<int64_t>(bound, 1), layout.bytes, xbytes};
+  if (!ll && want.bytes(e.size()) <= e.settings().moe_ll_bytes &&
+      c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
+    ll = e.ll_path(dev, want);  // collective at the group's first padded dispatch on dev
+  }
+  return ll && ll_holds(ll->shape(), bound, layout, xbytes) ? ll : nullptr;
+}
+
+// One low-latency dispatch on ll (which holds its shapes): out, tokens_per_expert and the
+// workspace combine reads.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> launch_ll(LlPath& ll, const at::Tensor& x, const at::Tensor& topk_idx,
+                                                         const at::Tensor& topk_weights, int64_t experts, int64_t n,
+                                                         int64_t cap, const moe::Row& layout) {
+  const int64_t t = x.size(0), h = x.size(1), k = topk_idx.size(1), per = experts / n;
+  const int64_t xbytes = h * x.element_size();
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(ll.device()));
+  const at::Tensor idx = on_x(x, topk_idx, at::kLong), w = on_x(x, topk_weights, at::kFloat);
+  const Carve c(t, n, k, per, cap, 0, 0);
+  at::Tensor ws = ll_workspace(c.size, x.options().dtype(at::kByte));
+  at::Tensor tpe = fresh({per}, x.options().dtype(at::kLong));
+  at::Tensor out = fresh({cap * k, h}, x.options());
+  LlArgs a = ll.args();
+  a.x = uint64_t(addr(x));
+  a.idx = uint64_t(addr(idx));
+  a.w = uint64_t(addr(w));
+  a.out = uint64_t(addr(out));
+  a.tpe = uint64_t(addr(tpe));
+  ws_fields(a, ws, c);
+  a.flag = uint64_t(flag_word(ll.device()));
+  a.tokens = t, a.k = k, a.experts = experts, a.per = per, a.xbytes = xbytes;
+  a.id_off = layout.id_off, a.w_off = layout.w_off, a.row_bytes = layout.bytes;
+  a.cap = cap, a.hbytes = xbytes, a.segs = ll_segs(per);
+  // a thread a token (the routing), a warp a run of rows (the grouping)
+  ll.dispatch(a, unsigned(kLlThreads), unsigned(a.segs * (per + 1) * 4));
+  return {out, tpe, ws};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_ll_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
+                                                                const at::Tensor& topk_weights, int64_t experts,
+                                                                int64_t ranks, int64_t bound, std::string group) {
+  const char* op = "moe.dispatch(low_latency=True)";
+  auto [b, a2] = path_of(group, x, op);  // NotImplementedError where the group's exchange is not in-process
+  const int64_t n = b->engine().size();
+  TORCH_CHECK_VALUE(ranks == n, "gocomm moe_dispatch_ll: group '" + group + "' has " + std::to_string(n) +
+                                    " ranks, not " + std::to_string(ranks));
+  TORCH_CHECK_VALUE(bound >= 0, "gocomm moe.dispatch(low_latency=True): max_tokens_per_rank must be >= 0, got " +
+                                    std::to_string(bound));
+  const int64_t cap = bound * n;
+  check_dispatch(x, topk_idx, topk_weights, experts, n, cap, true);
+  const int64_t h = x.size(1), k = topk_idx.size(1), per = experts / n;
+  const int64_t xbytes = h * x.element_size();
+  const moe::Row layout = moe::row_layout(xbytes, k);
+  TORCH_CHECK_NOT_IMPLEMENTED(ll_takes(bound, k, per, layout),
+                              "gocomm " + std::string(op) + ": its kernels take at most " + std::to_string(kLlTokens) +
+                                  " tokens a rank, k <= " + std::to_string(kLlMaxK) + ", at most " +
+                                  std::to_string(kLlMaxPer) + " experts a rank and rows under 1 MiB, got " +
+                                  std::to_string(bound) + " tokens, k " + std::to_string(k) + ", " +
+                                  std::to_string(per) + " experts a rank");
+  const int dev = a2->device();
+  auto ll = b->engine().ll_path(dev, LlShape{std::max<int64_t>(bound, 1), layout.bytes, xbytes});
+  TORCH_CHECK_NOT_IMPLEMENTED(ll, "gocomm " + std::string(op) + ": group '" + group +
+                                      "' declined its buffer on cuda:" + std::to_string(dev) + " (logged why)");
+  const LlShape& has = ll->shape();
+  TORCH_CHECK_VALUE(ll_holds(has, bound, layout, xbytes),
+                    "gocomm " + std::string(op) + ": group '" + group + "''s buffer on cuda:" + std::to_string(dev) +
+                        " was sized by its first low-latency or padded dispatch: max_tokens_per_rank " +
+                        std::to_string(has.slots) + ", rows of " + std::to_string(has.cslot_bytes) +
+                        " bytes, " + std::to_string(has.slot_bytes) + " bytes with the ids and weights; this call " +
+                        "needs " + std::to_string(bound) + ", " + std::to_string(xbytes) + " and " +
+                        std::to_string(layout.bytes) + " (make the first call the largest)");
+  return launch_ll(*ll, x, topk_idx, topk_weights, experts, n, cap, layout);
+}
+
+// One low-latency combine: y of dispatch's rows, ws its workspace (checked here).
+at::Tensor ll_combine(Backend& b, A2Path& a2, const at::Tensor& y_in, const at::Tensor& ws, int64_t tokens,
+                      int64_t cap, int64_t k, int64_t experts, const std::string& group) {
+  const int64_t n = b.engine().size(), per = experts / n;
+  const int dev = a2.device();
+  auto ll = b.engine().ll_path(dev, LlShape{});
+  TORCH_CHECK(ll, "gocomm moe.combine: no low-latency dispatch ran on group '" + group + "' on cuda:" +
+                      std::to_string(dev));
+  const at::Tensor y = y_in.contiguous();
+  const int64_t hbytes = y.size(1) * y.element_size();
+  TORCH_CHECK_VALUE(hbytes % 16 == 0 && hbytes <= ll->shape().cslot_bytes && y.size(0) == cap * k,
+                    "gocomm moe.combine: y must be [" + std::to_string(cap * k) + ", hidden] with rows of a " +
+                        "multiple of 16 bytes, at most dispatch's x's, got " + shape_name(y.sizes()));
+  moe::check_sums(y.scalar_type());
+  const Carve c(tokens, n, k, per, cap, 0, 0);
+  TORCH_CHECK_VALUE(ws.dim() == 1 && ws.scalar_type() == at::kByte && ws.device() == y.device() &&
+                        ws.size(0) >= c.size && is_ll_workspace(ws),
+                    "gocomm moe_combine_ll: dispatch's workspace on y's device, for these sizes");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+  at::Tensor out = fresh({tokens, y.size(1)}, y.options());
+  LlArgs a = ll->args();
+  a.x = uint64_t(addr(y));
+  a.out = uint64_t(addr(out));
+  ws_fields(a, ws, c);
+  a.tokens = tokens, a.k = k, a.experts = experts, a.per = per, a.cap = cap, a.hbytes = hbytes;
+  ll->combine(a, y.scalar_type());
+  return out;
+}
+
+at::Tensor combine_ll_cuda(const at::Tensor& y_in, const at::Tensor& ws, int64_t tokens, int64_t bound, int64_t k,
+                           int64_t experts, std::string group, const std::optional<at::Tensor>&,
+                           const std::optional<at::Tensor>&) {
+  TORCH_CHECK_VALUE(y_in.dim() == 2, "gocomm moe.combine: y must be [rows, hidden], got shape " +
+                                         shape_name(y_in.sizes()));
+  auto [b, a2] = path_of(group, y_in, "moe.combine");
+  return ll_combine(*b, *a2, y_in, ws, tokens, bound * b->engine().size(), k, experts, group);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const at::Tensor& x,
                                                                          const at::Tensor& topk_idx,
                                                                          const at::Tensor& topk_weights,
@@ -137,6 +316,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const a
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
   const int64_t xbytes = h * x.element_size();
   const moe::Row layout = moe::row_layout(xbytes, k);
+  if (padded) {  // one launch where the group's low-latency buffer takes the call (0039)
+    if (auto ll = padded_ll(b->engine(), dev, cap / n, k, per, layout, xbytes)) {
+      auto [out, tpe, ws] = launch_ll(*ll, x, idx, w, experts, n, cap, layout);
+      return {out, tpe, ws, fresh({0}, x.options().dtype(at::kLong))};
+    }
+  }
   const int64_t row = layout.bytes;
   const int64_t send_cap = t * std::min(n, k);
   const Carve c(t, n, k, per, cap, send_cap * row, cap * row);
@@ -201,6 +386,9 @@ at::Tensor combine_cuda(const at::Tensor& y_in, const at::Tensor& ws, int64_t to
                     "gocomm moe.combine: y's rows must be a multiple of 16 bytes like dispatch's x, got " +
                         std::to_string(y_in.size(1)));
   auto [b, path] = path_of(group, y_in, "moe.combine");
+  if (is_ll_workspace(ws)) {  // a padded dispatch that ran the low-latency kernels
+    return ll_combine(*b, *path, y_in, ws, tokens, cap, k, experts, group);
+  }
   const int64_t n = b->engine().size(), per = experts / n;
   const int dev = path->device();
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
@@ -226,120 +414,6 @@ at::Tensor combine_cuda(const at::Tensor& y_in, const at::Tensor& ws, int64_t to
   if (tokens) {
     moe::wsum(dev, dtype, int64_t(addr(out)), back, at_(Carve::kTIdx), 0, at_(Carve::kTOffs), tokens, 0, h);
   }
-  return out;
-}
-
-// The low-latency mode (docs/decisions/0036): the padded dispatch's result in one launch over
-// the group's low-latency buffer (inprocess.h's LlPath), combine in one launch. The fields of
-// the call's workspace, as Carve lays it out for cap rows.
-void ws_fields(LlArgs& a, const at::Tensor& ws, const Carve& c) {
-  const uint64_t base = uint64_t(addr(ws));
-  auto at_ = [&](int i) { return base + uint64_t(c.at[i]); };
-  a.meta = at_(Carve::kCounts);
-  a.send_order = at_(Carve::kSendOrder);
-  a.send_rank = at_(Carve::kSendRank);
-  a.t_idx = at_(Carve::kTIdx);
-  a.t_offs = at_(Carve::kTOffs);
-  a.rows_sorted = at_(Carve::kRowsSorted);
-  a.w_sorted = at_(Carve::kWSorted);
-  a.e_idx = at_(Carve::kEIdx);
-  a.w_e = at_(Carve::kWE);
-  a.e_offs = at_(Carve::kEOffs);
-  a.gmeta = base + uint64_t(c.gmeta);
-  a.rcount = at_(Carve::kCsplits);  // the rows received from each source
-}
-
-// The low-latency grouping's runs of rows for per local experts: a warp each, as many as
-// kLlSmem holds counts for.
-int64_t ll_segs(int64_t per) {
-  return std::clamp<int64_t>(kLlSmem / ((per + 1) * 4), 1, kLlThreads / 32);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_ll_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
-                                                                const at::Tensor& topk_weights, int64_t experts,
-                                                                int64_t ranks, int64_t bound, std::string group) {
-  const char* op = "moe.dispatch(low_latency=True)";
-  auto [b, a2] = path_of(group, x, op);  // NotImplementedError where the group's exchange is not in-process
-  const int64_t n = b->engine().size();
-  TORCH_CHECK_VALUE(ranks == n, "gocomm moe_dispatch_ll: group '" + group + "' has " + std::to_string(n) +
-                                    " ranks, not " + std::to_string(ranks));
-  TORCH_CHECK_VALUE(bound >= 0, "gocomm moe.dispatch(low_latency=True): max_tokens_per_rank must be >= 0, got " +
-                                    std::to_string(bound));
-  const int64_t cap = bound * n;
-  check_dispatch(x, topk_idx, topk_weights, experts, n, cap, true);
-  const int64_t t = x.size(0), h = x.size(1), k = topk_idx.size(1), per = experts / n;
-  const int64_t xbytes = h * x.element_size();
-  const moe::Row layout = moe::row_layout(xbytes, k);
-  const bool takes = bound <= kLlTokens && k <= kLlMaxK && per <= kLlMaxPer && layout.bytes < (int64_t(1) << 20);
-  TORCH_CHECK_NOT_IMPLEMENTED(takes,
-                              "gocomm " + std::string(op) + ": its kernels take at most " + std::to_string(kLlTokens) +
-                                  " tokens a rank, k <= " + std::to_string(kLlMaxK) + ", at most " +
-                                  std::to_string(kLlMaxPer) + " experts a rank and rows under 1 MiB, got " +
-                                  std::to_string(bound) + " tokens, k " + std::to_string(k) + ", " +
-                                  std::to_string(per) + " experts a rank");
-  const int dev = a2->device();
-  auto ll = b->engine().ll_path(dev, LlShape{std::max<int64_t>(bound, 1), layout.bytes, xbytes});
-  TORCH_CHECK_NOT_IMPLEMENTED(ll, "gocomm " + std::string(op) + ": group '" + group +
-                                      "' declined its buffer on cuda:" + std::to_string(dev) + " (logged why)");
-  const LlShape& has = ll->shape();
-  TORCH_CHECK_VALUE(bound <= has.slots && layout.bytes <= has.slot_bytes && xbytes <= has.cslot_bytes,
-                    "gocomm " + std::string(op) + ": group '" + group + "''s buffer on cuda:" + std::to_string(dev) +
-                        " was sized by its first low-latency dispatch: max_tokens_per_rank " +
-                        std::to_string(has.slots) + ", rows of " + std::to_string(has.cslot_bytes) +
-                        " bytes, " + std::to_string(has.slot_bytes) + " bytes with the ids and weights; this call " +
-                        "needs " + std::to_string(bound) + ", " + std::to_string(xbytes) + " and " +
-                        std::to_string(layout.bytes) + " (make the first call the largest)");
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
-  const at::Tensor idx = on_x(x, topk_idx, at::kLong), w = on_x(x, topk_weights, at::kFloat);
-  const Carve c(t, n, k, per, cap, 0, 0);
-  at::Tensor ws = fresh({c.size}, x.options().dtype(at::kByte));
-  at::Tensor tpe = fresh({per}, x.options().dtype(at::kLong));
-  at::Tensor out = fresh({cap * k, h}, x.options());
-  LlArgs a = ll->args();
-  a.x = uint64_t(addr(x));
-  a.idx = uint64_t(addr(idx));
-  a.w = uint64_t(addr(w));
-  a.out = uint64_t(addr(out));
-  a.tpe = uint64_t(addr(tpe));
-  ws_fields(a, ws, c);
-  a.flag = uint64_t(flag_word(dev));
-  a.tokens = t, a.k = k, a.experts = experts, a.per = per, a.xbytes = xbytes;
-  a.id_off = layout.id_off, a.w_off = layout.w_off, a.row_bytes = layout.bytes;
-  a.cap = cap, a.hbytes = xbytes, a.segs = ll_segs(per);
-  // a thread a token (the routing), a warp a run of rows (the grouping)
-  ll->dispatch(a, unsigned(kLlThreads), unsigned(a.segs * (per + 1) * 4));
-  return {out, tpe, ws};
-}
-
-at::Tensor combine_ll_cuda(const at::Tensor& y_in, const at::Tensor& ws, int64_t tokens, int64_t bound, int64_t k,
-                           int64_t experts, std::string group, const std::optional<at::Tensor>&,
-                           const std::optional<at::Tensor>&) {
-  const char* op = "moe.combine";
-  TORCH_CHECK_VALUE(y_in.dim() == 2, "gocomm moe.combine: y must be [rows, hidden], got shape " +
-                                         shape_name(y_in.sizes()));
-  auto [b, a2] = path_of(group, y_in, op);
-  const int64_t n = b->engine().size(), per = experts / n, cap = bound * n;
-  const int dev = a2->device();
-  auto ll = b->engine().ll_path(dev, LlShape{});
-  TORCH_CHECK(ll, "gocomm moe.combine: no low-latency dispatch ran on group '" + group + "' on cuda:" +
-                      std::to_string(dev));
-  const at::Tensor y = y_in.contiguous();
-  const int64_t hbytes = y.size(1) * y.element_size();
-  TORCH_CHECK_VALUE(hbytes % 16 == 0 && hbytes <= ll->shape().cslot_bytes && y.size(0) == cap * k,
-                    "gocomm moe.combine: y must be [" + std::to_string(cap * k) + ", hidden] with rows of a " +
-                        "multiple of 16 bytes, at most dispatch's x's, got " + shape_name(y.sizes()));
-  moe::check_sums(y.scalar_type());
-  const Carve c(tokens, n, k, per, cap, 0, 0);
-  TORCH_CHECK_VALUE(ws.dim() == 1 && ws.scalar_type() == at::kByte && ws.device() == y.device() && ws.size(0) >= c.size,
-                    "gocomm moe_combine_ll: dispatch's workspace on y's device, for these sizes");
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
-  at::Tensor out = fresh({tokens, y.size(1)}, y.options());
-  LlArgs a = ll->args();
-  a.x = uint64_t(addr(y));
-  a.out = uint64_t(addr(out));
-  ws_fields(a, ws, c);
-  a.tokens = tokens, a.k = k, a.experts = experts, a.per = per, a.cap = cap, a.hbytes = hbytes;
-  ll->combine(a, y.scalar_type());
   return out;
 }
 

@@ -386,6 +386,7 @@ PYBIND11_MODULE(_C, m) {
              st.ar_oneshot = knobs.attr("ar_oneshot").cast<int64_t>();
              st.ar_blocks = knobs.attr("ar_blocks").cast<int>();
              st.a2av = knobs.attr("a2av_inprocess").cast<bool>();
+             st.moe_ll_bytes = knobs.attr("moe_ll_bytes").cast<int64_t>();
              st.a2a_recv_bytes = a2a.attr("recv_bytes").cast<int64_t>();
              st.a2a_threads = a2a.attr("threads").cast<int>();
              st.a2a_blocks = a2a.attr("blocks").cast<int>();
@@ -433,7 +434,7 @@ PYBIND11_MODULE(_C, m) {
                             py::arg("ar_stage") = st.ar_stage, py::arg("ar_oneshot") = st.ar_oneshot,
                             py::arg("ar_blocks") = st.ar_blocks, py::arg("a2av") = st.a2av,
                             py::arg("a2a_recv_bytes") = st.a2a_recv_bytes, py::arg("a2a_threads") = st.a2a_threads,
-                            py::arg("a2a_blocks") = st.a2a_blocks);
+                            py::arg("a2a_blocks") = st.a2a_blocks, py::arg("moe_ll_bytes") = st.moe_ll_bytes);
           },
           "What the backend took from the sidecar at attach: the CUDA refusal and the in-process engine's settings.")
       .def(
@@ -445,6 +446,18 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "ar_path", [](gocomm::Backend& b, int device) { return b.engine().ar_path(device); },
           "The in-process all_reduce path on device, or None where it is not set up there.")
+      .def(
+          "ll_shape",
+          [](gocomm::Backend& b, int device) -> py::object {
+            auto ll = b.engine().ll_path(device, gocomm::inproc::LlShape{});
+            if (!ll) {
+              return py::none();
+            }
+            const auto& s = ll->shape();
+            return py::make_tuple(s.slots, s.slot_bytes, s.cslot_bytes);
+          },
+          "The group's low-latency MoE buffer on device, (slots a source, dispatch and combine slot bytes), or "
+          "None where none is set up.")
       .def(
           "receive_buffer",
           [](gocomm::Backend& b, int device, int64_t nbytes) -> py::object {

@@ -19,12 +19,12 @@ what arrives by expert, and do combine's weighted sums; elsewhere, and for fp8, 
 Every path is the compiled client's; this module picks one per call and keeps the handle.
 Where the group's exchange is the in-process kernel (GPUs that share NVLink), dispatch and
 combine are one registered op each, torch.ops.gocomm.moe_dispatch / moe_combine
-(csrc/client/moe.cc): dispatch is three launches over one workspace (up to 1024 tokens: route
-and pack fused, the exchange, group and gather fused; padded=False groups and gathers apart,
-around its sync), combine three (weighted sums per received token, exchange back, sums per
-token) from what dispatch left on the GPU. dispatch reads the counts on the host once, to size
-its output; with padded=True it never does (its output has the most rows max_tokens_per_rank
-allows), so dispatch and combine can be captured in one CUDA graph. Elsewhere (NCCL, the
+(csrc/client/moe.cc): three launches each (route and pack, the exchange, group and gather;
+weighted sums, the exchange back, sums per token), or with padded=True one each where the
+group's low-latency buffer takes the call (docs/decisions/0039). dispatch reads the counts on
+the host once, to size its output; with padded=True it never does (its output has the most
+rows max_tokens_per_rank allows), so dispatch and combine can be captured in one CUDA graph.
+Elsewhere (NCCL, the
 sidecar's NVSHMEM kernel, the host engine; CPU tensors, fp8, rows the kernels do not take)
 they are torch.ops.gocomm.moe_dispatch_any / moe_combine_any (csrc/client/moe_any.cc): the
 kernels' launches (csrc/client/moe_kernels.cc) or ATen ops around gocomm.all_to_all_v's
@@ -113,9 +113,11 @@ def dispatch(
             combine's exchange, so no peer is left waiting), or in gocomm.moe.check(), which
             waits for the GPU first. Elsewhere the result is the same, after one sync, and
             such errors raise in dispatch.
-        low_latency: padded's result in one launch each way where the exchange runs in this
-            process (docs/decisions/0036), else padded's path. The group's first such call sizes
-            its buffer for its max_tokens_per_rank, hidden size and k: later calls stay within.
+        low_latency: padded, in one launch each way where the exchange runs in this process
+            (docs/decisions/0036), which padded=True does by itself where the group's buffer
+            takes the call (0039, GOCOMM_MOE_LL_MB). The group's first call of either sizes the
+            buffer for its max_tokens_per_rank (the same on every rank), hidden size and k:
+            later low_latency calls stay within, larger padded ones take three launches.
 
     Returns:
         (recv, tokens_per_expert, handle): recv holds the received tokens grouped by local
@@ -162,11 +164,9 @@ def dispatch(
 
 def _dispatch_inprocess(fast: _backend.Served, x, topk_idx, topk_weights, experts: int, bound, padded: bool):
     """dispatch where the exchange is the in-process kernel: one op, which checks the arguments,
-    converts topk_idx / topk_weights where they are not int64 / float32 on x's device, and
-    raises what the counts hold; no host sync when padded (else one, in the op, to size the
-    output). bound: max_tokens_per_rank or None (the exchange's receive buffer).
-    NotImplementedError where the kernels do not take x, or no longer serve the group
-    (nothing was done)."""
+    converts topk_idx / topk_weights to int64 / float32 on x's device where they are not, and
+    syncs once unless padded. bound: max_tokens_per_rank or None (the receive buffer).
+    NotImplementedError where the kernels do not take x or serve the group (nothing done)."""
     n, t, k = fast.size, x.shape[0], topk_idx.shape[1]
     cap = bound * n if bound is not None else _capacity_rows(_client.C.moe_row_bytes(x.shape[1] * x.element_size(), k))
     out, tpe, ws, counts = _DISPATCH(x, topk_idx, topk_weights, experts, n, cap, padded, fast.name)

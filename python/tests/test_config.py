@@ -131,6 +131,7 @@ def test_sidecar_reports_knobs(fresh, tmp_path):
         "GOCOMM_CUDA": "0",
         "GOCOMM_ASYNC_ERROR_HANDLING": "1",
         "GOCOMM_SPIN": "500us",
+        "GOCOMM_MOE_LL_MB": "0",
         "GOCOMM_LOG_DIR": str(tmp_path),  # a log of this sidecar's only
     }.items():
         fresh.setenv(k, v)
@@ -147,6 +148,7 @@ def test_sidecar_reports_knobs(fresh, tmp_path):
         "a2a_recv_bytes": 64 << 20,
         "a2a_threads": 256,
         "a2a_blocks": 32,
+        "moe_ll_bytes": 0,
     }
     log = pathlib.Path(sc.log_file).read_text()
     assert "GOCOMM_NVSHMEM_RECV_MB is deprecated" in log and "GOCOMM_A2AV_HERE is deprecated" in log
@@ -162,6 +164,7 @@ def test_sidecar_knob_defaults(fresh, tmp_path):
         k = sc.knobs
         assert (k.cuda, k.async_error_handling, k.a2av_inprocess) == (True, 2, True)
         assert (k.ar_max, k.ar_stage, k.ar_oneshot, k.ar_blocks) == (1 << 62, 32 << 20, 256 << 10, 128)
+        assert k.moe_ll_bytes == 256 << 20
         assert (sc.a2a.recv_bytes, sc.a2a.blocks, sc.a2a.threads) == (512 << 20, 128, 256)
         refusal = (
             "" if sc.info.cuda_available else f"but this rank's pgserver cannot run CUDA ops: {sc.info.cuda_error}"
@@ -185,6 +188,7 @@ def test_sidecar_knob_defaults(fresh, tmp_path):
         ("GOCOMM_ASYNC_ERROR_HANDLING", "4", "0, 1, 2 or 3"),
         ("GOCOMM_LOG_LEVEL", "loud", "debug, info, warn or error"),
         ("GOCOMM_SPIN", "2", "a Go duration"),
+        ("GOCOMM_MOE_LL_MB", "-1", "an integer of MiB, 0 to 1048576"),
     ],
 )
 def test_sidecar_refuses_bad_value(fresh, name, value, accepts):

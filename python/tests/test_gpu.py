@@ -641,6 +641,7 @@ def test_moe_graph(worlds, seed, size):
     with worlds.fresh(size, label="moegraph", env={"GOCOMM_TRANSPORT": "nvshmem"}) as w:
         w.run(check_moe_graph, seed=seed, timeout=RUN_LIMIT_S)
         w.run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
+        w.run(check_padded_ll, seed=seed, on=True, timeout=RUN_LIMIT_S)
 
 
 def _sharing(size):
@@ -660,10 +661,52 @@ def test_moe_low_latency(worlds, seed, size):
     graph against the eager path with its sync, then eager against the padded path and
     float64 (check_moe), with too small bounds and empty ranks. Where the machine has fewer
     GPUs than ranks, ranks share one (their kernels map each other's memory by CUDA IPC)."""
-    with worlds.fresh(size, label="moell", env=_sharing(size)) as w:
+    # padded dispatch keeps its three-launch kernels here, so check_ll_buffer compares the two
+    with worlds.fresh(size, label="moell", env={**_sharing(size), "GOCOMM_MOE_LL_MB": "0"}) as w:
+        w.run(check_padded_ll, seed=seed, on=False, timeout=RUN_LIMIT_S)
         w.run(check_moe_graph, seed=seed, low_latency=True, timeout=RUN_LIMIT_S)
         w.run(check_moe, seed=seed, device="cuda", timeout=RUN_LIMIT_S)
         w.run(check_ll_buffer, seed=seed, timeout=RUN_LIMIT_S)
+
+
+def check_padded_ll(rk, seed, on):
+    """Padded dispatch picks the one-launch kernels by itself (docs/decisions/0039): on a new
+    group, where GOCOMM_MOE_LL_MB allows (on), its first call sets up the low-latency buffer
+    for its bound; a later call with a larger bound runs the three-launch kernels and a smaller
+    one the buffer's, each equal to the synced dispatch and its combine, bit for bit. With the
+    knob at 0 (not on) no buffer is set up."""
+    import gocomm
+
+    dev, _ = _setup(rk)
+    n, me = rk.size, rk.rank
+    ck = Checker("padded dispatch's own buffer", seed, me)
+    g = dist.new_group(list(range(n)))
+    be = g._get_backend(dev)
+    per, k, h = 4, 3, 256
+    experts = per * n
+    for step, bound in enumerate((8, 16, 4, 8)):
+        with ck.case(f"bound {bound}"):
+            t = max(0, bound - me % 2)
+            gg = torch.Generator().manual_seed(seed * 13 + step * 7 + me)
+            x = gen(seed, f"pll{step}", me, (t, h), torch.bfloat16).to(dev)
+            idx = torch.rand(t, experts, generator=gg).argsort(dim=1)[:, :k].to(dev)
+            w = gen(seed, f"pllw{step}", me, (t, k), torch.float32).abs().to(dev)
+            recv, tpe, hd = gocomm.moe.dispatch(x, idx, w, experts, group=g, max_tokens_per_rank=bound, padded=True)
+            shape = be.ll_shape(dev.index)  # set up by the first call, for its bound, rows of h bf16
+            has = shape is not None and shape[0] == 8 and shape[2] == 2 * h
+            ck.expect(f"bound {bound}: buffer", has if on else shape is None, str(shape))
+            wr, wt, wh = gocomm.moe.dispatch(x, idx, w, experts, group=g)
+            ck.same(f"bound {bound}: tokens per expert", tpe.cpu(), wt.cpu())
+            ck.same(f"bound {bound}: grouped tokens", recv[: wr.shape[0]].cpu(), wr.cpu())
+            y = (recv.float() * 0.5 + 1).to(torch.bfloat16)
+            ck.same(
+                f"bound {bound}: combine",
+                gocomm.moe.combine(y, hd).cpu(),
+                gocomm.moe.combine(y[: wr.shape[0]], wh).cpu(),
+            )
+    torch.cuda.synchronize()
+    dist.destroy_process_group(g)
+    return ck.done()
 
 
 def check_ll_buffer(rk, seed):
