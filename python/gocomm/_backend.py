@@ -1,13 +1,10 @@
 """The "gocomm" backend: torch calls the compiled client (gocomm._C.Backend, csrc/client/) for
 every op; this module is its control plane. The creator torch calls for a new group sets the
 group up with the sidecar (CreateGroup, the Store bootstrap, ConnectGroup, the route table)
-and returns the C++ backend configured with what its ops need.
-
-A group's Python state (_Group: its sidecar, routes) is what gocomm.info() and the MoE API
-use; state(pg) finds it (gocomm.all_to_all_v is the compiled client's: csrc/client/a2av.cc). The in-process engine (all_reduce and all_to_all_v by
-kernels this process launches, on NVLink groups) is the C++ backend's (csrc/client/inprocess.cc):
-the route table is the compiled client's too (csrc/client/routes.h: the engine falls a route
-back itself); the engine calls back here only to log, at a path's setup and when it falls back.
+and returns the C++ backend configured with what its ops need. A group's Python state
+(_Group: its sidecar, routes) is what gocomm.info() and the MoE API use; state(pg) finds it.
+The in-process engine and the route table are the compiled client's (csrc/client/inprocess.cc,
+routes.h); they call back here only to log, at a path's setup and when a route falls back.
 """
 
 from __future__ import annotations
@@ -34,13 +31,12 @@ class Served:
     """A group whose in-process all_to_all_v serves a CUDA device: what gocomm.moe.dispatch
     would otherwise look up on every call (see served)."""
 
-    __slots__ = ("group", "name", "size", "cap", "moe")
+    __slots__ = ("group", "name", "size", "moe")
 
-    def __init__(self, group: _Group, name: str, size: int, cap: int):
+    def __init__(self, group: _Group, name: str, size: int):
         self.group = group  # the group's state, whose destroy drops the entry
         self.name = name  # the group's name, which torch.ops.gocomm take
         self.size = size
-        self.cap = cap  # the receive buffer's bytes
         self.moe = False  # gocomm.moe's kernels run on the device too (moe.dispatch found so)
 
 
@@ -65,13 +61,14 @@ def _seconds(timeout) -> float:
 
 
 def _store_gone(group_name: str, rank: int, size: int, e: BaseException) -> dist.DistBackendError:
-    """The error of a group creation whose torch Store stopped answering: its host (rank 0's
-    process under env:// and tcp://) died or went away. It says so, instead of the socket's
-    own words."""
-    return dist.DistBackendError(
-        f"gocomm: creating group {group_name!r} (rank {rank} of {size}): the torch Store stopped answering "
-        f"({type(e).__name__}: {e}); its host (rank 0 under env:// and tcp://) may have died"
+    """A group creation's error when its torch Store failed it: a key that never came (torch's
+    wait timeout names it, so the rank), else the Store's host gone, in gocomm's words."""
+    why = (
+        "a rank did not create the group within the timeout (a TCPStore names its key, gocomm/host/<rank>)"
+        if isinstance(e, dist.DistStoreError)
+        else "the torch Store stopped answering; its host (rank 0 under env:// and tcp://) may have died"
     )
+    return dist.DistBackendError(f"gocomm: creating group {group_name!r} (rank {rank} of {size}): {why} ({e})")
 
 
 class _Group:
@@ -206,13 +203,6 @@ class _Group:
         member's sidecar chose it when its client attached, and all are on one host."""
         return self._routes.transport
 
-    def _need_slot(self, op: str) -> None:
-        """Raise unless this group has stream counters in the sidecar (CUDA ops need them)."""
-        if self._slot < 0:
-            raise RuntimeError(
-                f"gocomm {op}: this process has more groups using CUDA tensors than the sidecar has counters for"
-            )
-
     def _a2av_path(self, idx: int):
         """The in-process all_to_all_v path on device idx (a gocomm._C.A2Path; set up,
         collectively, at the group's first call there), or None where the group does not take
@@ -225,7 +215,10 @@ class _Group:
         the compiled client calls on every rank once, carrying the id through the group's Store
         (Backend::nvshmem_ready): rank 0's sidecar makes the unique id (uid empty), every
         other rank's is handed rank 0's."""
-        self._need_slot("all_to_all_v")
+        if self._slot < 0:  # no stream counters in the sidecar, which CUDA ops need
+            raise RuntimeError(
+                "gocomm all_to_all_v: this process has more CUDA groups than the sidecar has counters for"
+            )
         self._sc.attach_device(torch.device("cuda", idx))
         return self._sc.call("ShmemID", pb.ShmemIDRequest(session=self._sc.session, group=self._handle, id=uid)).id
 

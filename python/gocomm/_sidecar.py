@@ -173,7 +173,10 @@ class Sidecar:
         rdir = runtime_dir()
         sock = os.path.join(rdir, f"pgserver-{os.getpid()}-r{rank}.sock")
         log_dir = _config.log_dir() or rdir
-        os.makedirs(log_dir, exist_ok=True)
+        try:
+            os.makedirs(log_dir, exist_ok=True)
+        except OSError as e:
+            raise SidecarError(f"GOCOMM_LOG_DIR={log_dir}: cannot make the sidecar's log directory there ({e})") from e
         self.log_file = os.path.join(log_dir, f"pgserver-rank{rank}-{os.getpid()}.log")
         cmd = [
             exe,
@@ -198,9 +201,8 @@ class Sidecar:
         return sock
 
     def _check_version(self, theirs: str) -> None:
-        """Refuse a sidecar of another gocomm version: the rings, descriptors and rpcs are one
-        contract between a shim and the pgserver of its own build. "dev" (a pgserver linked
-        without -X main.version, by hand) is let through with a warning."""
+        """Refuse a sidecar of another gocomm version (rings, descriptors and rpcs are one contract
+        between a shim and its own build's pgserver); "dev" (unversioned, by hand) only warns."""
         ours = _version.__version__
         if theirs == ours:
             return
@@ -215,8 +217,7 @@ class Sidecar:
         )
 
     def _wait_ready(self) -> None:
-        timeout = _config.start_timeout()
-        deadline = time.monotonic() + timeout
+        timeout, start = _config.start_timeout(), time.monotonic()
         while True:
             if self.proc is not None and self.proc.poll() is not None:
                 raise SidecarError(f"pgserver exited with status {self.proc.returncode} at start; {self._log_tail()}")
@@ -224,7 +225,11 @@ class Sidecar:
                 grpc.channel_ready_future(self.channel).result(timeout=0.2)
                 return
             except grpc.FutureTimeoutError:
-                if time.monotonic() > deadline:
+                waited = time.monotonic() - start
+                # an attached sidecar (GOCOMM_SIDECAR) makes its socket at once: a few seconds without one is a wrong path
+                if self.proc is None and waited > min(timeout, 3) and not os.path.exists(self.socket):
+                    raise SidecarError(f"GOCOMM_SIDECAR: no pgserver socket at {self.socket}") from None
+                if waited > timeout:
                     self.close()  # a pgserver started here goes with the failed start
                     raise SidecarError(f"pgserver did not answer on {self.socket} within {timeout}s") from None
 

@@ -107,7 +107,7 @@ def _device_path(g, x: torch.Tensor):
     path = st._a2av_path(idx)
     if path is not None:
         if (g, idx) not in _backend.served:
-            _backend.served[g, idx] = _backend.Served(st, g.group_name, st.size(), path.cap)
+            _backend.served[g, idx] = _backend.Served(st, g.group_name, st.size())
         return path
     return True if g is dist.group.WORLD else None
 

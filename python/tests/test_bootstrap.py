@@ -37,7 +37,7 @@ class _Sidecar:
 
 def _rpc(sc, handle):
     """The rpc a group's backend is handed: _Group._shmem_id of a group on handle."""
-    member = types.SimpleNamespace(_sc=sc, _handle=handle, _need_slot=lambda op: None)
+    member = types.SimpleNamespace(_sc=sc, _handle=handle, _slot=0)
     return lambda idx, uid: _Group._shmem_id(member, idx, uid)
 
 
@@ -61,3 +61,27 @@ def test_rank0_failure_reaches_the_others_at_once():
     with pytest.raises(RuntimeError, match="group 'g': rank 0 could not make the NVSHMEM unique id"):
         C.exchange_shmem_id(store, 1, "g", 0, _rpc(sc1, 41))
     assert sc1.calls == []
+
+
+class _GoneStore(dist.Store):
+    """A Store whose host went away: every call fails as torch's TCPStore fails then."""
+
+    def set(self, key, value):
+        raise dist.DistNetworkError("Connection reset by peer")
+
+    def get(self, key):
+        raise dist.DistNetworkError("Connection reset by peer")
+
+
+def test_group_creation_names_why_the_store_failed_it():
+    """A rank that never creates the group (its key never comes: the Store's wait timeout) is
+    told apart from a Store whose host went away; both raise
+    DistBackendError naming the group and the rank, before any sidecar is started."""
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=0.5))
+    with pytest.raises(
+        dist.DistBackendError, match=r"group 'g' \(rank 0 of 2\): a rank did not create the group within the timeout"
+    ):
+        _Group(store, 0, 2, datetime.timedelta(seconds=0.5), "g")
+    with pytest.raises(dist.DistBackendError, match=r"group 'h' \(rank 1 of 2\): the torch Store stopped answering"):
+        _Group(_GoneStore(), 1, 2, datetime.timedelta(seconds=0.5), "h")

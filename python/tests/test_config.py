@@ -11,6 +11,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -197,6 +198,25 @@ def test_sidecar_refuses_bad_value(fresh, name, value, accepts):
     fresh.setenv(name, value)
     want = rf"(?s)pgserver exited with status 1 at start; log .* ends with:.*{name}=\"{value}\": want {accepts}"
     with pytest.raises(_sidecar.SidecarError, match=want):
+        _sidecar.Sidecar(0)
+
+
+def test_attached_sidecar_missing_socket_fails_at_once(fresh, tmp_path):
+    """GOCOMM_SIDECAR naming a socket that does not come within 3 s raises, naming it, rather
+    than waiting all of GOCOMM_START_TIMEOUT (a sidecar started apart makes it at once)."""
+    sock = tmp_path / "none.sock"
+    fresh.setenv("GOCOMM_SIDECAR", f"unix://{sock}")
+    t0 = time.monotonic()
+    with pytest.raises(_sidecar.SidecarError, match=f"GOCOMM_SIDECAR: no pgserver socket at {sock}"):
+        _sidecar.Sidecar(0)
+    assert time.monotonic() - t0 < 5
+
+
+def test_bad_log_dir_says_so(fresh, tmp_path):
+    """A GOCOMM_LOG_DIR that cannot be made (here under a file) raises SidecarError naming it."""
+    (tmp_path / "file").write_text("")
+    fresh.setenv("GOCOMM_LOG_DIR", str(tmp_path / "file" / "logs"))
+    with pytest.raises(_sidecar.SidecarError, match="GOCOMM_LOG_DIR=.*file/logs: cannot make the sidecar's log"):
         _sidecar.Sidecar(0)
 
 
