@@ -67,8 +67,8 @@ def main(argv=None) -> int:
         ap.error("give torchrun's arguments after --")
     env = dict(os.environ)
     base = args.mps_dir or os.path.join("/tmp", f"gocomm-mps-{os.getuid()}")
-    env.setdefault("CUDA_MPS_PIPE_DIRECTORY", os.path.join(base, "pipe"))
-    env.setdefault("CUDA_MPS_LOG_DIRECTORY", os.path.join(base, "log"))
+    for key, sub in (("CUDA_MPS_PIPE_DIRECTORY", "pipe"), ("CUDA_MPS_LOG_DIRECTORY", "log")):
+        env[key] = os.path.join(base, sub) if args.mps_dir or key not in env else env[key]  # --mps-dir wins
     started = False
     if args.mps and not mps_running(env):
         started = start_mps(env)

@@ -1,4 +1,4 @@
-"""The `gocomm` command (info, doctor, bench), the one version shared by the package, pgserver
+"""The `gocomm` command (info, doctor, bench, launch), the one version shared by the package, pgserver
 and the wheel, and the shim's refusal of a sidecar of another version. Each command runs in a
 subprocess of its own (info and doctor run `pgserver info` / `pgserver doctor`, whose checks
 cmd/pgserver/*_test.go test case by case); the wheel itself is checked by wheel_check.py (make
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
@@ -185,3 +186,65 @@ def test_sdist_without_go_names_what_is_missing(tmp_path):
     )
     assert p.returncode != 0
     assert "building pgserver and the kernels from source needs:\n  go: install Go" in p.stderr, p.stderr
+
+
+_RANK_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+import gocomm
+dist.init_process_group("gocomm")
+t = torch.full((1000,), float(dist.get_rank() + 1))
+dist.all_reduce(t)
+n = dist.get_world_size()
+assert torch.equal(t, torch.full((1000,), n * (n + 1) / 2)), t[:4]
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}"), "w") as f:
+    f.write(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", ""))
+dist.destroy_process_group()
+"""
+
+# A stand-in for nvidia-cuda-mps-control: `-d` starts "the daemon" (a state file), stdin
+# get_server_list answers 0 once started, quit stops it; every call logs its pipe directory.
+_FAKE_MPS = """#!/bin/sh
+echo "$* $(cat -) $CUDA_MPS_PIPE_DIRECTORY" >> "$FAKE_MPS_LOG"
+case "$(tail -1 "$FAKE_MPS_LOG")" in
+  -d*) touch "$FAKE_MPS_LOG.up" ;;
+  *quit*) rm -f "$FAKE_MPS_LOG.up" ;;
+  *) [ -e "$FAKE_MPS_LOG.up" ] || exit 1 ;;
+esac
+"""
+
+
+def test_launch_runs_torchrun(tmp_path):
+    """`gocomm launch -- <torchrun args>` runs the job under torchrun: two ranks create the
+    gocomm group and all_reduce; without --mps and no daemon it says the ranks will
+    time-slice, and starts nothing."""
+    (tmp_path / "job.py").write_text(_RANK_SCRIPT)
+    env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
+    with socket.socket() as s:  # a free port for torchrun's store
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    args = ("launch", "--", "--nproc-per-node", "2", "--master-port", port, str(tmp_path / "job.py"), str(tmp_path))
+    r = _gocomm(*args, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "no MPS daemon" in r.stderr, r.stderr
+    assert sorted(p.name for p in tmp_path.glob("rank*")) == ["rank0", "rank1"]
+
+
+def test_launch_mps_dir_wins(tmp_path):
+    """`--mps --mps-dir D` starts MPS on D's pipe directory even where the environment names
+    another, the job sees D, and the daemon it started is stopped when the job ends."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "nvidia-cuda-mps-control").write_text(_FAKE_MPS)
+    (bindir / "nvidia-cuda-mps-control").chmod(0o755)
+    (tmp_path / "job.py").write_text("import os, sys\nprint('pipe', os.environ['CUDA_MPS_PIPE_DIRECTORY'])\n")
+    log, d = tmp_path / "mps.log", tmp_path / "mps"
+    env = {"PATH": f"{bindir}:/usr/bin:/bin", "FAKE_MPS_LOG": str(log), "CUDA_MPS_PIPE_DIRECTORY": "/elsewhere"}
+    r = _gocomm(
+        "launch", "--mps", "--mps-dir", str(d), "--", "--nproc-per-node", "1", str(tmp_path / "job.py"), env=env
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"pipe {d}/pipe" in r.stdout, r.stdout
+    calls = log.read_text().splitlines()
+    assert calls and all(c.endswith(f"{d}/pipe") for c in calls), calls
+    assert calls[0].startswith(" get_server_list") and any(c.startswith("-d") for c in calls), calls
+    assert "quit" in calls[-1] and not os.path.exists(f"{log}.up"), calls
