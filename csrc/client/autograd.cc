@@ -23,6 +23,7 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <functional>
 #include <string>
 #include <tuple>
@@ -151,9 +152,12 @@ std::tuple<Tensor, Tensor> a2av_out(const Tensor& input, const Tensor& splits, T
 //     among tokens_per_expert) names its slot j among the ids; the dot products go back by a
 //     combine of that dispatch's handle, each in its slot's column.
 // Every path groups rows in one order (local expert, source rank, token), so the backward's
-// dispatches line up with the forward's rows. They run on moe_dispatch_any / moe_combine_any
-// whatever path the forward took (the same exchange, counts through the host where it
-// reads them): a backward is a collective every rank of the group runs, as the forward is.
+// dispatches line up with the forward's rows. Where the forward was padded on the in-process
+// path, they run on its ops (moe_dispatch / moe_combine, padded: nothing waits for the GPU);
+// else, or where that path no longer serves the group, on moe_dispatch_any / moe_combine_any
+// (the same exchange, counts through the host where it reads them). A backward is a
+// collective every rank of the group runs, as the forward is, and every rank takes the same
+// ops: the forward's path and bound are the group's.
 // combine learns the routing (topk_idx) and gets its edge to topk_weights from the arguments
 // gocomm.moe passes it; called without them, a backward through it raises.
 
@@ -176,29 +180,58 @@ int64_t group_size(const std::string& group) {
   return c10d::resolve_process_group(group)->getSize();
 }
 
+const c10::TypedOperatorHandle<DispatchSig>& dispatch_op() {
+  static const auto op = handle<DispatchSig>("gocomm::moe_dispatch");
+  return op;
+}
+
+const c10::TypedOperatorHandle<CombineSig>& combine_op() {
+  static const auto op = handle<CombineSig>("gocomm::moe_combine");
+  return op;
+}
+
+// What a backward's dispatch gave: its rows, tokens_per_expert, and the handle its combine
+// takes (the in-process op's workspace, or the _any op's handle tensors).
+struct Dispatched {
+  Tensor rows, tpe, ws;
+  std::vector<Tensor> any;  // empty where the in-process op ran
+};
+
 // The routing of a forward dispatch, as its backward re-runs it.
 struct Routing {
   Tensor idx;  // topk_idx [T, k]
   int64_t experts = 0, tokens = 0;
   std::optional<int64_t> bound;  // max_tokens_per_rank where the rows were padded to it
   std::string group;
+  bool inproc = false;  // the forward ran the in-process ops (moe.cc)
 
   int64_t padded_rows() const { return bound ? *bound * group_size(group) * idx.size(1) : 0; }
-  // dispatch of z along the routing with unit weights: [rows, scales, tokens_per_expert, handle...]
-  std::vector<Tensor> dispatch(const Tensor& z) const {
+  // dispatch of z (float32, columns a multiple of 4) along the routing with unit weights
+  Dispatched dispatch(const Tensor& z) const {
     const Tensor ones = at::ones(idx.sizes(), z.options().dtype(at::kFloat));
-    return dispatch_any_op().call(z, idx, ones, experts, false, bound, bound.has_value(), group);
+    if (inproc && bound) {
+      const int64_t n = group_size(group);
+      try {
+        auto [rows, tpe, ws, counts] = dispatch_op().call(z, idx, ones, experts, n, *bound * n, true, group);
+        return {rows, tpe, ws, {}};
+      } catch (const c10::NotImplementedError&) {  // the path no longer serves the group
+      }
+    }
+    std::vector<Tensor> got = dispatch_any_op().call(z, idx, ones, experts, false, bound, bound.has_value(), group);
+    return {got[0], got[2], Tensor(), std::vector<Tensor>(got.begin() + 3, got.end())};
   }
-  // combine of rows by a handle of dispatch(): [tokens, columns] in dtype
-  Tensor combine(const Tensor& rows, const std::vector<Tensor>& hd, at::ScalarType dtype) const {
-    return combine_any_op().call(rows.contiguous(), hd, tokens, dtype, padded_rows(), group, std::nullopt,
+  // combine of rows by dispatch()'s handle: [tokens, columns] in dtype
+  Tensor combine(const Tensor& rows, const Dispatched& d, at::ScalarType dtype) const {
+    if (d.any.empty()) {
+      const int64_t n = group_size(group), k = idx.size(1), cap = *bound * n;
+      return combine_op()
+          .call(rows.to(dtype).contiguous(), d.ws, tokens, cap, k, experts, cap, tokens * std::min(n, k), group,
+                std::nullopt, std::nullopt);
+    }
+    return combine_any_op().call(rows.contiguous(), d.any, tokens, dtype, padded_rows(), group, std::nullopt,
                                  std::nullopt, 0);
   }
 };
-
-std::vector<Tensor> handle_of(const std::vector<Tensor>& got) {
-  return std::vector<Tensor>(got.begin() + 3, got.end());
-}
 
 struct MoeDispatchBackward : public torch::autograd::Node {
   Routing r;
@@ -210,8 +243,8 @@ struct MoeDispatchBackward : public torch::autograd::Node {
       return {Tensor()};
     }
     // a unit-weight handle of the same routing (16 bytes a row: every path takes it)
-    const auto got = r.dispatch(at::zeros({r.tokens, 4}, g.options().dtype(at::kFloat)));
-    return {r.combine(g, handle_of(got), dtype)};
+    const Dispatched got = r.dispatch(at::zeros({r.tokens, 4}, g.options().dtype(at::kFloat)));
+    return {r.combine(g, got, dtype)};
   }
   std::string name() const override { return "gocomm::MoeDispatchBackward"; }
   void release_variables() override { r.idx.reset(); }
@@ -230,25 +263,30 @@ struct MoeCombineBackward : public torch::autograd::Node {
     const auto pg = c10d::resolve_process_group(r.group);
     const int64_t k = r.idx.size(1), h = g.size(1), per = r.experts / pg->getSize();
     const auto f32 = g.options().dtype(at::kFloat);
-    const Tensor z = at::cat({g.to(at::kFloat), r.idx.to(f32), w.to(f32)}, 1);
-    const auto got = r.dispatch(z);
-    const Tensor& rz = got[0];  // y's rows: g, the token's ids and weights
+    // [g | ids | w], columns padded to a multiple of 4 (rows of 16 bytes, as the kernels take)
+    const int64_t pad = (4 - (h + 2 * k) % 4) % 4;
+    const Tensor z = at::cat({g.to(at::kFloat), r.idx.to(f32), w.to(f32), at::zeros({g.size(0), pad}, f32)}, 1);
+    const Dispatched got = r.dispatch(z);
+    const Tensor& rz = got.rows;  // y's rows: g, the token's ids and weights
     const int64_t rows = rz.size(0);
     // each row's local expert (rows past the grouped ones: none), its global id, its slot
-    const Tensor ends = got[2].to(rz.device()).cumsum(0);
+    const Tensor ends = got.tpe.to(rz.device()).cumsum(0);
     const Tensor p = at::arange(rows, f32.dtype(at::kLong));
     const Tensor e = at::bucketize(p, ends, /*out_int32=*/false, /*right=*/true);
     const Tensor ids = rz.slice(1, h, h + k);
     const Tensor match = ids.eq((e + pg->getRank() * per).to(at::kFloat).unsqueeze(1));
     const Tensor j = match.to(at::kInt).argmax(1, /*keepdim=*/true);
-    const Tensor has = match.any(1).logical_and(e.lt(per)).to(at::kFloat);
-    const Tensor wp = rz.slice(1, h + k, h + 2 * k).gather(1, j).squeeze(1) * has;
+    // rows past the grouped ones (padded outputs) hold whatever the memory held, NaN too:
+    // selected away, not multiplied by 0
+    const Tensor has = match.any(1).logical_and(e.lt(per));
+    const Tensor zero = at::zeros({}, f32);
+    const Tensor wp = at::where(has, rz.slice(1, h + k, h + 2 * k).gather(1, j).squeeze(1), zero);
     const Tensor gy = rz.slice(1, 0, h);
-    const Tensor grad_y = (gy * wp.unsqueeze(1)).to(y.scalar_type());
+    const Tensor grad_y = at::where(has.unsqueeze(1), gy * wp.unsqueeze(1), zero).to(y.scalar_type());
     // g[t] . y[p] of each row, in its slot's column (columns padded to 16 bytes), summed back
-    const Tensor dot = (gy * y.to(at::kFloat)).sum(1) * has;
+    const Tensor dot = at::where(has, (gy * y.to(at::kFloat)).sum(1), zero);
     const Tensor d = at::zeros({rows, (k + 3) / 4 * 4}, f32).scatter_(1, j.to(at::kLong), dot.unsqueeze(1));
-    const Tensor gw = r.combine(d, handle_of(got), at::kFloat).slice(1, 0, k).to(w.scalar_type());
+    const Tensor gw = r.combine(d, got, at::kFloat).slice(1, 0, k).to(w.scalar_type());
     return {grad_y, gw};
   }
   std::string name() const override { return "gocomm::MoeCombineBackward"; }
@@ -262,13 +300,13 @@ struct MoeCombineBackward : public torch::autograd::Node {
 // dispatch's recv gets a MoeDispatchBackward where x needs a gradient (topk_weights gets its
 // own through combine).
 void dispatch_backward(const Tensor& x, const Tensor& idx, int64_t experts, std::optional<int64_t> bound,
-                       const std::string& group, const Tensor& recv) {
+                       const std::string& group, const Tensor& recv, bool inproc) {
   if (!wants_grad({&x})) {
     return;
   }
   auto node = std::shared_ptr<MoeDispatchBackward>(new MoeDispatchBackward(), torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(x));
-  node->r = Routing{idx.detach(), experts, x.size(0), bound, group};
+  node->r = Routing{idx.detach(), experts, x.size(0), bound, group, inproc};
   node->dtype = x.scalar_type();
   torch::autograd::set_history(const_cast<Tensor&>(recv), node);
 }
@@ -279,7 +317,7 @@ void dispatch_backward(const Tensor& x, const Tensor& idx, int64_t experts, std:
 void combine_backward(const char* op, const Tensor& y, const std::optional<Tensor>& idx,
                       const std::optional<Tensor>& w, int64_t experts, int64_t tokens,
                       const std::function<std::optional<int64_t>()>& bound, const std::string& group,
-                      const Tensor& out) {
+                      const Tensor& out, bool inproc) {
   const Tensor wt = w.has_value() ? *w : Tensor();
   if (!wants_grad({&y, &wt})) {
     return;
@@ -290,7 +328,7 @@ void combine_backward(const char* op, const Tensor& y, const std::optional<Tenso
   }
   auto node = std::shared_ptr<MoeCombineBackward>(new MoeCombineBackward(), torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(y, wt));
-  node->r = Routing{idx->detach(), experts, tokens, bound(), group};
+  node->r = Routing{idx->detach(), experts, tokens, bound(), group, inproc};
   node->y_ = torch::autograd::SavedVariable(y, false);
   node->w_ = torch::autograd::SavedVariable(wt, false);
   torch::autograd::set_history(const_cast<Tensor&>(out), node);
@@ -302,7 +340,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dispatch(const Tensor& x, const Tenso
   static const auto op = handle<DispatchSig>("gocomm::moe_dispatch");
   auto out = below(op, x, idx, w, experts, ranks, cap, padded, group);
   dispatch_backward(x, idx, experts, padded ? std::optional<int64_t>(cap / std::max<int64_t>(ranks, 1)) : std::nullopt,
-                    group, std::get<0>(out));
+                    group, std::get<0>(out), true);
   return out;
 }
 
@@ -315,7 +353,7 @@ Tensor combine(const Tensor& y, const Tensor& ws, int64_t tokens, int64_t cap, i
   combine_backward(
       "gocomm::moe_combine", y, idx, w, experts, tokens,
       [&]() { return y.size(0) == cap * k ? std::optional<int64_t>(cap / group_size(group)) : std::nullopt; }, group,
-      out);
+      out, true);
   return out;
 }
 
@@ -323,7 +361,7 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_ll(const Tensor& x, const Tensor& id
                                               int64_t ranks, int64_t bound, std::string group) {
   static const auto op = handle<DispatchLlSig>("gocomm::moe_dispatch_ll");
   auto out = below(op, x, idx, w, experts, ranks, bound, group);
-  dispatch_backward(x, idx, experts, bound, group, std::get<0>(out));
+  dispatch_backward(x, idx, experts, bound, group, std::get<0>(out), true);
   return out;
 }
 
@@ -333,7 +371,7 @@ Tensor combine_ll(const Tensor& y, const Tensor& ws, int64_t tokens, int64_t bou
   Tensor out = below(op, y, ws, tokens, bound, k, experts, group, idx, w);
   combine_backward(
       "gocomm::moe_combine_ll", y, idx, w, experts, tokens, [&]() { return std::optional<int64_t>(bound); }, group,
-      out);
+      out, true);
   return out;
 }
 
@@ -346,7 +384,7 @@ std::vector<Tensor> dispatch_any(const Tensor& x, const Tensor& idx, const Tenso
     }
     return out;
   }
-  dispatch_backward(x, idx, experts, padded ? bound : std::nullopt, group, out.at(0));
+  dispatch_backward(x, idx, experts, padded ? bound : std::nullopt, group, out.at(0), false);
   return out;
 }
 
@@ -360,7 +398,7 @@ Tensor combine_any(const Tensor& y, const std::vector<Tensor>& handle_, int64_t 
                ? std::optional<int64_t>(rows / (group_size(group) * std::max<int64_t>(idx->size(1), 1)))
                : std::nullopt;
   };
-  combine_backward("gocomm::moe_combine_any", y, idx, w, experts, tokens, bound, group, out);
+  combine_backward("gocomm::moe_combine_any", y, idx, w, experts, tokens, bound, group, out, false);
   return out;
 }
 

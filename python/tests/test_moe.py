@@ -461,12 +461,14 @@ def test_all_to_all_v_backward(worlds, seed, size):
     worlds.get(size).run(check_all_to_all_v_backward, seed=seed)
 
 
-def check_moe_backward(rk, seed, device="cpu", dtype=torch.float32):
+def check_moe_backward(rk, seed, device="cpu", dtype=torch.float32, sync_free=False):
     """A MoE layer (dispatch, a matmul per local expert, combine) trains: the gradients of x,
     topk_weights and the experts' matrices equal a float64 autograd of the same layer over
     every rank's tokens (built on every rank from the seed), with uneven, -1 and all-to-one
     routings and a rank without tokens, padded and not, and low-latency (padded's path where
-    the kernels do not run). Gradients of tokens no rank's expert took are zero."""
+    the kernels do not run). Gradients of tokens no rank's expert took are zero. sync_free (the
+    in-process path): a padded layer's backward never waits for the GPU (torch's sync debug
+    mode raises at any sync)."""
     n, me, dev = rk.size, rk.rank, _dev(rk, device)
     ck = Checker(f"moe backward on {device} {str(dtype).removeprefix('torch.')}", seed, me)
     per, k, hidden = 3, 2, 8
@@ -516,7 +518,15 @@ def check_moe_backward(rk, seed, device="cpu", dtype=torch.float32):
                     at += counts[e]
                 rows.append(torch.zeros(recv.shape[0] - at, hidden, dtype=dtype, device=dev))  # padding
                 out = gocomm.moe.combine(torch.cat(rows), handle)
-                (out * gs[me].to(dev, dtype)).sum().backward()
+                loss = (out * gs[me].to(dev, dtype)).sum()
+                strict = sync_free and kind != ""
+                if strict:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    loss.backward()
+                finally:
+                    if strict:
+                        torch.cuda.set_sync_debug_mode("default")
                 for name, got in (("x", x.grad), ("topk_weights", w.grad), ("experts' matrices", m.grad)):
                     got = torch.zeros_like(want[name]) if got is None else got.double().cpu()
                     err = float((got - want[name]).abs().max()) if got.numel() else 0.0
