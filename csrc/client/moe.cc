@@ -166,11 +166,12 @@ int64_t ll_segs(int64_t per) {
   return std::clamp<int64_t>(kLlSmem / ((per + 1) * 4), 1, kLlThreads / 32);
 }
 
-// Whether the low-latency kernels take a call's shapes, and the buffer shape it needs.
+// Whether the low-latency kernels take a call's shapes (bound, k, experts a rank, packed row).
 bool ll_takes(int64_t bound, int64_t k, int64_t per, const moe::Row& layout) {
   return bound <= kLlTokens && k <= kLlMaxK && per <= kLlMaxPer && layout.bytes < (int64_t(1) << 20);
 }
 
+// Whether a buffer of shape has holds a call of these shapes.
 bool ll_holds(const LlShape& has, int64_t bound, const moe::Row& layout, int64_t xbytes) {
   return bound <= has.slots && layout.bytes <= has.slot_bytes && xbytes <= has.cslot_bytes;
 }
