@@ -19,4 +19,7 @@ const (
 	// beyond anything a release of the last group wrote, and within 2^31 of the last group's
 	// values, so its late stream waits still read as done.
 	slotAdvance = gpu.ReleaseAhead + 1<<24
+	// maxDestroyed is how many destroyed groups a session remembers, to fail the ops its
+	// client queued on them before the destroy as aborted (not as invalid descriptors).
+	maxDestroyed = 1024
 )

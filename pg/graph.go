@@ -3,7 +3,6 @@ package pg
 import (
 	"context"
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"runtime"
 	"sync"
@@ -352,7 +351,7 @@ func (g *Group) replay(ds gpu.Session, o *graphOp, done func()) {
 			}
 			status, msg := g.failure(context.Background(), d, 0, o.timeout, err)
 			msg = "replay of " + msg
-			ep.Break(errors.New(msg))
+			ep.Break(breakCause(status, msg, err))
 			g.log.Warn("graph op failed", "trigger", o.t, "status", status, "err", msg)
 			fail(status, msg)
 		}})

@@ -345,7 +345,7 @@ func (g *Group) submitDevice(ds gpu.Session, o *op, ptrs []uint64) {
 			return
 		}
 		status, msg := g.failure(context.Background(), d, uint64(d.StreamValue), o.timeout, err)
-		ep.Break(errors.New(msg))
+		ep.Break(breakCause(status, msg, err))
 		g.finish(o, status, -1, msg)
 	}})
 }
@@ -448,7 +448,7 @@ func (g *Group) runCollective(ep *transport.Endpoint, seq uint64, o *op) {
 	}
 	if err != nil {
 		status, msg := g.failure(ctx, d, seq, o.timeout, err)
-		ep.Break(errors.New(msg))
+		ep.Break(breakCause(status, msg, err))
 		ep.Quiesce(time.Second)
 		g.finish(o, status, -1, msg)
 		return
@@ -488,7 +488,7 @@ func (g *Group) p2p(o *op, req p2pReq) {
 		g.finish(o, wire.StatusMismatch, -1, fmt.Sprintf("%s on group %q: %v", d.Kind, g.Name, err))
 	default:
 		status, msg := g.failure(ctx, d, 0, o.timeout, err)
-		ep.Break(errors.New(msg))
+		ep.Break(breakCause(status, msg, err))
 		ep.Quiesce(time.Second)
 		g.finish(o, status, -1, msg)
 	}
@@ -516,6 +516,25 @@ func (g *Group) failure(ctx context.Context, d *wire.Desc, seq uint64, timeout t
 	default:
 		return wire.StatusInternal, fmt.Sprintf("%s %s: %v", what, where, err)
 	}
+}
+
+// broke is the error an op's failure breaks its group with: failure's words (which hold the
+// op's error) and that error's kind, so the group's other ops fail as what it was (a peer
+// lost, a timeout, an abort), not as internal errors.
+type broke struct {
+	msg string
+	err error
+}
+
+func (b broke) Error() string { return b.msg }
+func (b broke) Unwrap() error { return b.err }
+
+// breakCause is what failure's status and msg of err break a group with.
+func breakCause(status int32, msg string, err error) error {
+	if status == wire.StatusTimeout { // a deadline of this op's context: the others' are not past
+		err = ErrTimeout
+	}
+	return broke{msg: msg, err: err}
 }
 
 func (g *Group) finish(o *op, status int32, source int, msg string) {

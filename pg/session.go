@@ -38,13 +38,17 @@ type Session struct {
 	marks   ring.Marks // word i: the handle of the last group whose streams on slot i were released
 	reg     *registry
 
-	mu       sync.Mutex
-	groups   map[uint32]*Group
-	closed   bool
-	detached bool          // the client left in order (Detach): its groups say bye, not abort
-	events   chan Event    // for the client's watch stream (Events)
-	done     chan struct{} // closed when the session ends
-	loop     sync.WaitGroup
+	mu     sync.Mutex
+	groups map[uint32]*Group
+	// the names of the groups this session destroyed, by handle (the last maxDestroyed, in
+	// destroyedOrder): an op the client queued before the destroy fails as aborted, naming it
+	destroyed      map[uint32]string
+	destroyedOrder []uint32
+	closed         bool
+	detached       bool          // the client left in order (Detach): its groups say bye, not abort
+	events         chan Event    // for the client's watch stream (Events)
+	done           chan struct{} // closed when the session ends
+	loop           sync.WaitGroup
 
 	nccl bool // the client's NCCL is loaded here
 	// Sparse is the transport all_to_all_v of this client's CUDA tensors takes.
@@ -348,6 +352,17 @@ func (sess *Session) DestroyGroup(handle uint32) error {
 	sess.mu.Lock()
 	g := sess.groups[handle]
 	delete(sess.groups, handle)
+	if g != nil {
+		if sess.destroyed == nil {
+			sess.destroyed = map[uint32]string{}
+		}
+		sess.destroyed[handle] = g.Name
+		sess.destroyedOrder = append(sess.destroyedOrder, handle)
+		if len(sess.destroyedOrder) > maxDestroyed {
+			delete(sess.destroyed, sess.destroyedOrder[0])
+			sess.destroyedOrder = sess.destroyedOrder[1:]
+		}
+	}
 	sess.mu.Unlock()
 	if g == nil {
 		return fmt.Errorf("group %d: %w", handle, ErrNotFound)
@@ -478,6 +493,13 @@ func (sess *Session) submit(payload []byte) {
 	}
 	g, gerr := sess.Group(d.Group)
 	if gerr != nil {
+		sess.mu.Lock()
+		name, gone := sess.destroyed[d.Group]
+		sess.mu.Unlock()
+		if gone { // queued before the destroy, which the control plane brought first
+			sess.complete(d.Seq, wire.StatusAborted, -1, fmt.Sprintf("%s on group %q: group destroyed", d.Kind, name))
+			return
+		}
 		sess.complete(d.Seq, wire.StatusInvalid, -1, fmt.Sprintf("%v: %v", wire.ErrInvalid, gerr))
 		return
 	}
