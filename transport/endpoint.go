@@ -101,13 +101,17 @@ type Endpoint struct {
 	writers   sync.WaitGroup
 	ctx       context.Context // canceled by Close: stops dials in progress
 	cancel    context.CancelFunc
-	acks      map[ackKey]*Request // sends by reference waiting for their ack (invariant 6)
-	onBreak   []func(error)
-	refID     uint64
-	peerMaps  map[mapKey][]byte // peers' segments mapped here (invariant 6)
-	unmatched []atomic.Int64    // per peer: what its early frames are charged (invariant 8)
-	progress  func() (started, finished uint64)
-	peerSeen  []PeerProgress // per peer: its progress as its last heartbeat told, and when
+	// closing is canceled as Close begins (a child of ctx): a handshake in progress has
+	// closeGrace from then to finish and carry the bye
+	closing    context.Context
+	closeStart context.CancelFunc
+	acks       map[ackKey]*Request // sends by reference waiting for their ack (invariant 6)
+	onBreak    []func(error)
+	refID      uint64
+	peerMaps   map[mapKey][]byte // peers' segments mapped here (invariant 6)
+	unmatched  []atomic.Int64    // per peer: what its early frames are charged (invariant 8)
+	progress   func() (started, finished uint64)
+	peerSeen   []PeerProgress // per peer: its progress as its last heartbeat told, and when
 
 	BytesSent, BytesReceived atomic.Uint64
 	// BytesByRef counts the bytes of BytesSent that went by reference (same host).
@@ -604,9 +608,12 @@ const abortGrace = 2 * time.Second
 
 // Close leaves the group: peers get a bye, links close, and every request still pending
 // fails with ErrClosed. A broken endpoint first lets its abort frames reach the peers (at
-// most abortGrace), and a link still in its handshake may finish it to carry the bye (at
-// most closeGrace). It does not wait for the peers to leave too.
+// most abortGrace); else a link still dialing (a peer that has not joined yet: ranks leave
+// and join a group at different times) or in its handshake may connect to carry the bye (at
+// most closeGrace), since a peer that never hears it takes this rank for lost once its
+// process is gone. It does not wait for the peers to leave too.
 func (ep *Endpoint) Close() {
+	ep.closeStart()
 	ep.node.leave(ep)
 	ep.mu.Lock()
 	aborting := ep.broken != nil && !errors.Is(ep.broken, ErrClosed)
@@ -614,14 +621,17 @@ func (ep *Endpoint) Close() {
 	ep.Break(fmt.Errorf("%w", ErrClosed)) // sends byes, fails what is pending
 	done := make(chan struct{})
 	go func() { ep.writers.Wait(); close(done) }()
+	// The abort frames or byes are still on their way (a peer that joins late may not have
+	// accepted the link yet); cancelling now would leave that peer waiting for data until
+	// its timeout, or taking this rank for lost. Give them the quick dial's time (aborts) or
+	// closeGrace (byes).
+	grace := closeGrace
 	if aborting {
-		// The abort frames are still on their way (a peer that joined late may not have
-		// accepted the link yet); cancelling now would leave that peer waiting for data
-		// until its timeout. Give them the quick dial's time.
-		select {
-		case <-done:
-		case <-time.After(abortGrace):
-		}
+		grace = abortGrace
+	}
+	select {
+	case <-done:
+	case <-time.After(grace):
 	}
 	ep.cancel() // links still dialing give up
 	select {

@@ -196,31 +196,34 @@ func (n *Node) Join(secret []byte, rank int, peers []string) (*Endpoint, error) 
 		return nil, fmt.Errorf("transport: group secret of %d bytes, want at least 16", len(secret))
 	}
 	ctx, cancel := context.WithCancel(context.Background())
+	closing, closeStart := context.WithCancel(ctx)
 	ep := &Endpoint{
-		ctx:       ctx,
-		cancel:    cancel,
-		node:      n,
-		id:        GroupID(secret),
-		secret:    append([]byte(nil), secret...),
-		rank:      rank,
-		size:      size,
-		peers:     append([]string(nil), peers...),
-		log:       n.log,
-		out:       make([]*outLink, size),
-		in:        make([]net.Conn, size),
-		left:      make([]bool, size),
-		posted:    map[collKey]*Request{},
-		early:     map[collKey]*early{},
-		lastSeq:   make([]uint64, size),
-		p2pPosted: map[p2pKey][]*Request{},
-		anyPosted: map[int64][]*Request{},
-		p2pEarly:  map[p2pKey][]*early{},
-		acks:      map[ackKey]*Request{},
-		peerMaps:  map[mapKey][]byte{},
-		brokenC:   make(chan struct{}),
-		inEnded:   make([]chan struct{}, size),
-		unmatched: make([]atomic.Int64, size),
-		peerSeen:  make([]PeerProgress, size),
+		ctx:        ctx,
+		cancel:     cancel,
+		closing:    closing,
+		closeStart: closeStart,
+		node:       n,
+		id:         GroupID(secret),
+		secret:     append([]byte(nil), secret...),
+		rank:       rank,
+		size:       size,
+		peers:      append([]string(nil), peers...),
+		log:        n.log,
+		out:        make([]*outLink, size),
+		in:         make([]net.Conn, size),
+		left:       make([]bool, size),
+		posted:     map[collKey]*Request{},
+		early:      map[collKey]*early{},
+		lastSeq:    make([]uint64, size),
+		p2pPosted:  map[p2pKey][]*Request{},
+		anyPosted:  map[int64][]*Request{},
+		p2pEarly:   map[p2pKey][]*early{},
+		acks:       map[ackKey]*Request{},
+		peerMaps:   map[mapKey][]byte{},
+		brokenC:    make(chan struct{}),
+		inEnded:    make([]chan struct{}, size),
+		unmatched:  make([]atomic.Int64, size),
+		peerSeen:   make([]PeerProgress, size),
 	}
 	for i := range ep.inEnded {
 		ep.inEnded[i] = make(chan struct{})
@@ -501,15 +504,15 @@ func (n *Node) dialOnce(ctx context.Context, d *net.Dialer, ep *Endpoint, to int
 	if n.locate != nil {
 		pr = n.probe
 	}
-	// The endpoint's Close cuts a handshake short (the peer may never answer), after
-	// closeGrace: a live peer may have taken the link already (it does once it sent its
+	// The endpoint's Close cuts a handshake short (the peer may never answer), closeGrace
+	// after it began: a live peer may have taken the link already (it does once it sent its
 	// grant), and a link that ends without a frame reads there as a lost peer. Finished in
 	// the grace, the link carries the bye (or abort) this rank leaves with.
 	// (under mu, once the handshake ended: a late callback must not put its deadline on the
 	// finished link)
 	var mu sync.Mutex
 	ended := false
-	stop := context.AfterFunc(ep.ctx, func() {
+	stop := context.AfterFunc(ep.closing, func() {
 		mu.Lock()
 		defer mu.Unlock()
 		if d := time.Now().Add(closeGrace); !ended && d.Before(deadline) {
@@ -532,7 +535,8 @@ func (n *Node) dialOnce(ctx context.Context, d *net.Dialer, ep *Endpoint, to int
 	return conn, refs, nil
 }
 
-// closeGrace is how long a handshake in progress may go on once its endpoint closed.
+// closeGrace is how long a link still dialing or in its handshake may go on, to carry the
+// bye, once its endpoint's Close began.
 const closeGrace = 500 * time.Millisecond
 
 // dialFailure is a connection that did not open (as opposed to a handshake that failed on

@@ -647,3 +647,48 @@ func TestLeaverBreaksNothing(t *testing.T) {
 		}
 	}
 }
+
+// TestCloseWhileDialRetries: a rank that leaves while its dial to a peer is retrying (the
+// peer has not joined the group yet: ranks create a group at different times) lets that dial
+// go on, at most closeGrace, and carries its bye. The peer, joining in the grace, hears that
+// the rank left even after the rank's node is gone (its process exited), and breaks nothing;
+// one that never joins costs Close closeGrace, no more.
+func TestCloseWhileDialRetries(t *testing.T) {
+	for _, joins := range []bool{true, false} {
+		nodes, addrs := listen(t, 2)
+		secret := []byte("a secret of at least sixteen bytes")
+		ep0, err := nodes[0].Join(secret, 0, addrs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ep0.Connect()                     // rank 1's node answers: not joined yet
+		time.Sleep(50 * time.Millisecond) // the dial is between retries
+		closed := make(chan time.Duration)
+		go func() { t0 := time.Now(); ep0.Close(); closed <- time.Since(t0) }()
+		if !joins {
+			if took := <-closed; took > closeGrace+300*time.Millisecond {
+				t.Fatalf("Close took %v with a peer that never joined, want at most closeGrace (%v)", took, closeGrace)
+			}
+			continue
+		}
+		time.Sleep(50 * time.Millisecond)
+		ep1, err := nodes[1].Join(secret, 1, addrs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(ep1.Close)
+		ep1.Connect()
+		if took := <-closed; took > closeGrace+300*time.Millisecond {
+			t.Fatalf("Close took %v, want at most closeGrace (%v)", took, closeGrace)
+		}
+		nodes[0].Close() // rank 0's process is gone: a dial to it is refused
+		time.Sleep(peerLostGrace + 300*time.Millisecond)
+		if err := ep1.Broken(); err != nil {
+			t.Fatalf("a rank that left while dialing broke the group: %v", err)
+		}
+		err = ep1.Op(0, sigF32).Recv(0, Tag{}, copySink{Dst: make([]byte, 16)}).Wait(ctxT(t))
+		if !errors.Is(err, ErrPeerLost) || !strings.Contains(err.Error(), "rank 0 left the group") {
+			t.Fatalf("receive from the rank that left = %v, want it named as left", err)
+		}
+	}
+}
