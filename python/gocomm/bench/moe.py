@@ -24,9 +24,10 @@ Two process sets run one after the other in one invocation:
   - gocomm dispatch / combine: gocomm.moe.dispatch and gocomm.moe.combine (top-k routing,
     dedupe, grouping by expert; combine weights and sums), with the host sync that sizes
     dispatch's output; "padded": without it (max_tokens_per_rank bounds the output), and
-    both captured in one CUDA graph ("dispatch+combine padded graph", as decode steps run);
-    "low-latency": padded's result in one launch each way (moe.dispatch(low_latency=True)),
-    eager and captured alike.
+    both captured in one CUDA graph ("dispatch+combine padded graph", as decode steps run),
+    in one launch each way where the group's low-latency buffer takes the call (up to 1024
+    tokens a rank within GOCOMM_MOE_LL_MB; set it to 0 for the three-launch kernels);
+    "low-latency": the same asked for (moe.dispatch(low_latency=True)), eager and captured.
 - torch's ranks, as torch users run them (NCCL default group, no MPS unless
   --torch-under-mps), the baselines of docs/perf.md:
   - torch nccl a2a (splits known): all_to_all_single with host splits.
