@@ -415,7 +415,7 @@ var Params = []Param{
 	},
 	{
 		Env: "GOCOMM_MOE_LL_MB", Default: "256", Accepts: "an integer of MiB, 0 to 1048576",
-		Doc: "the most memory, per group and GPU, that padded MoE dispatch may give the one-launch (low-latency) kernels' buffer when it sets it up by itself, at its first call where the group's exchange runs in this process; 0 keeps padded dispatch on its three-launch kernels unless a call passes low_latency=True. The same on every rank",
+		Doc: "the most memory, per group and GPU, that padded MoE dispatch may give the one-launch (low-latency) kernels' buffer when it sets it up by itself, at its first call where the group's exchange runs in this process and no two of its ranks share a GPU; 0 keeps padded dispatch on its three-launch kernels unless a call passes low_latency=True. The same on every rank",
 		set: func(c *Config, v string) error {
 			n, err := intIn(v, 0, 1<<20)
 			c.Client.MoELowLatencyBytes = int64(n) << 20

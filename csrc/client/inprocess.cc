@@ -466,6 +466,7 @@ A2Path::A2Path(Engine& e, int device, int parts, int threads, const Shared& sh)
       threads_(threads),
       grid_(e.size() * parts),
       cap_(sh.cap),
+      gpus_shared_(sh.gpus_shared),
       words_(static_cast<volatile uint32_t*>(sh.err_host)) {
   for (size_t p = 0; p < sh.maps.size(); p++) {
     a_.base[p] = sh.maps[p];
@@ -972,8 +973,8 @@ void Engine::say(const std::string& what, const std::string& why) {
 
 std::optional<Shared> Engine::share(int idx, const std::string& what, std::string why, int64_t cap, int64_t nbytes,
                                     int64_t settings) {
-  // every rank's record: IPC handle (64), cap (int64), settings (int64), ok
-  constexpr int kRec = 88;
+  // every rank's record: IPC handle (64), cap (int64), settings (int64), ok, GPU uuid (16)
+  constexpr int kRec = 104;
   at::Tensor rec = at::zeros({kRec}, at::TensorOptions().dtype(at::kByte));
   uint8_t* r = rec.data_ptr<uint8_t>();
   Shared sh;
@@ -990,6 +991,8 @@ std::optional<Shared> Engine::share(int idx, const std::string& what, std::strin
       std::memcpy(r + 64, &cap, 8);
       std::memcpy(r + 72, &settings, 8);
       r[80] = 1;
+      const auto uuid = cuda::device_uuid(idx);
+      std::memcpy(r + 88, uuid.data(), uuid.size());
     } catch (const std::exception& e) {  // any failure turns the path off for the group
       why = why_of(e);
     }
@@ -1031,6 +1034,11 @@ std::optional<Shared> Engine::share(int idx, const std::string& what, std::strin
     return std::nullopt;
   }
   sh.cap = least;
+  for (int p = 0; p < size_; p++) {  // any two ranks (every rank reads the same records)
+    for (int q = p + 1; q < size_; q++) {
+      sh.gpus_shared = sh.gpus_shared || std::memcmp(recs + p * kRec + 88, recs + q * kRec + 88, 16) == 0;
+    }
+  }
   {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(idx));
     c10::cuda::device_synchronize();  // the zeroed buffer is in place before any peer's kernel

@@ -158,6 +158,7 @@ class KernelWork : public c10d::Work {
 struct Shared {
   std::vector<uint64_t> maps;
   int64_t cap = 0;
+  bool gpus_shared = false;  // two ranks of the group run on one GPU
   void* err_host = nullptr;
   cuda::DevPtr err_dev = 0;
 };
@@ -212,6 +213,8 @@ class A2Path {
   A2Path(Engine& e, int device, int parts, int threads, const Shared& sh);
   int device() const { return device_; }
   int64_t cap() const { return cap_; }
+  // Whether two ranks of the group run on one GPU (their kernels then share it).
+  bool gpus_shared() const { return gpus_shared_; }
   bool failed() const;
   void give_up();
   // Log what the kernels found since the last call (they cannot raise).
@@ -238,6 +241,7 @@ class A2Path {
   std::mutex& mu_;  // the engine's
   int device_, threads_, grid_;
   int64_t cap_;
+  bool gpus_shared_;
   volatile uint32_t* words_;  // late, invalid ops, row-size ops
   uint32_t seen_[2] = {0, 0};
   A2Args a_{};

@@ -176,14 +176,18 @@ bool ll_holds(const LlShape& has, int64_t bound, const moe::Row& layout, int64_t
   return bound <= has.slots && layout.bytes <= has.slot_bytes && xbytes <= has.cslot_bytes;
 }
 
-// The group's low-latency buffer on dev where it takes a padded dispatch of these shapes
-// (docs/decisions/0039): the one there, or one set up now where there is none, no capture is
-// open and GOCOMM_MOE_LL_MB allows its size; else null, and the three-launch kernels run.
-// Every rank decides alike: the group's padded calls share their shapes and the knob, and a
-// buffer is set up on every rank or declined on every rank.
-std::shared_ptr<LlPath> padded_ll(Engine& e, int dev, int64_t bound, int64_t k, int64_t per,
+// The group's low-latency buffer on a2's device where it takes a padded dispatch of these
+// shapes (docs/decisions/0039): the one there, or one set up now where there is none, no
+// capture is open and GOCOMM_MOE_LL_MB allows its size; else null, and the three-launch
+// kernels run. None where two ranks of the group share a GPU: the one-launch kernels wait for
+// every block of every rank, which must all fit on it at once (the three launches need not).
+// Every rank decides alike: the group's padded calls share their shapes and the knob, whether
+// ranks share a GPU is the group's (every rank's record at a2's setup), and a buffer is set up
+// on every rank or declined on every rank.
+std::shared_ptr<LlPath> padded_ll(Engine& e, const A2Path& a2, int64_t bound, int64_t k, int64_t per,
                                   const moe::Row& layout, int64_t xbytes) {
-  if (!ll_takes(bound, k, per, layout)) {
+  const int dev = a2.device();
+  if (!ll_takes(bound, k, per, layout) || a2.gpus_shared()) {
     return nullptr;
   }
   std::shared_ptr<LlPath> ll = e.ll_path(dev, LlShape{});
@@ -318,7 +322,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const a
   const int64_t xbytes = h * x.element_size();
   const moe::Row layout = moe::row_layout(xbytes, k);
   if (padded) {  // one launch where the group's low-latency buffer takes the call (0039)
-    if (auto ll = padded_ll(b->engine(), dev, cap / n, k, per, layout, xbytes)) {
+    if (auto ll = padded_ll(b->engine(), *path, cap / n, k, per, layout, xbytes)) {
       auto [out, tpe, ws] = launch_ll(*ll, x, idx, w, experts, n, cap, layout);
       return {out, tpe, ws, fresh({0}, x.options().dtype(at::kLong))};
     }
