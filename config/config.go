@@ -175,11 +175,7 @@ var Params = []Param{
 		Env: "GOCOMM_A2A_RECV_MB", Aliases: []string{"GOCOMM_NVSHMEM_RECV_MB"}, Default: "512",
 		Accepts: "an integer of MiB, 1 to 1048576",
 		Doc:     "the sparse all-to-all's receive buffer per GPU, in MiB: the sidecar's NVSHMEM kernel keeps it in the symmetric heap (the most one all_to_all_v delivers to a rank there), the shim's kernel allocates it per group and GPU",
-		set: func(c *Config, v string) error {
-			n, err := intIn(v, 1, 1<<20)
-			c.A2A.RecvBytes = int64(n) << 20
-			return err
-		},
+		set:     func(c *Config, v string) error { return mib(v, 1, 1<<20, &c.A2A.RecvBytes) },
 	},
 	{
 		Env: "GOCOMM_A2AV_BLOCKS", Default: "128", Accepts: "an integer, 1 to 1024",
@@ -272,11 +268,7 @@ var Params = []Param{
 	{
 		Env: "GOCOMM_LOG_MAX_MB", Default: "64", Accepts: "an integer of MiB, 1 to 65536",
 		Doc: "the size at which the sidecar's log file is rotated (to <log>.1, the older ones shifted)",
-		set: func(c *Config, v string) error {
-			n, err := intIn(v, 1, 1<<16)
-			c.Log.MaxBytes = int64(n) << 20
-			return err
-		},
+		set: func(c *Config, v string) error { return mib(v, 1, 1<<16, &c.Log.MaxBytes) },
 	},
 	{
 		Env: "GOCOMM_LOG_KEEP", Default: "3", Accepts: "an integer, 0 to 100",
@@ -416,11 +408,7 @@ var Params = []Param{
 	{
 		Env: "GOCOMM_MOE_LL_MB", Default: "256", Accepts: "an integer of MiB, 0 to 1048576",
 		Doc: "the most memory, per group and GPU, that padded MoE dispatch may give the one-launch (low-latency) kernels' buffer when it sets it up by itself, at its first call where the group's exchange runs in this process and no two of its ranks share a GPU; 0 keeps padded dispatch on its three-launch kernels unless a call passes low_latency=True. The same on every rank",
-		set: func(c *Config, v string) error {
-			n, err := intIn(v, 0, 1<<20)
-			c.Client.MoELowLatencyBytes = int64(n) << 20
-			return err
-		},
+		set: func(c *Config, v string) error { return mib(v, 0, 1<<20, &c.Client.MoELowLatencyBytes) },
 	},
 	{
 		Env: "GOCOMM_ASYNC_ERROR_HANDLING", Default: "2", Accepts: "0, 1, 2 or 3",
@@ -434,6 +422,13 @@ var Params = []Param{
 
 // errAccepts stands for "not one of the values Param.Accepts names"; Load words the error.
 var errAccepts = fmt.Errorf("not accepted")
+
+// mib sets *to to v MiB (in bytes), v an integer in [lo, hi].
+func mib(v string, lo, hi int, to *int64) error {
+	n, err := intIn(v, lo, hi)
+	*to = int64(n) << 20
+	return err
+}
 
 func intIn(v string, lo, hi int) (int, error) {
 	n, err := strconv.Atoi(v)
