@@ -78,6 +78,10 @@ var (
 	errLeft         = errors.New("the peer has left the group")
 	errBusy         = errors.New("the peer has too many links in their handshake")
 	errGone         = errors.New("its sidecar is ending (its training process died) and never joined the group")
+	// errNoHello: the connection closed before a byte of its hello, holding nothing: a
+	// peer's dial that its endpoint's Close cut short after the connection opened, or a
+	// liveness check of the port.
+	errNoHello = errors.New("closed before its hello")
 )
 
 // busyAnswer is the answer of statusBusy.
@@ -245,10 +249,13 @@ func writeAbort(w io.Writer, reason string) error {
 // can route the link, and whether references were granted. When lookup gives a reason the
 // group broke, the dialer is sent that reason instead and the error is ErrAborted: the link
 // is not to be used. A lookup error wrapping errUnknownGroup or errLeft is answered with
-// that status before the error is returned; one wrapping errBusy, likewise.
+// that status before the error is returned; one wrapping errBusy, likewise. A connection
+// that closes before a byte of its hello is errNoHello.
 func acceptHandshake(rw io.ReadWriter, lookup func(group [16]byte) (secret []byte, aborted string, err error), canMap func(probe) bool) (hello, bool, error) {
 	hb := make([]byte, helloSize)
-	if _, err := io.ReadFull(rw, hb); err != nil {
+	if _, err := io.ReadFull(rw, hb); errors.Is(err, io.EOF) { // not a byte (a partial hello is ErrUnexpectedEOF)
+		return hello{}, false, errNoHello
+	} else if err != nil {
 		return hello{}, false, fmt.Errorf("read hello: %w", err)
 	}
 	h, err := decodeHello(hb)

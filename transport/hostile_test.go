@@ -503,3 +503,40 @@ func TestUnmatchedSenderHearsWhy(t *testing.T) {
 		}
 	}
 }
+
+// TestLinkClosedBeforeHelloIsQuiet: a connection that closes before a byte of its hello (a
+// peer's dial cut short by its own endpoint's Close, as groups end at different times on
+// different ranks) holds nothing and is logged at debug, not warned about; a connection
+// that sends junk is still warned about.
+func TestLinkClosedBeforeHelloIsQuiet(t *testing.T) {
+	var logged lockedBuffer
+	n, err := Listen(Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1",
+		Log: slog.New(slog.NewTextHandler(&logged, &slog.HandlerOptions{Level: slog.LevelDebug}))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	waitFor := func(what string) {
+		t.Helper()
+		for deadline := time.Now().Add(5 * time.Second); !strings.Contains(logged.String(), what); time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("no %q in the log:\n%s", what, logged.String())
+			}
+		}
+	}
+	c, err := net.Dial("tcp", n.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+	waitFor("closed before its hello")
+	if s := logged.String(); strings.Contains(s, "level=WARN") {
+		t.Fatalf("a connection that sent nothing was warned about:\n%s", s)
+	}
+	if c, err = net.Dial("tcp", n.Addr()); err != nil {
+		t.Fatal(err)
+	}
+	c.Write(make([]byte, helloSize))
+	c.Close()
+	waitFor("not a gocomm peer")
+}

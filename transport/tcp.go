@@ -404,6 +404,11 @@ func (n *Node) accept(hs *handshaking) {
 		conn.Close()
 		return
 	}
+	if errors.Is(err, errNoHello) {
+		n.log.Debug("a peer link closed before its hello", "remote", conn.RemoteAddr().String())
+		conn.Close()
+		return
+	}
 	if err != nil {
 		n.rejects.warn("rejected peer link", "remote", conn.RemoteAddr().String(), "err", err)
 		conn.Close()
