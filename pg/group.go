@@ -483,8 +483,9 @@ func (g *Group) p2p(o *op, req p2pReq) {
 	switch {
 	case err == nil:
 		g.finish(o, wire.StatusOK, req.Source(), "")
-	case errors.Is(err, transport.ErrMismatch) && ctx.Err() == nil:
-		// the message was the wrong size: it was consumed, nothing stays posted
+	case errors.Is(err, transport.ErrMismatch) && ctx.Err() == nil && !errors.As(err, new(broke)):
+		// the message was the wrong size: it was consumed, nothing stays posted (a request
+		// that another op's mismatch failed, by breaking the group, takes the next case)
 		g.finish(o, wire.StatusMismatch, -1, fmt.Sprintf("%s on group %q: %v", d.Kind, g.Name, err))
 	default:
 		status, msg := g.failure(ctx, d, 0, o.timeout, err)
