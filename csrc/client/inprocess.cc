@@ -869,8 +869,10 @@ std::shared_ptr<A2Path> Engine::setup_a2(int idx) {
   } catch (const std::exception& e) {  // any failure turns the path off for the group
     why = why_of(e);
   }
+  // the launch shape, and GOCOMM_MOE_LL_MB: padded dispatch decides by it on every rank alike
+  // (ranks that differ would not meet at the low-latency buffer's setup)
   auto sh = share(idx, "all_to_all_v", why, s_.a2a_recv_bytes, kA2Head + s_.a2a_recv_bytes,
-                  (int64_t(parts) << 16) | threads);
+                  (int64_t(parts) << 16) | threads | ((s_.moe_ll_bytes >> 20) << 24));
   if (!sh) {
     return nullptr;
   }
