@@ -337,8 +337,7 @@ void combine_backward(const char* op, const Tensor& y, const std::optional<Tenso
 std::tuple<Tensor, Tensor, Tensor, Tensor> dispatch(const Tensor& x, const Tensor& idx, const Tensor& w,
                                                     int64_t experts, int64_t ranks, int64_t cap, bool padded,
                                                     std::string group) {
-  static const auto op = handle<DispatchSig>("gocomm::moe_dispatch");
-  auto out = below(op, x, idx, w, experts, ranks, cap, padded, group);
+  auto out = below(dispatch_op(), x, idx, w, experts, ranks, cap, padded, group);
   dispatch_backward(x, idx, experts, padded ? std::optional<int64_t>(cap / std::max<int64_t>(ranks, 1)) : std::nullopt,
                     group, std::get<0>(out), true);
   return out;
@@ -347,8 +346,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dispatch(const Tensor& x, const Tenso
 Tensor combine(const Tensor& y, const Tensor& ws, int64_t tokens, int64_t cap, int64_t k, int64_t experts,
                int64_t recv_rows, int64_t send_rows, std::string group, const std::optional<Tensor>& idx,
                const std::optional<Tensor>& w) {
-  static const auto op = handle<CombineSig>("gocomm::moe_combine");
-  Tensor out = below(op, y, ws, tokens, cap, k, experts, recv_rows, send_rows, group, idx, w);
+  Tensor out = below(combine_op(), y, ws, tokens, cap, k, experts, recv_rows, send_rows, group, idx, w);
   // padded: y has every row the bound allows (the forward's cap is the bound x the group)
   combine_backward(
       "gocomm::moe_combine", y, idx, w, experts, tokens,

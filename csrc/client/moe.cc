@@ -200,14 +200,13 @@ std::shared_ptr<LlPath> padded_ll(Engine& e, const A2Path& a2, int64_t bound, in
 }
 
 // One low-latency dispatch on ll (which holds its shapes): out, tokens_per_expert and the
-// workspace combine reads.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> launch_ll(LlPath& ll, const at::Tensor& x, const at::Tensor& topk_idx,
-                                                         const at::Tensor& topk_weights, int64_t experts, int64_t n,
-                                                         int64_t cap, const moe::Row& layout) {
-  const int64_t t = x.size(0), h = x.size(1), k = topk_idx.size(1), per = experts / n;
+// workspace combine reads. The caller holds a guard of ll's device and gave idx and w as
+// the kernels read them (on_x).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> launch_ll(LlPath& ll, const at::Tensor& x, const at::Tensor& idx,
+                                                         const at::Tensor& w, int64_t experts, int64_t n, int64_t cap,
+                                                         const moe::Row& layout) {
+  const int64_t t = x.size(0), h = x.size(1), k = idx.size(1), per = experts / n;
   const int64_t xbytes = h * x.element_size();
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(ll.device()));
-  const at::Tensor idx = on_x(x, topk_idx, at::kLong), w = on_x(x, topk_weights, at::kFloat);
   const Carve c(t, n, k, per, cap, 0, 0);
   at::Tensor ws = ll_workspace(c.size, x.options().dtype(at::kByte));
   at::Tensor tpe = fresh({per}, x.options().dtype(at::kLong));
@@ -261,7 +260,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_ll_cuda(const at::Tensor
                         " bytes, " + std::to_string(has.slot_bytes) + " bytes with the ids and weights; this call " +
                         "needs " + std::to_string(bound) + ", " + std::to_string(xbytes) + " and " +
                         std::to_string(layout.bytes) + " (make the first call the largest)");
-  return launch_ll(*ll, x, topk_idx, topk_weights, experts, n, cap, layout);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+  return launch_ll(*ll, x, on_x(x, topk_idx, at::kLong), on_x(x, topk_weights, at::kFloat), experts, n, cap, layout);
 }
 
 // One low-latency combine: y of dispatch's rows, ws its workspace (checked here).
