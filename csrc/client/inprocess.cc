@@ -769,7 +769,7 @@ std::shared_ptr<LlPath> Engine::ll_path(int idx, const LlShape& want) {
   if (!a2a_on_ || !open()) {
     return nullptr;
   }
-  const std::string op = "moe.dispatch(low_latency=True)";
+  static const std::string op = "moe.dispatch(low_latency=True)";
   std::shared_ptr<LlPath> path;
   if (want.slots == 0) {  // a lookup (combine): nothing is set up
     std::lock_guard<std::mutex> lock(setup_mu_);

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -67,7 +68,17 @@ struct Flags {
 std::mutex flags_mu;
 std::map<int, Flags> flags;
 
+// flag_word's answers for devices 0..63, which never change once made (a padded dispatch
+// asks on every call)
+std::atomic<cuda::DevPtr> flag_words[64];
+
 cuda::DevPtr flag_word(int device) {
+  const bool cached = device >= 0 && device < 64;
+  if (cached) {
+    if (const cuda::DevPtr p = flag_words[device].load(std::memory_order_acquire)) {
+      return p;
+    }
+  }
   std::lock_guard<std::mutex> lock(flags_mu);
   auto it = flags.find(device);
   if (it != flags.end()) {
@@ -78,6 +89,9 @@ cuda::DevPtr flag_word(int device) {
   cuda::ensure_context(device);
   cuda::host_words(64, &f.host, &f.dev);
   flags[device] = f;
+  if (cached) {
+    flag_words[device].store(f.dev, std::memory_order_release);
+  }
   return f.dev;
 }
 

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -197,6 +198,13 @@ std::string why_not(int device) {
 }
 
 bool usable(int device) {
+  // a device whose module loaded stays usable: the lookups below run until it has (every
+  // dispatch asks, through takes)
+  static std::atomic<uint64_t> loaded{0};
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t(1) << device : 0;
+  if (bit != 0 && (loaded.load(std::memory_order_relaxed) & bit) != 0) {
+    return true;
+  }
   const std::string why = why_not(device);
   if (why.rfind(kLoadFailed, 0) == 0) {
     static std::mutex mu;
@@ -205,6 +213,9 @@ bool usable(int device) {
     if (warned.insert(device).second) {
       TORCH_WARN("gocomm: MoE kernels fall back to torch ops: ", why);
     }
+  }
+  if (why.empty()) {
+    loaded.fetch_or(bit, std::memory_order_relaxed);
   }
   return why.empty();
 }

@@ -24,11 +24,10 @@ weighted sums, the exchange back, sums per token), or with padded=True one each 
 group's low-latency buffer takes the call (docs/decisions/0039). dispatch reads the counts on
 the host once, to size its output; with padded=True it never does (its output has the most
 rows max_tokens_per_rank allows), so dispatch and combine can be captured in one CUDA graph.
-Elsewhere (NCCL, the
-sidecar's NVSHMEM kernel, the host engine; CPU tensors, fp8, rows the kernels do not take)
-they are torch.ops.gocomm.moe_dispatch_any / moe_combine_any (csrc/client/moe_any.cc): the
-kernels' launches (csrc/client/moe_kernels.cc) or ATen ops around gocomm.all_to_all_v's
-exchange (csrc/client/a2av.cc), where the counts cross the host once more.
+Elsewhere (NCCL, the sidecar's NVSHMEM kernel, the host engine; CPU tensors, fp8, rows the
+kernels do not take) they are torch.ops.gocomm.moe_dispatch_any / moe_combine_any
+(csrc/client/moe_any.cc): the kernels' launches (csrc/client/moe_kernels.cc) or ATen ops
+around gocomm.all_to_all_v's exchange (csrc/client/a2av.cc), the counts crossing the host.
 
 Both are differentiable (x, topk_weights, and y through combine; the compiled client's
 Autograd kernels, docs/decisions/0038-moe-autograd.md); fp8 dispatch raises at a backward.
@@ -55,6 +54,7 @@ _DISPATCH_LL = torch.ops.gocomm.moe_dispatch_ll.default
 _COMBINE_LL = torch.ops.gocomm.moe_combine_ll.default
 _DISPATCH_ANY = torch.ops.gocomm.moe_dispatch_any.default
 _COMBINE_ANY = torch.ops.gocomm.moe_combine_any.default
+_RAISE_NEW = _client.C.moe_raise_new
 
 
 class Handle:
@@ -127,16 +127,15 @@ def dispatch(
     """
     g = group if group is not None else dist.group.WORLD
     routing = (topk_idx, topk_weights, num_experts)  # what combine's backward needs
-    if low_latency and not fp8 and max_tokens_per_rank is not None:
-        n, k, b = g.size(), topk_idx.shape[1], max_tokens_per_rank
-        try:
-            out, tpe, ws = _DISPATCH_LL(x, topk_idx, topk_weights, num_experts, n, b, g.group_name)
-            sizes = [x.get_device(), b, k, num_experts, -1, -1, True]  # recv_rows -1: low-latency (cap: b)
-            return out, tpe, Handle(g.group_name, x.shape[0], x.dtype, b * n * k, ws, sizes, routing)
-        except NotImplementedError:  # not in this process, or shapes its kernels do not take
-            pass
-    padded = padded or low_latency
-    if padded and not fp8 and max_tokens_per_rank is not None:
+    if (padded or low_latency) and max_tokens_per_rank is not None and not fp8:
+        if low_latency:
+            n, k, b = g.size(), topk_idx.shape[1], max_tokens_per_rank
+            try:
+                out, tpe, ws = _DISPATCH_LL(x, topk_idx, topk_weights, num_experts, n, b, g.group_name)
+                sizes = (x.get_device(), b, k, num_experts, -1, -1, True)  # recv_rows -1: low-latency (cap: b)
+                return out, tpe, Handle(g.group_name, x.shape[0], x.dtype, b * n * k, ws, sizes, routing)
+            except NotImplementedError:  # not in this process, or shapes its kernels do not take
+                padded = True
         # the fast path: the group's in-process kernels serve x's device (found at an earlier
         # dispatch); the op checks the arguments and converts topk_idx / topk_weights
         fast = _backend.served.get((g, x.get_device()))
@@ -145,6 +144,7 @@ def dispatch(
                 return _dispatch_inprocess(fast, x, topk_idx, topk_weights, num_experts, max_tokens_per_rank, True)
             except NotImplementedError:  # the kernels do not take x (dtype, alignment), or the path is gone
                 _backend.served.pop((g, x.get_device()), None)
+    padded = padded or low_latency
     n = dist.get_world_size(g)
     _CHECK(x, topk_idx, topk_weights, num_experts, n, fp8, max_tokens_per_rank, padded)
     k = topk_idx.shape[1]
@@ -170,12 +170,12 @@ def _dispatch_inprocess(fast: _backend.Served, x, topk_idx, topk_weights, expert
     n, t, k = fast.size, x.shape[0], topk_idx.shape[1]
     cap = bound * n if bound is not None else _capacity_rows(_client.C.moe_row_bytes(x.shape[1] * x.element_size(), k))
     out, tpe, ws, counts = _DISPATCH(x, topk_idx, topk_weights, experts, n, cap, padded, fast.name)
-    sizes = [x.get_device(), cap, k, experts, cap, t * min(n, k), padded]
-    hd = Handle(fast.name, t, x.dtype, cap * k, ws, sizes, (topk_idx, topk_weights, experts))
+    rows, recv_rows, send_rows = cap * k, cap, t * min(n, k)
     if not padded:  # the rows the exchanges move: what the counts say
         c = counts.tolist()
-        hd.rows, sizes[4], sizes[5] = c[2 * n + 2], c[2 * n + 3], c[n]
-    return out, tpe, hd
+        rows, recv_rows, send_rows = c[2 * n + 2], c[2 * n + 3], c[n]
+    sizes = (x.get_device(), cap, k, experts, recv_rows, send_rows, padded)
+    return out, tpe, Handle(fast.name, t, x.dtype, rows, ws, sizes, (topk_idx, topk_weights, experts))
 
 
 def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
@@ -195,19 +195,19 @@ def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
     if handle.inproc is None:
         return _COMBINE_ANY(y, handle.state, handle.tokens, handle.dtype, handle.rows, handle.name, *handle.routing)
     device, cap, k, experts, recv_rows, send_rows, padded = handle.inproc
-    if y.dim() != 2 or y.shape[0] != handle.rows:
+    if y.dim() != 2 or y.shape[0] != handle.rows or y.dtype != handle.dtype or y.get_device() != device:
         raise ValueError(
-            f"gocomm moe.combine: y must be [{handle.rows}, hidden] (dispatch's rows), got {tuple(y.shape)}"
-        )
-    if y.dtype != handle.dtype or y.get_device() != device:
-        raise ValueError(
-            f"gocomm moe.combine: y must be {handle.dtype} on cuda:{device} like dispatch's x, got {y.dtype} on {y.device}"
+            f"gocomm moe.combine: y must be [{handle.rows}, hidden] (dispatch's rows), {handle.dtype} on "
+            f"cuda:{device} like dispatch's x, got {tuple(y.shape)} {y.dtype} on {y.device}"
         )
     # the op checks the rest (rows of a multiple of 16 bytes)
-    args, tail = (y, handle.state, handle.tokens, cap, k, experts), (handle.name, *handle.routing[:2])
-    out = _COMBINE_LL(*args, *tail) if recv_rows < 0 else _COMBINE(*args, recv_rows, send_rows, *tail)
+    r = handle.routing
+    if recv_rows < 0:
+        out = _COMBINE_LL(y, handle.state, handle.tokens, cap, k, experts, handle.name, r[0], r[1])
+    else:
+        out = _COMBINE(y, handle.state, handle.tokens, cap, k, experts, recv_rows, send_rows, handle.name, r[0], r[1])
     if padded:  # what the GPU found, after this pair's last exchange
-        _client.C.moe_raise_new(device, experts)
+        _RAISE_NEW(device, experts)
     return out
 
 
