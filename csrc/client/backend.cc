@@ -241,8 +241,14 @@ void unpack_outputs(std::vector<std::pair<at::Tensor, Tensors*>>& unpack) {
   C10_THROW_ERROR(TypeError, m);
 }
 
+// A tensor an op can take: strided, on cpu or cuda (not refused there), of a wire dtype, and
+// contiguous; or, with dense (the elementwise ops, whose bytes pair up position by position
+// across ranks: all_reduce, broadcast, reduce, send, recv), contiguous in the memory format
+// torch suggests for it (channels_last, channels_last_3d), as torch's NCCL backend takes them.
+// Every path moves a tensor as the bytes from data_ptr() on (numel x element size), which is
+// exactly its memory then; the ranks must agree on the layout, as with NCCL.
 const at::Tensor& check(const std::string& refusal, const std::string& op, const std::string& name,
-                        const at::Tensor& t) {
+                        const at::Tensor& t, bool dense = false) {
   if (!t.defined()) {
     type_error("gocomm " + op + ": " + name + " must be a torch.Tensor, got None");
   }
@@ -261,8 +267,10 @@ const at::Tensor& check(const std::string& refusal, const std::string& op, const
     type_error("gocomm " + op + ": " + name + " has dtype " + dtype_name(t.scalar_type()) +
                ", which gocomm does not support");
   }
-  if (!t.is_contiguous()) {
-    value_error("gocomm " + op + ": " + name + " must be contiguous (call .contiguous() on it)");
+  if (!t.is_contiguous() && !(dense && t.is_contiguous(t.suggest_memory_format()))) {
+    value_error("gocomm " + op + ": " + name + " must be contiguous" +
+                (dense ? std::string(" (or channels_last)") : std::string()) +
+                " (call .contiguous() on it)");
   }
   return t;
 }
@@ -891,17 +899,17 @@ intrusive_ptr<Work> Backend::submit_raw(const std::string& op, const std::vector
 namespace {
 
 const at::Tensor& single(const std::string& refusal, const std::string& op, const std::string& name,
-                         const Tensors& ts) {
+                         const Tensors& ts, bool dense = false) {
   if (ts.size() != 1) {
     value_error("gocomm " + op + ": expected exactly one " + name + " per call, got " + std::to_string(ts.size()));
   }
-  return check(refusal, op, name, ts[0]);
+  return check(refusal, op, name, ts[0], dense);
 }
 
 const Tensors& tensor_list(const std::string& refusal, const std::string& op, const std::string& name,
-                           const Tensors& ts) {
+                           const Tensors& ts, bool dense = false) {
   for (size_t i = 0; i < ts.size(); i++) {
-    check(refusal, op, name + "[" + std::to_string(i) + "]", ts[i]);
+    check(refusal, op, name + "[" + std::to_string(i) + "]", ts[i], dense);
   }
   return ts;
 }
@@ -932,7 +940,7 @@ const Tensors& output_list(const std::string& refusal, const std::string& op, co
 }  // namespace
 
 intrusive_ptr<c10d::Work> Backend::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
-  const at::Tensor& t = single(cfg_.cuda_refusal, "all_reduce", "tensor", tensors);
+  const at::Tensor& t = single(cfg_.cuda_refusal, "all_reduce", "tensor", tensors, true);
   const uint8_t code = redop("all_reduce", opts.reduceOp, t);
   if (ar_inprocess_ && t.is_cuda()) {
     if (auto w = engine_->all_reduce(t, code)) {
@@ -960,7 +968,7 @@ intrusive_ptr<c10d::Work> Backend::allreduce_sparse(Tensors& tensors, const c10d
 
 intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   const std::string name = "all_reduce_coalesced";
-  const Tensors& ts = tensor_list(cfg_.cuda_refusal, name, "tensors", tensors);
+  const Tensors& ts = tensor_list(cfg_.cuda_refusal, name, "tensors", tensors, true);
   if (ts.empty()) {
     return BatchWork::make(name, {}, {});
   }
@@ -980,7 +988,7 @@ intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(Tensors& tensors, const c
 }
 
 intrusive_ptr<c10d::Work> Backend::broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) {
-  const at::Tensor& t = single(cfg_.cuda_refusal, "broadcast", "tensor", tensors);
+  const at::Tensor& t = single(cfg_.cuda_refusal, "broadcast", "tensor", tensors, true);
   root_in("broadcast", opts.rootRank, size_);
   const bool me = opts.rootRank == rank_;
   Op op;
@@ -1002,7 +1010,7 @@ intrusive_ptr<c10d::Work> Backend::broadcast(Tensors& tensors, const c10d::Broad
 }
 
 intrusive_ptr<c10d::Work> Backend::reduce(Tensors& tensors, const c10d::ReduceOptions& opts) {
-  const at::Tensor& t = single(cfg_.cuda_refusal, "reduce", "tensor", tensors);
+  const at::Tensor& t = single(cfg_.cuda_refusal, "reduce", "tensor", tensors, true);
   const uint8_t code = redop("reduce", opts.reduceOp, t);
   root_in("reduce", opts.rootRank, size_);
   Op op;
@@ -1393,7 +1401,7 @@ void Backend::monitoredBarrier(const c10d::BarrierOptions& opts, bool) {
 // ----- point to point ------------------------------------------------------------------------
 
 intrusive_ptr<c10d::Work> Backend::send(Tensors& tensors, int dst, int tag) {
-  const at::Tensor& t = single(cfg_.cuda_refusal, "send", "tensor", tensors);
+  const at::Tensor& t = single(cfg_.cuda_refusal, "send", "tensor", tensors, true);
   peer_in("send", "dst", dst, rank_, size_);
   Op op;
   op.name = "send";
@@ -1409,7 +1417,7 @@ intrusive_ptr<c10d::Work> Backend::send(Tensors& tensors, int dst, int tag) {
 }
 
 intrusive_ptr<c10d::Work> Backend::recv(Tensors& tensors, int src, int tag) {
-  const at::Tensor& t = single(cfg_.cuda_refusal, "recv", "tensor", tensors);
+  const at::Tensor& t = single(cfg_.cuda_refusal, "recv", "tensor", tensors, true);
   peer_in("recv", "src", src, rank_, size_);
   Op op;
   op.name = "recv";
@@ -1426,7 +1434,7 @@ intrusive_ptr<c10d::Work> Backend::recv(Tensors& tensors, int src, int tag) {
 }
 
 intrusive_ptr<c10d::Work> Backend::recvAnysource(Tensors& tensors, int tag) {
-  const at::Tensor& t = single(cfg_.cuda_refusal, "recv", "tensor", tensors);
+  const at::Tensor& t = single(cfg_.cuda_refusal, "recv", "tensor", tensors, true);
   if (t.is_cuda()) {
     value_error("gocomm recv: a CUDA tensor needs a source rank (NCCL has no receive from any rank)");
   }

@@ -854,6 +854,40 @@ def check_views(rk, seed, group):
         b = torch.tensor(42 if me == n - 1 else 0)
         dist.broadcast(b, src=gc.glob(n - 1), group=gc.pg)
         ck.same("0-dim broadcast", b, torch.tensor(42))
+    cl, cl3 = torch.channels_last, torch.channels_last_3d
+    with ck.case("channels_last tensors in the elementwise ops (as torch's NCCL backend takes them)"):
+        xs = [gen(seed, "v/cl", r, (2, 3, 4, 5), torch.float64) for r in range(n)]
+        t = xs[me].to(memory_format=cl)
+        dist.all_reduce(t, group=gc.pg)
+        ck.expect("all_reduce keeps channels_last", t.is_contiguous(memory_format=cl), str(t.stride()))
+        ck.reduced("channels_last all_reduce", t.contiguous(), xs, SUM, torch.float64)
+        ts = [gen(seed, "v/clc", r, (3, 2, 2, 3), torch.float64).to(memory_format=cl) for r in range(n)]
+        pair = [ts[me].clone(memory_format=cl), xs[me].to(memory_format=cl)]
+        dist.all_reduce_coalesced(pair, group=gc.pg)
+        ck.reduced(
+            "channels_last all_reduce_coalesced", pair[0].contiguous(), [x.contiguous() for x in ts], SUM, torch.float64
+        )
+        x = gen(seed, "v/cl3", n - 1, (2, 3, 2, 4, 5), torch.float32)
+        b = (x.clone() if me == n - 1 else _junk(x, seed, "v/cl3", me)).to(memory_format=cl3)
+        dist.broadcast(b, src=gc.glob(n - 1), group=gc.pg)
+        ck.same("channels_last_3d broadcast", b.contiguous(), x)
+        r = xs[me].to(memory_format=cl)
+        dist.reduce(r, dst=gc.glob(0), group=gc.pg)
+        if me == 0:
+            ck.reduced("channels_last reduce", r.contiguous(), xs, SUM, torch.float64)
+        if n > 1:
+            got = _junk(xs[0], seed, "v/clp", me).to(memory_format=cl)
+            if me == 0:
+                dist.send(xs[0].to(memory_format=cl), dst=gc.glob(n - 1), group=gc.pg, tag=78)
+            elif me == n - 1:
+                dist.recv(got, src=gc.glob(0), group=gc.pg, tag=78)
+                ck.same("channels_last send / recv", got.contiguous(), xs[0])
+    with ck.case("channels_last where the op moves chunks: refused, as torch's NCCL backend does"):
+        try:
+            dist.all_gather_into_tensor(torch.zeros(n * 2, 3, 4, 5).to(memory_format=cl), xs[me].float(), group=gc.pg)
+            ck.fail("channels_last all_gather_into_tensor output", "no error")
+        except ValueError as e:
+            ck.expect("names the output and contiguity", "output_tensor must be contiguous" in str(e), str(e))
     if n > 1:
         with ck.case("recv into a slice"):
             base = torch.full((12,), -1.0)

@@ -1378,6 +1378,64 @@ def test_sidecar_future(worlds, seed, size):
         w.run(check_sidecar_future, seed=seed, timeout=RUN_LIMIT_S)
 
 
+def check_channels_last_cuda(rk, seed):
+    """all_reduce, broadcast and reduce of CUDA tensors in channels_last / channels_last_3d, as
+    torch's NCCL backend takes them, on whichever engine serves the world (the in-process
+    kernel or the sidecar's NCCL): against float64 sums of every rank's input; the output keeps
+    its memory format. A transposed 2-D tensor (not contiguous in any format) is still refused.
+    Ranks that share a GPU run all_reduce only: the other ops go to NCCL, which takes one rank
+    per GPU."""
+    dev = torch.device("cuda", rk.rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    ck, n, me = Checker("channels_last on CUDA", seed, rk.rank), rk.size, rk.rank
+    shared = torch.cuda.device_count() < n
+    cl, cl3 = torch.channels_last, torch.channels_last_3d
+    xs = [gen(seed, "cl", r, (4, 16, 8, 8), torch.float32) for r in range(n)]
+    want = torch.stack([x.double() for x in xs]).sum(0)
+    with ck.case("all_reduce"):
+        t = xs[me].to(dev).to(memory_format=cl)
+        dist.all_reduce(t)
+        ck.expect("keeps channels_last", t.is_contiguous(memory_format=cl), str(t.stride()))
+        err = (t.double().cpu() - want).abs().max().item()
+        ck.expect("all_reduce sums", err < 1e-4, f"max error {err}")
+        if os.environ.get("GOCOMM_TRANSPORT") == "nvshmem":
+            ck.expect(
+                "the in-process kernel ran it", _state(dist.group.WORLD)._ref.get().ar_path(dev.index) is not None
+            )
+    with ck.case("a transposed matrix is refused"):
+        try:
+            dist.all_reduce(torch.ones(8, 4, device=dev).t())
+            ck.fail("transposed all_reduce", "no error")
+        except ValueError as e:
+            ck.expect("names contiguity", "contiguous" in str(e), str(e))
+    if shared:
+        torch.cuda.synchronize()
+        return ck.done()
+    with ck.case("broadcast (channels_last_3d)"):
+        x = gen(seed, "cl3", n - 1, (2, 8, 4, 4, 4), torch.bfloat16)
+        b = (x if me == n - 1 else torch.zeros_like(x)).to(dev).to(memory_format=cl3)
+        dist.broadcast(b, n - 1)
+        ck.expect("broadcast", torch.equal(b.cpu(), x), "differs from the root's")
+    with ck.case("reduce"):
+        r = xs[me].to(dev).to(memory_format=cl)
+        dist.reduce(r, 0)
+        if me == 0:
+            err = (r.double().cpu() - want).abs().max().item()
+            ck.expect("reduce sums on the root", err < 1e-4, f"max error {err}")
+    torch.cuda.synchronize()
+    return ck.done()
+
+
+@pytest.mark.parametrize("engine", ["inprocess", "sidecar"])
+def test_channels_last_cuda(worlds, seed, engine):
+    """The in-process engine forced on 2 ranks (GOCOMM_TRANSPORT=nvshmem; on one GPU they share
+    it), and the sidecar's NCCL on 1 rank (GOCOMM_TRANSPORT=nccl, as on a PCIe-only box)."""
+    _need(1)
+    size, env = (2, {"GOCOMM_TRANSPORT": "nvshmem"}) if engine == "inprocess" else (1, {"GOCOMM_TRANSPORT": "nccl"})
+    with worlds.fresh(size, label=f"cl-{engine}", env=env) as w:
+        w.run(check_channels_last_cuda, seed=seed, timeout=RUN_LIMIT_S)
+
+
 def check_transport(rk, want):
     """The sidecar's sparse transport, as the shim reads it."""
     got = _state(rk.world.pg)._sparse_transport()
