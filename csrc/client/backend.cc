@@ -940,6 +940,7 @@ const Tensors& output_list(const std::string& refusal, const std::string& op, co
 }  // namespace
 
 intrusive_ptr<c10d::Work> Backend::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor& t = single(cfg_.cuda_refusal, "all_reduce", "tensor", tensors, true);
   const uint8_t code = redop("all_reduce", opts.reduceOp, t);
   if (ar_inprocess_ && t.is_cuda()) {
@@ -967,6 +968,7 @@ intrusive_ptr<c10d::Work> Backend::allreduce_sparse(Tensors& tensors, const c10d
 }
 
 intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const std::string name = "all_reduce_coalesced";
   const Tensors& ts = tensor_list(cfg_.cuda_refusal, name, "tensors", tensors, true);
   if (ts.empty()) {
@@ -988,6 +990,7 @@ intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(Tensors& tensors, const c
 }
 
 intrusive_ptr<c10d::Work> Backend::broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor& t = single(cfg_.cuda_refusal, "broadcast", "tensor", tensors, true);
   root_in("broadcast", opts.rootRank, size_);
   const bool me = opts.rootRank == rank_;
@@ -1010,6 +1013,7 @@ intrusive_ptr<c10d::Work> Backend::broadcast(Tensors& tensors, const c10d::Broad
 }
 
 intrusive_ptr<c10d::Work> Backend::reduce(Tensors& tensors, const c10d::ReduceOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor& t = single(cfg_.cuda_refusal, "reduce", "tensor", tensors, true);
   const uint8_t code = redop("reduce", opts.reduceOp, t);
   root_in("reduce", opts.rootRank, size_);
@@ -1032,6 +1036,7 @@ intrusive_ptr<c10d::Work> Backend::reduce(Tensors& tensors, const c10d::ReduceOp
 
 intrusive_ptr<c10d::Work> Backend::allgather(std::vector<Tensors>& outputs, Tensors& inputs,
                                              const c10d::AllgatherOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor& t = single(cfg_.cuda_refusal, "all_gather", "tensor", inputs);
   const Tensors& outs = output_list(cfg_.cuda_refusal, "all_gather", "tensor_list", outputs, t, size_);
   Op op;
@@ -1049,6 +1054,7 @@ intrusive_ptr<c10d::Work> Backend::allgather(std::vector<Tensors>& outputs, Tens
 
 intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                    const c10d::AllgatherOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const std::string name = "all_gather_into_tensor";
   check(cfg_.cuda_refusal, name, "input_tensor", input);
   check(cfg_.cuda_refusal, name, "output_tensor", output);
@@ -1069,6 +1075,7 @@ intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tenso
 
 intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(Tensors& outputs, Tensors& inputs,
                                                                    const c10d::AllgatherOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "gocomm all_gather_into_tensor_coalesced: ",
                     outputs.size(), " outputs and ", inputs.size(), " inputs");
   std::vector<intrusive_ptr<Work>> works;
@@ -1080,6 +1087,7 @@ intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(Tensors& outp
 
 intrusive_ptr<c10d::Work> Backend::allgather_coalesced(std::vector<Tensors>& output_lists, Tensors& input_list,
                                                        const c10d::AllgatherOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   // output_lists[r][j] receives rank r's input_list[j]: one all_gather of every input packed
   // end to end (rank r's block of the result is its inputs in order, which is
   // output_lists[r] flattened in order). CPU tensors only, as torch's NCCL backend has no
@@ -1135,6 +1143,7 @@ intrusive_ptr<c10d::Work> Backend::allgather_coalesced(std::vector<Tensors>& out
 
 intrusive_ptr<c10d::Work> Backend::reduce_scatter(Tensors& outputs, std::vector<Tensors>& inputs,
                                                   const c10d::ReduceScatterOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor& out = single(cfg_.cuda_refusal, "reduce_scatter", "output", outputs);
   if (inputs.size() != 1) {
     value_error("gocomm reduce_scatter: expected one input list");
@@ -1156,6 +1165,7 @@ intrusive_ptr<c10d::Work> Backend::reduce_scatter(Tensors& outputs, std::vector<
 
 intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                         const c10d::ReduceScatterOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const std::string name = "reduce_scatter_tensor";
   check(cfg_.cuda_refusal, name, "input", input);
   check(cfg_.cuda_refusal, name, "output", output);
@@ -1177,6 +1187,7 @@ intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output, at::
 
 intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(Tensors& outputs, Tensors& inputs,
                                                                    const c10d::ReduceScatterOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "gocomm reduce_scatter_tensor_coalesced: ",
                     outputs.size(), " outputs and ", inputs.size(), " inputs");
   std::vector<intrusive_ptr<Work>> works;
@@ -1190,6 +1201,7 @@ intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Tensor&
                                                  std::vector<int64_t>& output_splits,
                                                  std::vector<int64_t>& input_splits,
                                                  const c10d::AllToAllOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const std::string name = "all_to_all_single";
   check(cfg_.cuda_refusal, name, "input", input);
   check(cfg_.cuda_refusal, name, "output", output);
@@ -1269,6 +1281,7 @@ intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Tensor&
 }
 
 intrusive_ptr<c10d::Work> Backend::alltoall(Tensors& outputs, Tensors& inputs, const c10d::AllToAllOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const std::string name = "all_to_all";
   const Tensors& ins = tensor_list(cfg_.cuda_refusal, name, "input_tensor_list", inputs);
   const Tensors& outs = tensor_list(cfg_.cuda_refusal, name, "output_tensor_list", outputs);
@@ -1325,6 +1338,7 @@ intrusive_ptr<c10d::Work> Backend::alltoall(Tensors& outputs, Tensors& inputs, c
 
 intrusive_ptr<c10d::Work> Backend::gather(std::vector<Tensors>& outputs, Tensors& inputs,
                                           const c10d::GatherOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor& t = single(cfg_.cuda_refusal, "gather", "tensor", inputs);
   root_in("gather", opts.rootRank, size_);
   Op op;
@@ -1354,6 +1368,7 @@ intrusive_ptr<c10d::Work> Backend::gather(std::vector<Tensors>& outputs, Tensors
 
 intrusive_ptr<c10d::Work> Backend::scatter(Tensors& outputs, std::vector<Tensors>& inputs,
                                            const c10d::ScatterOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor& t = single(cfg_.cuda_refusal, "scatter", "tensor", outputs);
   root_in("scatter", opts.rootRank, size_);
   Op op;
@@ -1381,6 +1396,7 @@ intrusive_ptr<c10d::Work> Backend::scatter(Tensors& outputs, std::vector<Tensors
 }
 
 intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   Op op;
   op.name = "barrier";
   op.kind = wire::kBarrier;
@@ -1390,6 +1406,7 @@ intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
 }
 
 void Backend::monitoredBarrier(const c10d::BarrierOptions& opts, bool) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   Op op;
   op.name = "monitored_barrier";
   op.kind = wire::kBarrier;

@@ -95,6 +95,12 @@ class Backend : public c10d::Backend {
   // direction, docs/decisions/0004); startCoalescing/endCoalescing still serve
   // _coalescing_manager(device=...): the ops between run as they come, one Work for all.
   bool supportsCoalescing() const override { return false; }
+  // Torch's sequence numbers: the collectives issued on this group (p2p ops not counted),
+  // from 0 as ProcessGroupNCCL's. TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the backend in torch's
+  // ProcessGroupWrapper, which needs them to compare each collective's fingerprint across
+  // ranks before it runs (and raises naming the ranks that disagree).
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return seq_collective_.load(std::memory_order_relaxed); }
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
@@ -214,6 +220,7 @@ class Backend : public c10d::Backend {
   std::unique_ptr<inproc::Engine> engine_;
   std::shared_ptr<GroupFailure> failure_ = std::make_shared<GroupFailure>();
   std::atomic<bool> closed_{false};
+  std::atomic<uint64_t> seq_collective_{0};
   std::mutex cuda_mu_;  // keeps a lane's value, its stream write and its descriptor in step
   std::array<uint32_t, 2> k_;
   std::mutex coalesce_mu_;

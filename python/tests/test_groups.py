@@ -159,3 +159,55 @@ def check_destroy_right_after(rk, seed, rounds):
 
 def test_destroy_right_after_a_collective(worlds, seed):
     worlds.get(3).run(check_destroy_right_after, seed=seed, rounds=40)
+
+
+def check_debug_detail(rk, seed):
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL, as torch's NCCL users set it to find desynchronized
+    ranks: torch wraps each group's backend in its ProcessGroupWrapper, which asks the backend
+    for its sequence numbers and checks every collective's shapes across ranks through gloo
+    before running it. Collectives give the reference results, shapes that disagree raise on
+    every rank naming the mismatch before gocomm runs anything (the group goes on),
+    gocomm.all_to_all_v and moe.dispatch / combine still run (their host-count paths)."""
+    import gocomm
+
+    ck, n, me = Checker("TORCH_DISTRIBUTED_DEBUG=DETAIL", seed, rk.rank), rk.size, rk.rank
+    w = dist.group.WORLD
+    b = w._get_backend(torch.device("cpu"))
+    with ck.case("the group is torch's wrapper around gocomm"):
+        ck.expect("wrapped", type(b).__name__ == "_ProcessGroupWrapper", type(b).__name__)
+        ck.expect("around gocomm", isinstance(b.wrapped_pg, gocomm.Backend), type(b.wrapped_pg).__name__)
+    with ck.case("collectives, counted"):
+        xs = [gen(seed, "dbg/ar", r, (33,), torch.float64) for r in range(n)]
+        seq = b._get_sequence_number_for_group()
+        t = xs[me].clone()
+        dist.all_reduce(t)
+        ck.same("all_reduce", t, torch.stack(xs).sum(0))
+        out = torch.empty(n * 33, dtype=torch.float64)
+        dist.all_gather_into_tensor(out, xs[me])
+        ck.same("all_gather_into_tensor", out, torch.cat(xs))
+        got = b._get_sequence_number_for_group()
+        ck.expect("two collectives, two sequence numbers", got == seq + 2, f"{seq} -> {got}")
+    with ck.case("shapes that disagree raise on every rank, before gocomm runs the op"):
+        try:
+            dist.all_reduce(torch.ones(4 + me))
+            ck.fail("mismatched all_reduce", "no error")
+        except RuntimeError as e:
+            ck.expect("torch names the mismatch", "Detected mismatch between collectives" in str(e), str(e)[:300])
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        ck.same("the group goes on", t, torch.full((3,), float(n)))
+    with ck.case("gocomm.all_to_all_v and moe"):
+        x = torch.arange(2 * n, dtype=torch.float32).view(-1, 1) + 100 * me
+        out, splits = gocomm.all_to_all_v(x, torch.full((n,), 2, dtype=torch.int64))
+        want = torch.cat([torch.arange(2 * me, 2 * me + 2, dtype=torch.float32) + 100 * s for s in range(n)])
+        ck.same("all_to_all_v", out.view(-1), want)
+        tok = gen(seed, "dbg/moe", me, (5, 16), torch.float32)
+        idx = torch.tensor([[e % (2 * n), (e + 1) % (2 * n)] for e in range(5)])
+        recv, _, h = gocomm.moe.dispatch(tok, idx, torch.full((5, 2), 0.5), 2 * n)
+        ck.same("moe dispatch and combine give x back (weights sum to 1)", gocomm.moe.combine(recv, h), tok)
+    return ck.done()
+
+
+def test_torch_distributed_debug_detail(worlds, seed):
+    with worlds.fresh(3, label="-dbgdetail", env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}) as w:
+        w.run(check_debug_detail, seed=seed)
