@@ -427,10 +427,20 @@ uint8_t Backend::redop(const char* op, const c10d::ReduceOp& want, const at::Ten
     case c10d::ReduceOp::BAND: code = wire::kBand; break;
     case c10d::ReduceOp::BOR: code = wire::kBor; break;
     case c10d::ReduceOp::BXOR: code = wire::kBxor; break;
+    case c10d::ReduceOp::PREMUL_SUM:  // a sum of inputs the op scales first (premul_scaled)
+      if (!at::isFloatingType(t.scalar_type()) && !at::isComplexType(t.scalar_type())) {
+        type_error(std::string("gocomm ") + op + ": PREMUL_SUM takes floating-point tensors, got " +
+                   dtype_name(t.scalar_type()));
+      }
+      if (dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(want.supplement_.get()) == nullptr) {
+        value_error(std::string("gocomm ") + op + ": PREMUL_SUM without its factor (make it with "
+                    "torch.distributed._make_nccl_premul_sum)");
+      }
+      code = wire::kSum;
+      break;
     default:
-      value_error(std::string("gocomm ") + op + ": reduce op RedOpType." +
-                  (want.op_ == c10d::ReduceOp::PREMUL_SUM ? "PREMUL_SUM" : std::to_string(int(want.op_))) +
-                  " is not supported (PREMUL_SUM is NCCL-only)");
+      value_error(std::string("gocomm ") + op + ": reduce op RedOpType." + std::to_string(int(want.op_)) +
+                  " is not supported");
   }
   const std::string why = reduce_refusal(t.scalar_type(), code, t.is_cuda());
   if (!why.empty()) {
@@ -898,6 +908,24 @@ intrusive_ptr<Work> Backend::submit_raw(const std::string& op, const std::vector
 
 namespace {
 
+// PREMUL_SUM (torch.distributed._make_nccl_premul_sum; FSDP2 reduce-scatters gradients with it
+// where a gradient divide factor is set): the sum over ranks of each rank's input times its own
+// factor, as NCCL computes it. The op scales t (redop checked the factor is there) on the
+// caller's stream (a CPU tensor at once) and then sums: in place where the op overwrites t with
+// its result anyway, else into a copy, so that the input stays as the caller left it. Other ops
+// give t back as it is.
+at::Tensor premul_scaled(const c10d::ReduceOp& want, const at::Tensor& t, bool in_place) {
+  if (want.op_ != c10d::ReduceOp::PREMUL_SUM) {
+    return t;
+  }
+  const auto* s = static_cast<const c10d::NCCLPreMulSumSupplement*>(want.supplement_.get());
+  if (s->tensor_factor.defined()) {  // one element, on any device
+    const at::Tensor f = s->tensor_factor.to(t.device(), t.scalar_type()).reshape({});
+    return in_place ? at::Tensor(t).mul_(f) : t.mul(f);
+  }
+  return in_place ? at::Tensor(t).mul_(s->double_factor) : t.mul(s->double_factor);
+}
+
 const at::Tensor& single(const std::string& refusal, const std::string& op, const std::string& name,
                          const Tensors& ts, bool dense = false) {
   if (ts.size() != 1) {
@@ -943,6 +971,7 @@ intrusive_ptr<c10d::Work> Backend::allreduce(Tensors& tensors, const c10d::Allre
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor& t = single(cfg_.cuda_refusal, "all_reduce", "tensor", tensors, true);
   const uint8_t code = redop("all_reduce", opts.reduceOp, t);
+  premul_scaled(opts.reduceOp, t, true);
   if (ar_inprocess_ && t.is_cuda()) {
     if (auto w = engine_->all_reduce(t, code)) {
       return w;
@@ -981,6 +1010,9 @@ intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(Tensors& tensors, const c
   op.dtype = ts[0].scalar_type();
   op.count = numel_of(ts);
   op.redop = redop(name.c_str(), opts.reduceOp, ts[0]);
+  for (const auto& t : ts) {
+    premul_scaled(opts.reduceOp, t, true);
+  }
   op.inputs = {ts};
   op.outputs = {{0, ts}};
   op.result = ts;
@@ -1024,7 +1056,8 @@ intrusive_ptr<c10d::Work> Backend::reduce(Tensors& tensors, const c10d::ReduceOp
   op.count = t.numel();
   op.redop = code;
   op.root = int32_t(opts.rootRank);
-  op.inputs = {Tensors{t}};
+  // the root's t takes the result; the others' stays as it was (NCCL's reduce)
+  op.inputs = {Tensors{premul_scaled(opts.reduceOp, t, opts.rootRank == rank_)}};
   if (opts.rootRank == rank_) {
     op.outputs = {{0, {t}}};
   }
@@ -1155,7 +1188,11 @@ intrusive_ptr<c10d::Work> Backend::reduce_scatter(Tensors& outputs, std::vector<
   op.dtype = out.scalar_type();
   op.count = out.numel();
   op.redop = redop("reduce_scatter", opts.reduceOp, out);
-  op.inputs = {ins, std::nullopt};
+  Tensors scaled;
+  for (const auto& t : ins) {
+    scaled.push_back(premul_scaled(opts.reduceOp, t, false));
+  }
+  op.inputs = {scaled, std::nullopt};
   op.outputs = {{1, {out}}};
   op.result = Tensors{out};
   op.timeout = opts.timeout;
@@ -1177,7 +1214,7 @@ intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output, at::
   op.dtype = output.scalar_type();
   op.count = output.numel();
   op.redop = redop(name.c_str(), opts.reduceOp, output);
-  op.inputs = {Tensors{input}, std::nullopt};
+  op.inputs = {Tensors{premul_scaled(opts.reduceOp, input, false)}, std::nullopt};
   op.outputs = {{1, {output}}};
   op.result = Tensors{output};
   op.timeout = opts.timeout;

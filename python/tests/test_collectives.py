@@ -901,6 +901,61 @@ def check_views(rk, seed, group):
     return ck.done()
 
 
+def check_premul_sum(rk, seed, group):
+    """ReduceOp.PREMUL_SUM (torch.distributed._make_nccl_premul_sum, as FSDP2 reduce-scatters
+    gradients with a divide factor): the sum of each rank's input times its own factor (here a
+    different one per rank, as NCCL allows), given as a float or a one-element tensor; inputs
+    that the op does not overwrite stay as they were."""
+    gc, ck = _start(rk, group, "PREMUL_SUM", seed)
+    if not gc.member:
+        return 0
+    n, me = gc.size, gc.rank
+    fs = [0.5 + r for r in range(n)]
+
+    def premul(f):
+        return dist._make_nccl_premul_sum(f)
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        d = dname(dtype)
+        xs = [gen(seed, f"pm/{d}", r, (6 * n,), dtype) for r in range(n)]
+        want = [x * f for x, f in zip(xs, fs, strict=True)]  # each rank's scaled input, in dtype
+        for kind, f in (("float", fs[me]), ("tensor", torch.tensor([fs[me]], dtype=torch.float64))):
+            with ck.case(f"all_reduce {d} {kind} factor"):
+                t = xs[me].clone()
+                dist.all_reduce(t, op=premul(f), group=gc.pg)
+                ck.reduced(f"all_reduce {d} {kind}", t, want, SUM, dtype)
+        with ck.case(f"all_reduce_coalesced {d}"):
+            ts = [xs[me][: 3 * n].clone(), xs[me][3 * n :].clone()]
+            dist.all_reduce_coalesced(ts, op=premul(fs[me]), group=gc.pg)
+            ck.reduced(f"all_reduce_coalesced {d}", torch.cat(ts), want, SUM, dtype)
+        for root in range(n):
+            with ck.case(f"reduce {d} root {root}"):
+                t = xs[me].clone()
+                dist.reduce(t, dst=gc.glob(root), op=premul(fs[me]), group=gc.pg)
+                if me == root:
+                    ck.reduced(f"reduce {d} root {root}", t, want, SUM, dtype)
+                else:
+                    ck.same(f"reduce {d}: a non-root's tensor is untouched", t, xs[me])
+        with ck.case(f"reduce_scatter_tensor {d}"):
+            inp, out = xs[me].clone(), _junk(xs[me][:6], seed, f"pm/rs/{d}", me)
+            dist.reduce_scatter_tensor(out, inp, op=premul(fs[me]), group=gc.pg)
+            ck.reduced(f"reduce_scatter_tensor {d}", out, [w[6 * me : 6 * me + 6] for w in want], SUM, dtype)
+            ck.same(f"reduce_scatter_tensor {d}: the input is untouched", inp, xs[me])
+        with ck.case(f"reduce_scatter list {d}"):
+            ins = [c.clone() for c in xs[me].chunk(n)]
+            out = _junk(xs[me][:6], seed, f"pm/rsl/{d}", me)
+            dist.reduce_scatter(out, ins, op=premul(fs[me]), group=gc.pg)
+            ck.reduced(f"reduce_scatter list {d}", out, [w[6 * me : 6 * me + 6] for w in want], SUM, dtype)
+            ck.same(f"reduce_scatter list {d}: the inputs are untouched", torch.cat(ins), xs[me])
+    with ck.case("integer tensors are refused before anything is sent"):
+        try:
+            dist.all_reduce(torch.ones(3, dtype=torch.int64), op=premul(2.0), group=gc.pg)
+            ck.fail("int64 PREMUL_SUM", "no error")
+        except TypeError as e:
+            ck.expect("names PREMUL_SUM and the dtype", "PREMUL_SUM" in str(e) and "int64" in str(e), str(e))
+    return ck.done()
+
+
 CHECKS = {
     "all_reduce": check_all_reduce,
     "broadcast": check_broadcast,
@@ -919,6 +974,7 @@ CHECKS = {
     "async": check_async,
     "objects": check_objects,
     "views": check_views,
+    "premul_sum": check_premul_sum,
 }
 
 

@@ -143,6 +143,13 @@ def check_collectives_vs_nccl(rk, seed):
                             scale = scale / n
                     label = f"all_reduce {opname} {d} x{count}"
                     _compare(ck, label, a, b, exact=opname in ("min", "max") or dtype in FP8, steps=n, scale=scale)
+        if dtype in (torch.float32, torch.bfloat16):
+            with ck.case(f"all_reduce premul_sum {d}"):
+                x = _input(seed, f"pm{d}", r, 1 << 16, dtype, dev)
+                a, b = x.clone(), x.clone()
+                dist.all_reduce(b, op=dist._make_nccl_premul_sum(0.5 + r), group=nccl)
+                dist.all_reduce(a, op=dist._make_nccl_premul_sum(0.5 + r))
+                _compare(ck, f"all_reduce premul_sum {d}", a, b, exact=False, steps=n)
         count = 4097
         x = _input(seed, f"mv{d}", r, count, dtype, dev)
         for root in range(n):
@@ -1434,6 +1441,48 @@ def test_channels_last_cuda(worlds, seed, engine):
     size, env = (2, {"GOCOMM_TRANSPORT": "nvshmem"}) if engine == "inprocess" else (1, {"GOCOMM_TRANSPORT": "nccl"})
     with worlds.fresh(size, label=f"cl-{engine}", env=env) as w:
         w.run(check_channels_last_cuda, seed=seed, timeout=RUN_LIMIT_S)
+
+
+def check_premul_cuda(rk, seed):
+    """ReduceOp.PREMUL_SUM on CUDA tensors (FSDP2's reduce-scatter with a gradient divide
+    factor), a different factor on each rank, on whichever engine serves the world: all_reduce
+    (bf16 through the in-process kernel where it runs), reduce_scatter_tensor (its input left as
+    it was) and the factor as a one-element tensor on the GPU, against each rank's input scaled
+    in its dtype and summed in float64. Ranks that share a GPU run all_reduce only."""
+    dev = torch.device("cuda", rk.rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    ck, n, me = Checker("PREMUL_SUM on CUDA", seed, rk.rank), rk.size, rk.rank
+    fs = [0.5 + r for r in range(n)]
+    for dtype in (torch.bfloat16, torch.float32):
+        xs = [gen(seed, f"pm{dtype}", r, (4096 * n,), dtype) for r in range(n)]
+        want = torch.stack([(x * f).double() for x, f in zip(xs, fs, strict=True)]).sum(0)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        for kind, f in (("float", fs[me]), ("tensor", torch.tensor([fs[me]], device=dev))):
+            with ck.case(f"all_reduce {dtype} {kind} factor"):
+                t = xs[me].to(dev)
+                dist.all_reduce(t, op=dist._make_nccl_premul_sum(f))
+                err = ((t.double().cpu() - want).abs() / want.abs().clamp(min=1)).max().item()
+                ck.expect(f"all_reduce {dtype} {kind}", err < tol, f"max rel error {err}")
+        if torch.cuda.device_count() < n:
+            continue
+        with ck.case(f"reduce_scatter_tensor {dtype}"):
+            inp, out = xs[me].to(dev), torch.empty(4096, dtype=dtype, device=dev)
+            dist.reduce_scatter_tensor(out, inp, op=dist._make_nccl_premul_sum(fs[me]))
+            part = want[4096 * me : 4096 * (me + 1)]
+            err = ((out.double().cpu() - part).abs() / part.abs().clamp(min=1)).max().item()
+            ck.expect(f"reduce_scatter_tensor {dtype}", err < tol, f"max rel error {err}")
+            ck.expect("its input is untouched", torch.equal(inp.cpu(), xs[me]))
+    torch.cuda.synchronize()
+    return ck.done()
+
+
+@pytest.mark.parametrize("engine", ["inprocess", "sidecar"])
+def test_premul_cuda(worlds, seed, engine):
+    """As test_channels_last_cuda: the in-process engine forced on 2 ranks, the sidecar's NCCL on 1."""
+    _need(1)
+    size, env = (2, {"GOCOMM_TRANSPORT": "nvshmem"}) if engine == "inprocess" else (1, {"GOCOMM_TRANSPORT": "nccl"})
+    with worlds.fresh(size, label=f"pm-{engine}", env=env) as w:
+        w.run(check_premul_cuda, seed=seed, timeout=RUN_LIMIT_S)
 
 
 def check_transport(rk, want):
