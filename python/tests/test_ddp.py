@@ -1,5 +1,7 @@
 """DistributedDataParallel on gocomm trains like it does on gloo: the same small CPU model, seeds
-and data, 20 SGD steps, per-step losses equal within float tolerance; also with DDP comm hooks."""
+and data, 20 SGD steps, per-step losses equal within float tolerance; also with DDP comm hooks.
+FSDP2 with a gradient divide factor, which gloo cannot run (PREMUL_SUM), against a
+single-process reference."""
 
 from __future__ import annotations
 
@@ -94,3 +96,34 @@ def test_ddp_matches_gloo(worlds, seed, size, variant):
     losses = worlds.get(size).run(check_ddp, seed=seed, variant=variant)
     assert all(len(rl) == STEPS for rl in losses)
     print("per-step losses of rank 0:", [round(x, 5) for x in losses[0]])
+
+
+def check_fsdp_divide_factor(rk, seed):
+    """FSDP2 (fully_shard on a gocomm mesh) with a gradient divide factor other than the group
+    size reduce-scatters its gradients with PREMUL_SUM (1 / factor): each parameter's gradient,
+    gathered, is the sum over ranks of that rank's own gradient divided by the factor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ck, n, me = Checker("FSDP2 gradient divide factor", seed, rk.rank), rk.size, rk.rank
+    factor = 3.0
+    torch.manual_seed(seed)  # the same weights on every rank
+    ref = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 6))
+    model = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 6))
+    model.load_state_dict(ref.state_dict())
+    fully_shard(model, mesh=init_device_mesh("cpu", (n,)))
+    model.set_gradient_divide_factor(factor)
+    xs = [torch.randn(5, 12, generator=torch.Generator().manual_seed(seed + r)) for r in range(n)]
+    model(xs[me]).square().sum().backward()
+    for x in xs:  # the reference: every rank's gradient, summed, then divided
+        ref(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        with ck.case(name):
+            got, want = p.grad.full_tensor(), q.grad / factor
+            err = (got - want).abs().max().item()
+            ck.expect(f"{name}'s gradient", err < 1e-5 * max(1.0, want.abs().max().item()), f"max error {err}")
+    return ck.done()
+
+
+def test_fsdp_gradient_divide_factor(worlds, seed):
+    worlds.get(2).run(check_fsdp_divide_factor, seed=seed)
