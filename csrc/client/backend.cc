@@ -245,8 +245,10 @@ void unpack_outputs(std::vector<std::pair<at::Tensor, Tensors*>>& unpack) {
 // contiguous; or, with dense (the elementwise ops, whose bytes pair up position by position
 // across ranks: all_reduce, broadcast, reduce, send, recv), contiguous in the memory format
 // torch suggests for it (channels_last, channels_last_3d), as torch's NCCL backend takes them.
-// Every path moves a tensor as the bytes from data_ptr() on (numel x element size), which is
-// exactly its memory then; the ranks must agree on the layout, as with NCCL.
+// Those ops move a tensor as the bytes from data_ptr() on (numel x element size), which is
+// exactly its memory then (coalesced CUDA ops pack in logical order and unpack alike); the
+// ranks must agree on the layout, as with NCCL. The ops that move chunks stay stricter than
+// NCCL, which moves a channels_last tensor's bytes as they lie there too.
 const at::Tensor& check(const std::string& refusal, const std::string& op, const std::string& name,
                         const at::Tensor& t, bool dense = false) {
   if (!t.defined()) {
@@ -427,10 +429,12 @@ uint8_t Backend::redop(const char* op, const c10d::ReduceOp& want, const at::Ten
     case c10d::ReduceOp::BAND: code = wire::kBand; break;
     case c10d::ReduceOp::BOR: code = wire::kBor; break;
     case c10d::ReduceOp::BXOR: code = wire::kBxor; break;
-    case c10d::ReduceOp::PREMUL_SUM:  // a sum of inputs the op scales first (premul_scaled)
-      if (!at::isFloatingType(t.scalar_type()) && !at::isComplexType(t.scalar_type())) {
-        type_error(std::string("gocomm ") + op + ": PREMUL_SUM takes floating-point tensors, got " +
-                   dtype_name(t.scalar_type()));
+    case c10d::ReduceOp::PREMUL_SUM:  // a sum of inputs the op scales first (Backend::premul)
+      // the dtypes NCCL's PREMUL_SUM takes, and complex (float8 has no arithmetic to scale it)
+      if ((!at::isFloatingType(t.scalar_type()) && !at::isComplexType(t.scalar_type())) ||
+          at::isFloat8Type(t.scalar_type())) {
+        type_error(std::string("gocomm ") + op + ": PREMUL_SUM takes half, bfloat16, float, double or complex " +
+                   "tensors, got " + dtype_name(t.scalar_type()));
       }
       if (dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(want.supplement_.get()) == nullptr) {
         value_error(std::string("gocomm ") + op + ": PREMUL_SUM without its factor (make it with "
@@ -447,6 +451,36 @@ uint8_t Backend::redop(const char* op, const c10d::ReduceOp& want, const at::Ten
     type_error(std::string("gocomm ") + op + ": " + why);
   }
   return code;
+}
+
+// PREMUL_SUM (torch.distributed._make_nccl_premul_sum; FSDP2 reduce-scatters gradients with it
+// where a gradient divide factor is set): the sum over ranks of each rank's input times its own
+// factor, as NCCL computes it. t is scaled on the caller's stream (a CPU tensor at once) and the
+// op then sums: in place where the op overwrites t with its result anyway, else into a copy,
+// so that the input stays as the caller left it (a reduce-scatter's input, a reduce's on the
+// other ranks: NCCL scales inside its kernel, this takes a copy the size of the input). Below
+// autograd, as the op itself is: the scaling is the collective's, not a step of the caller's
+// graph (no grad_fn, no version bump). The factor is taken in t's dtype, as NCCL takes it, a
+// float one and a tensor one alike. A destroyed or broken group raises before t is touched;
+// where the op raises later, an in-place t keeps its scaled input. Other ops give t back.
+at::Tensor Backend::premul(const c10d::ReduceOp& want, const at::Tensor& t, bool in_place, const std::string& op) {
+  if (want.op_ != c10d::ReduceOp::PREMUL_SUM) {
+    return t;
+  }
+  const auto* s = dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(want.supplement_.get());
+  TORCH_CHECK(s != nullptr, "gocomm " + op + ": PREMUL_SUM without its factor");
+  if (closed_) {
+    value_error("gocomm " + op + ": the process group was destroyed");
+  }
+  refuse_if_broken(op);
+  at::AutoDispatchBelowADInplaceOrView below;
+  // a float factor as a CPU scalar (which a CUDA kernel takes as an argument), a tensor one
+  // (one element) where it is; either in t's dtype
+  const at::Tensor f = (s->tensor_factor.defined() ? s->tensor_factor.to(t.device())
+                                                   : at::scalar_tensor(s->double_factor, at::kDouble))
+                           .to(t.scalar_type())
+                           .reshape({});
+  return in_place ? at::Tensor(t).mul_(f) : t.mul(f);
 }
 
 void Backend::startCoalescing() {
@@ -908,23 +942,6 @@ intrusive_ptr<Work> Backend::submit_raw(const std::string& op, const std::vector
 
 namespace {
 
-// PREMUL_SUM (torch.distributed._make_nccl_premul_sum; FSDP2 reduce-scatters gradients with it
-// where a gradient divide factor is set): the sum over ranks of each rank's input times its own
-// factor, as NCCL computes it. The op scales t (redop checked the factor is there) on the
-// caller's stream (a CPU tensor at once) and then sums: in place where the op overwrites t with
-// its result anyway, else into a copy, so that the input stays as the caller left it. Other ops
-// give t back as it is.
-at::Tensor premul_scaled(const c10d::ReduceOp& want, const at::Tensor& t, bool in_place) {
-  if (want.op_ != c10d::ReduceOp::PREMUL_SUM) {
-    return t;
-  }
-  const auto* s = static_cast<const c10d::NCCLPreMulSumSupplement*>(want.supplement_.get());
-  if (s->tensor_factor.defined()) {  // one element, on any device
-    const at::Tensor f = s->tensor_factor.to(t.device(), t.scalar_type()).reshape({});
-    return in_place ? at::Tensor(t).mul_(f) : t.mul(f);
-  }
-  return in_place ? at::Tensor(t).mul_(s->double_factor) : t.mul(s->double_factor);
-}
 
 const at::Tensor& single(const std::string& refusal, const std::string& op, const std::string& name,
                          const Tensors& ts, bool dense = false) {
@@ -971,7 +988,7 @@ intrusive_ptr<c10d::Work> Backend::allreduce(Tensors& tensors, const c10d::Allre
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor& t = single(cfg_.cuda_refusal, "all_reduce", "tensor", tensors, true);
   const uint8_t code = redop("all_reduce", opts.reduceOp, t);
-  premul_scaled(opts.reduceOp, t, true);
+  premul(opts.reduceOp, t, true, "all_reduce");
   if (ar_inprocess_ && t.is_cuda()) {
     if (auto w = engine_->all_reduce(t, code)) {
       return w;
@@ -1011,7 +1028,7 @@ intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(Tensors& tensors, const c
   op.count = numel_of(ts);
   op.redop = redop(name.c_str(), opts.reduceOp, ts[0]);
   for (const auto& t : ts) {
-    premul_scaled(opts.reduceOp, t, true);
+    premul(opts.reduceOp, t, true, name);
   }
   op.inputs = {ts};
   op.outputs = {{0, ts}};
@@ -1057,7 +1074,7 @@ intrusive_ptr<c10d::Work> Backend::reduce(Tensors& tensors, const c10d::ReduceOp
   op.redop = code;
   op.root = int32_t(opts.rootRank);
   // the root's t takes the result; the others' stays as it was (NCCL's reduce)
-  op.inputs = {Tensors{premul_scaled(opts.reduceOp, t, opts.rootRank == rank_)}};
+  op.inputs = {Tensors{premul(opts.reduceOp, t, opts.rootRank == rank_, "reduce")}};
   if (opts.rootRank == rank_) {
     op.outputs = {{0, {t}}};
   }
@@ -1190,7 +1207,7 @@ intrusive_ptr<c10d::Work> Backend::reduce_scatter(Tensors& outputs, std::vector<
   op.redop = redop("reduce_scatter", opts.reduceOp, out);
   Tensors scaled;
   for (const auto& t : ins) {
-    scaled.push_back(premul_scaled(opts.reduceOp, t, false));
+    scaled.push_back(premul(opts.reduceOp, t, false, "reduce_scatter"));
   }
   op.inputs = {scaled, std::nullopt};
   op.outputs = {{1, {out}}};
@@ -1214,7 +1231,7 @@ intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output, at::
   op.dtype = output.scalar_type();
   op.count = output.numel();
   op.redop = redop(name.c_str(), opts.reduceOp, output);
-  op.inputs = {Tensors{premul_scaled(opts.reduceOp, input, false)}, std::nullopt};
+  op.inputs = {Tensors{premul(opts.reduceOp, input, false, name)}, std::nullopt};
   op.outputs = {{1, {output}}};
   op.result = Tensors{output};
   op.timeout = opts.timeout;

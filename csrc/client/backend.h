@@ -205,6 +205,8 @@ class Backend : public c10d::Backend {
                                       std::vector<std::pair<at::Tensor, std::vector<at::Tensor>*>>& unpack,
                                       const std::vector<at::Tensor>& result, int device);
   uint8_t redop(const char* op, const c10d::ReduceOp& want, const at::Tensor& t);
+  // t scaled for PREMUL_SUM (in place, or a copy), else t itself (backend.cc)
+  at::Tensor premul(const c10d::ReduceOp& want, const at::Tensor& t, bool in_place, const std::string& op);
   void need_slot(const std::string& op);
   // Raises once the group is broken (GroupFailure): a CUDA op's failure reaches no wait().
   // Also once the sidecar marked the group's counter slot released (Dispatcher::released_mark),

@@ -867,6 +867,7 @@ def check_views(rk, seed, group):
         ck.reduced(
             "channels_last all_reduce_coalesced", pair[0].contiguous(), [x.contiguous() for x in ts], SUM, torch.float64
         )
+        ck.reduced("its second tensor", pair[1].contiguous(), xs, SUM, torch.float64)
         x = gen(seed, "v/cl3", n - 1, (2, 3, 2, 4, 5), torch.float32)
         b = (x.clone() if me == n - 1 else _junk(x, seed, "v/cl3", me)).to(memory_format=cl3)
         dist.broadcast(b, src=gc.glob(n - 1), group=gc.pg)
@@ -882,7 +883,9 @@ def check_views(rk, seed, group):
             elif me == n - 1:
                 dist.recv(got, src=gc.glob(0), group=gc.pg, tag=78)
                 ck.same("channels_last send / recv", got.contiguous(), xs[0])
-    with ck.case("channels_last where the op moves chunks: refused, as torch's NCCL backend does"):
+    # stricter than torch's NCCL backend, which moves such tensors' bytes as they lie: a gather's
+    # chunks follow the layout, right only where every tensor of the op has the same one
+    with ck.case("channels_last where the op moves chunks: refused"):
         try:
             dist.all_gather_into_tensor(torch.zeros(n * 2, 3, 4, 5).to(memory_format=cl), xs[me].float(), group=gc.pg)
             ck.fail("channels_last all_gather_into_tensor output", "no error")
@@ -947,12 +950,31 @@ def check_premul_sum(rk, seed, group):
             dist.reduce_scatter(out, ins, op=premul(fs[me]), group=gc.pg)
             ck.reduced(f"reduce_scatter list {d}", out, [w[6 * me : 6 * me + 6] for w in want], SUM, dtype)
             ck.same(f"reduce_scatter list {d}: the inputs are untouched", torch.cat(ins), xs[me])
-    with ck.case("integer tensors are refused before anything is sent"):
-        try:
-            dist.all_reduce(torch.ones(3, dtype=torch.int64), op=premul(2.0), group=gc.pg)
-            ck.fail("int64 PREMUL_SUM", "no error")
-        except TypeError as e:
-            ck.expect("names PREMUL_SUM and the dtype", "PREMUL_SUM" in str(e) and "int64" in str(e), str(e))
+    with ck.case("a float factor and a tensor factor round alike (1/3, bf16)"):
+        x = gen(seed, "pm/third", me, (64,), torch.bfloat16)
+        a, b = x.clone(), x.clone()
+        dist.all_reduce(a, op=premul(1 / 3), group=gc.pg)
+        dist.all_reduce(b, op=premul(torch.tensor([1 / 3], dtype=torch.float64)), group=gc.pg)
+        ck.same("float and tensor factor", a, b)
+    with ck.case("the scaling is the collective's, not a step of the caller's autograd graph"):
+        w = torch.full((4,), 3.0, requires_grad=True)
+        y = w * 2
+        version = y._version
+        dist.all_reduce(y, op=premul(fs[me]), group=gc.pg)
+        ck.expect("no grad_fn added", type(y.grad_fn).__name__ == "MulBackward0", type(y.grad_fn).__name__)
+        ck.expect("no version bump", y._version == version, f"{version} -> {y._version}")
+        y.sum().backward()
+        ck.same("d(sum y)/dw is 2, not 2 x the factor", w.grad, torch.full((4,), 2.0))
+        leaf = torch.ones(3, requires_grad=True)
+        dist.all_reduce(leaf, op=premul(fs[me]), group=gc.pg)  # raises on an in-place autograd op
+        ck.same("a leaf that requires grad", leaf.detach(), torch.full((3,), float(sum(fs))))
+    for dtype in (torch.int64, torch.float8_e4m3fn):
+        with ck.case(f"{dname(dtype)} tensors are refused before anything is sent"):
+            try:
+                dist.all_reduce(torch.ones(3).to(dtype), op=premul(2.0), group=gc.pg)
+                ck.fail(f"{dname(dtype)} PREMUL_SUM", "no error")
+            except TypeError as e:
+                ck.expect("names PREMUL_SUM and the dtype", "PREMUL_SUM" in str(e) and dname(dtype) in str(e), str(e))
     return ck.done()
 
 

@@ -113,6 +113,11 @@ def check_fsdp_divide_factor(rk, seed):
     model.load_state_dict(ref.state_dict())
     fully_shard(model, mesh=init_device_mesh("cpu", (n,)))
     model.set_gradient_divide_factor(factor)
+    with ck.case("FSDP2 picks PREMUL_SUM for this"):  # what the gradients below go through
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+
+        op = _get_gradient_divide_factors(dist.group.WORLD, None, torch.float32, "cpu", factor)[2]
+        ck.expect("reduce-scatter op", getattr(op, "op", None) == dist.ReduceOp.PREMUL_SUM, repr(op))
     xs = [torch.randn(5, 12, generator=torch.Generator().manual_seed(seed + r)) for r in range(n)]
     model(xs[me]).square().sum().backward()
     for x in xs:  # the reference: every rank's gradient, summed, then divided
