@@ -1,0 +1,68 @@
+"""torch's own distributed APIs that sit on a process group run on gocomm as they do on NCCL,
+on CPU tensors here: functional collectives (what DTensor, tensor and expert parallelism and
+compiled graphs call), their autograd all-to-all (expert parallelism's token exchange), the
+same under torch.compile, DTensor redistribution and distributed checkpointing. Each against
+a reference every rank computes."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from ranklib import SUM, Checker, gen
+
+
+def check_torch_apis(rk, seed, ckpt_dir):
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    ck, n, me = Checker("torch's APIs on gocomm", seed, rk.rank), rk.size, rk.rank
+    w = dist.group.WORLD
+    xs = [gen(seed, "api/x", r, (4 * n, 3), torch.float64) for r in range(n)]
+    with ck.case("functional collectives"):
+        ck.reduced("all_reduce", funcol.all_reduce(xs[me], "sum", w), xs, SUM, torch.float64)
+        ck.same("all_gather_tensor", funcol.all_gather_tensor(xs[me], 0, w), torch.cat(xs))
+        rs = funcol.reduce_scatter_tensor(xs[me], "sum", 0, w)
+        ck.reduced("reduce_scatter_tensor", rs, [x[4 * me : 4 * me + 4] for x in xs], SUM, torch.float64)
+    with ck.case("all_to_all_single_autograd, uneven splits, and its backward"):
+        ins = [(me + r) % 3 + 1 for r in range(n)]  # rows this rank sends to rank r
+        outs = [(s + me) % 3 + 1 for s in range(n)]  # rows rank s sends here
+        rows = [gen(seed, "api/a2a", s, (sum((s + r) % 3 + 1 for r in range(n)), 2), torch.float64) for s in range(n)]
+        x = rows[me].clone().requires_grad_()
+        y = funcol.wait_tensor(funcol.all_to_all_single_autograd(x, outs, ins, w))
+        want = torch.cat([rows[s][sum((s + r) % 3 + 1 for r in range(me)) :][: outs[s]] for s in range(n)])
+        ck.same("rows by source rank", y.detach(), want)
+        (y * (me + 1)).sum().backward()  # each row's gradient is its receiver's rank + 1
+        grads = [torch.full((ins[r], 2), r + 1.0, dtype=torch.float64) for r in range(n)]
+        ck.same("gradient back to the senders", x.grad, torch.cat(grads))
+    with ck.case("functional collectives under torch.compile (fullgraph)"):
+
+        @torch.compile(backend="aot_eager", fullgraph=True)
+        def step(u, v):
+            return funcol.all_reduce(u * 2, "sum", w), funcol.all_to_all_single_autograd(v * 2, [2] * n, [2] * n, w) + 1
+
+        v = xs[me][: 2 * n].clone().requires_grad_()
+        total, got = step(xs[me], v)
+        ck.reduced("compiled all_reduce", total, [x * 2 for x in xs], SUM, torch.float64)
+        ck.same("compiled all-to-all", got.detach(), torch.cat([x[2 * me : 2 * me + 2] * 2 for x in xs]) + 1)
+        got.sum().backward()
+        ck.same("compiled backward", v.grad, torch.full_like(v, 2.0))
+    mesh = init_device_mesh("cpu", (n,))
+    full = gen(seed, "api/dt", 0, (4 * n, 5), torch.float32)  # the same on every rank
+    with ck.case("DTensor redistribution"):
+        d = distribute_tensor(full, mesh, [Shard(0)])
+        ck.same("a shard", d.to_local(), full[4 * me : 4 * me + 4])
+        ck.same("Shard(0) -> Replicate()", d.redistribute(mesh, [Replicate()]).to_local(), full)
+        ck.same("Shard(0) -> Shard(1)", d.redistribute(mesh, [Shard(1)]).full_tensor(), full)
+    with ck.case("distributed checkpoint save and load"):
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"w": distribute_tensor(full, mesh, [Shard(0)])}, checkpoint_id=ckpt_dir)
+        state = {"w": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)])}
+        dcp.load(state, checkpoint_id=ckpt_dir)
+        ck.same("loaded", state["w"].full_tensor(), full)
+    return ck.done()
+
+
+def test_torch_apis(worlds, seed, tmp_path):
+    worlds.get(3).run(check_torch_apis, seed=seed, ckpt_dir=str(tmp_path / "ckpt"))
