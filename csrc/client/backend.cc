@@ -469,10 +469,7 @@ at::Tensor Backend::premul(const c10d::ReduceOp& want, const at::Tensor& t, bool
   }
   const auto* s = dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(want.supplement_.get());
   TORCH_CHECK(s != nullptr, "gocomm " + op + ": PREMUL_SUM without its factor");
-  if (closed_) {
-    value_error("gocomm " + op + ": the process group was destroyed");
-  }
-  refuse_if_broken(op);
+  refuse_if_unusable(op);
   at::AutoDispatchBelowADInplaceOrView below;
   // a float factor as a CPU scalar (which a CUDA kernel takes as an argument), a tensor one
   // (one element) where it is; either in t's dtype
@@ -537,6 +534,13 @@ std::shared_ptr<inproc::A2Path> Backend::a2av_path_for(const at::Tensor& input, 
   return path;
 }
 
+void Backend::refuse_if_unusable(const std::string& op) {
+  if (closed_) {
+    value_error("gocomm " + op + ": the process group was destroyed");
+  }
+  refuse_if_broken(op);
+}
+
 void Backend::refuse_if_broken(const std::string& op) {
   auto why = failure_->broken();
   if (!why && disp_->released_mark(cfg_.slot) == cfg_.handle) {
@@ -557,10 +561,7 @@ void Backend::refuse_if_broken(const std::string& op) {
 }
 
 intrusive_ptr<Work> Backend::submit_op(Op& op) {
-  if (closed_) {
-    value_error("gocomm " + op.name + ": the process group was destroyed");
-  }
-  refuse_if_broken(op.name);
+  refuse_if_unusable(op.name);
   const bool timeout_given = op.timeout.count() > 0;
   const double t_limit = timeout_given ? op.timeout.count() / 1000.0 : cfg_.timeout_s;
   std::map<size_t, Tensors*> out_for;
@@ -819,10 +820,7 @@ intrusive_ptr<Work> Backend::capture_op(Op& op, wire::Desc& d, const c10::cuda::
 
 void Backend::cuda_now(const std::string& op, uint8_t kind, const std::vector<wire::BufRef>& bufs, Tensors keep,
                        int device, uint64_t count) {
-  if (closed_) {
-    value_error("gocomm " + op + ": the process group was destroyed");
-  }
-  refuse_if_broken(op);
+  refuse_if_unusable(op);
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
     refuse_capture(op, "it runs in the sidecar's NVSHMEM kernel, which is handed each call on the host");
   }
@@ -941,7 +939,6 @@ intrusive_ptr<Work> Backend::submit_raw(const std::string& op, const std::vector
 // ----- collectives -----------------------------------------------------------------------------
 
 namespace {
-
 
 const at::Tensor& single(const std::string& refusal, const std::string& op, const std::string& name,
                          const Tensors& ts, bool dense = false) {

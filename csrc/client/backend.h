@@ -212,6 +212,8 @@ class Backend : public c10d::Backend {
   // Also once the sidecar marked the group's counter slot released (Dispatcher::released_mark),
   // waiting up to kCauseWaitMs for the cause to arrive.
   void refuse_if_broken(const std::string& op);
+  // Raises once the group is destroyed (ValueError), then as refuse_if_broken.
+  void refuse_if_unusable(const std::string& op);
   static constexpr int kCauseWaitMs = 2000;
   // "<op> on group '<name>'": how a Work's errors name the op (op, group, then the cause)
   std::string label(const std::string& op) const;
