@@ -141,7 +141,7 @@ def dispatch(
         fast = _backend.served.get((g, x.get_device()))
         if fast is not None and fast.moe:
             try:
-                return _dispatch_inprocess(fast, x, topk_idx, topk_weights, num_experts, max_tokens_per_rank, True)
+                return _dispatch_inprocess(fast, x, routing, max_tokens_per_rank, True)
             except NotImplementedError:  # the kernels do not take x (dtype, alignment), or the path is gone
                 _backend.served.pop((g, x.get_device()), None)
     padded = padded or low_latency
@@ -155,27 +155,27 @@ def dispatch(
             _capture.refuse("moe.dispatch", g, why)
         fast = _backend.served[g, x.get_device()]
         fast.moe = True  # the kernels run on x's device: later padded calls take the fast path
-        return _dispatch_inprocess(fast, x, topk_idx, topk_weights, num_experts, max_tokens_per_rank, padded)
+        return _dispatch_inprocess(fast, x, routing, max_tokens_per_rank, padded)
     # the other paths: one op around gocomm.all_to_all_v's exchange, one host sync (or two)
     got = _DISPATCH_ANY(x, topk_idx, topk_weights, num_experts, fp8, max_tokens_per_rank, padded, g.group_name)
     hd = Handle(g.group_name, x.shape[0], x.dtype, max_tokens_per_rank * n * k if padded else 0, got[3:], None, routing)
     return ((got[0], got[1]) if fp8 else got[0]), got[2], hd
 
 
-def _dispatch_inprocess(fast: _backend.Served, x, topk_idx, topk_weights, experts: int, bound, padded: bool):
+def _dispatch_inprocess(fast: _backend.Served, x, routing: tuple, bound, padded: bool):
     """dispatch where the exchange is the in-process kernel: one op, which checks the arguments,
-    converts topk_idx / topk_weights to int64 / float32 on x's device where they are not, and
+    converts topk_idx / topk_weights (routing, with num_experts) as the kernels read them, and
     syncs once unless padded. bound: max_tokens_per_rank or None (the receive buffer).
     NotImplementedError where the kernels do not take x or serve the group (nothing done)."""
-    n, t, k = fast.size, x.shape[0], topk_idx.shape[1]
+    n, t, k = fast.size, x.shape[0], routing[0].shape[1]
     cap = bound * n if bound is not None else _capacity_rows(_client.C.moe_row_bytes(x.shape[1] * x.element_size(), k))
-    out, tpe, ws, counts = _DISPATCH(x, topk_idx, topk_weights, experts, n, cap, padded, fast.name)
+    out, tpe, ws, counts = _DISPATCH(x, *routing, n, cap, padded, fast.name)
     rows, recv_rows, send_rows = cap * k, cap, t * min(n, k)
     if not padded:  # the rows the exchanges move: what the counts say
         c = counts.tolist()
         rows, recv_rows, send_rows = c[2 * n + 2], c[2 * n + 3], c[n]
-    sizes = (x.get_device(), cap, k, experts, recv_rows, send_rows, padded)
-    return out, tpe, Handle(fast.name, t, x.dtype, rows, ws, sizes, (topk_idx, topk_weights, experts))
+    sizes = (x.get_device(), cap, k, routing[2], recv_rows, send_rows, padded)
+    return out, tpe, Handle(fast.name, t, x.dtype, rows, ws, sizes, routing)
 
 
 def combine(y: torch.Tensor, handle: Handle) -> torch.Tensor:
