@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import glob
 import io
-import os
 import re
 import shlex
 import sys
@@ -32,6 +32,23 @@ def tee():
     got.append(buf.getvalue())
 
 
+def _mps_running() -> bool:
+    """Whether an MPS control daemon runs on this machine (the variable naming its pipe
+    directory is set whether or not one does)."""
+    for comm in glob.glob("/proc/[0-9]*/comm"):
+        with contextlib.suppress(OSError), open(comm) as f:
+            if f.read().strip() == "nvidia-cuda-mps":
+                return True
+    return False
+
+
+def _mps_note() -> str:
+    """' (under MPS)' or ' (without MPS)' on a machine with NVIDIA GPUs, else nothing."""
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        return ""
+    return " (under MPS)" if _mps_running() else " (without MPS)"
+
+
 def record(path: str, key: str, text: str) -> None:
     """Put text (a benchmark's printed table) in path's section for key, with the command
     and the date: replaced where the section exists, appended where it does not."""
@@ -40,7 +57,7 @@ def record(path: str, key: str, text: str) -> None:
     start, end = f"<!-- bench: {key} -->", f"<!-- /bench: {key} -->"
     section = (
         f"{start}\n### {key}\n\n`{cmd}` on {datetime.date.today().isoformat()}"
-        f"{' (under MPS)' if os.environ.get('CUDA_MPS_PIPE_DIRECTORY') else ''}:\n\n"
+        f"{_mps_note()}:\n\n"
         f"```text\n{text.rstrip()}\n```\n{end}"
     )
     try:
