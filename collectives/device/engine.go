@@ -282,6 +282,18 @@ func (s *session) store(off int, v uint32) {
 	atomic.StoreUint32((*uint32)(unsafe.Pointer(&s.counterMem.Data[off])), v)
 }
 
+// readyReached says whether slot's ready counter on lane has reached v, read by the CPU in
+// place, compared as a stream's wait for it compares (CU_STREAM_WAIT_VALUE_GEQ: int32(ready -
+// v) >= 0, so values wrap). The client's stream writes ready = v after everything it queued
+// before the op ran, behind a memory fence (cuStreamWriteValue32 without NO_MEMORY_BARRIER):
+// once the CPU sees it, the op's inputs are written and the op needs no stream wait.
+func (s *session) readyReached(slot, lane int, v uint32) bool {
+	return reached(atomic.LoadUint32((*uint32)(unsafe.Pointer(&s.counterMem.Data[16*slot+8*lane]))), v)
+}
+
+// reached compares a counter with a stream value as CU_STREAM_WAIT_VALUE_GEQ does.
+func reached(counter, v uint32) bool { return int32(counter-v) >= 0 }
+
 // Release implements gpu.Session: ready = done = floor + gpu.ReleaseAhead on both lanes
 // of the slot, stored by the CPU (invariant 3). The values depend on floor only, so releasing
 // again writes them again (which also undoes done writes that ran after the first release).

@@ -219,3 +219,31 @@ func TestReleaseStoresInPlace(t *testing.T) {
 		t.Error("a trigger out of range was released")
 	}
 }
+
+// TestReadyReached: the CPU's check of a ready counter compares as the stream's
+// CU_STREAM_WAIT_VALUE_GEQ wait does, across the wrap at 2^32, at the slot and lane's word.
+func TestReadyReached(t *testing.T) {
+	for _, tc := range []struct {
+		counter, v uint32
+		want       bool
+	}{
+		{5, 5, true}, {6, 5, true}, {4, 5, false}, {0, 0, true},
+		{2, 1<<32 - 2, true},                    // the counter wrapped past v
+		{1<<32 - 2, 2, false},                   // v wrapped, the counter not yet
+		{5 + gpu.ReleaseAhead, 5 + 1<<20, true}, // a release lets every pending value through
+	} {
+		if got := reached(tc.counter, tc.v); got != tc.want {
+			t.Errorf("reached(%d, %d) = %v, want %v", tc.counter, tc.v, got, tc.want)
+		}
+	}
+	mem, err := shm.Create(t.TempDir(), "counters", gpu.CounterMemBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mem.Close()
+	s := &session{counterMem: mem}
+	binary.LittleEndian.PutUint32(mem.Data[16*3+8*laneP2P:], 9)
+	if !s.readyReached(3, laneP2P, 9) || s.readyReached(3, laneP2P, 10) || s.readyReached(3, laneColl, 1) || s.readyReached(4, laneP2P, 1) {
+		t.Error("readyReached did not read slot 3's p2p ready word alone")
+	}
+}
