@@ -37,8 +37,8 @@ const graphPeer = -2
 // Design:
 //  1. Collectives run on one worker: a goroutine locked to an OS thread (context current)
 //     that enqueues them in submission order on the collective stream: wait for the client's
-//     ready counter, the NCCL call(s), write the done counter, record an event. It never
-//     waits for the GPU.
+//     ready counter (unless the CPU already sees it written), the NCCL call(s), write the done
+//     counter, record an event. It never waits for the GPU.
 //  2. Point-to-point ops run on a worker per (peer, direction), each with its own stream and
 //     a two-rank communicator that carries only that direction's messages. NCCL matches a
 //     communicator's sends and receives in order and holds a send until its receive is
