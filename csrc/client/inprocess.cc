@@ -293,24 +293,6 @@ at::Tensor fresh(at::IntArrayRef sizes, const at::TensorOptions& o) {
                                    o.memory_format_opt());
 }
 
-at::Tensor part(const at::Tensor& block, int64_t offset, at::IntArrayRef sizes, at::ScalarType dtype) {
-  const auto meta = caffe2::TypeMeta::fromScalarType(dtype);
-  int64_t n = 1;
-  for (const int64_t s : sizes) {
-    n *= s;
-  }
-  TORCH_INTERNAL_ASSERT(offset % int64_t(meta.itemsize()) == 0 &&
-                        offset + n * int64_t(meta.itemsize()) <= int64_t(block.storage().nbytes()));
-  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(block.storage()),
-                                                         c10::DispatchKeySet(block.device().type() == c10::kCUDA
-                                                                                 ? c10::DispatchKey::CUDA
-                                                                                 : c10::DispatchKey::CPU),
-                                                         meta);
-  t.unsafeGetTensorImpl()->set_storage_offset(offset / int64_t(meta.itemsize()));
-  t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
-  return t;
-}
-
 KernelWork::KernelWork(std::vector<at::Tensor> result, cuda::Stream stream, int device, c10d::OpType type,
                        bool captured, bool lasting)
     : c10d::Work(-1, type),

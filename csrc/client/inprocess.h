@@ -116,12 +116,6 @@ bool lasting_stream(int device);
 // layout or pinning, deterministic mode's fill) at::empty.
 at::Tensor fresh(at::IntArrayRef sizes, const at::TensorOptions& o);
 
-// A tensor of sizes and dtype at byte offset (a multiple of dtype's size) of block's storage,
-// contiguous, made without the dispatcher or the allocator: outputs carved from one block pay
-// one allocation (each costs ~1 us of host time under MPS, docs/perf.md). Each keeps the
-// whole block alive.
-at::Tensor part(const at::Tensor& block, int64_t offset, at::IntArrayRef sizes, at::ScalarType dtype);
-
 // A kernel the engine queued on stream (captured: queued while capturing a graph). wait()
 // makes the current stream wait, as torch's NCCL work does, and is_completed() asks, through
 // an event recorded on stream at the first call that needs one: it answers for everything

@@ -222,9 +222,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> launch_ll(LlPath& ll, const at::T
   const int64_t t = x.size(0), h = x.size(1), k = idx.size(1), per = experts / n;
   const int64_t xbytes = h * x.element_size();
   const Carve c(t, n, k, per, cap, 0, 0);
-  // the workspace and tokens_per_expert in one allocation (c.size is a multiple of 256)
-  const at::Tensor block = ll_workspace(c.size + per * 8, x.options().dtype(at::kByte));
-  at::Tensor ws = part(block, 0, {c.size}, at::kByte), tpe = part(block, c.size, {per}, at::kLong);
+  at::Tensor ws = ll_workspace(c.size, x.options().dtype(at::kByte));
+  at::Tensor tpe = fresh({per}, x.options().dtype(at::kLong));
   at::Tensor out = fresh({cap * k, h}, x.options());
   LlArgs a = ll.args();
   a.x = uint64_t(addr(x));
@@ -339,15 +338,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const a
   if (padded) {  // one launch where the group's low-latency buffer takes the call (0039)
     if (auto ll = padded_ll(b->engine(), *path, cap / n, k, per, layout, xbytes)) {
       auto [out, tpe, ws] = launch_ll(*ll, x, idx, w, experts, n, cap, layout);
-      return {out, tpe, ws, part(ws, 0, {0}, at::kLong)};
+      return {out, tpe, ws, fresh({0}, x.options().dtype(at::kLong))};
     }
   }
   const int64_t row = layout.bytes;
   const int64_t send_cap = t * std::min(n, k);
   const Carve c(t, n, k, per, cap, send_cap * row, cap * row);
   const auto bytes = x.options().dtype(at::kByte);
-  const at::Tensor block = fresh({c.size + per * 8}, bytes);  // c.size is a multiple of 256
-  at::Tensor ws = part(block, 0, {c.size}, at::kByte), tpe = part(block, c.size, {per}, at::kLong);
+  at::Tensor ws = fresh({c.size}, bytes);
+  at::Tensor tpe = fresh({per}, x.options().dtype(at::kLong));
   const uint64_t base = addr(ws);
   auto at_ = [&](int i) { return int64_t(base + uint64_t(c.at[i])); };
   const int64_t meta = at_(Carve::kCounts), recv_splits = int64_t(base) + c.recv_splits,
@@ -371,7 +370,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const a
     at::Tensor out = fresh({cap * k, h}, x.options());
     moe::group_gather(dev, recv, layout, k, per, recv_splits, n, cap, grouping, flag, int64_t(addr(out)), xbytes,
                       at_(Carve::kSync));
-    return {out, tpe, ws, part(ws, 0, {0}, at::kLong)};
+    return {out, tpe, ws, fresh({0}, x.options().dtype(at::kLong))};
   }
   moe::group(dev, recv, layout, k, per, recv_splits, n, cap, grouping, flag);
   const at::Tensor counts = ws.slice(0, 0, (2 * n + 4) * 8).view(at::kLong).cpu();  // the one sync
