@@ -282,13 +282,17 @@ func (s *session) store(off int, v uint32) {
 	atomic.StoreUint32((*uint32)(unsafe.Pointer(&s.counterMem.Data[off])), v)
 }
 
+// counterOff is the byte offset of slot's ready counter on lane in the counter memory; its
+// done counter follows at +4 (gpu.CounterSlots).
+func counterOff(slot, lane int) int { return 16*slot + 8*lane }
+
 // readyReached says whether slot's ready counter on lane has reached v, read by the CPU in
 // place, compared as a stream's wait for it compares (CU_STREAM_WAIT_VALUE_GEQ: int32(ready -
-// v) >= 0, so values wrap). The client's stream writes ready = v after everything it queued
-// before the op ran, behind a memory fence (cuStreamWriteValue32 without NO_MEMORY_BARRIER):
-// once the CPU sees it, the op's inputs are written and the op needs no stream wait.
+// v) >= 0, so values wrap). The client's stream writes ready behind a memory fence
+// (cuStreamWriteValue32 without NO_MEMORY_BARRIER), so where the CPU sees it the op is
+// ordered after everything a stream wait for it would have ordered it after.
 func (s *session) readyReached(slot, lane int, v uint32) bool {
-	return reached(atomic.LoadUint32((*uint32)(unsafe.Pointer(&s.counterMem.Data[16*slot+8*lane]))), v)
+	return reached(atomic.LoadUint32((*uint32)(unsafe.Pointer(&s.counterMem.Data[counterOff(slot, lane)]))), v)
 }
 
 // reached compares a counter with a stream value as CU_STREAM_WAIT_VALUE_GEQ does.
@@ -308,8 +312,8 @@ func (s *session) Release(slot int, floor [2]uint32) error {
 	}
 	for lane, f := range floor {
 		far := f + gpu.ReleaseAhead
-		s.store(16*slot+8*lane, far)
-		s.store(16*slot+8*lane+4, far)
+		s.store(counterOff(slot, lane), far)
+		s.store(counterOff(slot, lane)+4, far)
 	}
 	return nil
 }

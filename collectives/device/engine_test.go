@@ -242,7 +242,8 @@ func TestReadyReached(t *testing.T) {
 	}
 	defer mem.Close()
 	s := &session{counterMem: mem}
-	binary.LittleEndian.PutUint32(mem.Data[16*3+8*laneP2P:], 9)
+	// slot 3's p2p ready word: the fourth slot's third u32 (gpu.CounterSlots' layout)
+	binary.LittleEndian.PutUint32(mem.Data[3*16+2*4:], 9)
 	if !s.readyReached(3, laneP2P, 9) || s.readyReached(3, laneP2P, 10) || s.readyReached(3, laneColl, 1) || s.readyReached(4, laneP2P, 1) {
 		t.Error("readyReached did not read slot 3's p2p ready word alone")
 	}

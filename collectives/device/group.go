@@ -182,7 +182,7 @@ func (s *session) NewGroup(rank, size, slot int, base [2]uint32, link gpu.PeerLi
 	g := &group{s: s, rank: rank, size: size, slot: slot, link: link, pairs: map[pairKey]*worker{},
 		floor: base, seqNext: base[laneP2P] + 1, seqWait: map[uint32]*flight{}, aborted: make(chan struct{})}
 	for lane := 0; lane < 2; lane++ {
-		off := 16*slot + 8*lane
+		off := counterOff(slot, lane)
 		g.ready[lane] = s.counters + cuda.Ptr(off)
 		g.done[lane] = s.counters + cuda.Ptr(off+4)
 	}
