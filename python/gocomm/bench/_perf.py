@@ -8,9 +8,12 @@ import contextlib
 import datetime
 import glob
 import io
+import os
 import re
 import shlex
 import sys
+
+from .. import launch
 
 
 @contextlib.contextmanager
@@ -32,21 +35,13 @@ def tee():
     got.append(buf.getvalue())
 
 
-def _mps_running() -> bool:
-    """Whether an MPS control daemon runs on this machine (the variable naming its pipe
-    directory is set whether or not one does)."""
-    for comm in glob.glob("/proc/[0-9]*/comm"):
-        with contextlib.suppress(OSError), open(comm) as f:
-            if f.read().strip() == "nvidia-cuda-mps":
-                return True
-    return False
-
-
 def _mps_note() -> str:
-    """' (under MPS)' or ' (without MPS)' on a machine with NVIDIA GPUs, else nothing."""
+    """' (under MPS)' or ' (without MPS)' on a machine with NVIDIA GPUs (whether a daemon
+    answers on this process's pipe directory, as its CUDA clients would find it), else
+    nothing."""
     if not glob.glob("/dev/nvidia[0-9]*"):
         return ""
-    return " (under MPS)" if _mps_running() else " (without MPS)"
+    return " (under MPS)" if launch.mps_running(dict(os.environ)) else " (without MPS)"
 
 
 def record(path: str, key: str, text: str) -> None:
