@@ -1,8 +1,8 @@
 """torch's own distributed APIs that sit on a process group run on gocomm as they do on NCCL,
 on CPU tensors here: functional collectives (what DTensor, tensor and expert parallelism and
 compiled graphs call), their autograd all-to-all (expert parallelism's token exchange), the
-same under torch.compile, DTensor redistribution and distributed checkpointing. Each against
-a reference every rank computes."""
+same under torch.compile, gocomm's own all_to_all_v op compiled, DTensor redistribution and
+distributed checkpointing. Each against a reference every rank computes."""
 
 from __future__ import annotations
 
@@ -47,6 +47,23 @@ def check_torch_apis(rk, seed, ckpt_dir):
         ck.same("compiled all-to-all", got.detach(), torch.cat([x[2 * me : 2 * me + 2] * 2 for x in xs]) + 1)
         got.sum().backward()
         ck.same("compiled backward", v.grad, torch.full_like(v, 2.0))
+    with ck.case("gocomm's all_to_all_v op under torch.compile (fullgraph), its outputs unaliased"):
+        ins = [(me + r) % 3 + 1 for r in range(n)]
+        outs = [(s + me) % 3 + 1 for s in range(n)]
+        rows = [gen(seed, "api/a2av", s, (sum((s + r) % 3 + 1 for r in range(n)), 2), torch.float64) for s in range(n)]
+        want = torch.cat([rows[s][sum((s + r) % 3 + 1 for r in range(me)) :][: outs[s]] for s in range(n)])
+        cap, name = 3 * n + 1, w.group_name
+
+        @torch.compile(backend="aot_eager", fullgraph=True)
+        def doubled(x, s):
+            o, g = torch.ops.gocomm.all_to_all_v(x, s, cap, name)
+            return o * 2, g + 1
+
+        # outputs sharing a storage are an error in a custom op from torch 2.12 (2.11 warns)
+        with torch._functorch.config.patch(error_on_custom_op_aliasing=True):
+            out, got = doubled(rows[me], torch.tensor(ins))
+        ck.same("rows", out[: sum(outs)], want * 2)
+        ck.same("out_splits", got, torch.tensor(outs) + 1)
     mesh = init_device_mesh("cpu", (n,))
     full = gen(seed, "api/dt", 0, (4 * n, 5), torch.float32)  # the same on every rank
     with ck.case("DTensor redistribution"):
