@@ -127,8 +127,8 @@ std::pair<at::Tensor, at::Tensor> host_counts(c10d::ProcessGroup& pg, Backend* b
     negative |= s < 0;
     total += s;
   }
-  TORCH_CHECK_VALUE(!negative && total == input.size(0), "gocomm all_to_all_v: in_splits " + list_name(send) +
-                                                             " must be >= 0 and add up to input's " +
+  TORCH_CHECK_VALUE(!negative && total <= input.size(0), "gocomm all_to_all_v: in_splits " + list_name(send) +
+                                                             " must be >= 0 and add up to at most input's " +
                                                              std::to_string(input.size(0)) + " rows");
   at::Tensor counts = at::tensor(send, at::kLong).to(input.device());
   at::Tensor got = at::full_like(counts, -1);  // an exchange that wrote nothing fails the check below
@@ -149,9 +149,14 @@ std::pair<at::Tensor, at::Tensor> host_counts(c10d::ProcessGroup& pg, Backend* b
   }
   const int64_t cap = out != nullptr ? out->size(0) : out_rows;
   const bool overflow = cap >= 0 && rows > cap;
-  at::Tensor output = out != nullptr && !overflow ? out->narrow(0, 0, rows) : rows_like(input, rows);
-  at::Tensor in = input;
-  exchange(output, in, recv, send);
+  // out given: a view of its first rows; out_rows given: out_rows rows, the received ones
+  // first, as on the other paths and in the Meta kernel (torch.compile traces that shape)
+  at::Tensor output = out != nullptr && !overflow ? out->narrow(0, 0, rows)
+                      : out_rows >= 0 && !overflow ? rows_like(input, out_rows)
+                                                   : rows_like(input, rows);
+  // rows past sum(in_splits) are not sent, as on the other paths (a padded output sent back)
+  at::Tensor to = output.narrow(0, 0, rows), in = input.narrow(0, 0, total);
+  exchange(to, in, recv, send);
   if (overflow) {
     raise_overflow("gocomm all_to_all_v: this rank receives " + std::to_string(rows) + " rows (" + list_name(recv) +
                    " by source rank) but out holds " + std::to_string(cap) + "; nothing was written into out");

@@ -4,18 +4,19 @@
 // group or a GPU.
 //
 //   all_to_all_v(input, in_splits, out_rows, group_name) -> (output, out_splits)
-//     output: out_rows rows shaped like input's (the receive capacity; on the GPU paths rows
-//     past sum(out_splits) are undefined, and sum(out_splits) > out_rows means nothing was
-//     written), or with out_rows -1 the path's default (all_to_all_v_any); out_splits:
-//     in_splits' dtype, on in_splits' device.
+//     output: out_rows rows shaped like input's (the receive capacity; rows past
+//     sum(out_splits) are undefined; on the GPU paths sum(out_splits) > out_rows means nothing
+//     was written, the host-count path raises OverflowError), or with out_rows -1 the path's
+//     default (all_to_all_v_any); out_splits: in_splits' dtype, on in_splits' device. Input
+//     rows past sum(in_splits) are not sent.
 //   all_to_all_v_out(input, in_splits, out!, group_name) -> (output, out_splits)
 //     the same into out, whose rows are the capacity; output is out (the GPU paths) or a view
 //     of its first rows (the host-count path: exactly the received rows).
 //
 // group_name is the ProcessGroup's (pg.group_name). The ops check their arguments as
 // gocomm.all_to_all_v documents them (ValueError), so its wrapper checks nothing. The Meta
-// kernels give the GPU paths' shapes (out_rows rows, or out whole): the host-count path's
-// output rows depend on the counts, which only the exchange learns.
+// kernels give out_rows rows, or out whole: the host-count path's view of out's first rows
+// depends on the counts, which only the exchange learns.
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 

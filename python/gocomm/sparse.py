@@ -44,8 +44,8 @@ def all_to_all_v(
     Args:
         input: rows to send, grouped by destination rank (rank 0's rows first); any shape
             with at least one dimension, contiguous.
-        in_splits: int32/int64 tensor of group-size entries, the rows for each rank, on
-            input's device (or the CPU, but not under torch.compile with CUDA input).
+        in_splits: int32/int64 tensor of group-size entries, the rows for each rank (rows past
+            their sum are not sent), on input's device or the CPU (not compiled with CUDA input).
         out: optional output buffer (same dtype, device and row shape as input); its rows
             are the capacity. A rank that would receive more rows than out holds raises
             OverflowError after the exchange and writes nothing into out; the other ranks

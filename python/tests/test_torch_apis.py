@@ -1,8 +1,8 @@
 """torch's own distributed APIs that sit on a process group run on gocomm as they do on NCCL,
 on CPU tensors here: functional collectives (what DTensor, tensor and expert parallelism and
 compiled graphs call), their autograd all-to-all (expert parallelism's token exchange), the
-same under torch.compile, gocomm's own all_to_all_v op compiled, DTensor redistribution and
-distributed checkpointing. Each against a reference every rank computes."""
+same under torch.compile, gocomm's own all_to_all_v op padded and compiled, DTensor
+redistribution and distributed checkpointing. Each against a reference every rank computes."""
 
 from __future__ import annotations
 
@@ -47,12 +47,24 @@ def check_torch_apis(rk, seed, ckpt_dir):
         ck.same("compiled all-to-all", got.detach(), torch.cat([x[2 * me : 2 * me + 2] * 2 for x in xs]) + 1)
         got.sum().backward()
         ck.same("compiled backward", v.grad, torch.full_like(v, 2.0))
-    with ck.case("gocomm's all_to_all_v op under torch.compile (fullgraph), its outputs unaliased"):
+    with ck.case("gocomm's all_to_all_v op with out_rows: padded, sent back, compiled"):
+        # out_rows rows on every path (the Meta kernel's shape), the received rows first; input
+        # rows past sum(in_splits) are not sent, so the padded output goes back as it is
         ins = [(me + r) % 3 + 1 for r in range(n)]
         outs = [(s + me) % 3 + 1 for s in range(n)]
         rows = [gen(seed, "api/a2av", s, (sum((s + r) % 3 + 1 for r in range(n)), 2), torch.float64) for s in range(n)]
         want = torch.cat([rows[s][sum((s + r) % 3 + 1 for r in range(me)) :][: outs[s]] for s in range(n)])
         cap, name = 3 * n + 1, w.group_name
+        x = rows[me].clone().requires_grad_()
+        out, got = torch.ops.gocomm.all_to_all_v(x, torch.tensor(ins), cap, name)
+        ck.expect("out_rows rows", tuple(out.shape) == (cap, 2), str(tuple(out.shape)))
+        ck.same("rows", out[: sum(outs)].detach(), want)
+        ck.same("out_splits", got, torch.tensor(outs))
+        back, _ = torch.ops.gocomm.all_to_all_v(out.detach(), got, x.shape[0], name)
+        ck.same("the padded output sent back", back, rows[me])
+        (out[: sum(outs)] * (me + 1)).sum().backward()  # each row's gradient: its receiver's rank + 1
+        grads = [torch.full((ins[r], 2), r + 1.0, dtype=torch.float64) for r in range(n)]
+        ck.same("gradient back to the senders", x.grad, torch.cat(grads))
 
         @torch.compile(backend="aot_eager", fullgraph=True)
         def doubled(x, s):
@@ -62,8 +74,9 @@ def check_torch_apis(rk, seed, ckpt_dir):
         # outputs sharing a storage are an error in a custom op from torch 2.12 (2.11 warns)
         with torch._functorch.config.patch(error_on_custom_op_aliasing=True):
             out, got = doubled(rows[me], torch.tensor(ins))
-        ck.same("rows", out[: sum(outs)], want * 2)
-        ck.same("out_splits", got, torch.tensor(outs) + 1)
+        ck.expect("compiled: out_rows rows", tuple(out.shape) == (cap, 2), str(tuple(out.shape)))
+        ck.same("compiled: rows", out[: sum(outs)], want * 2)
+        ck.same("compiled: out_splits", got, torch.tensor(outs) + 1)
     mesh = init_device_mesh("cpu", (n,))
     full = gen(seed, "api/dt", 0, (4 * n, 5), torch.float32)  # the same on every rank
     with ck.case("DTensor redistribution"):
