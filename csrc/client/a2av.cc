@@ -122,12 +122,12 @@ std::pair<at::Tensor, at::Tensor> host_counts(c10d::ProcessGroup& pg, Backend* b
   const int me = pg.getRank();
   const std::vector<int64_t> send = values(in_splits);
   int64_t total = 0;
-  bool negative = false;
+  bool bad = false;
   for (int64_t s : send) {
-    negative |= s < 0;
+    bad |= s < 0 || s > input.size(0);  // each within the rows first: no sum that wraps
     total += s;
   }
-  TORCH_CHECK_VALUE(!negative && total <= input.size(0), "gocomm all_to_all_v: in_splits " + list_name(send) +
+  TORCH_CHECK_VALUE(!bad && total <= input.size(0), "gocomm all_to_all_v: in_splits " + list_name(send) +
                                                              " must be >= 0 and add up to at most input's " +
                                                              std::to_string(input.size(0)) + " rows");
   at::Tensor counts = at::tensor(send, at::kLong).to(input.device());

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+import torch._functorch.config  # noqa: F401 - its patch() in the compiled cases
 import torch.distributed as dist
 from _harness import GPU_RUN_LIMIT_S as RUN_LIMIT_S
 from ranklib import Checker, gen, seeded_int

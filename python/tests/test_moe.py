@@ -126,6 +126,16 @@ def check_all_to_all_v(rk, seed, device="cpu"):
                 ck.fail(label, "no error")
             except ValueError as e:
                 ck.expect(label, all(w in str(e) for w in words), str(e))
+    with ck.case("input rows past sum(in_splits) are not sent"):
+        splits_of = ROUTINGS["uneven"]
+        send, recv = splits_of(seed, me, n), [splits_of(seed, src, n)[me] for src in range(n)]
+        xs = [gen(seed, "a2avpast", src, (sum(splits_of(seed, src, n)), 3), torch.float32) for src in range(n)]
+        x = torch.cat([xs[me], torch.full((3, 3), -5.0)]).to(dev)
+        out = torch.empty(4 * n + 1, 3, device=dev)  # room for the most that can arrive
+        got, got_splits = gocomm.all_to_all_v(x, torch.tensor(send, device=dev), out=out)
+        mine = [xs[src].narrow(0, sum(splits_of(seed, src, n)[:me]), recv[src]) for src in range(n)]
+        ck.same("the received rows", got[: sum(recv)].cpu(), torch.cat(mine))
+        ck.same("out_splits", got_splits.cpu(), torch.tensor(recv))
     if device == "cuda":
         torch.cuda.synchronize()
     if nv:

@@ -7,6 +7,7 @@ redistribution and distributed checkpointing. Each against a reference every ran
 from __future__ import annotations
 
 import torch
+import torch._functorch.config  # noqa: F401 - its patch() below (torch.compile imports it too)
 import torch.distributed as dist
 from ranklib import SUM, Checker, gen
 
@@ -55,16 +56,20 @@ def check_torch_apis(rk, seed, ckpt_dir):
         rows = [gen(seed, "api/a2av", s, (sum((s + r) % 3 + 1 for r in range(n)), 2), torch.float64) for s in range(n)]
         want = torch.cat([rows[s][sum((s + r) % 3 + 1 for r in range(me)) :][: outs[s]] for s in range(n)])
         cap, name = 3 * n + 1, w.group_name
-        x = rows[me].clone().requires_grad_()
+        x = torch.cat([rows[me], torch.full((2, 2), 9.0, dtype=torch.float64)]).requires_grad_()  # 2 unsent
         out, got = torch.ops.gocomm.all_to_all_v(x, torch.tensor(ins), cap, name)
         ck.expect("out_rows rows", tuple(out.shape) == (cap, 2), str(tuple(out.shape)))
         ck.same("rows", out[: sum(outs)].detach(), want)
         ck.same("out_splits", got, torch.tensor(outs))
-        back, _ = torch.ops.gocomm.all_to_all_v(out.detach(), got, x.shape[0], name)
+        back, _ = torch.ops.gocomm.all_to_all_v(out.detach(), got, sum(ins), name)
         ck.same("the padded output sent back", back, rows[me])
         (out[: sum(outs)] * (me + 1)).sum().backward()  # each row's gradient: its receiver's rank + 1
         grads = [torch.full((ins[r], 2), r + 1.0, dtype=torch.float64) for r in range(n)]
-        ck.same("gradient back to the senders", x.grad, torch.cat(grads))
+        ck.same(
+            "gradient back to the senders, none to the rows not sent",
+            x.grad,
+            torch.cat([*grads, torch.zeros(2, 2, dtype=torch.float64)]),
+        )
 
         @torch.compile(backend="aot_eager", fullgraph=True)
         def doubled(x, s):
