@@ -39,8 +39,8 @@ namespace gocomm {
 // sum(out_splits) undefined; an overflow shows as sum(out_splits) > its rows, nothing written);
 // on the host-count path a view of out's first rows, or a new tensor of out_rows rows (where
 // given) or of exactly the received rows (OverflowError where out is too small, after the
-// exchange, with nothing written into out). out_splits is on in_splits' device with its dtype. Argument errors raise ValueError
-// before anything is sent.
+// exchange, with nothing written into out). out_splits is on in_splits' device with its dtype.
+// Argument errors raise ValueError before anything is sent.
 std::pair<at::Tensor, at::Tensor> all_to_all_v_any(const at::Tensor& input, const at::Tensor& in_splits,
                                                    const at::Tensor* out, int64_t out_rows, const std::string& group);
 

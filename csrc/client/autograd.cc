@@ -5,8 +5,8 @@
 // from one rank, grouped by source rank as out_splits counts them, so sending the output's
 // gradient back by out_splits returns every row's gradient to its sender, where it lands in
 // the order the sender sent the rows: its input's order. Rows the sender did not send (past
-// sum(in_splits)) get zeros. It is a collective, as the forward
-// is: every rank of the group must backpropagate through the same calls.
+// sum(in_splits)) get zeros. It is a collective, as the forward is: every rank of the group
+// must backpropagate through the same calls.
 //
 // The MoE ops: their kernels run the op below autograd and, where a gradient is wanted, give
 // the outputs a node of the backward below (calls that need no gradient pay one check);

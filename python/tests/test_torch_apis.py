@@ -25,16 +25,18 @@ def check_torch_apis(rk, seed, ckpt_dir):
         ck.same("all_gather_tensor", funcol.all_gather_tensor(xs[me], 0, w), torch.cat(xs))
         rs = funcol.reduce_scatter_tensor(xs[me], "sum", 0, w)
         ck.reduced("reduce_scatter_tensor", rs, [x[4 * me : 4 * me + 4] for x in xs], SUM, torch.float64)
+    # an uneven all-to-all, for the two all-to-all cases: what each rank sends and receives,
+    # and each row's gradient when a row's loss weight is its receiver's rank + 1
+    ins = [(me + r) % 3 + 1 for r in range(n)]  # rows this rank sends to rank r
+    outs = [(s + me) % 3 + 1 for s in range(n)]  # rows rank s sends here
+    rows = [gen(seed, "api/a2a", s, (sum((s + r) % 3 + 1 for r in range(n)), 2), torch.float64) for s in range(n)]
+    want = torch.cat([rows[s][sum((s + r) % 3 + 1 for r in range(me)) :][: outs[s]] for s in range(n)])
+    grads = [torch.full((ins[r], 2), r + 1.0, dtype=torch.float64) for r in range(n)]
     with ck.case("all_to_all_single_autograd, uneven splits, and its backward"):
-        ins = [(me + r) % 3 + 1 for r in range(n)]  # rows this rank sends to rank r
-        outs = [(s + me) % 3 + 1 for s in range(n)]  # rows rank s sends here
-        rows = [gen(seed, "api/a2a", s, (sum((s + r) % 3 + 1 for r in range(n)), 2), torch.float64) for s in range(n)]
         x = rows[me].clone().requires_grad_()
         y = funcol.wait_tensor(funcol.all_to_all_single_autograd(x, outs, ins, w))
-        want = torch.cat([rows[s][sum((s + r) % 3 + 1 for r in range(me)) :][: outs[s]] for s in range(n)])
         ck.same("rows by source rank", y.detach(), want)
-        (y * (me + 1)).sum().backward()  # each row's gradient is its receiver's rank + 1
-        grads = [torch.full((ins[r], 2), r + 1.0, dtype=torch.float64) for r in range(n)]
+        (y * (me + 1)).sum().backward()
         ck.same("gradient back to the senders", x.grad, torch.cat(grads))
     with ck.case("functional collectives under torch.compile (fullgraph)"):
 
@@ -51,10 +53,6 @@ def check_torch_apis(rk, seed, ckpt_dir):
     with ck.case("gocomm's all_to_all_v op with out_rows: padded, sent back, compiled"):
         # out_rows rows on every path (the Meta kernel's shape), the received rows first; input
         # rows past sum(in_splits) are not sent, so the padded output goes back as it is
-        ins = [(me + r) % 3 + 1 for r in range(n)]
-        outs = [(s + me) % 3 + 1 for s in range(n)]
-        rows = [gen(seed, "api/a2av", s, (sum((s + r) % 3 + 1 for r in range(n)), 2), torch.float64) for s in range(n)]
-        want = torch.cat([rows[s][sum((s + r) % 3 + 1 for r in range(me)) :][: outs[s]] for s in range(n)])
         cap, name = 3 * n + 1, w.group_name
         x = torch.cat([rows[me], torch.full((2, 2), 9.0, dtype=torch.float64)]).requires_grad_()  # 2 unsent
         out, got = torch.ops.gocomm.all_to_all_v(x, torch.tensor(ins), cap, name)
@@ -63,8 +61,7 @@ def check_torch_apis(rk, seed, ckpt_dir):
         ck.same("out_splits", got, torch.tensor(outs))
         back, _ = torch.ops.gocomm.all_to_all_v(out.detach(), got, sum(ins), name)
         ck.same("the padded output sent back", back, rows[me])
-        (out[: sum(outs)] * (me + 1)).sum().backward()  # each row's gradient: its receiver's rank + 1
-        grads = [torch.full((ins[r], 2), r + 1.0, dtype=torch.float64) for r in range(n)]
+        (out[: sum(outs)] * (me + 1)).sum().backward()
         ck.same(
             "gradient back to the senders, none to the rows not sent",
             x.grad,
