@@ -174,6 +174,12 @@ func DecodeDesc(b []byte) (Desc, error) {
 		return d, fmt.Errorf("%w: %d bytes for %d buffers and %d splits, want %d", ErrInvalid, len(b), nbufs, nsplits, want)
 	}
 	at := DescHeader
+	if nbufs > 0 { // sized once: each growth would be an allocation on every op's path
+		d.Bufs = make([]BufRef, 0, nbufs)
+	}
+	if nsplits > 0 {
+		d.Splits = make([]int64, 0, nsplits)
+	}
 	for i := 0; i < nbufs; i++ {
 		d.Bufs = append(d.Bufs, BufRef{
 			Segment: le.Uint32(b[at:]),

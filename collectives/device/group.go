@@ -7,6 +7,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/gocomm/gocomm/gpu"
 	"github.com/gocomm/gocomm/internal/cuda"
@@ -145,8 +146,9 @@ type worker struct {
 	queue  []*dop
 	busy   *dop // being enqueued: the watchdog's view of a stuck NCCL call
 	comm   nccl.Comm
-	ahead  int  // ops enqueued on this worker's stream and not yet retired (design 8)
-	idle   bool // waiting on cond for an op: only then does Enqueue wake it (see spin)
+	ahead  int         // ops enqueued on this worker's stream and not yet retired (design 8)
+	idle   bool        // waiting on cond for an op: only then does Enqueue wake it (see spin)
+	watch  *time.Timer // wakes the watchdog for a launch past watchDelay (the worker's own)
 }
 
 func (w *worker) lane() int {

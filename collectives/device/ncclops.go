@@ -16,10 +16,19 @@ import (
 
 // ncclType maps a dtype (and op) to NCCL's; count is scaled for types NCCL sees as pairs.
 func ncclType(dt wire.DType, op wire.RedOp) (nccl.DataType, nccl.RedOp, int, error) {
-	rop := map[wire.RedOp]nccl.RedOp{wire.Sum: nccl.Sum, wire.Avg: nccl.Avg, wire.Product: nccl.Prod,
-		wire.Min: nccl.Min, wire.Max: nccl.Max}
-	r, ok := rop[op]
-	if !ok {
+	var r nccl.RedOp
+	switch op { // a switch, not a map literal: this runs on every reducing op's path to the GPU
+	case wire.Sum:
+		r = nccl.Sum
+	case wire.Avg:
+		r = nccl.Avg
+	case wire.Product:
+		r = nccl.Prod
+	case wire.Min:
+		r = nccl.Min
+	case wire.Max:
+		r = nccl.Max
+	default:
 		return 0, 0, 0, fmt.Errorf("%w: %s on CUDA tensors (NCCL has no bitwise reductions)", reduce.ErrUnsupported, op)
 	}
 	switch dt {

@@ -73,15 +73,20 @@ func (g *group) work(w *worker) {
 		w.queue = w.queue[1:]
 		w.queued.Add(-1)
 		broken := g.broken
-		var watch *time.Timer
+		watching := false
 		if broken == nil {
 			w.busy = o
 			w.ahead++ // counted before the poller can retire it
 			if g.pollIdle {
 				// The watchdog watches busy ops, but waking it now would put its thread's
 				// wake-up on this op's path to the GPU: a launch that ends within
-				// watchDelay never needs it.
-				watch = time.AfterFunc(watchDelay, g.wake)
+				// watchDelay never needs it. One timer per worker, reset per op.
+				if w.watch == nil {
+					w.watch = time.AfterFunc(watchDelay, g.wake)
+				} else {
+					w.watch.Reset(watchDelay)
+				}
+				watching = true
 			}
 		}
 		g.mu.Unlock()
@@ -90,8 +95,8 @@ func (g *group) work(w *worker) {
 			continue
 		}
 		err := g.launch(w, o, st)
-		if watch != nil {
-			watch.Stop()
+		if watching {
+			w.watch.Stop()
 		}
 		g.mu.Lock()
 		w.busy = nil
