@@ -500,8 +500,8 @@ intrusive_ptr<c10d::Work> Backend::endCoalescing() {
 // deadline its completion thread enforces.
 Pending Backend::pending(const Op& op, std::vector<at::Tensor> result, double t_limit) {
   Pending p;
-  p.work = c10::make_intrusive<Work>(label(op.name), std::move(result), t_limit + Dispatcher::kGrace, op.type);
   p.op = label(op.name);
+  p.work = c10::make_intrusive<Work>(p.op, std::move(result), t_limit + Dispatcher::kGrace, op.type);
   p.deadline = std::chrono::steady_clock::now() +
                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                    std::chrono::duration<double>(t_limit + Dispatcher::kGrace));
@@ -564,10 +564,6 @@ intrusive_ptr<Work> Backend::submit_op(Op& op) {
   refuse_if_unusable(op.name);
   const bool timeout_given = op.timeout.count() > 0;
   const double t_limit = timeout_given ? op.timeout.count() / 1000.0 : cfg_.timeout_s;
-  std::map<size_t, Tensors*> out_for;
-  for (auto& [i, ts] : op.outputs) {
-    out_for[i] = &ts;
-  }
   const at::Tensor* first = nullptr;
   for (auto& ins : op.inputs) {
     if (ins && !ins->empty()) {
@@ -585,6 +581,10 @@ intrusive_ptr<Work> Backend::submit_op(Op& op) {
   }
   if (first != nullptr && first->is_cuda()) {
     return submit_cuda(op, t_limit, timeout_given);
+  }
+  std::map<size_t, Tensors*> out_for;
+  for (auto& [i, ts] : op.outputs) {
+    out_for[i] = &ts;
   }
   Pending p = pending(op, op.result ? *op.result : Tensors{}, t_limit);
   auto work = p.work;
@@ -642,10 +642,14 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
   // for done >= k. Every tensor stays referenced until the op finished, so the caching
   // allocator cannot hand its memory out while the sidecar uses it.
   need_slot(op.name);
-  std::map<size_t, Tensors*> out_for;
-  for (auto& [i, ts] : op.outputs) {
-    out_for[i] = &ts;
-  }
+  auto out_of = [&op](size_t i) -> Tensors* {  // buffer i's outputs, if any (ops have one or two)
+    for (auto& [j, ts] : op.outputs) {
+      if (j == i) {
+        return &ts;
+      }
+    }
+    return nullptr;
+  };
   Tensors tensors;
   for (auto& ins : op.inputs) {
     if (ins) {
@@ -677,13 +681,13 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
   }
   const cuda::DevPtr counters = disp_->counters(idx) + 16 * uint64_t(cfg_.slot);
   wire::Desc d;
-  Tensors keep = tensors;
+  Tensors keep = std::move(tensors);  // every tensor of the op, referenced until it finished
   std::vector<std::pair<at::Tensor, Tensors*>> unpack;
   at::Tensor last;
   for (size_t i = 0; i < op.inputs.size(); i++) {
-    const Tensors& ts = op.inputs[i] ? *op.inputs[i] : *out_for.at(i);
-    auto oit = out_for.find(i);
-    Tensors* outs = oit == out_for.end() ? nullptr : oit->second;
+    Tensors* outs = out_of(i);
+    TORCH_INTERNAL_ASSERT(op.inputs[i] || outs != nullptr, "gocomm ", op.name, ": buffer ", i, " has no tensors");
+    const Tensors& ts = op.inputs[i] ? *op.inputs[i] : *outs;
     at::Tensor buf;
     if (ts.size() == 1 && (outs == nullptr || (outs->size() == 1 && (*outs)[0].is_same(ts[0])))) {
       buf = ts[0];
@@ -701,7 +705,8 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
       }
       keep.push_back(buf);
     }
-    d.bufs.push_back(disp_->cuda_ref(reinterpret_cast<uint64_t>(buf.data_ptr()), buf.nbytes(), idx));
+    // the device is current (guard) and attached (counters above): the cache directly
+    d.bufs.push_back(disp_->ipc().ref(reinterpret_cast<uint64_t>(buf.data_ptr()), buf.nbytes()));
     last = buf;
   }
   Tensors result = op.result ? *op.result : (last.defined() ? Tensors{last} : Tensors{});
@@ -718,45 +723,71 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
   if (cap.active) {
     return capture_op(op, d, stream, cap.graph, unpack, result, idx);
   }
-  Pending p = pending(op, result, t_limit);
-  auto work = p.work;
-  p.cuda = true;
-  p.keep = std::move(keep);
   const cuda::DevPtr ready = counters + 8 * lane, done = ready + 4;
-  std::shared_ptr<c10::Event> ev;
+  if (!unpack.empty()) {
+    Pending p = pending(op, result, t_limit);
+    auto work = p.work;
+    p.cuda = true;
+    p.keep = std::move(keep);
+    work->cuda_device = dev.index();
+    std::lock_guard<std::mutex> lock(cuda_mu_);
+    const uint32_t k = ++k_[lane];
+    d.stream_value = k;
+    cuda::write_value(stream.stream(), ready, k);
+    // Queued before the descriptor goes out, so the unpack event is recorded before the
+    // sidecar can report the op done (the completion waits for it).
+    cuda::wait_value(stream.stream(), done, k);
+    unpack_outputs(unpack);
+    auto ev = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
+    ev->record(stream);
+    p.unpacked = ev;
+    work->cuda_wait = [ev](const c10::cuda::CUDAStream& s) { ev->block(s); };
+    disp_->submit(std::move(p), d);
+    return work;
+  }
+  // The descriptor first, then the write of ready = k: the sidecar takes the op and starts on
+  // it while this thread queues the write and builds the Work (Dispatcher::send, track), so
+  // their host steps overlap and the op reaches the GPU sooner. Nothing can be reported done
+  // before the write reached the GPU; a refusal can come before track, which then settles it.
+  // Where a step after send throws, the op is in the ring all the same: its tensors stay
+  // referenced until the sidecar answers it.
+  auto track_failed = [&] {
+    Pending gone;
+    gone.op = label(op.name);
+    gone.deadline = std::chrono::steady_clock::now() + std::chrono::seconds(int64_t(t_limit + Dispatcher::kGrace));
+    gone.keep = std::move(keep);
+    gone.cuda = true;
+    disp_->track(d.seq, std::move(gone));
+  };
   uint32_t k;
   {
     std::lock_guard<std::mutex> lock(cuda_mu_);
     k = ++k_[lane];
     d.stream_value = k;
-    if (unpack.empty()) {
-      // The descriptor first: the sidecar takes it and queues its wait for ready >= k while
-      // this thread queues the write, so the hand-off's host steps overlap. Nothing can be
-      // reported done before the write below reached the GPU.
-      disp_->submit(std::move(p), d);
+    disp_->send(d, [&] { return label(op.name); });
+    try {
       cuda::write_value(stream.stream(), ready, k);
-    } else {
-      cuda::write_value(stream.stream(), ready, k);
-      // Queued before the descriptor goes out, so the unpack event is recorded before the
-      // sidecar can report the op done (the completion waits for it).
-      cuda::wait_value(stream.stream(), done, k);
-      unpack_outputs(unpack);
-      ev = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
-      ev->record(stream);
-      p.unpacked = ev;
-      disp_->submit(std::move(p), d);
+    } catch (...) {
+      track_failed();
+      throw;
     }
   }
-  const c10::DeviceIndex di = dev.index();
-  if (ev) {
-    work->cuda_wait = [ev](const c10::cuda::CUDAStream& s) { ev->block(s); };
-  } else {
-    work->cuda_wait = [done, k](const c10::cuda::CUDAStream& s) {
-      c10::cuda::CUDAGuard g(s.device_index());
-      cuda::wait_value(s.stream(), done, k);
-    };
+  Pending p;
+  try {
+    p = pending(op, result, t_limit);
+  } catch (...) {
+    track_failed();
+    throw;
   }
-  work->cuda_device = di;
+  auto work = p.work;
+  p.cuda = true;
+  p.keep = std::move(keep);
+  work->cuda_device = dev.index();
+  work->cuda_wait = [done, k](const c10::cuda::CUDAStream& s) {
+    c10::cuda::CUDAGuard g(s.device_index());
+    cuda::wait_value(s.stream(), done, k);
+  };
+  disp_->track(d.seq, std::move(p));
   return work;
 }
 
@@ -889,7 +920,8 @@ void exchange_shmem_id(c10d::Store& store, int rank, const std::string& group, i
   rpc(device, id);
 }
 
-intrusive_ptr<Work> Backend::submit_raw(const std::string& op, const std::vector<uint8_t>& payload) {
+intrusive_ptr<Work> Backend::submit_raw(const std::string& op, const std::vector<uint8_t>& payload,
+                                      double track_after_s) {
   // Decoded back into a Desc so that the dispatcher's encoder writes it (with its seq).
   auto get64 = [&](size_t at) {
     uint64_t v = 0;
@@ -933,7 +965,13 @@ intrusive_ptr<Work> Backend::submit_raw(const std::string& op, const std::vector
   p.deadline = std::chrono::steady_clock::now() +
                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                    std::chrono::duration<double>(cfg_.timeout_s + Dispatcher::kGrace));
-  return disp_->submit(std::move(p), d);
+  if (track_after_s < 0) {
+    return disp_->submit(std::move(p), d);
+  }
+  disp_->send(d, [&] { return label(op); });
+  std::this_thread::sleep_for(std::chrono::duration<double>(track_after_s));
+  disp_->track(d.seq, std::move(p));
+  return work;
 }
 
 // ----- collectives -----------------------------------------------------------------------------

@@ -167,8 +167,11 @@ class Backend : public c10d::Backend {
   // Raise for op of CUDA tensors under graph capture; why says what runs it instead of an
   // in-process kernel. The group stays usable: nothing was queued or sent.
   [[noreturn]] void refuse_capture(const std::string& op, const std::string& why) const;
-  // A hand-made descriptor (tests): payload's first 8 bytes are replaced by the seq.
-  c10::intrusive_ptr<Work> submit_raw(const std::string& op, const std::vector<uint8_t>& payload);
+  // A hand-made descriptor (tests): payload's first 8 bytes are replaced by the seq. With
+  // track_after_s >= 0 it goes as a CUDA op's does (Dispatcher::send, then track), the
+  // caller sleeping that long between the two, so that a refusal comes before track.
+  c10::intrusive_ptr<Work> submit_raw(const std::string& op, const std::vector<uint8_t>& payload,
+                                      double track_after_s = -1);
 
   bool closed() const { return closed_; }
   // The in-process engine (its paths set up at a group's first call on a device).

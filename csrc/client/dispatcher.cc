@@ -174,6 +174,63 @@ c10::intrusive_ptr<Work> Dispatcher::submit_record(Pending p, wire::Desc& d, uin
   return work;
 }
 
+void Dispatcher::send(wire::Desc& d, const std::function<std::string()>& op) {
+  d.seq = ++seq_;
+  const std::vector<uint8_t> payload = wire::encode(d);
+  if (8 + ((payload.size() + 7) & ~size_t(7)) > ring_->max_record()) {
+    C10_THROW_ERROR(ValueError, "gocomm " + op() + ": its descriptor (" + std::to_string(payload.size()) +
+                                    " bytes) exceeds the ring's limit of " + std::to_string(ring_->max_record()));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (lost_) {
+      C10_THROW_ERROR(DistBackendError, "gocomm " + op() + ": " + *lost_);
+    }
+    untracked_.push_back(d.seq);
+  }
+  while (!ring_->submit(wire::kRecOp, payload.data(), payload.size())) {
+    if (lost()) {
+      break;  // track fails the op
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+void Dispatcher::track(uint64_t seq, Pending p) {
+  std::optional<wire::Done> early;
+  std::optional<std::string> lost;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < untracked_.size(); i++) {
+      if (untracked_[i] == seq) {
+        untracked_[i] = untracked_.back();
+        untracked_.pop_back();
+        break;
+      }
+    }
+    for (size_t i = 0; i < early_.size(); i++) {
+      if (early_[i].seq == seq) {
+        early = std::move(early_[i]);
+        early_.erase(early_.begin() + long(i));
+        break;
+      }
+    }
+    if (!early && !lost_) {
+      pending_.emplace(seq, std::move(p));
+      return;
+    }
+    if (!early) {
+      lost = lost_;  // fail_all ran before this op was tracked
+    }
+  }
+  if (early) {
+    settle(p, *early);
+    return;
+  }
+  release(p);
+  finish(p, dist_error("gocomm " + p.op + ": " + *lost));
+}
+
 void Dispatcher::put(uint16_t type, const std::vector<uint8_t>& payload) {
   while (!ring_->submit(type, payload.data(), payload.size())) {
     if (auto why = lost()) {
@@ -237,6 +294,12 @@ void Dispatcher::complete(const wire::Done& d) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = pending_.find(d.seq);
     if (it == pending_.end()) {
+      for (uint64_t s : untracked_) {
+        if (s == d.seq) {  // sent, its Pending not yet recorded: track settles it
+          early_.push_back(d);
+          return;
+        }
+      }
       std::fprintf(stderr, "gocomm: pgserver reported %s for unknown op %llu: %s\n",
                    d.status == wire::kStatusOk ? "success" : wire::status_name(d.status).c_str(),
                    static_cast<unsigned long long>(d.seq), d.message.c_str());
@@ -245,6 +308,10 @@ void Dispatcher::complete(const wire::Done& d) {
     p = std::move(it->second);
     pending_.erase(it);
   }
+  settle(p, d);
+}
+
+void Dispatcher::settle(Pending& p, const wire::Done& d) {
   std::exception_ptr exc;
   try {
     if (d.status == wire::kStatusOk) {

@@ -108,6 +108,13 @@ class Dispatcher {
   // Hands an op to the sidecar: gives d its seq, records p, writes the descriptor (waiting
   // for room). Throws DistBackendError once the sidecar is lost. Returns p.work.
   c10::intrusive_ptr<Work> submit(Pending p, wire::Desc& d);
+  // submit in two steps, for the CUDA ops' path to the GPU: send gives d its seq and writes
+  // the descriptor before the op's Pending (its Work, labels) exists, so the sidecar starts on
+  // it while the caller builds that; track records the Pending. The caller must call track
+  // for every seq send gave, on the same thread: a completion that arrives between the two
+  // (a refusal) is held until then, and where the sidecar was lost meanwhile track fails p.
+  void send(wire::Desc& d, const std::function<std::string()>& op);
+  void track(uint64_t seq, Pending p);
   // Writes a control record, waiting for room (throws once the session is lost or closed).
   void put(uint16_t type, const std::vector<uint8_t>& payload);
   // Fails every op in flight with "gocomm <op>: <why>", refuses new ones, and releases the
@@ -153,6 +160,7 @@ class Dispatcher {
   void orphan_triggers();  // the completion thread, once the sidecar is lost
   void loop();
   void complete(const wire::Done& d);
+  void settle(Pending& p, const wire::Done& d);  // p's completion d (p out of pending_)
   void expire(std::chrono::steady_clock::time_point now);
   void release(Pending& p);
   static void finish(Pending& p, std::exception_ptr exc);
@@ -165,6 +173,8 @@ class Dispatcher {
   std::atomic<uint64_t> seq_{0};
   std::mutex mu_;
   std::unordered_map<uint64_t, Pending> pending_;
+  std::vector<uint64_t> untracked_;  // sent, not yet tracked (send, track)
+  std::vector<wire::Done> early_;  // their completions that came first
   std::optional<std::string> lost_;
   std::vector<std::vector<at::Tensor>> leaked_;  // buffers of ops never answered: never reused
   // Binds the sidecar to device (Config::attach_device) and maps the stream counters' file it

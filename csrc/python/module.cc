@@ -474,13 +474,16 @@ PYBIND11_MODULE(_C, m) {
           "The sidecar reports the group broken: in-process kernels stop waiting for peers.")
       .def(
           "_submit_raw",
-          [](gocomm::Backend& b, const std::string& op, py::bytes payload) -> c10::intrusive_ptr<c10d::Work> {
+          [](gocomm::Backend& b, const std::string& op, py::bytes payload,
+             double track_after) -> c10::intrusive_ptr<c10d::Work> {
             std::string s = payload;
             std::vector<uint8_t> v(s.begin(), s.end());
             py::gil_scoped_release nogil;
-            return b.submit_raw(op, v);
+            return b.submit_raw(op, v, track_after);
           },
-          "A hand-made descriptor (tests): its seq is replaced.");
+          py::arg("op"), py::arg("payload"), py::arg("track_after") = -1.0,
+          "A hand-made descriptor (tests): its seq is replaced. track_after >= 0: sent as CUDA ops are, "
+          "the op recorded that many seconds after the descriptor went out.");
 
   namespace ip = gocomm::inproc;
   py::class_<ip::ArPath, std::shared_ptr<ip::ArPath>>(m, "ArPath", "A group's in-process all_reduce on one device.")

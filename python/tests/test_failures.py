@@ -302,10 +302,11 @@ def test_peer_sidecar_dead_before_first_op(worlds, seed):
 # ----- malformed descriptors ---------------------------------------------------------------------
 
 
-def _submit_raw(pg, op, desc):
+def _submit_raw(pg, op, desc, track_after=-1.0):
     """Put a hand-made descriptor into the submission ring through the compiled client (which
-    gives it its seq), past the ops' own checks."""
-    return pg._get_backend(torch.device("cpu"))._submit_raw(op, desc)
+    gives it its seq), past the ops' own checks; track_after >= 0: the op is recorded that many
+    seconds after its descriptor went out, as a CUDA op's Work is built after its send."""
+    return pg._get_backend(torch.device("cpu"))._submit_raw(op, desc, track_after)
 
 
 def check_malformed_descriptors(rk, seed):
@@ -360,6 +361,17 @@ def check_malformed_descriptors(rk, seed):
                 out["elapsed"] < 5,
                 f"took {out['elapsed']:.1f}s",
             )
+    with ck.case("a refusal that comes before the op is recorded"):
+        # A CUDA op's descriptor goes out before its Work exists: the sidecar's answer can
+        # come first, and must still finish the Work (not be dropped as an unknown op's).
+        desc = C.encode_desc(
+            0, st._handle, C.KINDS["SEND"], f32, 0, C.DEVICE_HOST, peer, 0, 4, 0, 0, [(999_999, 0, 16)], []
+        )
+        out = _outcome(lambda: _submit_raw(g, "send", desc, track_after=0.5).wait())
+        ck.expect("early refusal: DistBackendError", out["backend_error"], f"{out['error']}: {out['message']}")
+        ck.expect("early refusal: says why", "segment" in out["message"].lower(), out["message"])
+        ck.expect("early refusal: at once", out["elapsed"] < 5, f"took {out['elapsed']:.1f}s")
+        ck.expect("early refusal: nothing left pending", st._sc.client.pending() == 0, st._sc.client.pending())
     with ck.case("the group still works after refused sends"):
         x = torch.arange(6, dtype=torch.float32) + 10 * me
         got = torch.zeros(6)
