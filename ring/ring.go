@@ -356,19 +356,8 @@ func (c *Consumer) Wait(spin, timeout time.Duration) {
 	if c.err != nil || !c.Empty() {
 		return
 	}
-	if spin > 0 {
-		end := time.Now().Add(spin)
-		for i := 0; ; i++ {
-			if !c.Empty() {
-				return
-			}
-			if i&63 == 63 {
-				if time.Now().After(end) {
-					break
-				}
-				runtime.Gosched()
-			}
-		}
+	if spin > 0 && c.spin(spin) {
+		return
 	}
 	atomic.AddUint32(c.q.waiters, 1)
 	n := atomic.LoadUint32(c.q.notify)
@@ -376,6 +365,36 @@ func (c *Consumer) Wait(spin, timeout time.Duration) {
 		shm.Wait(c.q.notify, n, timeout)
 	}
 	atomic.AddUint32(c.q.waiters, ^uint32(0))
+}
+
+// spinners counts the consumers spinning in Wait, in this process.
+var spinners atomic.Int32
+
+// spin polls for a record for up to d; true if one came. The loop holds its P without
+// yielding, as the device workers' spin does, unless spinners could crowd out the process's
+// other goroutines (more of them than half of GOMAXPROCS): a runtime.Gosched puts this
+// goroutine on the global run queue and wakes an idle thread to look for work, so yielding
+// every few checks kept a second thread waking and parking, and could move the goroutine to
+// another CPU just before the record came. The scheduler preempts a goroutine that runs
+// 10 ms, which bounds what a long GOCOMM_SPIN holds up.
+func (c *Consumer) spin(d time.Duration) bool {
+	n := spinners.Add(1)
+	defer spinners.Add(-1)
+	yield := int(n) > runtime.GOMAXPROCS(0)/2
+	end := time.Now().Add(d)
+	for i := 0; ; i++ {
+		if !c.Empty() {
+			return true
+		}
+		if i&63 == 63 {
+			if time.Now().After(end) {
+				return false
+			}
+			if yield {
+				runtime.Gosched()
+			}
+		}
+	}
 }
 
 // Nudge ends a Wait that sleeps on the futex, as a publish would, without a record: the

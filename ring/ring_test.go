@@ -262,3 +262,34 @@ func TestMarks(t *testing.T) {
 		t.Fatal("the completion queue is not empty")
 	}
 }
+
+// TestWaitSpins: a spinning Wait returns as soon as a record is published, long before its
+// spin ends; on an empty queue it spins for its spin, then sleeps for at most its timeout.
+// Either way it leaves no spinner counted.
+func TestWaitSpins(t *testing.T) {
+	_, sub, _ := newRing(t, 4096)
+	c := NewConsumer(sub)
+	go func() {
+		time.Sleep(2 * time.Millisecond)
+		if err := NewProducer(sub).TryWrite(16, 0, []byte("op")); err != nil {
+			t.Error(err)
+		}
+	}()
+	start := time.Now()
+	c.Wait(20*time.Second, 20*time.Second)
+	if took := time.Since(start); took > 5*time.Second || c.Empty() {
+		t.Fatalf("Wait returned after %v with the queue empty: %v", took, c.Empty())
+	}
+	if _, ok, err := c.Next(); !ok || err != nil {
+		t.Fatalf("the record after Wait: %v %v", ok, err)
+	}
+	c.Release()
+	start = time.Now()
+	c.Wait(3*time.Millisecond, 30*time.Millisecond)
+	if took := time.Since(start); took < 3*time.Millisecond || took > 5*time.Second {
+		t.Fatalf("an empty queue's Wait(3ms spin, 30ms sleep) returned after %v", took)
+	}
+	if n := spinners.Load(); n != 0 {
+		t.Fatalf("%d spinners counted after the waits", n)
+	}
+}
