@@ -45,7 +45,7 @@ PROTOC_GEN_GO_GRPC_VERSION := v1.6.2
 PROTO_SRC := proto/gocomm/v1/pgserver.proto
 GO_GEN    := proto/gocomm/v1/pgserver.pb.go proto/gocomm/v1/pgserver_grpc.pb.go
 PY_GEN    := python/gocomm/v1/pgserver_pb2.py python/gocomm/v1/pgserver_pb2_grpc.py
-GO_SRC    := $(shell find cmd config node pg gpu wire ring shm segment collectives sparse internal transport rpc kernels -name '*.go' -o -name '*.c' -o -name '*.h' 2>/dev/null)
+GO_SRC    := $(shell find cmd config node pg gpu wire ring shm spin segment collectives sparse internal transport rpc kernels -name '*.go' -o -name '*.c' -o -name '*.h' 2>/dev/null)
 SITE      := $(shell $(PYTHON_BOOT) -c 'import sys; print(f"python{sys.version_info[0]}.{sys.version_info[1]}")')
 
 # kernels/{sidecar,inprocess}/*.cu -> kernels/build/*.cubin, one name space (go:embed in
@@ -152,7 +152,7 @@ test-wheel: wheel
 	$(PY) python/tests/wheel_check.py --sdist dist/gocomm-$(VERSION).tar.gz dist/gocomm-$(VERSION)-*.whl
 
 lint: gen
-	@out=$$(gofmt -l cmd config node pg gpu wire ring shm segment collectives sparse internal transport rpc kernels 2>/dev/null); \
+	@out=$$(gofmt -l cmd config node pg gpu wire ring shm spin segment collectives sparse internal transport rpc kernels 2>/dev/null); \
 	  if [ -n "$$out" ]; then echo "gofmt: files need formatting:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 	cp go.mod /tmp/gocomm-go.mod.$$$$ && cp go.sum /tmp/gocomm-go.sum.$$$$ && $(GO) mod tidy && \

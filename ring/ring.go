@@ -49,6 +49,7 @@ import (
 	"unsafe"
 
 	"github.com/gocomm/gocomm/shm"
+	"github.com/gocomm/gocomm/spin"
 )
 
 // Record types. Types below 16 are the ring's own; the rest belong to the protocol on top.
@@ -367,20 +368,14 @@ func (c *Consumer) Wait(spin, timeout time.Duration) {
 	atomic.AddUint32(c.q.waiters, ^uint32(0))
 }
 
-// spinners counts the consumers spinning in Wait, in this process.
-var spinners atomic.Int32
-
 // spin polls for a record for up to d; true if one came. The loop holds its P without
-// yielding, as the device workers' spin does, unless spinners could crowd out the process's
-// other goroutines (more of them than half of GOMAXPROCS): a runtime.Gosched puts this
-// goroutine on the global run queue and wakes an idle thread to look for work, so yielding
-// every few checks kept a second thread waking and parking, and could move the goroutine to
-// another CPU just before the record came. The scheduler preempts a goroutine that runs
-// 10 ms, which bounds what a long GOCOMM_SPIN holds up.
+// yielding unless spinners could crowd out the process's other goroutines (package spin): a
+// runtime.Gosched puts this goroutine on the global run queue and wakes an idle thread to
+// look for work, so yielding every few checks kept a second thread waking and parking, and
+// could move the goroutine to another CPU just before the record came.
 func (c *Consumer) spin(d time.Duration) bool {
-	n := spinners.Add(1)
-	defer spinners.Add(-1)
-	yield := int(n) > runtime.GOMAXPROCS(0)/2
+	yield := spin.Enter()
+	defer spin.Exit()
 	end := time.Now().Add(d)
 	for i := 0; ; i++ {
 		if !c.Empty() {

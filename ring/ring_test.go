@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/gocomm/gocomm/shm"
+	"github.com/gocomm/gocomm/spin"
 )
 
 func newRing(t *testing.T, queue int) (mem []byte, sub, cmp *Queue) {
@@ -289,7 +290,7 @@ func TestWaitSpins(t *testing.T) {
 	if took := time.Since(start); took < 3*time.Millisecond || took > 5*time.Second {
 		t.Fatalf("an empty queue's Wait(3ms spin, 30ms sleep) returned after %v", took)
 	}
-	if n := spinners.Load(); n != 0 {
+	if n := spin.Spinning(); n != 0 {
 		t.Fatalf("%d spinners counted after the waits", n)
 	}
 }

@@ -213,7 +213,6 @@ func (e *Engine) Attach(uuid [16]byte, dir string, released func(slot int)) (gpu
 type session struct {
 	log        *slog.Logger
 	spin       time.Duration
-	spinners   atomic.Int32 // workers in spin now (see group.spin)
 	ahead      int
 	a2a        config.A2A
 	dev        cuda.Device

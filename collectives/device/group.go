@@ -147,7 +147,7 @@ type worker struct {
 	busy   *dop // being enqueued: the watchdog's view of a stuck NCCL call
 	comm   nccl.Comm
 	ahead  int         // ops enqueued on this worker's stream and not yet retired (design 8)
-	idle   bool        // waiting on cond for an op: only then does Enqueue wake it (see spin)
+	idle   bool        // waiting on cond for an op: only then does Enqueue wake it (see group.spin)
 	watch  *time.Timer // wakes the watchdog for a launch past watchDelay (the worker's own)
 }
 

@@ -10,6 +10,7 @@ import (
 
 	"github.com/gocomm/gocomm/internal/cuda"
 	"github.com/gocomm/gocomm/internal/nccl"
+	"github.com/gocomm/gocomm/spin"
 	"github.com/gocomm/gocomm/wire"
 )
 
@@ -119,16 +120,16 @@ func (g *group) work(w *worker) {
 // retires an op: the client's next op usually follows a completion.
 //
 // The loop yields (runtime.Gosched) only where spinners could crowd out the sidecar's other
-// goroutines: more of them than half of GOMAXPROCS. A goroutine locked to its thread yields
+// goroutines: more of them, the rings' counted in, than half of GOMAXPROCS (package spin).
+// A goroutine locked to its thread yields
 // by handing its P to another thread and sleeping until it gets it back, two thread wake-ups
 // that put 5-10 us on the next op's path to the GPU.
 func (g *group) spin(w *worker) {
 	if g.s.spin <= 0 {
 		return
 	}
-	n := g.s.spinners.Add(1)
-	defer g.s.spinners.Add(-1)
-	yield := int(n) > runtime.GOMAXPROCS(0)/2
+	yield := spin.Enter()
+	defer spin.Exit()
 	end := time.Now().Add(g.s.spin)
 	for i := 0; w.queued.Load() == 0; i++ {
 		if i&63 == 63 {
