@@ -748,14 +748,18 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
   // The descriptor first, then the write of ready = k: the sidecar takes the op and starts on
   // it while this thread queues the write and builds the Work (Dispatcher::send, track), so
   // their host steps overlap and the op reaches the GPU sooner. Nothing can be reported done
-  // before the write reached the GPU; a refusal can come before track, which then settles it.
+  // before the write reached the GPU, but a completion (a refusal, or the op itself where
+  // this thread is held up) can come before track, which then settles it.
   // Where a step after send throws, the op is in the ring all the same: its tensors stay
   // referenced until the sidecar answers it.
   auto track_failed = [&] {
     Pending gone;
     gone.op = label(op.name);
-    gone.deadline = std::chrono::steady_clock::now() + std::chrono::seconds(int64_t(t_limit + Dispatcher::kGrace));
+    gone.deadline = std::chrono::steady_clock::now() +
+                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                        std::chrono::duration<double>(t_limit + Dispatcher::kGrace));
     gone.keep = std::move(keep);
+    gone.group = failure_;  // its failure breaks the group, as a tracked op's does
     gone.cuda = true;
     disp_->track(d.seq, std::move(gone));
   };

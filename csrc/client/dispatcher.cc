@@ -250,7 +250,7 @@ std::optional<std::string> Dispatcher::lost() {
 
 size_t Dispatcher::pending_count() {
   std::lock_guard<std::mutex> lock(mu_);
-  return pending_.size();
+  return pending_.size() + untracked_.size();
 }
 
 void Dispatcher::loop() {
@@ -297,6 +297,7 @@ void Dispatcher::complete(const wire::Done& d) {
       for (uint64_t s : untracked_) {
         if (s == d.seq) {  // sent, its Pending not yet recorded: track settles it
           early_.push_back(d);
+          early_count_++;
           return;
         }
       }

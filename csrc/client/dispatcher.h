@@ -112,7 +112,8 @@ class Dispatcher {
   // the descriptor before the op's Pending (its Work, labels) exists, so the sidecar starts on
   // it while the caller builds that; track records the Pending. The caller must call track
   // for every seq send gave, on the same thread: a completion that arrives between the two
-  // (a refusal) is held until then, and where the sidecar was lost meanwhile track fails p.
+  // (a refusal, or an op that finished first) is held until then, and where the sidecar was
+  // lost meanwhile track fails p.
   void send(wire::Desc& d, const std::function<std::string()>& op);
   void track(uint64_t seq, Pending p);
   // Writes a control record, waiting for room (throws once the session is lost or closed).
@@ -136,7 +137,10 @@ class Dispatcher {
   wire::BufRef cuda_ref(uint64_t ptr, uint64_t n, int device, size_t claim = 0);
   // The CUDA IPC registrations (see IpcCache).
   IpcCache& ipc() { return ipc_; }
+  // Ops sent and not yet answered to their caller: recorded, or between send and track.
   size_t pending_count();
+  // Completions that came before their op's track (tests: Dispatcher::send's hold).
+  uint64_t early_count() const { return early_count_; }
 
   // ----- ops captured in CUDA graphs (docs/decisions/0020) -----
   // A free trigger for an op captured on device; raises where there is none, or where the
@@ -175,6 +179,7 @@ class Dispatcher {
   std::unordered_map<uint64_t, Pending> pending_;
   std::vector<uint64_t> untracked_;  // sent, not yet tracked (send, track)
   std::vector<wire::Done> early_;  // their completions that came first
+  std::atomic<uint64_t> early_count_{0};  // such completions so far
   std::optional<std::string> lost_;
   std::vector<std::vector<at::Tensor>> leaked_;  // buffers of ops never answered: never reused
   // Binds the sidecar to device (Config::attach_device) and maps the stream counters' file it

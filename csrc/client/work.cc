@@ -8,23 +8,12 @@
 
 namespace gocomm {
 
-namespace {
-
-// The futures' value type, made once (a type per Work would be an allocation per op), and
-// never destroyed (no destructor at exit, after torch's types may be gone).
-const c10::TypePtr& tensor_list_type() {
-  static const auto* t = new c10::TypePtr(c10::ListType::create(c10::TensorType::get()));
-  return *t;
-}
-
-}  // namespace
-
 Work::Work(std::string op, std::vector<at::Tensor> result, double limit_s, c10d::OpType type)
     : c10d::Work(-1, type),
       op_(std::move(op)),
       result_(std::move(result)),
       limit_(limit_s),
-      future_(c10::make_intrusive<c10::ivalue::Future>(tensor_list_type())) {}
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors())) {}
 
 bool Work::isCompleted() {
   std::lock_guard<std::mutex> lock(mutex_);

@@ -283,6 +283,8 @@ PYBIND11_MODULE(_C, m) {
       .def("close", &gocomm::Dispatcher::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("lost", &gocomm::Dispatcher::lost)
       .def("pending", &gocomm::Dispatcher::pending_count)
+      .def("early", &gocomm::Dispatcher::early_count,
+           "Completions that came before their op was recorded (tests of Dispatcher::send's hold).")
       .def("live_triggers", &gocomm::Dispatcher::live_triggers,
            "Triggers in use: ops captured in CUDA graphs that are alive (docs/decisions/0020).")
       .def("counters", &gocomm::Dispatcher::counters, py::call_guard<py::gil_scoped_release>(),

@@ -367,10 +367,16 @@ def check_malformed_descriptors(rk, seed):
         desc = C.encode_desc(
             0, st._handle, C.KINDS["SEND"], f32, 0, C.DEVICE_HOST, peer, 0, 4, 0, 0, [(999_999, 0, 16)], []
         )
-        out = _outcome(lambda: _submit_raw(g, "send", desc, track_after=0.5).wait())
+        early = st._sc.client.early()
+        out = _outcome(lambda: _submit_raw(g, "send", desc, track_after=1.0).wait())
         ck.expect("early refusal: DistBackendError", out["backend_error"], f"{out['error']}: {out['message']}")
         ck.expect("early refusal: says why", "segment" in out["message"].lower(), out["message"])
-        ck.expect("early refusal: at once", out["elapsed"] < 5, f"took {out['elapsed']:.1f}s")
+        ck.expect("early refusal: at once", out["elapsed"] < 6, f"took {out['elapsed']:.1f}s")
+        ck.expect(
+            "early refusal: it came before the op was recorded",
+            st._sc.client.early() == early + 1,
+            f"{st._sc.client.early() - early} early completions",
+        )
         ck.expect("early refusal: nothing left pending", st._sc.client.pending() == 0, st._sc.client.pending())
     with ck.case("the group still works after refused sends"):
         x = torch.arange(6, dtype=torch.float32) + 10 * me
@@ -438,3 +444,50 @@ def check_malformed_descriptors(rk, seed):
 
 def test_malformed_descriptors_are_refused(worlds, seed):
     worlds.get(2).run(check_malformed_descriptors, seed=seed)
+
+
+def check_lost_between_send_and_track(rk, seed):
+    """Rank 0 sends a recv that no one answers and records it 1 s later; meanwhile its client
+    loses the sidecar (fail_all). The op's Work must fail at once with the cause, not wait
+    for its deadline, and nothing stays pending."""
+    import threading
+
+    from gocomm._backend import state
+    from gocomm._client import C
+
+    if rk.rank != 0:
+        return None
+    st = state(dist.group.WORLD)
+    seg_id, _ = st._sc.client.segments()[0]
+    desc = C.encode_desc(
+        0,
+        st._handle,
+        C.KINDS["RECV"],
+        C.wire_dtype(torch.float32),
+        0,
+        C.DEVICE_HOST,
+        1,
+        0,
+        4,
+        0,
+        0,
+        [(seg_id, 0, 16)],
+        [],
+    )
+    threading.Timer(0.3, lambda: st._sc.client.fail_all("the test dropped the sidecar")).start()
+    out = _outcome(lambda: _submit_raw(dist.group.WORLD, "recv", desc, track_after=1.0).wait())
+    out["pending"] = st._sc.client.pending()
+    return out
+
+
+def test_sidecar_lost_between_send_and_track(worlds, seed):
+    world = worlds.fresh(2, label="-lost")
+    try:
+        results = world.run(check_lost_between_send_and_track, seed=seed, timeout=60)
+    finally:
+        world.kill()
+    out = results[0]
+    assert out["backend_error"], out
+    assert "recv" in out["message"] and "the test dropped the sidecar" in out["message"], out
+    assert out["elapsed"] < 10, out
+    assert out["pending"] == 0, out
