@@ -1,7 +1,11 @@
 package transport
 
 import (
+	"context"
 	"errors"
+	"fmt"
+	"io"
+	"net"
 	"strings"
 	"testing"
 	"time"
@@ -133,5 +137,30 @@ func TestEndingPeerFailsDialersAtOnce(t *testing.T) {
 	}
 	if took := time.Since(start); took > time.Second {
 		t.Fatalf("broke after %v, want at once", took)
+	}
+}
+
+// TestRefSendAfterBreak: a by-reference send that reaches the wire after the endpoint broke
+// fails with the break's cause at once. Break finishes the acks it finds; one registered
+// after it would wait for an ack no peer sends, until the op's deadline (a survivor of a
+// killed sidecar once raised only after its 60 s timeout).
+func TestRefSendAfterBreak(t *testing.T) {
+	nodes, eps := group(t, 2, "0123456789abcdef")
+	nodes[0].locate = func([]byte) (int, uint64, uint64, bool) { return 3, 1, 0, true }
+	cause := fmt.Errorf("%w: the test broke it", ErrAborted)
+	eps[0].Break(cause)
+	a, b := net.Pipe()
+	defer a.Close()
+	defer b.Close()
+	go io.Copy(io.Discard, b) //nolint:errcheck // drains whatever the write puts on the pipe
+	m := &outMsg{f: frame{kind: kindColl}, data: make([]byte, refMin), req: newRequest(1, "a test send")}
+	l := &outLink{ep: eps[0], to: 1}
+	if err := l.write(a, make([]byte, frameHeader+refTrailer), m, true); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if err := m.req.Wait(ctx); !errors.Is(err, ErrAborted) || !strings.Contains(err.Error(), "the test broke it") {
+		t.Fatalf("the send after the break ended with %v, want the break's cause at once", err)
 	}
 }

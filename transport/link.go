@@ -557,6 +557,13 @@ func (l *outLink) write(conn net.Conn, hdr []byte, m *outMsg, refs bool) error {
 		if fd, ino, off, ok := ep.node.locate(m.data); ok {
 			f.ref = true
 			ep.mu.Lock()
+			if cause := ep.broken; cause != nil {
+				// Break finished the acks it found; one registered after it would wait for an
+				// ack that no peer sends, until the op's deadline.
+				ep.mu.Unlock()
+				m.req.finish(cause)
+				return nil
+			}
 			ep.refID++
 			id := ep.refID
 			ep.acks[ackKey{l.to, id}] = m.req
