@@ -556,12 +556,9 @@ func (l *outLink) write(conn net.Conn, hdr []byte, m *outMsg, refs bool) error {
 	if refs && len(m.data) >= refMin && (f.kind == kindColl || f.kind == kindP2P) {
 		if fd, ino, off, ok := ep.node.locate(m.data); ok {
 			f.ref = true
-			ep.mu.Lock()
-			if cause := ep.broken; cause != nil {
-				// Break finished the acks it found; one registered after it would wait for an
-				// ack that no peer sends, until the op's deadline.
-				ep.mu.Unlock()
-				m.req.finish(cause)
+			// Break finished the acks it found; one registered after it would wait for an ack
+			// that no peer sends, until the op's deadline.
+			if !ep.lockOpen(m.req) {
 				return nil
 			}
 			ep.refID++
