@@ -42,14 +42,13 @@ import (
 	"errors"
 	"fmt"
 	"math/bits"
-	"runtime"
 	"strings"
 	"sync/atomic"
 	"time"
 	"unsafe"
 
 	"github.com/gocomm/gocomm/shm"
-	"github.com/gocomm/gocomm/spin"
+	spinpkg "github.com/gocomm/gocomm/spin"
 )
 
 // Record types. Types below 16 are the ring's own; the rest belong to the protocol on top.
@@ -357,7 +356,12 @@ func (c *Consumer) Wait(spin, timeout time.Duration) {
 	if c.err != nil || !c.Empty() {
 		return
 	}
-	if spin > 0 && c.spin(spin) {
+	// The spin holds its P unless spinners could crowd out the process's other goroutines
+	// (package spin): a runtime.Gosched puts this goroutine on the global run queue and wakes
+	// an idle thread to look for work, so yielding every few checks kept a second thread
+	// waking and parking, and could move the goroutine to another CPU just before the record
+	// came.
+	if spin > 0 && spinpkg.For(spin, func() bool { return !c.Empty() }) {
 		return
 	}
 	atomic.AddUint32(c.q.waiters, 1)
@@ -366,30 +370,6 @@ func (c *Consumer) Wait(spin, timeout time.Duration) {
 		shm.Wait(c.q.notify, n, timeout)
 	}
 	atomic.AddUint32(c.q.waiters, ^uint32(0))
-}
-
-// spin polls for a record for up to d; true if one came. The loop holds its P without
-// yielding unless spinners could crowd out the process's other goroutines (package spin): a
-// runtime.Gosched puts this goroutine on the global run queue and wakes an idle thread to
-// look for work, so yielding every few checks kept a second thread waking and parking, and
-// could move the goroutine to another CPU just before the record came.
-func (c *Consumer) spin(d time.Duration) bool {
-	yield := spin.Enter()
-	defer spin.Exit()
-	end := time.Now().Add(d)
-	for i := 0; ; i++ {
-		if !c.Empty() {
-			return true
-		}
-		if i&63 == 63 {
-			if time.Now().After(end) {
-				return false
-			}
-			if yield {
-				runtime.Gosched()
-			}
-		}
-	}
 }
 
 // Nudge ends a Wait that sleeps on the futex, as a publish would, without a record: the

@@ -9,6 +9,7 @@ package spin
 import (
 	"runtime"
 	"sync/atomic"
+	"time"
 )
 
 var spinning atomic.Int32
@@ -24,3 +25,24 @@ func Exit() { spinning.Add(-1) }
 
 // Spinning is how many spinners are counted in now.
 func Spinning() int { return int(spinning.Load()) }
+
+// For polls ready for up to d, counted in as a spinner; true once ready says so. Between
+// checks it holds its P, yielding it every 64 checks only where Enter says to.
+func For(d time.Duration, ready func() bool) bool {
+	yield := Enter()
+	defer Exit()
+	end := time.Now().Add(d)
+	for i := 0; ; i++ {
+		if ready() {
+			return true
+		}
+		if i&63 == 63 {
+			if time.Now().After(end) {
+				return false
+			}
+			if yield {
+				runtime.Gosched()
+			}
+		}
+	}
+}

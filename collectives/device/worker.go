@@ -128,19 +128,7 @@ func (g *group) spin(w *worker) {
 	if g.s.spin <= 0 {
 		return
 	}
-	yield := spin.Enter()
-	defer spin.Exit()
-	end := time.Now().Add(g.s.spin)
-	for i := 0; w.queued.Load() == 0; i++ {
-		if i&63 == 63 {
-			if time.Now().After(end) {
-				return
-			}
-			if yield {
-				runtime.Gosched()
-			}
-		}
-	}
+	spin.For(g.s.spin, func() bool { return w.queued.Load() != 0 })
 }
 
 // launch enqueues one op on w's stream st (design 1-3).
