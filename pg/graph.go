@@ -12,6 +12,7 @@ import (
 	"unsafe"
 
 	"github.com/gocomm/gocomm/gpu"
+	"github.com/gocomm/gocomm/spin"
 	"github.com/gocomm/gocomm/wire"
 )
 
@@ -259,15 +260,24 @@ func nextSleep(cur time.Duration) time.Duration {
 
 // watch is the watcher goroutine (design 5). Its sleeps are nanosleep on its own thread
 // with a 1 us timer slack: Go's timers overshoot sleeps this short by up to a millisecond.
+// While it polls without sleeping it counts itself a spinner (package spin) and yields its
+// P only where spin.Enter says so: on its locked thread a yield costs two thread wake-ups,
+// on the path of the replay it polls for.
 func (tr *triggers) watch() {
 	defer tr.stopped.Done()
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	const prSetTimerSlack = 29
 	syscall.Syscall(syscall.SYS_PRCTL, prSetTimerSlack, 1000, 0) //nolint:errcheck // a coarser sleep is all it costs
-	spin := tr.sess.srv.cfg.Spin
+	spinFor := tr.sess.srv.cfg.Spin
 	last := time.Now()
 	var sleep time.Duration
+	counted, yield := false, false
+	defer func() {
+		if counted {
+			spin.Exit()
+		}
+	}()
 	for i := 0; ; i++ {
 		if tr.scan() > 0 {
 			last, sleep = time.Now(), 0
@@ -280,15 +290,22 @@ func (tr *triggers) watch() {
 			default:
 			}
 		}
-		if tr.running.Load() > 0 {
+		running := tr.running.Load() > 0
+		if running {
 			last = time.Now()
-			continue
 		}
-		if sleep == 0 && time.Since(last) < spin {
-			if i&63 == 63 {
+		if running || (sleep == 0 && time.Since(last) < spinFor) {
+			if !counted {
+				counted, yield = true, spin.Enter()
+			}
+			if yield && i&63 == 63 {
 				runtime.Gosched()
 			}
 			continue
+		}
+		if counted {
+			counted = false
+			spin.Exit()
 		}
 		sleep = nextSleep(sleep)
 		ts := syscall.NsecToTimespec(int64(sleep))

@@ -12,6 +12,7 @@ import (
 	"unsafe"
 
 	"github.com/gocomm/gocomm/gpu"
+	"github.com/gocomm/gocomm/spin"
 	"github.com/gocomm/gocomm/wire"
 )
 
@@ -270,5 +271,33 @@ func TestWatcherBackoff(t *testing.T) {
 	want := "[1µs 2µs 4µs 8µs 16µs 32µs 50µs 50µs 50µs]"
 	if fmt.Sprint(got) != want {
 		t.Fatalf("back-off %v, want %s", got, want)
+	}
+}
+
+// The watcher counts itself a spinner while it polls without sleeping, and out once it
+// sleeps or stops, so that the sidecar's spinners together never hold every P.
+func TestWatcherCountsItsSpin(t *testing.T) {
+	base := spin.Spinning()
+	tr := newTriggers(&Session{srv: &Server{cfg: Config{Spin: 100 * time.Millisecond}}})
+	tr.stopped.Add(1)
+	go tr.watch()
+	waitFor := func(want int, within time.Duration) {
+		t.Helper()
+		end := time.Now().Add(within)
+		for spin.Spinning() != want {
+			if time.Now().After(end) {
+				t.Fatalf("spinners %d, want %d", spin.Spinning(), want)
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	waitFor(base+1, 50*time.Millisecond) // polling: counted in
+	waitFor(base, 2*time.Second)         // past its spin, sleeping: counted out
+	tr.running.Add(1)                    // a replay in flight: it polls again
+	waitFor(base+1, time.Second)
+	close(tr.stop)
+	tr.stopped.Wait()
+	if n := spin.Spinning(); n != base {
+		t.Fatalf("spinners %d after the watcher stopped, want %d", n, base)
 	}
 }

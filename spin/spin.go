@@ -1,9 +1,10 @@
 // Package spin counts the sidecar's goroutines that poll in a loop instead of sleeping (the
-// session rings' consumers, the device workers), so that together they never hold
-// every P: a loop that yields its P through runtime.Gosched puts a thread wake-up (two, for
-// a goroutine locked to its thread) on the path of whatever it polls for, so only spinners
-// beyond half of GOMAXPROCS yield, and the Ps left run the scheduler: other goroutines,
-// and timers (the device poller sleeps on one while an op is in flight).
+// session rings' consumers, the device workers, the graph-trigger watcher), so that
+// together they never hold every P: a loop that yields its P through runtime.Gosched puts
+// a thread wake-up (two, for a goroutine locked to its thread) on the path of whatever it
+// polls for, so only spinners beyond half of GOMAXPROCS yield, and the Ps left run the
+// scheduler: other goroutines, and timers (the device poller sleeps on one while an op is
+// in flight).
 package spin
 
 import (
