@@ -136,47 +136,22 @@ c10::intrusive_ptr<Work> Dispatcher::submit(Pending p, wire::Desc& d) {
 c10::intrusive_ptr<Work> Dispatcher::submit_record(Pending p, wire::Desc& d, uint16_t type,
                                                    const std::vector<uint8_t>& prefix) {
   c10::intrusive_ptr<Work> work = p.work;
-  const std::string op = p.op;
-  d.seq = ++seq_;
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (lost_) {
-      const std::string why = *lost_;
-      lock.unlock();
-      release(p);
-      C10_THROW_ERROR(DistBackendError, "gocomm " + op + ": " + why);
-    }
-    pending_.emplace(d.seq, std::move(p));
+  try {
+    send(d, [&] { return p.op; }, type, prefix);
+  } catch (...) {
+    release(p);  // nothing of it reached the ring: its arena blocks go back now
+    throw;
   }
-  std::vector<uint8_t> payload = prefix;
-  const std::vector<uint8_t> desc = wire::encode(d);
-  payload.insert(payload.end(), desc.begin(), desc.end());
-  if (8 + ((payload.size() + 7) & ~size_t(7)) > ring_->max_record()) {
-    Pending gone;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = pending_.find(d.seq);
-      if (it != pending_.end()) {
-        gone = std::move(it->second);
-        pending_.erase(it);
-      }
-    }
-    release(gone);
-    C10_THROW_ERROR(ValueError, "gocomm " + op + ": its descriptor (" + std::to_string(payload.size()) +
-                                    " bytes) exceeds the ring's limit of " + std::to_string(ring_->max_record()));
-  }
-  while (!ring_->submit(type, payload.data(), payload.size())) {
-    if (lost()) {
-      break;  // fail_all finishes the work
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
+  track(d.seq, std::move(p));
   return work;
 }
 
-void Dispatcher::send(wire::Desc& d, const std::function<std::string()>& op) {
+void Dispatcher::send(wire::Desc& d, const std::function<std::string()>& op, uint16_t type,
+                      const std::vector<uint8_t>& prefix) {
   d.seq = ++seq_;
-  const std::vector<uint8_t> payload = wire::encode(d);
+  std::vector<uint8_t> payload = prefix;
+  const std::vector<uint8_t> desc = wire::encode(d);
+  payload.insert(payload.end(), desc.begin(), desc.end());
   if (8 + ((payload.size() + 7) & ~size_t(7)) > ring_->max_record()) {
     C10_THROW_ERROR(ValueError, "gocomm " + op() + ": its descriptor (" + std::to_string(payload.size()) +
                                     " bytes) exceeds the ring's limit of " + std::to_string(ring_->max_record()));
@@ -188,7 +163,7 @@ void Dispatcher::send(wire::Desc& d, const std::function<std::string()>& op) {
     }
     untracked_.push_back(d.seq);
   }
-  while (!ring_->submit(wire::kRecOp, payload.data(), payload.size())) {
+  while (!ring_->submit(type, payload.data(), payload.size())) {
     if (lost()) {
       break;  // track fails the op
     }

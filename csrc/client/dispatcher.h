@@ -105,16 +105,18 @@ class Dispatcher {
   explicit Dispatcher(Config cfg);
   ~Dispatcher();
 
-  // Hands an op to the sidecar: gives d its seq, records p, writes the descriptor (waiting
-  // for room). Throws DistBackendError once the sidecar is lost. Returns p.work.
+  // Hands an op to the sidecar: send, then track p (waiting for room in the ring). Throws
+  // DistBackendError once the sidecar is lost, p released. Returns p.work.
   c10::intrusive_ptr<Work> submit(Pending p, wire::Desc& d);
   // submit in two steps, for the CUDA ops' path to the GPU: send gives d its seq and writes
   // the descriptor before the op's Pending (its Work, labels) exists, so the sidecar starts on
   // it while the caller builds that; track records the Pending. The caller must call track
   // for every seq send gave, on the same thread: a completion that arrives between the two
   // (a refusal, or an op that finished first) is held until then, and where the sidecar was
-  // lost meanwhile track fails p.
-  void send(wire::Desc& d, const std::function<std::string()>& op);
+  // lost meanwhile track fails p. type and prefix: the record's kind and the bytes before
+  // the descriptor (a graph op's trigger and page).
+  void send(wire::Desc& d, const std::function<std::string()>& op, uint16_t type = wire::kRecOp,
+            const std::vector<uint8_t>& prefix = {});
   void track(uint64_t seq, Pending p);
   // Writes a control record, waiting for room (throws once the session is lost or closed).
   void put(uint16_t type, const std::vector<uint8_t>& payload);

@@ -378,6 +378,16 @@ def check_malformed_descriptors(rk, seed):
             f"{st._sc.client.early() - early} early completions",
         )
         ck.expect("early refusal: nothing left pending", st._sc.client.pending() == 0, st._sc.client.pending())
+    with ck.case("a descriptor over the ring's record limit"):
+        # 40,000 splits: 320 KB, over the quarter of the 1 MiB ring a record may take. Refused
+        # in the caller before anything reaches the ring, nothing left pending.
+        desc = C.encode_desc(
+            0, st._handle, C.KINDS["SEND"], f32, 0, C.DEVICE_HOST, peer, 0, 4, 0, 0, [(seg_id, 0, 16)], [0] * 40_000
+        )
+        out = _outcome(lambda: _submit_raw(g, "send", desc))
+        ck.expect("oversize: ValueError", out["error"] == "ValueError", f"{out['error']}: {out['message']}")
+        ck.expect("oversize: says why", "ring's limit" in out["message"], out["message"])
+        ck.expect("oversize: nothing left pending", st._sc.client.pending() == 0, st._sc.client.pending())
     with ck.case("the group still works after refused sends"):
         x = torch.arange(6, dtype=torch.float32) + 10 * me
         got = torch.zeros(6)
