@@ -109,4 +109,15 @@ std::vector<std::pair<uint32_t, size_t>> Arena::segments() {
   return out;
 }
 
+size_t Arena::free_bytes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (const auto& [id, s] : segs_) {
+    for (const auto& [off, len] : s.free) {
+      n += len;
+    }
+  }
+  return n;
+}
+
 }  // namespace gocomm

@@ -45,6 +45,8 @@ class Arena {
   uint8_t* at(uint32_t segment, size_t offset);
   // (id, bytes) of every segment (tests hand-make descriptors into them).
   std::vector<std::pair<uint32_t, size_t>> segments();
+  // Bytes free over every segment (tests: an op's blocks came back).
+  size_t free_bytes();
 
   static constexpr size_t kAlign = 64;
 

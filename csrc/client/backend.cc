@@ -723,6 +723,9 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
   if (cap.active) {
     return capture_op(op, d, stream, cap.graph, unpack, result, idx);
   }
+  // Before any stream work for the op: a descriptor refused after its done wait was queued
+  // would leave the stream waiting for a value only a later op writes.
+  disp_->check_size(d, [&] { return label(op.name); });
   const cuda::DevPtr ready = counters + 8 * lane, done = ready + 4;
   if (!unpack.empty()) {
     Pending p = pending(op, result, t_limit);

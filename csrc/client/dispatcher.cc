@@ -142,20 +142,39 @@ c10::intrusive_ptr<Work> Dispatcher::submit_record(Pending p, wire::Desc& d, uin
     release(p);  // nothing of it reached the ring: its arena blocks go back now
     throw;
   }
+  if (track_delay_us_.load(std::memory_order_relaxed) != 0) {
+    std::this_thread::sleep_for(std::chrono::microseconds(track_delay_us_.exchange(0)));
+  }
   track(d.seq, std::move(p));
   return work;
 }
 
+void Dispatcher::check_size(const wire::Desc& d, const std::function<std::string()>& op, size_t prefix) const {
+  const size_t n = prefix + wire::kDescHeader + d.bufs.size() * wire::kBufRefSize + d.splits.size() * 8;
+  if (8 + ((n + 7) & ~size_t(7)) > ring_->max_record()) {
+    C10_THROW_ERROR(ValueError, "gocomm " + op() + ": its descriptor (" + std::to_string(n) +
+                                    " bytes) exceeds the ring's limit of " + std::to_string(ring_->max_record()));
+  }
+}
+
+void Dispatcher::untrack(uint64_t seq) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < untracked_.size(); i++) {
+    if (untracked_[i] == seq) {
+      untracked_[i] = untracked_.back();
+      untracked_.pop_back();
+      return;
+    }
+  }
+}
+
 void Dispatcher::send(wire::Desc& d, const std::function<std::string()>& op, uint16_t type,
                       const std::vector<uint8_t>& prefix) {
+  check_size(d, op, prefix.size());
   d.seq = ++seq_;
   std::vector<uint8_t> payload = prefix;
   const std::vector<uint8_t> desc = wire::encode(d);
   payload.insert(payload.end(), desc.begin(), desc.end());
-  if (8 + ((payload.size() + 7) & ~size_t(7)) > ring_->max_record()) {
-    C10_THROW_ERROR(ValueError, "gocomm " + op() + ": its descriptor (" + std::to_string(payload.size()) +
-                                    " bytes) exceeds the ring's limit of " + std::to_string(ring_->max_record()));
-  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (lost_) {
@@ -163,11 +182,19 @@ void Dispatcher::send(wire::Desc& d, const std::function<std::string()>& op, uin
     }
     untracked_.push_back(d.seq);
   }
-  while (!ring_->submit(type, payload.data(), payload.size())) {
-    if (lost()) {
-      break;  // track fails the op
+  try {
+    while (!ring_->submit(type, payload.data(), payload.size())) {
+      if (lost()) {
+        return;  // not sent: track fails the op
+      }
+      if (stop_) {
+        C10_THROW_ERROR(DistBackendError, "gocomm " + op() + ": the sidecar session is closed");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  } catch (...) {
+    untrack(d.seq);  // the caller will not track what never went out
+    throw;
   }
 }
 
@@ -194,16 +221,31 @@ void Dispatcher::track(uint64_t seq, Pending p) {
       pending_.emplace(seq, std::move(p));
       return;
     }
-    if (!early) {
-      lost = lost_;  // fail_all ran before this op was tracked
+    if (early && p.unpacked && early->status == wire::kStatusOk) {
+      // Its settle waits for the unpack on the GPU: the completion thread's job, not this
+      // caller's (it holds the group's stream lock, and the op is async to it).
+      later_.emplace_back(std::move(p), std::move(*early));
+      early.reset();
+    } else if (!early) {
+      // fail_all ran before this op was tracked. The descriptor may be in the ring and the
+      // sidecar (lost, maybe not yet gone) may still use its buffers: its arena blocks are
+      // never reused (as fail_all's ops' are not), its tensors stay referenced (as an expired
+      // op's do).
+      lost = lost_;
+      leaked_.push_back(std::move(p.keep));
+      p.allocs.clear();
+      p.copy_out.clear();
     }
   }
   if (early) {
     settle(p, *early);
     return;
   }
-  release(p);
-  finish(p, dist_error("gocomm " + p.op + ": " + *lost));
+  if (lost) {
+    finish(p, dist_error("gocomm " + p.op + ": " + *lost));
+    return;
+  }
+  ring_->nudge();
 }
 
 void Dispatcher::put(uint16_t type, const std::vector<uint8_t>& payload) {
@@ -225,12 +267,13 @@ std::optional<std::string> Dispatcher::lost() {
 
 size_t Dispatcher::pending_count() {
   std::lock_guard<std::mutex> lock(mu_);
-  return pending_.size() + untracked_.size();
+  return pending_.size() + untracked_.size() + later_.size();
 }
 
 void Dispatcher::loop() {
   auto last_check = std::chrono::steady_clock::now();
   while (!stop_) {
+    settle_later();
     send_drops();
     // A lost sidecar no longer answers replays: their streams must still go on.
     const bool orphans = lost().has_value() && live_triggers() > 0;
@@ -250,6 +293,7 @@ void Dispatcher::loop() {
     });
     if (!ok) {
       fail_all("the completion queue from pgserver is corrupt");
+      settle_later();
       return;
     }
     if (!any) {
@@ -258,8 +302,26 @@ void Dispatcher::loop() {
         last_check = now;
         expire(now);
       }
-      ring_->wait(orphans ? 0.0005 : 0.05);
+      ring_->wait(orphans ? 0.0005 : 0.05, [this] {
+        std::lock_guard<std::mutex> lock(mu_);
+        return !later_.empty();
+      });
     }
+  }
+  settle_later();
+}
+
+void Dispatcher::settle_later() {
+  std::vector<std::pair<Pending, wire::Done>> todo;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (later_.empty()) {
+      return;
+    }
+    todo.swap(later_);
+  }
+  for (auto& [p, d] : todo) {
+    settle(p, d);
   }
 }
 

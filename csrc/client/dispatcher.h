@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -105,19 +106,30 @@ class Dispatcher {
   explicit Dispatcher(Config cfg);
   ~Dispatcher();
 
-  // Hands an op to the sidecar: send, then track p (waiting for room in the ring). Throws
-  // DistBackendError once the sidecar is lost, p released. Returns p.work.
+  // Hands an op to the sidecar: send, then track p. Throws where send does (p released);
+  // where the sidecar was lost after the descriptor went out, returns p.work already failed.
+  // Returns p.work.
   c10::intrusive_ptr<Work> submit(Pending p, wire::Desc& d);
-  // submit in two steps, for the CUDA ops' path to the GPU: send gives d its seq and writes
-  // the descriptor before the op's Pending (its Work, labels) exists, so the sidecar starts on
-  // it while the caller builds that; track records the Pending. The caller must call track
-  // for every seq send gave, on the same thread: a completion that arrives between the two
-  // (a refusal, or an op that finished first) is held until then, and where the sidecar was
-  // lost meanwhile track fails p. type and prefix: the record's kind and the bytes before
-  // the descriptor (a graph op's trigger and page).
+  // submit in two steps, which the CUDA ops' path calls itself: send gives d its seq and
+  // writes the descriptor (waiting for room in the ring) before the op's Pending (its Work,
+  // labels) exists, so the sidecar starts on it while the caller builds that; track records
+  // the Pending. The caller must call track for every seq send gave, on the same thread: a
+  // completion that arrives between the two (a refusal, or an op that finished first) is
+  // held until then, and where the sidecar was lost meanwhile track fails p. type and
+  // prefix: the record's kind and the bytes before the descriptor (a graph op's trigger and
+  // page). send throws, nothing sent, ValueError for a descriptor over the ring's limit
+  // (check_size) and DistBackendError once the sidecar is lost or the session closed.
   void send(wire::Desc& d, const std::function<std::string()>& op, uint16_t type = wire::kRecOp,
             const std::vector<uint8_t>& prefix = {});
   void track(uint64_t seq, Pending p);
+  // Throws send's ValueError where d (after prefix bytes) would not fit in one ring record:
+  // for callers that queue stream work for an op before its descriptor goes out.
+  void check_size(const wire::Desc& d, const std::function<std::string()>& op, size_t prefix = 0) const;
+  // Tests: the next submit waits s seconds between send and track (so that its completion
+  // comes first and track settles it).
+  void delay_next_track(double s) { track_delay_us_ = int64_t(s * 1e6); }
+  // The largest ring record, header included.
+  size_t max_record() const { return ring_->max_record(); }
   // Writes a control record, waiting for room (throws once the session is lost or closed).
   void put(uint16_t type, const std::vector<uint8_t>& payload);
   // Fails every op in flight with "gocomm <op>: <why>", refuses new ones, and releases the
@@ -139,7 +151,8 @@ class Dispatcher {
   wire::BufRef cuda_ref(uint64_t ptr, uint64_t n, int device, size_t claim = 0);
   // The CUDA IPC registrations (see IpcCache).
   IpcCache& ipc() { return ipc_; }
-  // Ops sent and not yet answered to their caller: recorded, or between send and track.
+  // Ops sent and not yet answered to their caller: recorded, between send and track, or
+  // answered early and waiting for the completion thread's settle.
   size_t pending_count();
   // Completions that came before their op's track (tests: Dispatcher::send's hold).
   uint64_t early_count() const { return early_count_; }
@@ -167,6 +180,8 @@ class Dispatcher {
   void loop();
   void complete(const wire::Done& d);
   void settle(Pending& p, const wire::Done& d);  // p's completion d (p out of pending_)
+  void settle_later();  // the completion thread: early completions track handed it (later_)
+  void untrack(uint64_t seq);  // a seq send gave up on (mu_ not held)
   void expire(std::chrono::steady_clock::time_point now);
   void release(Pending& p);
   static void finish(Pending& p, std::exception_ptr exc);
@@ -182,6 +197,10 @@ class Dispatcher {
   std::vector<uint64_t> untracked_;  // sent, not yet tracked (send, track)
   std::vector<wire::Done> early_;  // their completions that came first
   std::atomic<uint64_t> early_count_{0};  // such completions so far
+  // Early completions whose settle waits for the GPU (an unpack event): track leaves them to
+  // the completion thread rather than block its caller, who may hold the group's stream lock.
+  std::vector<std::pair<Pending, wire::Done>> later_;
+  std::atomic<int64_t> track_delay_us_{0};  // delay_next_track
   std::optional<std::string> lost_;
   std::vector<std::vector<at::Tensor>> leaked_;  // buffers of ops never answered: never reused
   // Binds the sidecar to device (Config::attach_device) and maps the stream counters' file it

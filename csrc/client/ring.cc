@@ -106,16 +106,23 @@ bool Ring::submit(uint16_t type, const uint8_t* p, size_t n) {
   return true;
 }
 
-void Ring::wait(double timeout_s) {
+void Ring::wait(double timeout_s, const std::function<bool()>& busy) {
   __atomic_fetch_add(word32(kCmpWaiters), 1u, __ATOMIC_SEQ_CST);
   const uint32_t notify = __atomic_load_n(word32(kCmpNotify), __ATOMIC_SEQ_CST);
-  if (__atomic_load_n(word64(kCmpTail), __ATOMIC_SEQ_CST) == cmp_head_) {
+  if (__atomic_load_n(word64(kCmpTail), __ATOMIC_SEQ_CST) == cmp_head_ && !(busy && busy())) {
     struct timespec ts;
     ts.tv_sec = time_t(timeout_s);
     ts.tv_nsec = long((timeout_s - double(ts.tv_sec)) * 1e9);
     futex(word32(kCmpNotify), FUTEX_WAIT, notify, &ts);
   }
   __atomic_fetch_sub(word32(kCmpWaiters), 1u, __ATOMIC_SEQ_CST);
+}
+
+void Ring::nudge() {
+  __atomic_fetch_add(word32(kCmpNotify), 1u, __ATOMIC_SEQ_CST);
+  if (__atomic_load_n(word32(kCmpWaiters), __ATOMIC_SEQ_CST) > 0) {
+    futex(word32(kCmpNotify), FUTEX_WAKE, 1, nullptr);
+  }
 }
 
 }  // namespace gocomm

@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 
@@ -45,7 +46,12 @@ class Ring {
   size_t max_record() const { return sub_size_ / 4; }
 
   // Sleeps until a completion may be waiting, at most timeout_s seconds (futex on notify).
-  void wait(double timeout_s);
+  // busy: other work of the caller's, checked after notify was read, so that work queued
+  // before a nudge either is seen here or ends the sleep.
+  void wait(double timeout_s, const std::function<bool()>& busy = nullptr);
+  // Ends a wait that sleeps on the futex as a completion would, without a record (the
+  // completion thread's loop finds nothing new in the ring and goes on). Safe from any thread.
+  void nudge();
 
   // Mark word i of the header (ring.Marks: written by the sidecar only, with release; read
   // with acquire), 0 past the last. Safe from any thread.

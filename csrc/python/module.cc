@@ -285,6 +285,11 @@ PYBIND11_MODULE(_C, m) {
       .def("pending", &gocomm::Dispatcher::pending_count)
       .def("early", &gocomm::Dispatcher::early_count,
            "Completions that came before their op was recorded (tests of Dispatcher::send's hold).")
+      .def("delay_next_track", &gocomm::Dispatcher::delay_next_track, py::arg("seconds"),
+           "Tests: the next op waits this long between sending its descriptor and recording it.")
+      .def("max_record", &gocomm::Dispatcher::max_record, "The largest ring record, header included.")
+      .def("arena_free", [](gocomm::Dispatcher& d) { return d.arena().free_bytes(); },
+           "Bytes free in the host arena.")
       .def("live_triggers", &gocomm::Dispatcher::live_triggers,
            "Triggers in use: ops captured in CUDA graphs that are alive (docs/decisions/0020).")
       .def("counters", &gocomm::Dispatcher::counters, py::call_guard<py::gil_scoped_release>(),

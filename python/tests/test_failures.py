@@ -379,15 +379,34 @@ def check_malformed_descriptors(rk, seed):
         )
         ck.expect("early refusal: nothing left pending", st._sc.client.pending() == 0, st._sc.client.pending())
     with ck.case("a descriptor over the ring's record limit"):
-        # 40,000 splits: 320 KB, over the quarter of the 1 MiB ring a record may take. Refused
-        # in the caller before anything reaches the ring, nothing left pending.
+        # Splits enough for one byte over the largest record the ring takes: refused in the
+        # caller before anything reaches the ring, nothing left pending.
+        client = st._sc.client
+        over = (client.max_record() - 8 - 56 - 24) // 8 + 1
         desc = C.encode_desc(
-            0, st._handle, C.KINDS["SEND"], f32, 0, C.DEVICE_HOST, peer, 0, 4, 0, 0, [(seg_id, 0, 16)], [0] * 40_000
+            0, st._handle, C.KINDS["SEND"], f32, 0, C.DEVICE_HOST, peer, 0, 4, 0, 0, [(seg_id, 0, 16)], [0] * over
         )
         out = _outcome(lambda: _submit_raw(g, "send", desc))
         ck.expect("oversize: ValueError", out["error"] == "ValueError", f"{out['error']}: {out['message']}")
         ck.expect("oversize: says why", "ring's limit" in out["message"], out["message"])
-        ck.expect("oversize: nothing left pending", st._sc.client.pending() == 0, st._sc.client.pending())
+        ck.expect("oversize: nothing left pending", client.pending() == 0, client.pending())
+    with ck.case("a CPU op answered before it is recorded"):
+        # Every rank sends its all_reduce and waits a second before recording it: the op
+        # finishes meanwhile, and the late record must still copy the result out, free the
+        # op's arena blocks and finish the Work.
+        client = st._sc.client
+        dist.barrier(group=g)
+        free, early = client.arena_free(), client.early()
+        client.delay_next_track(1.0)
+        t = torch.arange(1000, dtype=torch.float32) + me
+        dist.all_reduce(t, group=g)
+        want = n * torch.arange(1000, dtype=torch.float32) + n * (n - 1) / 2
+        ck.same("answered early: the sum", t, want)
+        ck.expect("answered early: it came first", client.early() == early + 1, f"{client.early() - early} early")
+        ck.expect("answered early: nothing pending", client.pending() == 0, client.pending())
+        ck.expect(
+            "answered early: its arena blocks back", client.arena_free() == free, f"{free} -> {client.arena_free()}"
+        )
     with ck.case("the group still works after refused sends"):
         x = torch.arange(6, dtype=torch.float32) + 10 * me
         got = torch.zeros(6)
