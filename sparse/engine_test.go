@@ -118,3 +118,15 @@ func TestNewChooser(t *testing.T) {
 		t.Fatalf("NewChooser(ucx) = %v, want an ErrOverride", err)
 	}
 }
+
+// The client's route table reads a forced NCCL choice from the reason's start
+// (csrc/client/routes.cc: a group of one rank keeps the in-process kernels unless NCCL was
+// asked for), so that wording is part of the protocol.
+func TestForcedNCCLReasonPrefix(t *testing.T) {
+	for _, o := range []string{"nccl", "NCCL", " nccl "} {
+		c, err := Choose(nvswitch(2), o, nil)
+		if err != nil || !strings.HasPrefix(c.Reason, "forced by GOCOMM_TRANSPORT=nccl") {
+			t.Fatalf("Choose(%q) = %+v, %v; want a reason starting \"forced by GOCOMM_TRANSPORT=nccl\"", o, c, err)
+		}
+	}
+}

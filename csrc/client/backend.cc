@@ -363,6 +363,19 @@ uint8_t lane_of(uint8_t kind) {
   return (kind == wire::kSend || kind == wire::kRecv) ? 1 : 0;
 }
 
+// Whether the in-process all_to_all kernels serve the group: the route table's choice, where
+// this rank's sidecar runs CUDA ops. A group of one rank takes them whatever its node (no peer
+// to reach); with CUDA refused, its table turns them to the sidecar, as gocomm.info() shows.
+bool a2a_route(const Backend::Config& cfg) {
+  if (!cfg.routes) {
+    return false;
+  }
+  if (cfg.routes->alone() && !cfg.cuda_refusal.empty()) {
+    cfg.routes->fall_back("all_to_all_v", "this rank's sidecar runs no CUDA ops");
+  }
+  return cfg.routes->a2a_inprocess();
+}
+
 }  // namespace
 
 // ----- the group -----------------------------------------------------------------------------
@@ -372,7 +385,7 @@ Backend::Backend(std::shared_ptr<Dispatcher> dispatcher, Config cfg)
       disp_(std::move(dispatcher)),
       cfg_(std::move(cfg)),
       ar_inprocess_(cfg_.routes && cfg_.routes->ar_inprocess()),
-      a2a_inprocess_(cfg_.routes && cfg_.routes->a2a_inprocess()),
+      a2a_inprocess_(a2a_route(cfg_)),
       k_(cfg_.counter_base) {
   inproc::Engine::Hooks h;
   // the collective setup's exchanges: the group's own CPU all_gather, through the sidecar

@@ -90,8 +90,13 @@ Routes::Routes(Facts facts, const std::string& group_name, const std::string& ow
     }
   }
   transport_reason_ = why;
-  splits_on_gpu_ = transport_ == "nvshmem";
   const int n = facts_.size;
+  // One rank alone needs no link to any peer: the in-process kernels move its rows within its
+  // own memory, whatever the sidecar chose for the node (NCCL on a one-GPU node), unless NCCL
+  // was asked for (GOCOMM_TRANSPORT=nccl: its sidecar's reason, sparse/engine.go's Choose).
+  const bool forced_nccl = own_reason.rfind("forced by GOCOMM_TRANSPORT=nccl", 0) == 0;
+  alone_ = n == 1 && facts_.hosts == 1 && transport_ != "nvshmem" && !forced_nccl;
+  splits_on_gpu_ = transport_ == "nvshmem" || alone_;
   const int max = inproc::kMaxRanks;  // the most ranks the in-process kernels take
   const std::string too_many =
       std::to_string(n) + " ranks, more than the kernel's " + std::to_string(max);
@@ -118,10 +123,16 @@ Routes::Routes(Facts facts, const std::string& group_name, const std::string& ow
                                       "sidecar NCCL"}
                               : Route{kSidecarNccl, ar_why};
   all_to_all_single_ =
-      a2a_inprocess_ ? Route{kInProcess, "the ranks share one NVLink domain (sidecar NCCL where the kernel's setup "
-                                         "declines)"}
+      a2a_inprocess_ ? Route{kInProcess, alone_ ? "one rank: its rows move within its own memory (sidecar NCCL where "
+                                                  "the kernel's setup declines, or with GOCOMM_TRANSPORT=nccl)"
+                                                : "the ranks share one NVLink domain (sidecar NCCL where the kernel's "
+                                                  "setup declines)"}
                      : Route{kSidecarNccl, a2a_why};
-  if (a2a_inprocess_) {
+  if (a2a_inprocess_ && alone_) {
+    all_to_all_v_ = {kInProcess,
+                     "one rank: its rows move within its own memory; where the kernel's setup declines (or with "
+                     "GOCOMM_TRANSPORT=nccl) sidecar NCCL with a host count exchange"};
+  } else if (a2a_inprocess_) {
     all_to_all_v_ = {kInProcess,
                      "the ranks share one NVLink domain; where the kernel's setup declines (GOCOMM_A2AV_INPROCESS=0 "
                      "on a rank), the sidecar's NVSHMEM kernel on the default group, else sidecar NCCL with a host "
@@ -155,7 +166,7 @@ void Routes::fall_back(const std::string& op, const std::string& why) {
   }
   a2a_inprocess_ = false;
   all_to_all_single_ = {kSidecarNccl, why};
-  all_to_all_v_ = {splits_on_gpu_ ? kSidecarNvshmem : kSidecarNccl, why};
+  all_to_all_v_ = {nvshmem() ? kSidecarNvshmem : kSidecarNccl, why};
   moe_ = {all_to_all_v_.engine, "as all_to_all_v (one host sync): " + why};
 }
 

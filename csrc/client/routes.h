@@ -81,6 +81,11 @@ class Routes {
   // all_to_all_v keeps its splits on the GPU (the in-process kernel or the sidecar's NVSHMEM
   // kernel): no host count exchange.
   bool splits_on_gpu() const { return splits_on_gpu_; }
+  // The sidecar's NVSHMEM kernel can take all_to_all_v (the in-process kernel's fallback).
+  bool nvshmem() const { return transport_ == "nvshmem"; }
+  // A group of one rank on a node whose sidecar chose NCCL (one GPU): the in-process kernels
+  // serve its all_to_all_single, all_to_all_v and moe all the same (no peer to reach).
+  bool alone() const { return alone_; }
   // all_reduce of CUDA tensors tries the in-process kernel.
   bool ar_inprocess() const { return ar_inprocess_; }
   // all_to_all_single, all_to_all_v and moe of CUDA tensors try it.
@@ -99,6 +104,7 @@ class Routes {
   Facts facts_;
   std::string transport_, transport_reason_;
   bool splits_on_gpu_ = false;
+  bool alone_ = false;
   std::atomic<bool> ar_inprocess_{false}, a2a_inprocess_{false};
   mutable std::mutex mu_;  // the routes below (fall_back runs on an op's thread)
   Route all_reduce_, all_to_all_single_, all_to_all_v_, moe_, dense_, cpu_;

@@ -109,7 +109,7 @@ def _device_path(g, x: torch.Tensor):
         if (g, idx) not in _backend.served:
             _backend.served[g, idx] = _backend.Served(st, g.group_name, st.size())
         return path
-    return True if g is dist.group.WORLD else None
+    return True if g is dist.group.WORLD and routes.transport == "nvshmem" else None
 
 
 def receive_buffer(

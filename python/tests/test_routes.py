@@ -86,6 +86,33 @@ def test_fall_back():
     assert r.capturable().startswith("the collectives on sidecar NCCL"), r.capturable()
 
 
+def test_one_rank_on_a_one_gpu_node():
+    """A group of one rank needs no peer link: where its sidecar chose NCCL (a node of one GPU)
+    its all_to_all_single, all_to_all_v and moe still take the in-process kernels, whose
+    fallback is sidecar NCCL (no NVSHMEM engine there); GOCOMM_TRANSPORT=nccl keeps them on
+    the sidecar."""
+    r = Routes(["nccl h"], BIG, "g", "1 GPU(s) on this node: nothing to reach over NVLink")
+    t = r.table()
+    assert r.transport == "nccl" and r.splits_on_gpu and r.a2a_inprocess and not r.ar_inprocess, t
+    assert [t[op][0] for op in ("all_reduce", "all_to_all_single", "all_to_all_v", "moe")] == [
+        SIDECAR_NCCL,
+        INPROCESS,
+        INPROCESS,
+        INPROCESS,
+    ], t
+    assert "one rank" in t["all_to_all_single"][1] and "one rank" in t["all_to_all_v"][1], t
+    assert "all_to_all_single in-process" in r.capturable()
+    r.fall_back("all_to_all_v", "declined")
+    t = r.table()
+    assert not r.a2a_inprocess and t["all_to_all_v"] == (SIDECAR_NCCL, "declined"), t
+    assert t["moe"][0] == SIDECAR_NCCL, t
+    forced = Routes(["nccl h"], BIG, "g", "forced by GOCOMM_TRANSPORT=nccl")
+    assert not forced.splits_on_gpu and not forced.a2a_inprocess, forced.table()
+    assert {e for e, _ in forced.table().values()} == {SIDECAR_NCCL, HOST}, forced.table()
+    # two ranks on NCCL stay on the sidecar (a rank whose sidecar runs no CUDA ops: test_info_cpu)
+    assert not Routes(["nccl h", "nccl h"], BIG, "g", "").a2a_inprocess
+
+
 def test_agreement():
     """A group takes NVSHMEM only when every member's sidecar chose it, all on one host."""
     for choices, want in [
