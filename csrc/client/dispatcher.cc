@@ -157,8 +157,7 @@ void Dispatcher::check_size(const wire::Desc& d, const std::function<std::string
   }
 }
 
-void Dispatcher::untrack(uint64_t seq) {
-  std::lock_guard<std::mutex> lock(mu_);
+void Dispatcher::drop_untracked(uint64_t seq) {
   for (size_t i = 0; i < untracked_.size(); i++) {
     if (untracked_[i] == seq) {
       untracked_[i] = untracked_.back();
@@ -193,7 +192,8 @@ void Dispatcher::send(wire::Desc& d, const std::function<std::string()>& op, uin
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   } catch (...) {
-    untrack(d.seq);  // the caller will not track what never went out
+    std::lock_guard<std::mutex> lock(mu_);
+    drop_untracked(d.seq);  // the caller will not track what never went out
     throw;
   }
 }
@@ -203,13 +203,7 @@ void Dispatcher::track(uint64_t seq, Pending p) {
   std::optional<std::string> lost;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (size_t i = 0; i < untracked_.size(); i++) {
-      if (untracked_[i] == seq) {
-        untracked_[i] = untracked_.back();
-        untracked_.pop_back();
-        break;
-      }
-    }
+    drop_untracked(seq);
     for (size_t i = 0; i < early_.size(); i++) {
       if (early_[i].seq == seq) {
         early = std::move(early_[i]);

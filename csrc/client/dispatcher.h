@@ -181,7 +181,7 @@ class Dispatcher {
   void complete(const wire::Done& d);
   void settle(Pending& p, const wire::Done& d);  // p's completion d (p out of pending_)
   void settle_later();  // the completion thread: early completions track handed it (later_)
-  void untrack(uint64_t seq);  // a seq send gave up on (mu_ not held)
+  void drop_untracked(uint64_t seq);  // seq leaves untracked_ (mu_ held)
   void expire(std::chrono::steady_clock::time_point now);
   void release(Pending& p);
   static void finish(Pending& p, std::exception_ptr exc);
