@@ -266,11 +266,11 @@ def main(argv=None) -> int:
     if unknown := [o for o in ops if o not in OPS + EXTRA_OPS]:
         print(f"gocomm.bench.gpu: unknown ops {unknown}; known: {', '.join(OPS + EXTRA_OPS)}", file=sys.stderr)
         return 2
-    if world == 1 and not os.environ.get("GOCOMM_TRANSPORT"):
+    if world == 1:
         # one rank: what this measures is the sidecar's path in isolation, but a group of one
         # takes the in-process kernels for all_to_all_single where NCCL is not asked for
-        os.environ["GOCOMM_TRANSPORT"] = "nccl"
-        print("gocomm.bench.gpu: one GPU: GOCOMM_TRANSPORT=nccl (every op through the sidecar)", flush=True)
+        os.environ.setdefault("GOCOMM_TRANSPORT", "nccl")
+        print("gocomm.bench.gpu: one GPU: GOCOMM_TRANSPORT defaults to nccl (every op through the sidecar)")
     q = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_host_worker if args.host else _worker, args=(world, _free_port(), sizes, ops, q), nprocs=world)
     rows = q.get()
