@@ -117,7 +117,9 @@ Dispatcher::~Dispatcher() {
 }
 
 void Dispatcher::close() {
-  stop_ = true;
+  if (stop_.exchange(true)) {
+    return;
+  }
   ipc_.close();  // its sender may wait in put, which gives up once stop_ is set
   fd_.close();
   if (thread_.joinable()) {
@@ -127,6 +129,10 @@ void Dispatcher::close() {
       thread_.join();
     }
   }
+  // Nothing answers this session any more: ops still in flight fail (their Work would wait
+  // forever, with no completion thread to expire them) and streams waiting on its counters go
+  // on, as when the sidecar is lost. Ops sent later raise at once.
+  fail_all("the sidecar session is closed");
 }
 
 c10::intrusive_ptr<Work> Dispatcher::submit(Pending p, wire::Desc& d) {
@@ -215,9 +221,10 @@ void Dispatcher::track(uint64_t seq, Pending p) {
       pending_.emplace(seq, std::move(p));
       return;
     }
-    if (early && p.unpacked && early->status == wire::kStatusOk) {
+    if (early && p.unpacked && early->status == wire::kStatusOk && !loop_done_) {
       // Its settle waits for the unpack on the GPU: the completion thread's job, not this
-      // caller's (it holds the group's stream lock, and the op is async to it).
+      // caller's (it holds the group's stream lock, and the op is async to it). Once that
+      // thread has left its loop, the caller settles it.
       later_.emplace_back(std::move(p), std::move(*early));
       early.reset();
     } else if (!early) {
@@ -261,7 +268,7 @@ std::optional<std::string> Dispatcher::lost() {
 
 size_t Dispatcher::pending_count() {
   std::lock_guard<std::mutex> lock(mu_);
-  return pending_.size() + untracked_.size() + later_.size();
+  return pending_.size() + untracked_.size() + later_.size() + settling_;
 }
 
 void Dispatcher::loop() {
@@ -287,8 +294,7 @@ void Dispatcher::loop() {
     });
     if (!ok) {
       fail_all("the completion queue from pgserver is corrupt");
-      settle_later();
-      return;
+      break;
     }
     if (!any) {
       const auto now = std::chrono::steady_clock::now();
@@ -302,6 +308,10 @@ void Dispatcher::loop() {
       });
     }
   }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    loop_done_ = true;  // track settles inline from now on: nothing would drain later_
+  }
   settle_later();
 }
 
@@ -313,8 +323,13 @@ void Dispatcher::settle_later() {
       return;
     }
     todo.swap(later_);
+    settling_ = todo.size();  // still pending until each one's settle begins
   }
   for (auto& [p, d] : todo) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      settling_--;
+    }
     settle(p, d);
   }
 }

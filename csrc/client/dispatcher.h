@@ -139,7 +139,8 @@ class Dispatcher {
   // The handle of the last group whose streams on counter slot were let go (the sidecar
   // stores it before it releases them: pg's Session.released); 0 for none.
   uint32_t released_mark(int slot) const { return slot < 0 ? 0 : ring_->mark(size_t(slot)); }
-  // Stops the completion thread (the session closes).
+  // Stops the completion thread and fails what is still in flight, as fail_all (the session
+  // closes); later calls do nothing.
   void close();
 
   Arena& arena() { return *arena_; }
@@ -200,6 +201,8 @@ class Dispatcher {
   // Early completions whose settle waits for the GPU (an unpack event): track leaves them to
   // the completion thread rather than block its caller, who may hold the group's stream lock.
   std::vector<std::pair<Pending, wire::Done>> later_;
+  size_t settling_ = 0;  // taken out of later_, their settle not yet begun
+  bool loop_done_ = false;  // the completion thread left its loop: track settles inline
   std::atomic<int64_t> track_delay_us_{0};  // delay_next_track
   std::optional<std::string> lost_;
   std::vector<std::vector<at::Tensor>> leaked_;  // buffers of ops never answered: never reused

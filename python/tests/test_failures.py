@@ -520,3 +520,37 @@ def test_sidecar_lost_between_send_and_track(worlds, seed):
     assert "recv" in out["message"] and "the test dropped the sidecar" in out["message"], out
     assert out["elapsed"] < 10, out
     assert out["pending"] == 0, out
+
+
+def check_closed_session_fails_in_flight(rk, seed):
+    """Rank 0 posts a recv that rank 1 never answers, then its client's session closes (the
+    completion thread stops). The Work must fail at once, naming the closed session, rather
+    than wait with nothing left to answer or expire it; a later op raises at once too."""
+    import threading
+
+    from gocomm._backend import state
+
+    if rk.rank != 0:
+        return None
+    client = state(dist.group.WORLD)._sc.client
+    work = dist.irecv(torch.empty(4), src=1)
+    threading.Timer(0.3, client.close).start()
+    out = _outcome(lambda: work.wait(timeout=datetime.timedelta(seconds=30)))
+    out["pending"] = client.pending()
+    out["after"] = _outcome(lambda: dist.all_reduce(torch.ones(4)))
+    return out
+
+
+def test_session_closed_with_ops_in_flight(worlds, seed):
+    world = worlds.fresh(2, label="-closed")
+    try:
+        results = world.run(check_closed_session_fails_in_flight, seed=seed, timeout=60)
+    finally:
+        world.kill()
+    out = results[0]
+    assert out["backend_error"] and "the sidecar session is closed" in out["message"], out
+    assert out["elapsed"] < 10, out
+    assert out["pending"] == 0, out
+    after = out["after"]
+    assert after["backend_error"] and "the sidecar session is closed" in after["message"], out
+    assert after["elapsed"] < 5, out
