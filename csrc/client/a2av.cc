@@ -68,10 +68,13 @@ bool capturing(int device) {
   return cuda::capture_info(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream()).active;
 }
 
-// Path 1: the in-process kernel on the caller's stream; nothing waits for the GPU.
+// Path 1: the in-process kernel on the caller's stream; nothing waits for the GPU. A rank
+// alone receives at most its own input's rows: its default output holds them all (rows that do
+// not fit the receive buffer at once pass through it in rounds), as the host path's would.
 std::pair<at::Tensor, at::Tensor> inprocess(Backend& b, inproc::A2Path& path, const at::Tensor& input,
                                             const at::Tensor& in_splits, const at::Tensor* out, int64_t out_rows) {
-  const int64_t limit = path.cap() / std::max<int64_t>(row_nbytes(input), 1);
+  const int64_t limit =
+      b.getSize() == 1 ? input.size(0) : path.cap() / std::max<int64_t>(row_nbytes(input), 1);
   auto [o, s] = b.engine().all_to_all_v(path, input, in_splits, gpu_output(input, out, out_rows, b.getSize(), limit));
   return {o, in_splits.is_cuda() ? s : s.to(in_splits.device())};
 }

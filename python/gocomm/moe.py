@@ -98,7 +98,8 @@ def dispatch(
             what this rank can receive (each token comes at most once per rank). On the
             NVSHMEM path, where nothing learns the counts before the exchange, it sizes the
             receive buffer; without it the buffer is the sidecar's whole receive capacity
-            (GOCOMM_A2A_RECV_MB). A rank that is sent more raises OverflowError.
+            (GOCOMM_A2A_RECV_MB; a group of one rank: its T tokens). A rank that is sent more
+            raises OverflowError.
         padded: no host sync (needs max_tokens_per_rank): recv has its most rows,
             max_tokens_per_rank x group size x k, expert e's tokens at rows
             sum(tokens_per_expert[:e]) onwards and rows past their total undefined, so
@@ -168,7 +169,7 @@ def _dispatch_inprocess(fast: _backend.Served, x, routing: tuple, bound, padded:
     syncs once unless padded. bound: max_tokens_per_rank or None (the receive buffer).
     NotImplementedError where the kernels do not take x or serve the group (nothing done)."""
     n, t, k = fast.size, x.shape[0], routing[0].shape[1]
-    cap = bound * n if bound is not None else _capacity_rows(_client.C.moe_row_bytes(x.shape[1] * x.element_size(), k))
+    cap = bound * n if bound is not None else t if n == 1 else _capacity_rows(x, k)  # alone: its own tokens
     out, tpe, ws, counts = _DISPATCH(x, *routing, n, cap, padded, fast.name)
     rows, recv_rows, send_rows = cap * k, cap, t * min(n, k)
     if not padded:  # the rows the exchanges move: what the counts say

@@ -4,8 +4,8 @@ Three paths, all in the compiled client (csrc/client/a2av.cc; the registered ops
 torch.ops.gocomm.all_to_all_v / all_to_all_v_out, csrc/client/ops.cc, serve CPU and CUDA
 tensors): this module only names the group. Where every rank's sidecar chose NVSHMEM (auto
 does on a node whose GPUs all share NVLink with peer atomics, when NVSHMEM loads;
-GOCOMM_TRANSPORT overrides), the rows move one-sidedly with the splits on the GPU, no host
-sync: by the in-process kernel on the caller's stream (the compiled client's engine,
+GOCOMM_TRANSPORT overrides), or the group has one rank (unless GOCOMM_TRANSPORT=nccl), the
+rows move one-sidedly with the splits on the GPU, no host sync: by the in-process kernel on the caller's stream (the compiled client's engine,
 csrc/client/inprocess.cc, any such group), or, where that path cannot be set up or
 GOCOMM_A2AV_INPROCESS=0, by the sidecar's NVSHMEM kernel (the default group only). Everywhere
 else the counts are exchanged with one all_to_all, read on the host, and the rows moved with
@@ -22,7 +22,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import _backend, _capture, _sidecar
+from . import _backend, _capture, _client, _sidecar
 
 __all__ = ["all_to_all_v", "receive_buffer"]
 
@@ -53,25 +53,23 @@ def all_to_all_v(
         group: the process group (default: the world).
 
     Returns:
-        (output, out_splits): output holds the received rows grouped by source rank (a view
-        of out's first rows when out is given); out_splits, on in_splits' device with its
-        dtype, says how many came from each rank. On the NVSHMEM path the host never learns
-        the count: output is the whole out buffer (by default input's rows times the group
-        size, at most the receive buffer, GOCOMM_A2A_RECV_MB; a given out may be larger
-        where the in-process kernel runs: rows that do not fit the receive buffer at once pass
-        through it in rounds; the sidecar's kernel refuses it), rows past
-        sum(out_splits) are undefined, an overflow shows as sum(out_splits) > len(out) with
-        nothing written instead of an OverflowError (to get the rows, every rank of the
-        group repeats the call, with an out that fits where it overflowed: a call made on
-        some ranks only shifts every later op), and splits that are negative or exceed
-        the input make this rank send nothing (logged). Where the in-process kernel runs (the
-        group's GPUs share NVLink; see the module's docstring) a call can be captured in a
-        CUDA graph with its input, splits (on the GPU) and out, once the group's first call
-        on that device ran outside the capture (it sets the path up, collectively); replays
-        and eager calls of a group are ordered by the caller, as with torch's NCCL. The
-        sidecar's kernel cannot be captured (every call hands the sidecar one op, and a
-        replayed graph would not). Differentiable (without out): the backward sends the
-        output's gradient back by out_splits, a collective every rank must run.
+        (output, out_splits): output holds the received rows grouped by source rank (a view of out's first
+        rows when out is given); out_splits, on in_splits' device with its dtype, says how many came from
+        each rank. Where the splits stay on the GPU the host never learns the count: output is the whole out
+        buffer (by default input's rows times the group size, at most the receive buffer,
+        GOCOMM_A2A_RECV_MB, except on a group of one rank; out may be larger where the in-process kernel
+        runs, which passes rows through the buffer in rounds; the sidecar's kernel refuses it), rows past
+        sum(out_splits) are undefined, an overflow shows as sum(out_splits) > len(out) with nothing written
+        instead of an OverflowError (to get the rows, every rank of the group repeats the call, with an out
+        that fits where it overflowed: a call made on some ranks only shifts every later op), and splits
+        that are negative or exceed the input make this rank send nothing (logged). Where the in-process
+        kernel runs (the group's GPUs share NVLink, or it has one rank; see the module's docstring) a call
+        can be captured in a CUDA graph with its input, splits (on the GPU) and out, once the group's first
+        call on that device ran outside the capture (it sets the path up, collectively); replays and eager
+        calls of a group are ordered by the caller, as with torch's NCCL. The sidecar's kernel cannot be
+        captured (every call hands the sidecar one op, and a replayed graph would not). Differentiable
+        (without out): the backward sends the output's gradient back by out_splits, a collective every rank
+        must run.
     """
     # one op call: the op checks the arguments and picks the path (csrc/client/a2av.cc)
     name = (group if group is not None else dist.group.WORLD).group_name
@@ -85,12 +83,12 @@ def all_to_all_v(
         raise
 
 
-def _capacity_rows(row_bytes: int) -> int:
-    """The most rows of row_bytes the sidecar's all-to-all receive buffer holds (gocomm.moe)."""
+def _capacity_rows(x: torch.Tensor, k: int) -> int:
+    """The most rows of x's tokens (top-k k) the sidecar's all-to-all receive buffer holds (gocomm.moe)."""
     sc = _sidecar.current()
     if sc is None:
         raise RuntimeError("gocomm: no sidecar yet: the all-to-all's receive buffer is the sidecar's setting")
-    return sc.a2a.recv_bytes // max(row_bytes, 1)
+    return sc.a2a.recv_bytes // max(_client.C.moe_row_bytes(x.shape[1] * x.element_size(), k), 1)
 
 
 def _device_path(g, x: torch.Tensor):

@@ -2038,3 +2038,46 @@ def test_expandable_segments_without_fd_refused(worlds, seed):
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC": "0"}
     with worlds.fresh(1, label="expandable-nofd", env=env) as w:
         w.run(check_expandable_segments_without_fd_refused, seed=seed, timeout=RUN_LIMIT_S)
+
+
+def check_one_rank_past_the_receive_buffer(rk, seed):
+    """A group of one rank takes the in-process all-to-all kernels on any node, and its default
+    outputs hold everything it sends itself, however far past the receive buffer
+    (GOCOMM_A2A_RECV_MB=1 here: 512 rows of 2 KiB): all_to_all_v without out (rows past the
+    buffer pass through it in rounds) and moe.dispatch without max_tokens_per_rank."""
+    from test_moe import _routing
+
+    import gocomm
+
+    dev, _ = _setup(rk)
+    ck = Checker("one rank past the receive buffer", seed, rk.rank)
+    path = gocomm.sparse._device_path(dist.group.WORLD, torch.empty(0, device=dev))
+    ck.expect("the in-process path", isinstance(path, gocomm._client.C.A2Path), repr(path))
+    rows, h = 1500, 1024
+    x = gen(seed, "alone", 0, (rows, h), torch.bfloat16).to(dev)
+    for send in (rows, 1200, 0):
+        with ck.case(f"all_to_all_v of {send} of {rows} rows"):
+            out, got = gocomm.all_to_all_v(x, torch.tensor([send], device=dev))
+            ck.expect("output rows", tuple(out.shape) == (rows, h), str(tuple(out.shape)))
+            ck.same("rows", out[:send].cpu(), x[:send].cpu())
+            ck.same("splits", got.cpu(), torch.tensor([send]))
+    experts, k = 4, 2
+    idx = _routing(seed, 0, rows, experts, k, 1, "uniform")
+    w = gen(seed, "alone-w", 0, (rows, k), torch.float32).abs()
+    with ck.case(f"moe.dispatch of {rows} tokens x {k} without a bound, and combine"):
+        recv, tpe, handle = gocomm.moe.dispatch(x, idx.to(dev), w.to(dev), experts)
+        chose = [(idx == e).any(1) for e in range(experts)]
+        order = torch.cat([torch.nonzero(c).flatten() for c in chose])
+        ck.same("grouped tokens", recv.cpu(), x.cpu()[order])
+        ck.same("tokens per expert", tpe.cpu(), torch.tensor([int(c.sum()) for c in chose]))
+        got = gocomm.moe.combine(recv, handle).cpu().double()
+        ref = x.cpu().double() * w.double().sum(1, keepdim=True)  # every expert returns its input
+        bad = (got - ref).abs() > 4 * 2.0**-8 * ref.abs() + 1e-6
+        ck.expect("combine vs float64", not bool(bad.any()), f"{int(bad.sum())} of {bad.numel()} off")
+    torch.cuda.synchronize()
+    return ck.done()
+
+
+def test_one_rank_past_the_receive_buffer(worlds, seed):
+    with worlds.fresh(1, label="alone", env={"GOCOMM_A2A_RECV_MB": "1"}) as w:
+        w.run(check_one_rank_past_the_receive_buffer, seed=seed, timeout=RUN_LIMIT_S)
