@@ -371,7 +371,7 @@ bool a2a_route(const Backend::Config& cfg) {
     return false;
   }
   if (cfg.routes->alone() && !cfg.cuda_refusal.empty()) {
-    cfg.routes->fall_back("all_to_all_v", "this rank's sidecar runs no CUDA ops");
+    cfg.routes->fall_back("all_to_all_v", "this rank's sidecar runs no CUDA ops", cfg.world);
   }
   return cfg.routes->a2a_inprocess();
 }
@@ -398,7 +398,7 @@ Backend::Backend(std::shared_ptr<Dispatcher> dispatcher, Config cfg)
   h.usable = [this] { return !closed_ && !failure_->get() && !disp_->lost(); };
   h.fall_back = [this](const std::string& op, const std::string& why) {
     if (cfg_.routes) {
-      cfg_.routes->fall_back(op, why);
+      cfg_.routes->fall_back(op, why, cfg_.world);
     }
   };
   h.log = [this](int level, const std::string& msg) {

@@ -96,6 +96,9 @@ Routes::Routes(Facts facts, const std::string& group_name, const std::string& ow
   // was asked for (GOCOMM_TRANSPORT=nccl: its sidecar's reason, sparse/engine.go's Choose).
   const bool forced_nccl = own_reason.rfind("forced by GOCOMM_TRANSPORT=nccl", 0) == 0;
   alone_ = n == 1 && facts_.hosts == 1 && transport_ != "nvshmem" && !forced_nccl;
+  if (alone_) {
+    transport_reason_ += "; one rank alone: its all-to-alls run in this process all the same";
+  }
   splits_on_gpu_ = transport_ == "nvshmem" || alone_;
   const int max = inproc::kMaxRanks;  // the most ranks the in-process kernels take
   const std::string too_many =
@@ -157,7 +160,7 @@ Routes::Routes(Facts facts, const std::string& group_name, const std::string& ow
              : Route{kHost, "CPU tensors: the sidecars' host engine over TCP and shared memory"};
 }
 
-void Routes::fall_back(const std::string& op, const std::string& why) {
+void Routes::fall_back(const std::string& op, const std::string& why, bool world) {
   std::lock_guard<std::mutex> lock(mu_);
   if (op == "all_reduce") {
     ar_inprocess_ = false;
@@ -166,7 +169,7 @@ void Routes::fall_back(const std::string& op, const std::string& why) {
   }
   a2a_inprocess_ = false;
   all_to_all_single_ = {kSidecarNccl, why};
-  all_to_all_v_ = {nvshmem() ? kSidecarNvshmem : kSidecarNccl, why};
+  all_to_all_v_ = {nvshmem() && world ? kSidecarNvshmem : kSidecarNccl, why};
   moe_ = {all_to_all_v_.engine, "as all_to_all_v (one host sync): " + why};
 }
 

@@ -93,8 +93,9 @@ class Routes {
 
   // Turn op's in-process route ("all_reduce" or "all_to_all_v") to the sidecar for good: its
   // kernel's collective setup declined (every rank agrees), or one of its kernels failed (the
-  // group is aborted). all_to_all_v takes all_to_all_single and moe along.
-  void fall_back(const std::string& op, const std::string& why);
+  // group is aborted). all_to_all_v takes all_to_all_single and moe along, to the sidecar's
+  // NVSHMEM kernel where it serves (world: the default group), else to sidecar NCCL.
+  void fall_back(const std::string& op, const std::string& why, bool world);
   // The table, in its order: (op class, route).
   std::vector<std::pair<std::string, Route>> table() const;
   // What a CUDA graph can hold of this group's ops, in words (for error messages).

@@ -336,7 +336,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("splits_on_gpu", &gocomm::Routes::splits_on_gpu)
       .def_property_readonly("ar_inprocess", &gocomm::Routes::ar_inprocess)
       .def_property_readonly("a2a_inprocess", &gocomm::Routes::a2a_inprocess)
-      .def("fall_back", &gocomm::Routes::fall_back, py::arg("op"), py::arg("why"))
+      .def("fall_back", &gocomm::Routes::fall_back, py::arg("op"), py::arg("why"), py::arg("world") = true)
       .def(
           "table",
           [](const gocomm::Routes& r) {
