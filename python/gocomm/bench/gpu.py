@@ -269,8 +269,10 @@ def main(argv=None) -> int:
     if world == 1:
         # one rank: what this measures is the sidecar's path in isolation, but a group of one
         # takes the in-process kernels for all_to_all_single where NCCL is not asked for
-        os.environ.setdefault("GOCOMM_TRANSPORT", "nccl")
-        print("gocomm.bench.gpu: one GPU: GOCOMM_TRANSPORT defaults to nccl (every op through the sidecar)")
+        transport = os.environ.setdefault("GOCOMM_TRANSPORT", "nccl")
+        print(
+            f"gocomm.bench.gpu: one GPU: GOCOMM_TRANSPORT={transport} (nccl unless set: every op through the sidecar)"
+        )
     q = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_host_worker if args.host else _worker, args=(world, _free_port(), sizes, ops, q), nprocs=world)
     rows = q.get()
