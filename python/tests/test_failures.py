@@ -509,13 +509,18 @@ def check_lost_between_send_and_track(rk, seed):
     return out
 
 
-def test_sidecar_lost_between_send_and_track(worlds, seed):
-    world = worlds.fresh(2, label="-lost")
+def _rank0_on_a_spent_pair(worlds, seed, check, label):
+    """check's result on rank 0 of a fresh two-rank world, killed after: the check leaves its
+    client unusable."""
+    world = worlds.fresh(2, label=label)
     try:
-        results = world.run(check_lost_between_send_and_track, seed=seed, timeout=60)
+        return world.run(check, seed=seed, timeout=60)[0]
     finally:
         world.kill()
-    out = results[0]
+
+
+def test_sidecar_lost_between_send_and_track(worlds, seed):
+    out = _rank0_on_a_spent_pair(worlds, seed, check_lost_between_send_and_track, "-lost")
     assert out["backend_error"], out
     assert "recv" in out["message"] and "the test dropped the sidecar" in out["message"], out
     assert out["elapsed"] < 10, out
@@ -542,12 +547,7 @@ def check_closed_session_fails_in_flight(rk, seed):
 
 
 def test_session_closed_with_ops_in_flight(worlds, seed):
-    world = worlds.fresh(2, label="-closed")
-    try:
-        results = world.run(check_closed_session_fails_in_flight, seed=seed, timeout=60)
-    finally:
-        world.kill()
-    out = results[0]
+    out = _rank0_on_a_spent_pair(worlds, seed, check_closed_session_fails_in_flight, "-closed")
     assert out["backend_error"] and "the sidecar session is closed" in out["message"], out
     assert out["elapsed"] < 10, out
     assert out["pending"] == 0, out
