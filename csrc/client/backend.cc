@@ -18,6 +18,16 @@ namespace gocomm {
 // from outputs). outputs: (buffer index, tensors) whose bytes are copied back from that
 // buffer, in order, when the op succeeds.
 struct Backend::Op {
+  // What every op states: its name (errors, the flight record), wire kind and torch OpType,
+  // and its timeout (unset: the group's).
+  Op(std::string name_, uint8_t kind_, c10d::OpType type_, std::chrono::milliseconds timeout_ = c10d::kUnsetTimeout)
+      : name(std::move(name_)), kind(kind_), timeout(timeout_), type(type_) {}
+  // Its elements: t's type, and t's count unless given (a list's total).
+  void elements(const at::Tensor& t, int64_t n = -1) {
+    dtype = t.scalar_type();
+    count = uint64_t(n < 0 ? t.numel() : n);
+  }
+
   std::string name;
   uint8_t kind = 0;
   std::optional<at::ScalarType> dtype;
@@ -1037,6 +1047,18 @@ const Tensors& output_list(const std::string& refusal, const std::string& op, co
   return ts;
 }
 
+// The *_tensor_coalesced forms: one op per (output, input) pair, waited for as one Work.
+template <typename Each>
+intrusive_ptr<c10d::Work> pairwise(const char* name, Tensors& outputs, Tensors& inputs, const Each& each) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "gocomm ", name, ": ", outputs.size(), " outputs and ",
+                    inputs.size(), " inputs");
+  std::vector<intrusive_ptr<Work>> works;
+  for (size_t i = 0; i < outputs.size(); i++) {
+    works.push_back(c10::static_intrusive_pointer_cast<Work>(each(outputs[i], inputs[i])));
+  }
+  return BatchWork::make(name, std::move(works), outputs);
+}
+
 }  // namespace
 
 intrusive_ptr<c10d::Work> Backend::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
@@ -1049,17 +1071,12 @@ intrusive_ptr<c10d::Work> Backend::allreduce(Tensors& tensors, const c10d::Allre
       return w;
     }
   }
-  Op op;
-  op.name = "all_reduce";
-  op.kind = wire::kAllReduce;
-  op.dtype = t.scalar_type();
-  op.count = t.numel();
+  Op op("all_reduce", wire::kAllReduce, c10d::OpType::ALLREDUCE, opts.timeout);
+  op.elements(t);
   op.redop = code;
   op.inputs = {Tensors{t}};
   op.outputs = {{0, {t}}};
   op.result = Tensors{t};
-  op.timeout = opts.timeout;
-  op.type = c10d::OpType::ALLREDUCE;
   return submit(op);
 }
 
@@ -1076,11 +1093,8 @@ intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(Tensors& tensors, const c
     return BatchWork::make(name, {}, {});
   }
   same_dtype(name, "tensors", ts);
-  Op op;
-  op.name = name;
-  op.kind = wire::kAllReduce;
-  op.dtype = ts[0].scalar_type();
-  op.count = numel_of(ts);
+  Op op(name, wire::kAllReduce, c10d::OpType::ALLREDUCE_COALESCED, opts.timeout);
+  op.elements(ts[0], numel_of(ts));
   op.redop = redop(name.c_str(), opts.reduceOp, ts[0]);
   for (const auto& t : ts) {
     premul(opts.reduceOp, t, true, name);
@@ -1088,8 +1102,6 @@ intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(Tensors& tensors, const c
   op.inputs = {ts};
   op.outputs = {{0, ts}};
   op.result = ts;
-  op.timeout = opts.timeout;
-  op.type = c10d::OpType::ALLREDUCE_COALESCED;
   return submit(op);
 }
 
@@ -1098,11 +1110,8 @@ intrusive_ptr<c10d::Work> Backend::broadcast(Tensors& tensors, const c10d::Broad
   const at::Tensor& t = single(cfg_.cuda_refusal, "broadcast", "tensor", tensors, true);
   root_in("broadcast", opts.rootRank, size_);
   const bool me = opts.rootRank == rank_;
-  Op op;
-  op.name = "broadcast";
-  op.kind = wire::kBroadcast;
-  op.dtype = t.scalar_type();
-  op.count = t.numel();
+  Op op("broadcast", wire::kBroadcast, c10d::OpType::BROADCAST, opts.timeout);
+  op.elements(t);
   op.root = int32_t(opts.rootRank);
   if (me) {
     op.inputs = {Tensors{t}};
@@ -1111,8 +1120,6 @@ intrusive_ptr<c10d::Work> Backend::broadcast(Tensors& tensors, const c10d::Broad
     op.outputs = {{0, {t}}};
   }
   op.result = Tensors{t};
-  op.timeout = opts.timeout;
-  op.type = c10d::OpType::BROADCAST;
   return submit(op);
 }
 
@@ -1121,11 +1128,8 @@ intrusive_ptr<c10d::Work> Backend::reduce(Tensors& tensors, const c10d::ReduceOp
   const at::Tensor& t = single(cfg_.cuda_refusal, "reduce", "tensor", tensors, true);
   const uint8_t code = redop("reduce", opts.reduceOp, t);
   root_in("reduce", opts.rootRank, size_);
-  Op op;
-  op.name = "reduce";
-  op.kind = wire::kReduce;
-  op.dtype = t.scalar_type();
-  op.count = t.numel();
+  Op op("reduce", wire::kReduce, c10d::OpType::REDUCE, opts.timeout);
+  op.elements(t);
   op.redop = code;
   op.root = int32_t(opts.rootRank);
   // the root's t takes the result; the others' stays as it was (NCCL's reduce)
@@ -1134,8 +1138,6 @@ intrusive_ptr<c10d::Work> Backend::reduce(Tensors& tensors, const c10d::ReduceOp
     op.outputs = {{0, {t}}};
   }
   op.result = Tensors{t};
-  op.timeout = opts.timeout;
-  op.type = c10d::OpType::REDUCE;
   return submit(op);
 }
 
@@ -1144,16 +1146,11 @@ intrusive_ptr<c10d::Work> Backend::allgather(std::vector<Tensors>& outputs, Tens
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor& t = single(cfg_.cuda_refusal, "all_gather", "tensor", inputs);
   const Tensors& outs = output_list(cfg_.cuda_refusal, "all_gather", "tensor_list", outputs, t, size_);
-  Op op;
-  op.name = "all_gather";
-  op.kind = wire::kAllGather;
-  op.dtype = t.scalar_type();
-  op.count = t.numel();
+  Op op("all_gather", wire::kAllGather, c10d::OpType::ALLGATHER, opts.timeout);
+  op.elements(t);
   op.inputs = {Tensors{t}, std::nullopt};
   op.outputs = {{1, outs}};
   op.result = outs;
-  op.timeout = opts.timeout;
-  op.type = c10d::OpType::ALLGATHER;
   return submit(op);
 }
 
@@ -1165,29 +1162,18 @@ intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tenso
   check(cfg_.cuda_refusal, name, "output_tensor", output);
   match_dtype(name, "output_tensor", output, input);
   world_times(name, "output_tensor", output, "input", input, size_);
-  Op op;
-  op.name = name;
-  op.kind = wire::kAllGather;
-  op.dtype = input.scalar_type();
-  op.count = input.numel();
+  Op op(name, wire::kAllGather, c10d::OpType::_ALLGATHER_BASE, opts.timeout);
+  op.elements(input);
   op.inputs = {Tensors{input}, std::nullopt};
   op.outputs = {{1, {output}}};
   op.result = Tensors{output};
-  op.timeout = opts.timeout;
-  op.type = c10d::OpType::_ALLGATHER_BASE;
   return submit(op);
 }
 
 intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(Tensors& outputs, Tensors& inputs,
                                                                    const c10d::AllgatherOptions& opts) {
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "gocomm all_gather_into_tensor_coalesced: ",
-                    outputs.size(), " outputs and ", inputs.size(), " inputs");
-  std::vector<intrusive_ptr<Work>> works;
-  for (size_t i = 0; i < outputs.size(); i++) {
-    works.push_back(c10::static_intrusive_pointer_cast<Work>(_allgather_base(outputs[i], inputs[i], opts)));
-  }
-  return BatchWork::make("all_gather_into_tensor_coalesced", std::move(works), outputs);
+  return pairwise("all_gather_into_tensor_coalesced", outputs, inputs, [&](at::Tensor& out, at::Tensor& in) { return _allgather_base(out, in, opts); });
 }
 
 intrusive_ptr<c10d::Work> Backend::allgather_coalesced(std::vector<Tensors>& output_lists, Tensors& input_list,
@@ -1233,16 +1219,11 @@ intrusive_ptr<c10d::Work> Backend::allgather_coalesced(std::vector<Tensors>& out
   if (ins.empty()) {
     return BatchWork::make(name, {}, {});
   }
-  Op op;
-  op.name = name;
-  op.kind = wire::kAllGather;
-  op.dtype = ins[0].scalar_type();
-  op.count = numel_of(ins);
+  Op op(name, wire::kAllGather, c10d::OpType::ALLGATHER_COALESCED, opts.timeout);
+  op.elements(ins[0], numel_of(ins));
   op.inputs = {ins, std::nullopt};
   op.outputs = {{1, outs}};
   op.result = outs;
-  op.timeout = opts.timeout;
-  op.type = c10d::OpType::ALLGATHER_COALESCED;
   return submit(op);
 }
 
@@ -1254,11 +1235,8 @@ intrusive_ptr<c10d::Work> Backend::reduce_scatter(Tensors& outputs, std::vector<
     value_error("gocomm reduce_scatter: expected one input list");
   }
   const Tensors& ins = output_list(cfg_.cuda_refusal, "reduce_scatter", "input_list", inputs, out, size_);
-  Op op;
-  op.name = "reduce_scatter";
-  op.kind = wire::kReduceScatter;
-  op.dtype = out.scalar_type();
-  op.count = out.numel();
+  Op op("reduce_scatter", wire::kReduceScatter, c10d::OpType::REDUCE_SCATTER, opts.timeout);
+  op.elements(out);
   op.redop = redop("reduce_scatter", opts.reduceOp, out);
   Tensors scaled;
   for (const auto& t : ins) {
@@ -1267,8 +1245,6 @@ intrusive_ptr<c10d::Work> Backend::reduce_scatter(Tensors& outputs, std::vector<
   op.inputs = {scaled, std::nullopt};
   op.outputs = {{1, {out}}};
   op.result = Tensors{out};
-  op.timeout = opts.timeout;
-  op.type = c10d::OpType::REDUCE_SCATTER;
   return submit(op);
 }
 
@@ -1280,30 +1256,19 @@ intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output, at::
   check(cfg_.cuda_refusal, name, "output", output);
   match_dtype(name, "output", output, input);
   world_times(name, "input", input, "output", output, size_);
-  Op op;
-  op.name = name;
-  op.kind = wire::kReduceScatter;
-  op.dtype = output.scalar_type();
-  op.count = output.numel();
+  Op op(name, wire::kReduceScatter, c10d::OpType::_REDUCE_SCATTER_BASE, opts.timeout);
+  op.elements(output);
   op.redop = redop(name.c_str(), opts.reduceOp, output);
   op.inputs = {Tensors{premul(opts.reduceOp, input, false, name)}, std::nullopt};
   op.outputs = {{1, {output}}};
   op.result = Tensors{output};
-  op.timeout = opts.timeout;
-  op.type = c10d::OpType::_REDUCE_SCATTER_BASE;
   return submit(op);
 }
 
 intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(Tensors& outputs, Tensors& inputs,
                                                                    const c10d::ReduceScatterOptions& opts) {
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "gocomm reduce_scatter_tensor_coalesced: ",
-                    outputs.size(), " outputs and ", inputs.size(), " inputs");
-  std::vector<intrusive_ptr<Work>> works;
-  for (size_t i = 0; i < outputs.size(); i++) {
-    works.push_back(c10::static_intrusive_pointer_cast<Work>(_reduce_scatter_base(outputs[i], inputs[i], opts)));
-  }
-  return BatchWork::make("reduce_scatter_tensor_coalesced", std::move(works), outputs);
+  return pairwise("reduce_scatter_tensor_coalesced", outputs, inputs, [&](at::Tensor& out, at::Tensor& in) { return _reduce_scatter_base(out, in, opts); });
 }
 
 intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -1341,13 +1306,9 @@ intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Tensor&
       return w;
     }
   }
-  Op op;
-  op.name = name;
-  op.kind = wire::kAllToAll;
+  Op op(name, wire::kAllToAll, c10d::OpType::ALLTOALL_BASE, opts.timeout);
   op.dtype = input.scalar_type();
   op.result = Tensors{output};
-  op.timeout = opts.timeout;
-  op.type = c10d::OpType::ALLTOALL_BASE;
   if (input.is_cpu() && n > 1 && ins[me] != 0) {
     // This rank's own block never leaves the process: copy it directly and stage only the
     // blocks for the peers (one copy instead of three through shared memory).
@@ -1407,13 +1368,9 @@ intrusive_ptr<c10d::Work> Backend::alltoall(Tensors& outputs, Tensors& inputs, c
     value_error("gocomm " + name + ": input " + std::to_string(me) + " has " + std::to_string(ins[me].numel()) +
                 " elements but output " + std::to_string(me) + " has " + std::to_string(outs[me].numel()));
   }
-  Op op;
-  op.name = name;
-  op.kind = wire::kAllToAll;
+  Op op(name, wire::kAllToAll, c10d::OpType::ALLTOALL, opts.timeout);
   op.dtype = ins[0].scalar_type();
   op.result = outs;
-  op.timeout = opts.timeout;
-  op.type = c10d::OpType::ALLTOALL;
   if (ins[0].is_cpu() && n > 1) {
     // as in all_to_all_single: the own block is copied directly, not staged
     outs[me].copy_(ins[me].view(outs[me].sizes()));
@@ -1450,11 +1407,8 @@ intrusive_ptr<c10d::Work> Backend::gather(std::vector<Tensors>& outputs, Tensors
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor& t = single(cfg_.cuda_refusal, "gather", "tensor", inputs);
   root_in("gather", opts.rootRank, size_);
-  Op op;
-  op.name = "gather";
-  op.kind = wire::kGather;
-  op.dtype = t.scalar_type();
-  op.count = t.numel();
+  Op op("gather", wire::kGather, c10d::OpType::GATHER, opts.timeout);
+  op.elements(t);
   op.root = int32_t(opts.rootRank);
   if (opts.rootRank == rank_) {
     const Tensors& outs = output_list(cfg_.cuda_refusal, "gather", "gather_list", outputs, t, size_);
@@ -1470,8 +1424,6 @@ intrusive_ptr<c10d::Work> Backend::gather(std::vector<Tensors>& outputs, Tensors
     op.inputs = {Tensors{t}};
     op.result = Tensors{};
   }
-  op.timeout = opts.timeout;
-  op.type = c10d::OpType::GATHER;
   return submit(op);
 }
 
@@ -1480,11 +1432,8 @@ intrusive_ptr<c10d::Work> Backend::scatter(Tensors& outputs, std::vector<Tensors
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor& t = single(cfg_.cuda_refusal, "scatter", "tensor", outputs);
   root_in("scatter", opts.rootRank, size_);
-  Op op;
-  op.name = "scatter";
-  op.kind = wire::kScatter;
-  op.dtype = t.scalar_type();
-  op.count = t.numel();
+  Op op("scatter", wire::kScatter, c10d::OpType::SCATTER, opts.timeout);
+  op.elements(t);
   op.root = int32_t(opts.rootRank);
   if (opts.rootRank == rank_) {
     const Tensors& ins = output_list(cfg_.cuda_refusal, "scatter", "scatter_list", inputs, t, size_);
@@ -1499,28 +1448,18 @@ intrusive_ptr<c10d::Work> Backend::scatter(Tensors& outputs, std::vector<Tensors
   }
   op.outputs = {{0, {t}}};
   op.result = Tensors{t};
-  op.timeout = opts.timeout;
-  op.type = c10d::OpType::SCATTER;
   return submit(op);
 }
 
 intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
-  Op op;
-  op.name = "barrier";
-  op.kind = wire::kBarrier;
-  op.timeout = opts.timeout;
-  op.type = c10d::OpType::BARRIER;
+  Op op("barrier", wire::kBarrier, c10d::OpType::BARRIER, opts.timeout);
   return submit(op);
 }
 
 void Backend::monitoredBarrier(const c10d::BarrierOptions& opts, bool) {
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
-  Op op;
-  op.name = "monitored_barrier";
-  op.kind = wire::kBarrier;
-  op.timeout = opts.timeout;
-  op.type = c10d::OpType::BARRIER;
+  Op op("monitored_barrier", wire::kBarrier, c10d::OpType::BARRIER, opts.timeout);
   submit(op)->wait();
 }
 
@@ -1529,33 +1468,25 @@ void Backend::monitoredBarrier(const c10d::BarrierOptions& opts, bool) {
 intrusive_ptr<c10d::Work> Backend::send(Tensors& tensors, int dst, int tag) {
   const at::Tensor& t = single(cfg_.cuda_refusal, "send", "tensor", tensors, true);
   peer_in("send", "dst", dst, rank_, size_);
-  Op op;
-  op.name = "send";
-  op.kind = wire::kSend;
-  op.dtype = t.scalar_type();
-  op.count = t.numel();
+  Op op("send", wire::kSend, c10d::OpType::SEND);
+  op.elements(t);
   op.root = dst;
   op.tag = tag;
   op.inputs = {Tensors{t}};
   op.result = Tensors{t};
-  op.type = c10d::OpType::SEND;
   return submit(op);
 }
 
 intrusive_ptr<c10d::Work> Backend::recv(Tensors& tensors, int src, int tag) {
   const at::Tensor& t = single(cfg_.cuda_refusal, "recv", "tensor", tensors, true);
   peer_in("recv", "src", src, rank_, size_);
-  Op op;
-  op.name = "recv";
-  op.kind = wire::kRecv;
-  op.dtype = t.scalar_type();
-  op.count = t.numel();
+  Op op("recv", wire::kRecv, c10d::OpType::RECV);
+  op.elements(t);
   op.root = src;
   op.tag = tag;
   op.inputs = {std::nullopt};
   op.outputs = {{0, {t}}};
   op.result = Tensors{t};
-  op.type = c10d::OpType::RECV;
   return submit(op);
 }
 
@@ -1564,17 +1495,13 @@ intrusive_ptr<c10d::Work> Backend::recvAnysource(Tensors& tensors, int tag) {
   if (t.is_cuda()) {
     value_error("gocomm recv: a CUDA tensor needs a source rank (NCCL has no receive from any rank)");
   }
-  Op op;
-  op.name = "recv";
-  op.kind = wire::kRecv;
-  op.dtype = t.scalar_type();
-  op.count = t.numel();
+  Op op("recv", wire::kRecv, c10d::OpType::RECVANYSOURCE);
+  op.elements(t);
   op.root = -1;
   op.tag = tag;
   op.inputs = {std::nullopt};
   op.outputs = {{0, {t}}};
   op.result = Tensors{t};
-  op.type = c10d::OpType::RECVANYSOURCE;
   return submit(op);
 }
 
