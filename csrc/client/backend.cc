@@ -381,7 +381,7 @@ bool a2a_route(const Backend::Config& cfg) {
     return false;
   }
   if (cfg.routes->alone() && !cfg.cuda_refusal.empty()) {
-    cfg.routes->fall_back("all_to_all_v", "this rank's sidecar runs no CUDA ops", cfg.world);
+    cfg.routes->fall_back("all_to_all_v", "this rank's sidecar runs no CUDA ops");
   }
   return cfg.routes->a2a_inprocess();
 }
@@ -408,7 +408,7 @@ Backend::Backend(std::shared_ptr<Dispatcher> dispatcher, Config cfg)
   h.usable = [this] { return !closed_ && !failure_->get() && !disp_->lost(); };
   h.fall_back = [this](const std::string& op, const std::string& why) {
     if (cfg_.routes) {
-      cfg_.routes->fall_back(op, why, cfg_.world);
+      cfg_.routes->fall_back(op, why);
     }
   };
   h.log = [this](int level, const std::string& msg) {
@@ -1511,8 +1511,8 @@ void Backend::shutdown() {
   if (closed_.exchange(true)) {
     return;
   }
-  if (cfg_.on_shutdown && !disp_->lost()) {
-    cfg_.on_shutdown();
+  if (cfg_.on_shutdown) {
+    cfg_.on_shutdown();  // the control plane's leave, which knows a lost or closed sidecar
   }
 }
 

@@ -188,20 +188,27 @@ void Dispatcher::send(wire::Desc& d, const std::function<std::string()>& op, uin
     untracked_.push_back(d.seq);
   }
   try {
-    while (!ring_->submit(type, payload.data(), payload.size())) {
-      if (lost()) {
-        return;  // not sent: track fails the op
-      }
-      if (stop_) {
-        C10_THROW_ERROR(DistBackendError, "gocomm " + op() + ": the sidecar session is closed");
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
+    if (push(type, payload) == Refused::kClosed) {
+      C10_THROW_ERROR(DistBackendError, "gocomm " + op() + ": the sidecar session is closed");
+    }  // kLost: not sent, and track fails the op
   } catch (...) {
     std::lock_guard<std::mutex> lock(mu_);
     drop_untracked(d.seq);  // the caller will not track what never went out
     throw;
   }
+}
+
+Dispatcher::Refused Dispatcher::push(uint16_t type, const std::vector<uint8_t>& payload) {
+  while (!ring_->submit(type, payload.data(), payload.size())) {
+    if (lost()) {
+      return Refused::kLost;
+    }
+    if (stop_) {
+      return Refused::kClosed;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  return Refused::kNo;
 }
 
 void Dispatcher::track(uint64_t seq, Pending p) {
@@ -250,14 +257,10 @@ void Dispatcher::track(uint64_t seq, Pending p) {
 }
 
 void Dispatcher::put(uint16_t type, const std::vector<uint8_t>& payload) {
-  while (!ring_->submit(type, payload.data(), payload.size())) {
-    if (auto why = lost()) {
-      throw std::runtime_error("gocomm: " + *why);
-    }
-    if (stop_) {
-      throw std::runtime_error("gocomm: the sidecar session is closed");
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  switch (push(type, payload)) {
+    case Refused::kNo: return;
+    case Refused::kLost: throw std::runtime_error("gocomm: " + lost().value_or("the sidecar is lost"));
+    case Refused::kClosed: throw std::runtime_error("gocomm: the sidecar session is closed");
   }
 }
 
@@ -273,6 +276,16 @@ size_t Dispatcher::pending_count() {
 
 void Dispatcher::loop() {
   auto last_check = std::chrono::steady_clock::now();
+  bool any = false, ok = true;
+  const auto drain = [&] {  // the completions in the queue; false where it is corrupt
+    return ring_->poll([&](uint16_t type, const uint8_t* p, size_t n) {
+      wire::Done d;
+      if (type == wire::kRecDone && wire::decode_done(p, n, &d)) {
+        any = true;
+        complete(d);
+      }
+    });
+  };
   while (!stop_) {
     settle_later();
     send_drops();
@@ -281,19 +294,8 @@ void Dispatcher::loop() {
     if (orphans) {
       orphan_triggers();
     }
-    bool any = false;
-    const bool ok = ring_->poll([&](uint16_t type, const uint8_t* p, size_t n) {
-      if (type != wire::kRecDone) {
-        return;
-      }
-      wire::Done d;
-      if (wire::decode_done(p, n, &d)) {
-        any = true;
-        complete(d);
-      }
-    });
-    if (!ok) {
-      fail_all("the completion queue from pgserver is corrupt");
+    any = false;
+    if (!(ok = drain())) {
       break;
     }
     if (!any) {
@@ -307,6 +309,11 @@ void Dispatcher::loop() {
         return !later_.empty();
       });
     }
+  }
+  if (!ok) {
+    fail_all("the completion queue from pgserver is corrupt");
+  } else {
+    drain();  // answers that came before the close settle their ops as answered (close fails the rest)
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -437,6 +444,9 @@ void Dispatcher::fail_all(const std::string& why) {
       lost_ = why;
     }
     for (auto& [seq, p] : pending_) {
+      // The sidecar may still use these buffers (gone from this session's view, not
+      // necessarily dead): never reused, as an expired op's.
+      leaked_.push_back(std::move(p.keep));
       pending.push_back(std::move(p));
     }
     pending_.clear();

@@ -183,6 +183,10 @@ class Dispatcher {
   void settle(Pending& p, const wire::Done& d);  // p's completion d (p out of pending_)
   void settle_later();  // the completion thread: early completions track handed it (later_)
   void drop_untracked(uint64_t seq);  // seq leaves untracked_ (mu_ held)
+  // Puts one record into the ring, waiting while it is full, unless the sidecar is lost or the
+  // session closed meanwhile.
+  enum class Refused { kNo, kLost, kClosed };
+  Refused push(uint16_t type, const std::vector<uint8_t>& payload);
   void expire(std::chrono::steady_clock::time_point now);
   void release(Pending& p);
   static void finish(Pending& p, std::exception_ptr exc);

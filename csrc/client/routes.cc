@@ -62,8 +62,9 @@ Facts Facts::agree(const std::vector<std::string>& choices, int64_t ar_max) {
   return f;
 }
 
-Routes::Routes(Facts facts, const std::string& group_name, const std::string& own_reason, const Log& log)
-    : facts_(std::move(facts)) {
+Routes::Routes(Facts facts, const std::string& group_name, const std::string& own_reason, const Log& log,
+               bool world)
+    : facts_(std::move(facts)), world_(world) {
   const std::set<std::string> kinds(facts_.transports.begin(), facts_.transports.end());
   const std::string hosts = std::to_string(facts_.hosts);
   std::string why;
@@ -97,7 +98,7 @@ Routes::Routes(Facts facts, const std::string& group_name, const std::string& ow
   const bool forced_nccl = own_reason.rfind("forced by GOCOMM_TRANSPORT=nccl", 0) == 0;
   alone_ = n == 1 && facts_.hosts == 1 && transport_ != "nvshmem" && !forced_nccl;
   if (alone_) {
-    transport_reason_ += "; one rank alone: its all-to-alls run in this process all the same";
+    transport_reason_ += "; one rank alone: its all-to-alls need no link to a peer (their routes say where they run)";
   }
   splits_on_gpu_ = transport_ == "nvshmem" || alone_;
   const int max = inproc::kMaxRanks;  // the most ranks the in-process kernels take
@@ -140,10 +141,12 @@ Routes::Routes(Facts facts, const std::string& group_name, const std::string& ow
                      "the ranks share one NVLink domain; where the kernel's setup declines (GOCOMM_A2AV_INPROCESS=0 "
                      "on a rank), the sidecar's NVSHMEM kernel on the default group, else sidecar NCCL with a host "
                      "count exchange"};
+  } else if (splits_on_gpu_ && world_) {
+    all_to_all_v_ = {kSidecarNvshmem, a2a_why + ": the sidecar's NVSHMEM kernel (this is the default group)"};
   } else if (splits_on_gpu_) {
-    all_to_all_v_ = {kSidecarNvshmem, a2a_why +
-                                          ": the sidecar's NVSHMEM kernel on the default group, else sidecar NCCL "
-                                          "with a host count exchange"};
+    all_to_all_v_ = {kSidecarNccl, a2a_why +
+                                       ": sidecar NCCL with a host count exchange (the sidecar's NVSHMEM kernel "
+                                       "serves the default group only)"};
   } else {
     all_to_all_v_ = {kSidecarNccl, why + ": the counts go through the host (one sync)"};
   }
@@ -160,7 +163,7 @@ Routes::Routes(Facts facts, const std::string& group_name, const std::string& ow
              : Route{kHost, "CPU tensors: the sidecars' host engine over TCP and shared memory"};
 }
 
-void Routes::fall_back(const std::string& op, const std::string& why, bool world) {
+void Routes::fall_back(const std::string& op, const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
   if (op == "all_reduce") {
     ar_inprocess_ = false;
@@ -169,7 +172,7 @@ void Routes::fall_back(const std::string& op, const std::string& why, bool world
   }
   a2a_inprocess_ = false;
   all_to_all_single_ = {kSidecarNccl, why};
-  all_to_all_v_ = {nvshmem() && world ? kSidecarNvshmem : kSidecarNccl, why};
+  all_to_all_v_ = {nvshmem() && world_ ? kSidecarNvshmem : kSidecarNccl, why};
   moe_ = {all_to_all_v_.engine, "as all_to_all_v (one host sync): " + why};
 }
 

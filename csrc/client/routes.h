@@ -70,9 +70,12 @@ class Routes {
 
   // own_reason: why this rank's sidecar chose its transport, for the table's reasons.
   // Logs a warning where the sidecars chose differently.
-  Routes(Facts facts, const std::string& group_name, const std::string& own_reason, const Log& log);
+  // world: the default group, which the sidecar's NVSHMEM all_to_all_v kernel serves (its PEs
+  // are the world's ranks); another group's all_to_all_v falls back to sidecar NCCL.
+  Routes(Facts facts, const std::string& group_name, const std::string& own_reason, const Log& log, bool world);
 
   const Facts& facts() const { return facts_; }
+  bool world() const { return world_; }
   // The group's sparse transport: "nvshmem" where every member's sidecar chose it and all are
   // on one host (one rank on NCCL would leave the others waiting in a kernel for rows that
   // never come; the NVSHMEM path is set up for one node), else "nccl".
@@ -81,7 +84,8 @@ class Routes {
   // all_to_all_v keeps its splits on the GPU (the in-process kernel or the sidecar's NVSHMEM
   // kernel): no host count exchange.
   bool splits_on_gpu() const { return splits_on_gpu_; }
-  // The sidecar's NVSHMEM kernel can take all_to_all_v (the in-process kernel's fallback).
+  // The sidecar's NVSHMEM kernel can take all_to_all_v (the in-process kernel's fallback; the
+  // default group only: see world).
   bool nvshmem() const { return transport_ == "nvshmem"; }
   // A group of one rank on a node whose sidecar chose NCCL (one GPU): the in-process kernels
   // serve its all_to_all_single, all_to_all_v and moe all the same (no peer to reach).
@@ -94,8 +98,8 @@ class Routes {
   // Turn op's in-process route ("all_reduce" or "all_to_all_v") to the sidecar for good: its
   // kernel's collective setup declined (every rank agrees), or one of its kernels failed (the
   // group is aborted). all_to_all_v takes all_to_all_single and moe along, to the sidecar's
-  // NVSHMEM kernel where it serves (world: the default group), else to sidecar NCCL.
-  void fall_back(const std::string& op, const std::string& why, bool world);
+  // NVSHMEM kernel where it serves (an NVSHMEM world group), else to sidecar NCCL.
+  void fall_back(const std::string& op, const std::string& why);
   // The table, in its order: (op class, route).
   std::vector<std::pair<std::string, Route>> table() const;
   // What a CUDA graph can hold of this group's ops, in words (for error messages).
@@ -103,6 +107,7 @@ class Routes {
 
  private:
   Facts facts_;
+  bool world_;
   std::string transport_, transport_reason_;
   bool splits_on_gpu_ = false;
   bool alone_ = false;

@@ -320,14 +320,16 @@ PYBIND11_MODULE(_C, m) {
   py::class_<gocomm::Routes, std::shared_ptr<gocomm::Routes>> routes(m, "Routes");
   routes
       .def(py::init([](const std::vector<std::string>& choices, int64_t ar_max, const std::string& group_name,
-                       const std::string& own_reason, py::object log) {
+                       const std::string& own_reason, py::object log, bool world) {
              return std::make_shared<gocomm::Routes>(gocomm::Facts::agree(choices, ar_max), group_name, own_reason,
-                                                     logger(std::move(log)));
+                                                     logger(std::move(log)), world);
            }),
            py::arg("choices"), py::arg("ar_max"), py::arg("group_name") = "", py::arg("own_reason") = "",
-           py::arg("log") = py::none(),
+           py::arg("log") = py::none(), py::arg("world") = true,
            "The table from every member's \"<transport> <host>\" (as published through the group's Store) and "
-           "GOCOMM_AR_MAX; own_reason: why this rank's sidecar chose its transport; log: the gocomm logger's log.")
+           "GOCOMM_AR_MAX; own_reason: why this rank's sidecar chose its transport; log: the gocomm logger's log; "
+           "world: the default group (the one the sidecar's NVSHMEM kernel serves).")
+      .def_property_readonly("world", &gocomm::Routes::world)
       .def_property_readonly("size", [](const gocomm::Routes& r) { return r.facts().size; })
       .def_property_readonly("hosts", [](const gocomm::Routes& r) { return r.facts().hosts; },
                              "How many hosts the group's ranks are on.")
@@ -336,7 +338,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("splits_on_gpu", &gocomm::Routes::splits_on_gpu)
       .def_property_readonly("ar_inprocess", &gocomm::Routes::ar_inprocess)
       .def_property_readonly("a2a_inprocess", &gocomm::Routes::a2a_inprocess)
-      .def("fall_back", &gocomm::Routes::fall_back, py::arg("op"), py::arg("why"), py::arg("world") = true)
+      .def("fall_back", &gocomm::Routes::fall_back, py::arg("op"), py::arg("why"))
       .def(
           "table",
           [](const gocomm::Routes& r) {
@@ -407,7 +409,7 @@ PYBIND11_MODULE(_C, m) {
                  };
                }
              }
-             cfg.world = world;
+             cfg.world = cfg.routes ? cfg.routes->world() : world;  // the table's word where there is one
              if (given(shmem_id)) {
                cfg.store = std::move(store);
                cfg.shmem_id = shmem_rpc(std::move(shmem_id));

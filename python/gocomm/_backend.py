@@ -134,8 +134,10 @@ class _Group:
             self._sc.call("DestroyGroup", pb.DestroyGroupRequest(session=self._sc.session, group=self._handle))
             raise _store_gone(group_name, rank, size, e) from e
         # which engine runs each op (csrc/client/routes.h), from every member's sidecar's
-        # choice and host, and the knobs every rank shares
-        self._routes = _client.C.Routes(sparse, self._sc.knobs.ar_max, group_name, self._sc.sparse_reason, log.log)
+        # choice and host, the knobs every rank shares, and whether this is the world group
+        self._routes = _client.C.Routes(
+            sparse, self._sc.knobs.ar_max, group_name, self._sc.sparse_reason, log.log, world
+        )
         conn = self._sc.call(
             "ConnectGroup",
             pb.ConnectGroupRequest(session=self._sc.session, group=self._handle, bootstrap=blobs, secret=secret),
@@ -161,7 +163,6 @@ class _Group:
             self._destroy,
             self._abort,
             self,
-            world=world,  # the sidecar's NVSHMEM all_to_all_v kernel serves the world group only
             # the NVSHMEM unique id of that kernel travels through the group's Store, at its
             # first call (the compiled client's exchange_shmem_id), handed over by _shmem_id
             store=store,
@@ -229,7 +230,7 @@ class _Group:
         for key, e in list(served.items()):
             if e.group is self:
                 served.pop(key, None)
-        if self._sc.lost:
+        if self._sc.lost or self._sc._closed:
             return
         try:
             self._sc.call(

@@ -95,18 +95,17 @@ def dispatch(
             (H must be a multiple of FP8_BLOCK); the received tokens are returned as
             (values, scales) for an fp8 expert GEMM.
         max_tokens_per_rank: the most tokens any rank of the group dispatches; it bounds
-            what this rank can receive (each token comes at most once per rank). On the
-            NVSHMEM path, where nothing learns the counts before the exchange, it sizes the
-            receive buffer; without it the buffer is the sidecar's whole receive capacity
-            (GOCOMM_A2A_RECV_MB; a group of one rank: its T tokens). A rank that is sent more
-            raises OverflowError.
+            what this rank can receive (each token comes at most once per rank). Where the
+            counts stay on the GPU (see gocomm.all_to_all_v) it sizes the receive buffer;
+            without it that is the whole receive capacity (GOCOMM_A2A_RECV_MB), or on a group
+            of one rank its T tokens. A rank that is sent more raises OverflowError.
         padded: no host sync (needs max_tokens_per_rank): recv has its most rows,
             max_tokens_per_rank x group size x k, expert e's tokens at rows
             sum(tokens_per_expert[:e]) onwards and rows past their total undefined, so
             shapes do not depend on the routing and the call can be captured in a CUDA graph
             (once a first call ran outside the capture: it sets the group's exchange up).
             combine then takes y of that many rows. Where the group's all-to-all runs in
-            this process (its GPUs share NVLink; see gocomm.all_to_all_v), nothing waits for
+            this process (NVLink, or one rank; see gocomm.all_to_all_v), nothing waits for
             the GPU. An id out of range (sent nowhere), or more tokens sent to a rank than
             its bound (that rank receives none, and combine's sums of the tokens sent to it
             are undefined), is found on the GPU and raises ValueError / OverflowError at the

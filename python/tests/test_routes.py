@@ -84,9 +84,11 @@ def test_fall_back():
     assert t["all_to_all_single"] == (SIDECAR_NCCL, "timed out")
     assert t["moe"] == (SIDECAR_NVSHMEM, "as all_to_all_v (one host sync): timed out"), t
     # the sidecar's NVSHMEM kernel serves the default group only: another group's falls to NCCL
-    sub = Routes(*facts(4), "g")
-    sub.fall_back("all_to_all_v", "timed out", world=False)
+    sub = Routes(*facts(4), "g", world=False)
+    sub.fall_back("all_to_all_v", "timed out")
     assert sub.table()["all_to_all_v"] == (SIDECAR_NCCL, "timed out"), sub.table()
+    big = Routes(*facts(16), "g", world=False).table()["all_to_all_v"]
+    assert big[0] == SIDECAR_NCCL and "default group only" in big[1], big
     assert r.capturable().startswith("the collectives on sidecar NCCL"), r.capturable()
 
 
@@ -105,7 +107,9 @@ def test_one_rank_on_a_one_gpu_node():
         INPROCESS,
     ], t
     assert "one rank" in t["all_to_all_single"][1] and "one rank" in t["all_to_all_v"][1], t
-    assert r.transport_reason.endswith("one rank alone: its all-to-alls run in this process all the same"), r
+    assert r.transport_reason.endswith(
+        "one rank alone: its all-to-alls need no link to a peer (their routes say where they run)"
+    ), r
     assert "all_to_all_single in-process" in r.capturable()
     r.fall_back("all_to_all_v", "declined")
     t = r.table()
