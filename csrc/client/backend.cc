@@ -521,14 +521,18 @@ intrusive_ptr<c10d::Work> Backend::endCoalescing() {
 
 // The dispatcher's record of op, with its Work (result: the tensors the Work returns) and the
 // deadline its completion thread enforces.
-Pending Backend::pending(const Op& op, std::vector<at::Tensor> result, double t_limit) {
+Pending Backend::record(const std::string& op, double t_limit) const {
   Pending p;
-  p.op = label(op.name);
+  p.op = label(op);
+  p.deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                      std::chrono::duration<double>(t_limit + Dispatcher::kGrace));
+  p.group = failure_;  // its failure breaks the group
+  return p;
+}
+
+Pending Backend::pending(const Op& op, std::vector<at::Tensor> result, double t_limit) {
+  Pending p = record(op.name, t_limit);
   p.work = c10::make_intrusive<Work>(p.op, std::move(result), t_limit + Dispatcher::kGrace, op.type);
-  p.deadline = std::chrono::steady_clock::now() +
-               std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                   std::chrono::duration<double>(t_limit + Dispatcher::kGrace));
-  p.group = failure_;
   return p;
 }
 
@@ -779,13 +783,8 @@ intrusive_ptr<Work> Backend::submit_cuda(Op& op, double t_limit, bool timeout_gi
   // Where a step after send throws, the op is in the ring all the same: its tensors stay
   // referenced until the sidecar answers it.
   auto track_failed = [&] {
-    Pending gone;
-    gone.op = label(op.name);
-    gone.deadline = std::chrono::steady_clock::now() +
-                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                        std::chrono::duration<double>(t_limit + Dispatcher::kGrace));
+    Pending gone = record(op.name, t_limit);  // no Work: its failure breaks the group
     gone.keep = std::move(keep);
-    gone.group = failure_;  // its failure breaks the group, as a tracked op's does
     gone.cuda = true;
     disp_->track(d.seq, std::move(gone));
   };
@@ -890,12 +889,7 @@ void Backend::cuda_now(const std::string& op, uint8_t kind, const std::vector<wi
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   const auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
   const uint8_t lane = lane_of(kind);
-  Pending p;
-  p.op = label(op);
-  p.deadline = std::chrono::steady_clock::now() +
-               std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                   std::chrono::duration<double>(cfg_.timeout_s + Dispatcher::kGrace));
-  p.group = failure_;
+  Pending p = record(op, cfg_.timeout_s);
   p.cuda = true;
   wire::Desc d;
   d.group = cfg_.handle;

@@ -201,7 +201,9 @@ class Backend : public c10d::Backend {
   c10::intrusive_ptr<Work> submit(Op& op);  // submit_op, and remembered while coalescing
   c10::intrusive_ptr<Work> submit_op(Op& op);
   c10::intrusive_ptr<Work> submit_cuda(Op& op, double t_limit, bool timeout_given);
-  // the dispatcher's record of op: its Work (returning result) and deadline
+  // the dispatcher's record of op: its label, deadline (t_limit and the grace) and group, with
+  // no Work; pending adds its Work (returning result)
+  Pending record(const std::string& op, double t_limit) const;
   Pending pending(const Op& op, std::vector<at::Tensor> result, double t_limit);
   // submit_cuda's path while the stream captures a CUDA graph (docs/decisions/0020)
   c10::intrusive_ptr<Work> capture_op(Op& op, wire::Desc& d, const c10::cuda::CUDAStream& stream, void* graph,
