@@ -95,7 +95,6 @@ Dispatcher::Dispatcher(Config cfg)
       fd_.send(seg, fds, sizes);
     });
   }
-  thread_ = std::thread([this] { loop(); });
 }
 
 Dispatcher::~Dispatcher() {
@@ -131,7 +130,14 @@ void Dispatcher::close() {
   }
   // Nothing answers this session any more: ops still in flight fail (their Work would wait
   // forever, with no completion thread to expire them) and streams waiting on its counters go
-  // on, as when the sidecar is lost. Ops sent later raise at once.
+  // on, as when the sidecar is lost. Ops sent later raise at once. Where the thread did not
+  // wind down (the Dispatcher destroyed under it, or this is that thread), what it left in
+  // later_ is settled here.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    loop_done_ = true;
+  }
+  settle_later();
   fail_all("the sidecar session is closed");
 }
 
@@ -274,46 +280,76 @@ size_t Dispatcher::pending_count() {
   return pending_.size() + untracked_.size() + later_.size() + settling_;
 }
 
-void Dispatcher::loop() {
+std::shared_ptr<Dispatcher> Dispatcher::make(Config cfg) {
+  auto d = std::make_shared<Dispatcher>(std::move(cfg));
+  d->thread_ = std::thread(&Dispatcher::run, std::weak_ptr<Dispatcher>(d));
+  return d;
+}
+
+void Dispatcher::run(const std::weak_ptr<Dispatcher>& weak) {
+  // Each turn holds the Dispatcher: where a callback this thread runs (a Work's future) drops
+  // its last other reference, the destructor runs here at the turn's end (close() then finds
+  // itself on this thread and detaches it), and the next turn finds it gone and touches
+  // nothing. So the thread never runs on a destroyed Dispatcher.
   auto last_check = std::chrono::steady_clock::now();
-  bool any = false, ok = true;
-  const auto drain = [&] {  // the completions in the queue; false where it is corrupt
-    return ring_->poll([&](uint16_t type, const uint8_t* p, size_t n) {
-      wire::Done d;
-      if (type == wire::kRecDone && wire::decode_done(p, n, &d)) {
-        any = true;
-        complete(d);
-      }
-    });
-  };
-  while (!stop_) {
-    settle_later();
-    send_drops();
-    // A lost sidecar no longer answers replays: their streams must still go on.
-    const bool orphans = lost().has_value() && live_triggers() > 0;
-    if (orphans) {
-      orphan_triggers();
+  for (;;) {
+    const std::shared_ptr<Dispatcher> self = weak.lock();
+    if (!self) {
+      return;
     }
-    any = false;
-    if (!(ok = drain())) {
-      break;
-    }
-    if (!any) {
-      const auto now = std::chrono::steady_clock::now();
-      if (now - last_check > std::chrono::seconds(1)) {
-        last_check = now;
-        expire(now);
-      }
-      ring_->wait(orphans ? 0.0005 : 0.05, [this] {
-        std::lock_guard<std::mutex> lock(mu_);
-        return !later_.empty();
-      });
+    if (!self->turn(last_check)) {
+      self->wind_down();
+      return;
     }
   }
-  if (!ok) {
+}
+
+bool Dispatcher::drain(bool* any) {
+  return ring_->poll([&](uint16_t type, const uint8_t* p, size_t n) {
+    wire::Done d;
+    if (type == wire::kRecDone && wire::decode_done(p, n, &d)) {
+      *any = true;
+      complete(d);
+    }
+  });
+}
+
+bool Dispatcher::turn(std::chrono::steady_clock::time_point& last_check) {
+  if (stop_) {
+    return false;
+  }
+  settle_later();
+  send_drops();
+  // A lost sidecar no longer answers replays: their streams must still go on.
+  const bool orphans = lost().has_value() && live_triggers() > 0;
+  if (orphans) {
+    orphan_triggers();
+  }
+  bool any = false;
+  if (!drain(&any)) {
+    corrupt_ = true;
+    return false;
+  }
+  if (!any) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_check > std::chrono::seconds(1)) {
+      last_check = now;
+      expire(now);
+    }
+    ring_->wait(orphans ? 0.0005 : 0.05, [this] {
+      std::lock_guard<std::mutex> lock(mu_);
+      return !later_.empty();
+    });
+  }
+  return true;
+}
+
+void Dispatcher::wind_down() {
+  if (corrupt_) {
     fail_all("the completion queue from pgserver is corrupt");
   } else {
-    drain();  // answers that came before the close settle their ops as answered (close fails the rest)
+    bool any = false;
+    drain(&any);  // answers that came before the close settle their ops as answered (close fails the rest)
   }
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -103,6 +103,8 @@ class Dispatcher {
   // answer (the sidecar enforces deadlines itself; this guards against a wedged sidecar).
   static constexpr double kGrace = 30.0;
 
+  // A Dispatcher with its completion thread running (the constructor starts none).
+  static std::shared_ptr<Dispatcher> make(Config cfg);
   explicit Dispatcher(Config cfg);
   ~Dispatcher();
 
@@ -178,7 +180,13 @@ class Dispatcher {
   void setup_triggers();  // at attach (dev_mu_ held)
   void send_drops();  // the completion thread: drops queued by destroyed graphs
   void orphan_triggers();  // the completion thread, once the sidecar is lost
-  void loop();
+  // The completion thread: turns while the Dispatcher lives and is not closed, then winds down
+  // (a last drain of the queue, or fail_all where it is corrupt; later_ settled).
+  static void run(const std::weak_ptr<Dispatcher>& weak);
+  bool turn(std::chrono::steady_clock::time_point& last_check);  // false: stop
+  void wind_down();
+  bool drain(bool* any);  // the completions in the queue; false where it is corrupt
+  bool corrupt_ = false;  // the completion thread's own
   void complete(const wire::Done& d);
   void settle(Pending& p, const wire::Done& d);  // p's completion d (p out of pending_)
   void settle_later();  // the completion thread: early completions track handed it (later_)

@@ -273,7 +273,7 @@ PYBIND11_MODULE(_C, m) {
              };
              cfg.rank = rank;
              cfg.log = logger(std::move(log));
-             return std::make_shared<gocomm::Dispatcher>(std::move(cfg));
+             return gocomm::Dispatcher::make(std::move(cfg));
            }),
            py::arg("ring_path"), py::arg("ring_bytes"), py::arg("grow"), py::arg("first_segment"),
            py::arg("attach_device"), py::arg("fd_socket") = "", py::arg("session") = 0, py::arg("fd_token") = "",

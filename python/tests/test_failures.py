@@ -554,3 +554,28 @@ def test_session_closed_with_ops_in_flight(worlds, seed):
     after = out["after"]
     assert after["backend_error"] and "the sidecar session is closed" in after["message"], out
     assert after["elapsed"] < 5, out
+
+
+def check_shutdown_from_a_callback(rk, seed):
+    """gocomm shut down inside a Work's future callback, which runs on the completion thread:
+    close() there detaches that thread rather than join it (a deadlock), the thread winds down
+    after the callback, later ops raise at once, and the group is destroyed cleanly."""
+    import gocomm._sidecar as sidecar
+
+    done = dist.all_reduce(torch.ones(4), async_op=True).get_future().then(lambda f: sidecar.shutdown())
+    out = _outcome(done.wait)
+    out["after"] = _outcome(lambda: dist.all_reduce(torch.ones(4)))
+    out["destroy"] = _outcome(dist.destroy_process_group)
+    return out
+
+
+def test_shutdown_from_a_work_callback(worlds, seed):
+    world = worlds.fresh(1, label="-cbclose")
+    try:
+        out = world.run(check_shutdown_from_a_callback, seed=seed, timeout=60)[0]
+    finally:
+        world.kill()
+    assert out["error"] is None and out["elapsed"] < 20, out
+    after = out["after"]
+    assert after["error"] is not None and "closed" in after["message"] and after["elapsed"] < 5, out
+    assert out["destroy"]["error"] is None, out
