@@ -192,7 +192,7 @@ std::pair<at::Tensor, at::Tensor> all_to_all_v_any(const at::Tensor& input, cons
     if (auto path = b->engine().a2av_path(idx)) {
       return inprocess(*b, *path, input, in_splits, out, out_rows);
     }
-    if (routes->nvshmem() && b->config().world) {
+    if (routes->nvshmem()) {
       if (capturing(idx)) {
         b->refuse_capture("all_to_all_v",
                           "it runs in the sidecar's NVSHMEM kernel, which is handed each call on the host");

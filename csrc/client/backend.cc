@@ -1167,7 +1167,8 @@ intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tenso
 intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(Tensors& outputs, Tensors& inputs,
                                                                    const c10d::AllgatherOptions& opts) {
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
-  return pairwise("all_gather_into_tensor_coalesced", outputs, inputs, [&](at::Tensor& out, at::Tensor& in) { return _allgather_base(out, in, opts); });
+  return pairwise("all_gather_into_tensor_coalesced", outputs, inputs,
+                  [&](at::Tensor& out, at::Tensor& in) { return _allgather_base(out, in, opts); });
 }
 
 intrusive_ptr<c10d::Work> Backend::allgather_coalesced(std::vector<Tensors>& output_lists, Tensors& input_list,
@@ -1262,7 +1263,8 @@ intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output, at::
 intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(Tensors& outputs, Tensors& inputs,
                                                                    const c10d::ReduceScatterOptions& opts) {
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
-  return pairwise("reduce_scatter_tensor_coalesced", outputs, inputs, [&](at::Tensor& out, at::Tensor& in) { return _reduce_scatter_base(out, in, opts); });
+  return pairwise("reduce_scatter_tensor_coalesced", outputs, inputs,
+                  [&](at::Tensor& out, at::Tensor& in) { return _reduce_scatter_base(out, in, opts); });
 }
 
 intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Tensor& input,

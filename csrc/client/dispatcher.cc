@@ -131,13 +131,8 @@ void Dispatcher::close() {
   // Nothing answers this session any more: ops still in flight fail (their Work would wait
   // forever, with no completion thread to expire them) and streams waiting on its counters go
   // on, as when the sidecar is lost. Ops sent later raise at once. Where the thread did not
-  // wind down (the Dispatcher destroyed under it, or this is that thread), what it left in
-  // later_ is settled here.
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    loop_done_ = true;
-  }
-  settle_later();
+  // wind down (the Dispatcher destroyed under it, or this is that thread), its end is here.
+  end_loop();
   fail_all("the sidecar session is closed");
 }
 
@@ -351,6 +346,10 @@ void Dispatcher::wind_down() {
     bool any = false;
     drain(&any);  // answers that came before the close settle their ops as answered (close fails the rest)
   }
+  end_loop();
+}
+
+void Dispatcher::end_loop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     loop_done_ = true;  // track settles inline from now on: nothing would drain later_

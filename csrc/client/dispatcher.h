@@ -185,6 +185,7 @@ class Dispatcher {
   static void run(const std::weak_ptr<Dispatcher>& weak);
   bool turn(std::chrono::steady_clock::time_point& last_check);  // false: stop
   void wind_down();
+  void end_loop();  // no completion thread from now on: later_ settled, track settles inline
   bool drain(bool* any);  // the completions in the queue; false where it is corrupt
   bool corrupt_ = false;  // the completion thread's own
   void complete(const wire::Done& d);

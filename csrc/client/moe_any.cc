@@ -374,8 +374,7 @@ std::vector<at::Tensor> dispatch_any(const at::Tensor& x, const at::Tensor& topk
   if (b != nullptr && x.is_cuda()) {
     const int dev = x.get_device();
     const auto& routes = b->config().routes;
-    on_gpu = routes && routes->splits_on_gpu() &&
-             (b->engine().a2av_path(dev) != nullptr || (routes->nvshmem() && b->config().world));
+    on_gpu = routes && routes->splits_on_gpu() && (b->engine().a2av_path(dev) != nullptr || routes->nvshmem());
     if (cuda::capture_info(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream()).active) {
       b->refuse_capture("moe.dispatch",
                         "on this group (or with fp8, or this shape) its exchange reads the counts on the host");

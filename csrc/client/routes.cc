@@ -141,7 +141,7 @@ Routes::Routes(Facts facts, const std::string& group_name, const std::string& ow
                      "the ranks share one NVLink domain; where the kernel's setup declines (GOCOMM_A2AV_INPROCESS=0 "
                      "on a rank), the sidecar's NVSHMEM kernel on the default group, else sidecar NCCL with a host "
                      "count exchange"};
-  } else if (splits_on_gpu_ && world_) {
+  } else if (nvshmem()) {
     all_to_all_v_ = {kSidecarNvshmem, a2a_why + ": the sidecar's NVSHMEM kernel (this is the default group)"};
   } else if (splits_on_gpu_) {
     all_to_all_v_ = {kSidecarNccl, a2a_why +
@@ -172,7 +172,7 @@ void Routes::fall_back(const std::string& op, const std::string& why) {
   }
   a2a_inprocess_ = false;
   all_to_all_single_ = {kSidecarNccl, why};
-  all_to_all_v_ = {nvshmem() && world_ ? kSidecarNvshmem : kSidecarNccl, why};
+  all_to_all_v_ = {nvshmem() ? kSidecarNvshmem : kSidecarNccl, why};
   moe_ = {all_to_all_v_.engine, "as all_to_all_v (one host sync): " + why};
 }
 

@@ -84,9 +84,9 @@ class Routes {
   // all_to_all_v keeps its splits on the GPU (the in-process kernel or the sidecar's NVSHMEM
   // kernel): no host count exchange.
   bool splits_on_gpu() const { return splits_on_gpu_; }
-  // The sidecar's NVSHMEM kernel can take all_to_all_v (the in-process kernel's fallback; the
-  // default group only: see world).
-  bool nvshmem() const { return transport_ == "nvshmem"; }
+  // The sidecar's NVSHMEM kernel serves this group's all_to_all_v (the in-process kernel's
+  // fallback): an NVSHMEM group that is the default one (see world).
+  bool nvshmem() const { return transport_ == "nvshmem" && world_; }
   // A group of one rank on a node whose sidecar chose NCCL (one GPU): the in-process kernels
   // serve its all_to_all_single, all_to_all_v and moe all the same (no peer to reach).
   bool alone() const { return alone_; }

@@ -330,6 +330,8 @@ PYBIND11_MODULE(_C, m) {
            "GOCOMM_AR_MAX; own_reason: why this rank's sidecar chose its transport; log: the gocomm logger's log; "
            "world: the default group (the one the sidecar's NVSHMEM kernel serves).")
       .def_property_readonly("world", &gocomm::Routes::world)
+      .def_property_readonly("nvshmem", &gocomm::Routes::nvshmem,
+                             "The sidecar's NVSHMEM kernel serves the group's all_to_all_v (an NVSHMEM world group).")
       .def_property_readonly("size", [](const gocomm::Routes& r) { return r.facts().size; })
       .def_property_readonly("hosts", [](const gocomm::Routes& r) { return r.facts().hosts; },
                              "How many hosts the group's ranks are on.")

@@ -5,8 +5,9 @@ torch.ops.gocomm.all_to_all_v / all_to_all_v_out, csrc/client/ops.cc, serve CPU 
 tensors): this module only names the group. Where every rank's sidecar chose NVSHMEM (auto
 does on a node whose GPUs all share NVLink with peer atomics, when NVSHMEM loads;
 GOCOMM_TRANSPORT overrides), or the group has one rank (unless GOCOMM_TRANSPORT=nccl), the
-rows move one-sidedly with the splits on the GPU, no host sync: by the in-process kernel on the caller's stream (the compiled client's engine,
-csrc/client/inprocess.cc, any such group), or, where that path cannot be set up or
+rows move one-sidedly with the splits on the GPU, no host sync: by the in-process kernel on
+the caller's stream (the compiled client's engine, csrc/client/inprocess.cc, any such
+group), or, where that path cannot be set up or
 GOCOMM_A2AV_INPROCESS=0, by the sidecar's NVSHMEM kernel (the default group only). Everywhere
 else the counts are exchanged with one all_to_all, read on the host, and the rows moved with
 a second on the group (NCCL grouped send/recv in the sidecar for CUDA tensors, the host engine
@@ -107,7 +108,7 @@ def _device_path(g, x: torch.Tensor):
         if (g, idx) not in _backend.served:
             _backend.served[g, idx] = _backend.Served(st, g.group_name, st.size())
         return path
-    return True if g is dist.group.WORLD and routes.transport == "nvshmem" else None
+    return True if routes.nvshmem else None
 
 
 def receive_buffer(

@@ -85,6 +85,7 @@ def test_fall_back():
     assert t["moe"] == (SIDECAR_NVSHMEM, "as all_to_all_v (one host sync): timed out"), t
     # the sidecar's NVSHMEM kernel serves the default group only: another group's falls to NCCL
     sub = Routes(*facts(4), "g", world=False)
+    assert r.nvshmem and not sub.nvshmem, (r.world, sub.world)
     sub.fall_back("all_to_all_v", "timed out")
     assert sub.table()["all_to_all_v"] == (SIDECAR_NCCL, "timed out"), sub.table()
     big = Routes(*facts(16), "g", world=False).table()["all_to_all_v"]
