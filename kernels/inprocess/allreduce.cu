@@ -169,22 +169,29 @@ template <typename T> __device__ void two_shot(const ArArgs& a, uint64_t epoch) 
   const uint64_t deadline = now_ns() + a.timeout_ns;
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   const uint64_t i0 = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  // A half holds 2n slots of `slot` vectors, the same in every round: vector j of slot s is at
+  // the same place, handled by the same block, in each, so block b's pairwise barrier is all
+  // that orders a peer's round-k writes into a half after this rank's round k - 2 reads of it.
+  // (A short last round whose slots were its own shards' size would move places between
+  // blocks, and another block of this rank may still be two rounds behind.) Shards are cut
+  // per round (chunk), so a short last round still splits evenly over the ranks.
+  const uint64_t slot = (min(a.round, a.nvec) + a.n - 1) / a.n;
   for (uint64_t base = 0; base < a.nvec; base += a.round, epoch++) {
     const uint64_t nvec = min(a.round, a.nvec - base);
-    const uint64_t chunk = (nvec + a.n - 1) / a.n;  // a half holds 2n slots of chunk vectors
+    const uint64_t chunk = (nvec + a.n - 1) / a.n;  // at most slot
     for (uint32_t d = 1; d < a.n; d++) {
       const uint32_t s = (a.rank + d) % a.n;
       const uint64_t lo = s * chunk, len = min(nvec, lo + chunk) - min(nvec, lo);
-      int4* theirs = half_of(a, s, epoch) + a.rank * chunk;
+      int4* theirs = half_of(a, s, epoch) + a.rank * slot;
       for (uint64_t j = i0; j < len; j += stride) theirs[j] = load_vec<T>(a, base + lo + j);
     }
     if (!barrier(a, 0, epoch, deadline)) return;
     const int4* mine = half_of(a, a.rank, epoch);
     {
       const uint64_t lo = a.rank * chunk, len = min(nvec, lo + chunk) - min(nvec, lo);
-      const uint64_t gather = (a.n + a.rank) * chunk;  // slot r of a gather region
+      const uint64_t gather = (a.n + a.rank) * slot;  // slot r of a gather region
       for (uint64_t j = i0; j < len; j += stride) {
-        const int4 v = reduce_vec<T>(a, mine, chunk, j, base + lo + j);
+        const int4 v = reduce_vec<T>(a, mine, slot, j, base + lo + j);
         for (uint32_t d = 1; d < a.n; d++) half_of(a, (a.rank + d) % a.n, epoch)[gather + j] = v;
         store_vec<T>(a, base + lo + j, v);
       }
@@ -193,7 +200,7 @@ template <typename T> __device__ void two_shot(const ArArgs& a, uint64_t epoch) 
     for (uint32_t d = 1; d < a.n; d++) {
       const uint32_t s = (a.rank + d) % a.n;
       const uint64_t lo = s * chunk, len = min(nvec, lo + chunk) - min(nvec, lo);
-      const int4* got = mine + (a.n + s) * chunk;
+      const int4* got = mine + (a.n + s) * slot;
       for (uint64_t j = i0; j < len; j += stride) store_vec<T>(a, base + lo + j, got[j]);
     }
   }

@@ -552,6 +552,54 @@ def test_allreduce_inprocess_rounds(worlds, seed, size):
         w.run(check_allreduce_inprocess, seed=seed, timeout=RUN_LIMIT_S)
 
 
+def check_allreduce_rounds_shared(rk, seed):
+    """The in-process two-shot all_reduce in many short staging rounds (GOCOMM_AR_STAGE 64 KiB),
+    the last one short, with ranks that may share a GPU and a matmul on a side stream taking
+    SMs from the kernel's blocks, so the blocks of one rank drift rounds apart (only block b of
+    each rank waits for block b of the others): a short last round must not write into places
+    a lagging block still reads two rounds back. Against float64 sums, 40 ops a dtype."""
+    from gocomm import _client
+
+    dev = torch.device("cuda", rk.rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    ck, n, me = Checker("all_reduce rounds (shared GPU)", seed, rk.rank), rk.size, rk.rank
+    dist.all_reduce(torch.ones(8, device=dev))  # sets the path up (collective)
+    stage = 64 << 10
+    side = torch.cuda.Stream(dev)
+    a = torch.randn(2048, 2048, device=dev)
+    for dtype in (torch.bfloat16, torch.float32):
+        e = torch.tensor([], dtype=dtype).element_size()
+        # 3 to 17 rounds, the last one 1/16 to 15/16 of a round (whole vectors)
+        sizes = [(r * stage + (stage * f // 16) // 16 * 16) // e for r in (2, 4, 16) for f in (1, 8, 15)]
+        for i in range(40):
+            count = sizes[i % len(sizes)]
+            with ck.case(f"{dtype} x{count} op {i}"):
+                xs = [gen(seed, f"rounds{dtype}{i}", p, (count,), dtype) for p in range(n)]
+                t = xs[me].to(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        a = (a @ a).tanh_()
+                dist.all_reduce(t)
+                ref = torch.stack([x.double() for x in xs]).sum(0)
+                err = ((t.double().cpu() - ref).abs() / (ref.abs() + 1)).max().item()
+                ck.expect(f"{dtype} x{count}", err <= (1e-2 if e <= 2 else 1e-5), f"max rel error {err}")
+    torch.cuda.synchronize(dev)
+    runs = [r for r in _client.C.inprocess_launches() if r["op"] == "all_reduce" and r["bytes"] > stage]
+    ck.expect("the in-process kernel ran all 80", len(runs) == 80, f"{len(runs)} launches past one round")
+    return ck.done()
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_allreduce_rounds_shared(worlds, seed, size):
+    """check_allreduce_rounds_shared on 2 and 3 ranks, the in-process engine forced
+    (GOCOMM_TRANSPORT=nvshmem; where the machine has fewer GPUs, ranks share one)."""
+    _need(1)
+    env = {**_sharing(size), "GOCOMM_AR_STAGE": "64K"}
+    with worlds.fresh(size, label="ar-rounds-shared", env=env) as w:
+        w.run(check_allreduce_rounds_shared, seed=seed, timeout=RUN_LIMIT_S)
+
+
 def test_stream_semantics(worlds, seed):
     _need(2)
     worlds.get(2).run(check_stream_semantics, seed=seed, timeout=RUN_LIMIT_S)
