@@ -73,8 +73,9 @@ auto below(const c10::TypedOperatorHandle<Sig>& op, Args&&... args) {
 
 using A2avSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, c10::SymInt, std::string);
 using A2avOutSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, Tensor&, std::string);
+using A2avIntoSig = Tensor(const Tensor&, const Tensor&, Tensor&, std::string);
 using DispatchSig = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, int64_t,
-                                                               int64_t, int64_t, bool, std::string);
+                                                               int64_t, int64_t, bool, std::string, int64_t);
 using CombineSig = Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                           std::string, const std::optional<Tensor>&, const std::optional<Tensor>&);
 using DispatchLlSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
@@ -206,13 +207,15 @@ struct Routing {
   bool inproc = false;  // the forward ran the in-process ops (moe.cc)
 
   int64_t padded_rows() const { return bound ? *bound * group_size(group) * idx.size(1) : 0; }
-  // dispatch of z (float32, columns a multiple of 4) along the routing with unit weights
-  Dispatched dispatch(const Tensor& z) const {
+  // dispatch of z (float32, columns a multiple of 4) along the routing with unit weights;
+  // combine_bytes: the rows of the combine that will take its handle, where wider than z's
+  Dispatched dispatch(const Tensor& z, int64_t combine_bytes = 0) const {
     const Tensor ones = at::ones(idx.sizes(), z.options().dtype(at::kFloat));
     if (inproc && bound) {
       const int64_t n = group_size(group);
       try {
-        auto [rows, tpe, ws, counts] = dispatch_op().call(z, idx, ones, experts, n, *bound * n, true, group);
+        auto [rows, tpe, ws, counts] =
+            dispatch_op().call(z, idx, ones, experts, n, *bound * n, true, group, combine_bytes);
         return {rows, tpe, ws, {}};
       } catch (const c10::NotImplementedError&) {  // the path no longer serves the group
       }
@@ -242,8 +245,10 @@ struct MoeDispatchBackward : public torch::autograd::Node {
     if (!g.defined()) {
       return {Tensor()};
     }
-    // a unit-weight handle of the same routing (16 bytes a row: every path takes it)
-    const Dispatched got = r.dispatch(at::zeros({r.tokens, 4}, g.options().dtype(at::kFloat)));
+    // a unit-weight handle of the same routing (16 bytes a row: every path takes it), for a
+    // combine of g's rows in x's dtype
+    const Dispatched got =
+        r.dispatch(at::zeros({r.tokens, 4}, g.options().dtype(at::kFloat)), g.size(1) * c10::elementSize(dtype));
     return {r.combine(g, got, dtype)};
   }
   std::string name() const override { return "gocomm::MoeDispatchBackward"; }
@@ -336,8 +341,8 @@ void combine_backward(const char* op, const Tensor& y, const std::optional<Tenso
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> dispatch(const Tensor& x, const Tensor& idx, const Tensor& w,
                                                     int64_t experts, int64_t ranks, int64_t cap, bool padded,
-                                                    std::string group) {
-  auto out = below(dispatch_op(), x, idx, w, experts, ranks, cap, padded, group);
+                                                    std::string group, int64_t combine_bytes) {
+  auto out = below(dispatch_op(), x, idx, w, experts, ranks, cap, padded, group, combine_bytes);
   dispatch_backward(x, idx, experts, padded ? std::optional<int64_t>(cap / std::max<int64_t>(ranks, 1)) : std::nullopt,
                     group, std::get<0>(out), true);
   return out;

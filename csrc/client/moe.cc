@@ -128,7 +128,7 @@ void check_dispatch(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
   const auto s = x.scalar_type();
   TORCH_CHECK_NOT_IMPLEMENTED(moe::takes(x, idx.size(1), experts / n),
                               "gocomm moe.dispatch: the in-process kernels do not take x (" + dtype_name(s) +
-                                  ", rows of a multiple of 16 bytes, contiguous, 16-byte aligned) with k " +
+                                  ", rows of a multiple of 16 bytes) with k " +
                                   std::to_string(idx.size(1)) + " and " + std::to_string(experts / n) +
                                   " experts per rank");
 }
@@ -241,18 +241,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> launch_ll(LlPath& ll, const at::T
   return {out, tpe, ws};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_ll_cuda(const at::Tensor& x, const at::Tensor& topk_idx,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_ll_cuda(const at::Tensor& x_in, const at::Tensor& topk_idx,
                                                                 const at::Tensor& topk_weights, int64_t experts,
                                                                 int64_t ranks, int64_t bound, std::string group) {
   const char* op = "moe.dispatch(low_latency=True)";
-  auto [b, a2] = path_of(group, x, op);  // NotImplementedError where the group's exchange is not in-process
+  auto [b, a2] = path_of(group, x_in, op);  // NotImplementedError where the group's exchange is not in-process
   const int64_t n = b->engine().size();
   TORCH_CHECK_VALUE(ranks == n, "gocomm moe_dispatch_ll: group '" + group + "' has " + std::to_string(n) +
                                     " ranks, not " + std::to_string(ranks));
   TORCH_CHECK_VALUE(bound >= 0, "gocomm moe.dispatch(low_latency=True): max_tokens_per_rank must be >= 0, got " +
                                     std::to_string(bound));
   const int64_t cap = bound * n;
-  check_dispatch(x, topk_idx, topk_weights, experts, n, cap, true);
+  check_dispatch(x_in, topk_idx, topk_weights, experts, n, cap, true);
+  const at::Tensor x = moe::rows_for_kernels(x_in);
   const int64_t h = x.size(1), k = topk_idx.size(1), per = experts / n;
   const int64_t xbytes = h * x.element_size();
   const moe::Row layout = moe::row_layout(xbytes, k);
@@ -286,7 +287,7 @@ at::Tensor ll_combine(Backend& b, A2Path& a2, const at::Tensor& y_in, const at::
   auto ll = b.engine().ll_path(dev, LlShape{});
   TORCH_CHECK(ll, "gocomm moe.combine: no low-latency dispatch ran on group '" + group + "' on cuda:" +
                       std::to_string(dev));
-  const at::Tensor y = y_in.contiguous();
+  const at::Tensor y = moe::rows_for_kernels(y_in);
   const int64_t hbytes = y.size(1) * y.element_size();
   TORCH_CHECK_VALUE(hbytes % 16 == 0 && hbytes <= ll->shape().cslot_bytes && y.size(0) == cap * k,
                     "gocomm moe.combine: y must be [" + std::to_string(cap * k) + ", hidden] with rows of a " +
@@ -316,16 +317,21 @@ at::Tensor combine_ll_cuda(const at::Tensor& y_in, const at::Tensor& ws, int64_t
   return ll_combine(*b, *a2, y_in, ws, tokens, bound * b->engine().size(), k, experts, group);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const at::Tensor& x,
+// combine_bytes: the rows its combine will carry where wider than x's (autograd's dispatch of
+// narrow rows whose combine sends back the gradient, x's width): the one-launch kernels run
+// only where the group's buffer takes those too, as its combine needs.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const at::Tensor& x_in,
                                                                          const at::Tensor& topk_idx,
                                                                          const at::Tensor& topk_weights,
                                                                          int64_t experts, int64_t ranks, int64_t cap,
-                                                                         bool padded, std::string group) {
-  auto [b, path] = path_of(group, x, "moe.dispatch");
+                                                                         bool padded, std::string group,
+                                                                         int64_t combine_bytes) {
+  auto [b, path] = path_of(group, x_in, "moe.dispatch");
   const int64_t n = b->engine().size();
   TORCH_CHECK_VALUE(ranks == n, "gocomm moe_dispatch: group '" + group + "' has " + std::to_string(n) +
                                     " ranks, not " + std::to_string(ranks));
-  check_dispatch(x, topk_idx, topk_weights, experts, n, cap, padded);
+  check_dispatch(x_in, topk_idx, topk_weights, experts, n, cap, padded);
+  const at::Tensor x = moe::rows_for_kernels(x_in);
   // int64 ids and float32 weights on x's device, contiguous, as the kernels read them (no copy
   // where they are)
   const at::Tensor idx = on_x(x, topk_idx, at::kLong), w = on_x(x, topk_weights, at::kFloat);
@@ -336,7 +342,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const a
   const int64_t xbytes = h * x.element_size();
   const moe::Row layout = moe::row_layout(xbytes, k);
   if (padded) {  // one launch where the group's low-latency buffer takes the call (0039)
-    if (auto ll = padded_ll(b->engine(), *path, cap / n, k, per, layout, xbytes)) {
+    if (auto ll = padded_ll(b->engine(), *path, cap / n, k, per, layout, std::max(xbytes, combine_bytes))) {
       auto [out, tpe, ws] = launch_ll(*ll, x, idx, w, experts, n, cap, layout);
       return {out, tpe, ws, fresh({0}, x.options().dtype(at::kLong))};
     }
@@ -411,7 +417,7 @@ at::Tensor combine_cuda(const at::Tensor& y_in, const at::Tensor& ws, int64_t to
   const int64_t n = b->engine().size(), per = experts / n;
   const int dev = path->device();
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
-  const at::Tensor y = y_in.contiguous();
+  const at::Tensor y = moe::rows_for_kernels(y_in);
   const int64_t h = y.size(1), row = h * y.element_size();
   const Carve c(tokens, n, k, per, cap, 0, 0);
   TORCH_CHECK_VALUE(y.dim() == 2 && ws.dim() == 1 && ws.scalar_type() == at::kByte && ws.device() == y.device() &&
@@ -455,7 +461,7 @@ at::Tensor combine_ll_meta(const at::Tensor& y, const at::Tensor&, int64_t token
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_meta(const at::Tensor& x, const at::Tensor& idx,
                                                                          const at::Tensor&, int64_t experts,
                                                                          int64_t ranks, int64_t cap, bool padded,
-                                                                         std::string) {
+                                                                         std::string, int64_t) {
   TORCH_CHECK_NOT_IMPLEMENTED(padded, "gocomm moe_dispatch: without padded its output's rows depend on the routing");
   TORCH_CHECK_VALUE(ranks > 0 && experts > 0 && experts % ranks == 0,
                     "gocomm moe_dispatch: num_experts must spread evenly over the ranks");
@@ -513,7 +519,7 @@ std::pair<bool, std::string> moe_flags_error(int device, int64_t experts) {
 TORCH_LIBRARY_FRAGMENT(gocomm, m) {
   m.def(
       "moe_dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, int ranks, int cap, bool padded, "
-      "str group_name) -> (Tensor, Tensor, Tensor, Tensor)");
+      "str group_name, int combine_bytes=0) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "moe_combine(Tensor y, Tensor ws, int tokens, int cap, int k, int num_experts, int recv_rows, int send_rows, "
       "str group_name, Tensor? topk_idx=None, Tensor? topk_weights=None) -> Tensor");

@@ -222,8 +222,13 @@ bool usable(int device) {
 
 bool takes(const at::Tensor& x, int64_t k, int64_t per) {
   const int64_t xbytes = x.dim() == 2 ? x.size(1) * x.element_size() : 1;
-  return x.is_cuda() && wsum_kernel(x.scalar_type()) != nullptr && k > 0 && xbytes % 16 == 0 && x.is_contiguous() &&
-         addr(x) % 16 == 0 && usable(x.get_device()) && group_threads(per) > 0;
+  return x.is_cuda() && wsum_kernel(x.scalar_type()) != nullptr && k > 0 && xbytes % 16 == 0 &&
+         usable(x.get_device()) && group_threads(per) > 0;
+}
+
+at::Tensor rows_for_kernels(const at::Tensor& x) {
+  const at::Tensor c = x.contiguous();
+  return addr(c) % 16 == 0 ? c : c.clone();
 }
 
 Row row_layout(int64_t xbytes, int64_t k) {

@@ -65,8 +65,13 @@ std::string why_not(int device);
 // Whether they do; warns once per device where the module does not load.
 bool usable(int device);
 // Whether the in-process path's kernels take dispatch of x with k choices and per experts a
-// rank (and combine of x's dtype).
+// rank (and combine of x's dtype). Only what every rank of a group shares decides it (dtype,
+// row size, k, experts a rank, the module): a rank whose x alone is a strided or misaligned
+// view must not take another path than its peers (they would wait for it until the timeout);
+// rows_for_kernels gives the kernels such an x.
 bool takes(const at::Tensor& x, int64_t k, int64_t per);
+// x as the kernels read it: contiguous and 16-byte aligned (x itself where it is, else a copy).
+at::Tensor rows_for_kernels(const at::Tensor& x);
 
 // dispatch's packed row for tokens of xbytes (a multiple of 16) and k choices: x, the local
 // ids (int32 [k]) at id_off, the weights (float32 [k]) at w_off; every part 16-byte aligned,

@@ -832,6 +832,68 @@ def test_autograd_cuda(worlds, seed, size):
             w.run(check_moe_backward, seed=seed, device="cuda", dtype=dtype, sync_free=True, timeout=RUN_LIMIT_S)
 
 
+def check_moe_odd_inputs(rk, seed):
+    """A padded MoE layer whose rows are too wide for the group's low-latency buffer
+    (GOCOMM_MOE_LL_MB 1 here): its backward's dispatch of 16-byte rows must not set up a buffer
+    its combine of the gradient (x's width) does not fit. Then x and y as misaligned views
+    (rank 0's only, so its peers' are aligned): the ranks must still take one path. Against
+    float64, with identity experts: out[t] = sum_j w[t, j] x[t]."""
+    import gocomm
+
+    dev = torch.device("cuda", rk.rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    n, me = rk.size, rk.rank
+    ck = Checker("moe: wide backward, misaligned rows", seed, me)
+    per, k, h, bound = 2, 2, 4096, 64
+    experts, t = per * n, 40 + 3 * me
+    x64 = gen(seed, "oddx", me, (t, h), torch.float64)
+    idx = gen(seed, "oddi", me, (t, experts), torch.float64).argsort(1)[:, :k].to(dev)
+    w64 = gen(seed, "oddw", me, (t, k), torch.float64).abs()
+    g64 = gen(seed, "oddg", me, (t, h), torch.float64)
+    want_out = w64.sum(1, keepdim=True) * x64
+
+    def close(name, got, want, tol=2e-2):
+        err = float((got.double().cpu() - want).abs().max())
+        scale = max(float(want.abs().max()), 1.0)
+        ck.expect(name, err <= tol * scale, f"max error {err:.3g} of {scale:.3g}")
+
+    with ck.case("backward of a padded layer too wide for the low-latency buffer"):
+        x = x64.to(dev, torch.bfloat16).requires_grad_()
+        w = w64.to(dev, torch.float32).requires_grad_()
+        recv, _tpe, hd = gocomm.moe.dispatch(x, idx, w, experts, max_tokens_per_rank=bound, padded=True)
+        out = gocomm.moe.combine(recv, hd)
+        close("forward", out, want_out)
+        (out * g64.to(dev, torch.bfloat16)).sum().backward()
+        close("x gradient", x.grad, w64.sum(1, keepdim=True) * g64)
+        close("topk_weights gradient", w.grad, (x64 * g64).sum(1, keepdim=True).expand(t, k))
+    for padded, x_off in ((True, 1), (True, 0), (False, 1), (False, 0)):
+        with ck.case(f"misaligned {'x and ' if x_off else ''}y on rank 0, padded={padded}"):
+            x = x64.to(dev, torch.bfloat16)
+            if me == 0 and x_off:
+                flat = torch.zeros(t * h + 8, dtype=torch.bfloat16, device=dev)
+                x = flat[x_off : x_off + t * h].view(t, h)
+                x.copy_(x64)
+            kw = {"max_tokens_per_rank": bound, "padded": True} if padded else {}
+            recv, _tpe, hd = gocomm.moe.dispatch(x, idx, w64.to(dev, torch.float32), experts, **kw)
+            y = recv
+            if me == 0:
+                yflat = torch.zeros(recv.numel() + 8, dtype=recv.dtype, device=dev)
+                y = yflat[1 : 1 + recv.numel()].view_as(recv)
+                y.copy_(recv)
+            close("combine of the misaligned rows", gocomm.moe.combine(y, hd), want_out)
+    torch.cuda.synchronize(dev)
+    return ck.done()
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_moe_odd_inputs(worlds, seed, size):
+    """check_moe_odd_inputs on the in-process path (one rank alone takes the low-latency
+    kernels where its buffer fits; ranks that share a GPU never do)."""
+    _need(1)
+    with worlds.fresh(size, label="moe-odd", env={**_sharing(size), "GOCOMM_MOE_LL_MB": "1"}) as w:
+        w.run(check_moe_odd_inputs, seed=seed, timeout=RUN_LIMIT_S)
+
+
 def check_moe_graph(rk, seed, low_latency=False):
     """Padded dispatch and combine (no host sync; low_latency: in one launch each) captured in
     one CUDA graph with an expert step between them, replayed with new tokens and routings
