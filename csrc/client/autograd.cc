@@ -134,11 +134,19 @@ std::tuple<Tensor, Tensor> a2av(const Tensor& input, const Tensor& splits, c10::
   return out;
 }
 
+const char* const kNoOutBackward =
+    "gocomm all_to_all_v with out= has no backward (as torch's out= ops): call it on tensors that need no "
+    "gradient, or under torch.no_grad()";
+
 std::tuple<Tensor, Tensor> a2av_out(const Tensor& input, const Tensor& splits, Tensor& out, std::string group) {
   static const auto op = handle<A2avOutSig>("gocomm::all_to_all_v_out");
-  TORCH_CHECK(!wants_grad({&input, &out}),
-              "gocomm all_to_all_v with out= has no backward (as torch's out= ops): call it on tensors that need no "
-              "gradient, or under torch.no_grad()");
+  TORCH_CHECK(!wants_grad({&input, &out}), kNoOutBackward);
+  return below(op, input, splits, out, std::move(group));
+}
+
+Tensor a2av_into(const Tensor& input, const Tensor& splits, Tensor& out, std::string group) {
+  static const auto op = handle<A2avIntoSig>("gocomm::all_to_all_v_into");
+  TORCH_CHECK(!wants_grad({&input, &out}), kNoOutBackward);
   return below(op, input, splits, out, std::move(group));
 }
 
@@ -411,6 +419,7 @@ Tensor combine_any(const Tensor& y, const std::vector<Tensor>& handle_, int64_t 
 TORCH_LIBRARY_IMPL(gocomm, Autograd, m) {
   m.impl("all_to_all_v", &gocomm::a2av);
   m.impl("all_to_all_v_out", &gocomm::a2av_out);
+  m.impl("all_to_all_v_into", &gocomm::a2av_into);
   m.impl("moe_dispatch", &gocomm::dispatch);
   m.impl("moe_combine", &gocomm::combine);
   m.impl("moe_dispatch_ll", &gocomm::dispatch_ll);

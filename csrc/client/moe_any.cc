@@ -418,8 +418,41 @@ TORCH_LIBRARY_FRAGMENT(gocomm, m) {
 // one function for either device: the CUDA kernels where they take the rows, ATen elsewhere
 TORCH_LIBRARY_IMPL(gocomm, CompositeExplicitAutograd, m) {
   m.impl("moe_check", &gocomm::inproc::moe::check);
-  m.impl("moe_dispatch_any", &gocomm::inproc::moe::dispatch_any);
   m.impl("moe_route_any", &gocomm::inproc::moe::route_any);
   m.impl("moe_receive_any", &gocomm::inproc::moe::receive_any);
+}
+
+// The exchanging ops on real tensors only: torch.compile's fake tensors reach their Meta
+// kernels, which raise NotImplementedError (their rows depend on the routing, or on counts
+// read on the host), so Dynamo breaks the graph there and runs them eagerly, never the
+// exchange on meta tensors.
+namespace gocomm::inproc::moe {
+namespace {
+std::vector<at::Tensor> dispatch_any_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool,
+                                          std::optional<int64_t>, bool, const std::string&) {
+  C10_THROW_ERROR(NotImplementedError, "gocomm moe_dispatch_any: its outputs' shapes are known after the exchange "
+                                       "only (a graph break; on the in-process path moe_dispatch(padded=True) traces)");
+}
+
+at::Tensor combine_any_meta(const at::Tensor&, const std::vector<at::Tensor>&, int64_t, at::ScalarType, int64_t,
+                            const std::string&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                            int64_t) {
+  C10_THROW_ERROR(NotImplementedError, "gocomm moe_combine_any: runs eagerly, after its dispatch (a graph break)");
+}
+}  // namespace
+}  // namespace gocomm::inproc::moe
+
+TORCH_LIBRARY_IMPL(gocomm, CPU, m) {
+  m.impl("moe_dispatch_any", &gocomm::inproc::moe::dispatch_any);
   m.impl("moe_combine_any", &gocomm::inproc::moe::combine_any);
+}
+
+TORCH_LIBRARY_IMPL(gocomm, CUDA, m) {
+  m.impl("moe_dispatch_any", &gocomm::inproc::moe::dispatch_any);
+  m.impl("moe_combine_any", &gocomm::inproc::moe::combine_any);
+}
+
+TORCH_LIBRARY_IMPL(gocomm, Meta, m) {
+  m.impl("moe_dispatch_any", &gocomm::inproc::moe::dispatch_any_meta);
+  m.impl("moe_combine_any", &gocomm::inproc::moe::combine_any_meta);
 }

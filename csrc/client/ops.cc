@@ -41,6 +41,12 @@ std::tuple<at::Tensor, at::Tensor> a2av_out(const at::Tensor& input, const at::T
   return {o, s};
 }
 
+// all_to_all_v_out without its alias: out written in place, out_splits returned (what
+// torch.compile's functionalization takes; a custom op may not return an input's alias).
+at::Tensor a2av_into(const at::Tensor& input, const at::Tensor& in_splits, at::Tensor& out, std::string group) {
+  return std::get<1>(all_to_all_v_any(input, in_splits, &out, -1, group));
+}
+
 // The devices the real kernels check: a meta tensor among real ones dispatches here, where
 // nothing would be exchanged.
 void same_devices(const at::Tensor& input, const at::Tensor& in_splits, const at::Tensor* out) {
@@ -68,25 +74,34 @@ std::tuple<at::Tensor, at::Tensor> a2av_out_meta(const at::Tensor& input, const 
   return {out, at::empty_symint(in_splits.sym_sizes(), in_splits.options())};
 }
 
+at::Tensor a2av_into_meta(const at::Tensor& input, const at::Tensor& in_splits, at::Tensor& out, std::string) {
+  same_devices(input, in_splits, &out);
+  return at::empty_symint(in_splits.sym_sizes(), in_splits.options());
+}
+
 }  // namespace
 }  // namespace gocomm
 
 TORCH_LIBRARY(gocomm, m) {
   m.def("all_to_all_v(Tensor input, Tensor in_splits, SymInt out_rows, str group_name) -> (Tensor, Tensor)");
   m.def("all_to_all_v_out(Tensor input, Tensor in_splits, Tensor(a!) out, str group_name) -> (Tensor(a!), Tensor)");
+  m.def("all_to_all_v_into(Tensor input, Tensor in_splits, Tensor(a!) out, str group_name) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gocomm, CUDA, m) {
   m.impl("all_to_all_v", &gocomm::a2av);
   m.impl("all_to_all_v_out", &gocomm::a2av_out);
+  m.impl("all_to_all_v_into", &gocomm::a2av_into);
 }
 
 TORCH_LIBRARY_IMPL(gocomm, CPU, m) {
   m.impl("all_to_all_v", &gocomm::a2av);
   m.impl("all_to_all_v_out", &gocomm::a2av_out);
+  m.impl("all_to_all_v_into", &gocomm::a2av_into);
 }
 
 TORCH_LIBRARY_IMPL(gocomm, Meta, m) {
   m.impl("all_to_all_v", &gocomm::a2av_meta);
   m.impl("all_to_all_v_out", &gocomm::a2av_out_meta);
+  m.impl("all_to_all_v_into", &gocomm::a2av_into_meta);
 }

@@ -79,6 +79,32 @@ def check_torch_apis(rk, seed, ckpt_dir):
         ck.expect("compiled: out_rows rows", tuple(out.shape) == (cap, 2), str(tuple(out.shape)))
         ck.same("compiled: rows", out[: sum(outs)], want * 2)
         ck.same("compiled: out_splits", got, torch.tensor(outs) + 1)
+    with ck.case("all_to_all_v_into (out written in place) compiled through AOTAutograd"):
+        name = w.group_name
+
+        @torch.compile(backend="aot_eager", fullgraph=True)
+        def into(x, s, buf):
+            return torch.ops.gocomm.all_to_all_v_into(x * 2, s, buf, name) + 1
+
+        buf = torch.full((3 * n + 1, 2), -1.0, dtype=torch.float64)
+        got = into(rows[me], torch.tensor(ins), buf)
+        ck.same("compiled into: out_splits", got, torch.tensor(outs) + 1)
+        ck.same("compiled into: out's rows", buf[: sum(outs)], want * 2)
+    with ck.case("gocomm.moe on CPU tensors under torch.compile: a graph break, eager's result"):
+        import gocomm
+
+        k, experts, tok = 2, 2 * n, 5
+        x = gen(seed, "api/moex", me, (tok, 4), torch.float32)
+        idx = gen(seed, "api/moei", me, (tok, experts), torch.float32).argsort(1)[:, :k]
+        wt = gen(seed, "api/moew", me, (tok, k), torch.float32).abs()
+
+        def layer(x, idx, wt):
+            recv, _tpe, h = gocomm.moe.dispatch(x * 2, idx, wt, experts)
+            return gocomm.moe.combine(recv + 1, h)
+
+        eager = layer(x, idx, wt)
+        for backend in ("eager", "aot_eager"):
+            ck.same(f"compiled ({backend})", torch.compile(layer, backend=backend)(x, idx, wt), eager)
     mesh = init_device_mesh("cpu", (n,))
     full = gen(seed, "api/dt", 0, (4 * n, 5), torch.float32)  # the same on every rank
     with ck.case("DTensor redistribution"):
