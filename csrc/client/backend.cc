@@ -317,6 +317,14 @@ void world_times(const std::string& op, const std::string& big_name, const at::T
   }
 }
 
+// The low-level options' root tensor: an op takes one tensor a rank, so only 0 names one.
+void root_tensor(const std::string& op, int64_t root_tensor) {
+  if (root_tensor != 0) {
+    value_error("gocomm " + op + ": rootTensor " + std::to_string(root_tensor) +
+                " names no tensor (one tensor a rank: 0)");
+  }
+}
+
 void root_in(const std::string& op, int64_t root, int size) {
   if (root < 0 || root >= size) {
     value_error("gocomm " + op + ": root rank " + std::to_string(root) + " is not in the group of " +
@@ -1018,9 +1026,11 @@ const Tensors& tensor_list(const std::string& refusal, const std::string& op, co
   return ts;
 }
 
-// The one list of size tensors shaped like `like` that list-style collectives take.
+// The one list of size tensors shaped like `like` that list-style collectives take; only >= 0:
+// the one entry that must have like's size (all_gather's and reduce_scatter's lists, whose
+// tensors may differ in size from rank to rank as ProcessGroupNCCL takes them).
 const Tensors& output_list(const std::string& refusal, const std::string& op, const std::string& name,
-                           const std::vector<Tensors>& lists, const at::Tensor& like, int size) {
+                           const std::vector<Tensors>& lists, const at::Tensor& like, int size, int only = -1) {
   if (lists.size() != 1) {
     value_error("gocomm " + op + ": expected one " + name);
   }
@@ -1032,7 +1042,7 @@ const Tensors& output_list(const std::string& refusal, const std::string& op, co
   for (size_t i = 0; i < ts.size(); i++) {
     const std::string n = name + "[" + std::to_string(i) + "]";
     match_dtype(op, n, ts[i], like);
-    if (ts[i].numel() != like.numel()) {
+    if ((only < 0 || int(i) == only) && ts[i].numel() != like.numel()) {
       value_error("gocomm " + op + ": " + n + " has " + std::to_string(ts[i].numel()) + " elements (shape " +
                   shape_name(ts[i].sizes()) + "), want " + std::to_string(like.numel()) + " (shape " + shape_name(like.sizes()) +
                   ")");
@@ -1051,6 +1061,28 @@ intrusive_ptr<c10d::Work> pairwise(const char* name, Tensors& outputs, Tensors& 
     works.push_back(c10::static_intrusive_pointer_cast<Work>(each(outputs[i], inputs[i])));
   }
   return BatchWork::make(name, std::move(works), outputs);
+}
+
+// Whether a list op's tensors differ in size.
+bool sizes_differ(const std::vector<Tensors>& lists) {
+  for (const auto& ts : lists) {
+    for (const auto& t : ts) {
+      if (t.numel() != ts[0].numel()) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+// One op rooted at each rank of the group (each(root) returns its Work), waited for as one.
+template <typename Each>
+intrusive_ptr<c10d::Work> per_root(const char* name, int size, Tensors result, const Each& each) {
+  std::vector<intrusive_ptr<Work>> works;
+  for (int r = 0; r < size; r++) {
+    works.push_back(c10::static_intrusive_pointer_cast<Work>(each(r)));
+  }
+  return BatchWork::make(name, std::move(works), std::move(result));
 }
 
 }  // namespace
@@ -1103,10 +1135,15 @@ intrusive_ptr<c10d::Work> Backend::broadcast(Tensors& tensors, const c10d::Broad
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor& t = single(cfg_.cuda_refusal, "broadcast", "tensor", tensors, true);
   root_in("broadcast", opts.rootRank, size_);
-  const bool me = opts.rootRank == rank_;
-  Op op("broadcast", wire::kBroadcast, c10d::OpType::BROADCAST, opts.timeout);
+  root_tensor("broadcast", opts.rootTensor);
+  return broadcast_from(t, int(opts.rootRank), opts.timeout);
+}
+
+intrusive_ptr<c10d::Work> Backend::broadcast_from(const at::Tensor& t, int root, std::chrono::milliseconds timeout) {
+  const bool me = root == rank_;
+  Op op("broadcast", wire::kBroadcast, c10d::OpType::BROADCAST, timeout);
   op.elements(t);
-  op.root = int32_t(opts.rootRank);
+  op.root = int32_t(root);
   if (me) {
     op.inputs = {Tensors{t}};
   } else {
@@ -1120,15 +1157,21 @@ intrusive_ptr<c10d::Work> Backend::broadcast(Tensors& tensors, const c10d::Broad
 intrusive_ptr<c10d::Work> Backend::reduce(Tensors& tensors, const c10d::ReduceOptions& opts) {
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor& t = single(cfg_.cuda_refusal, "reduce", "tensor", tensors, true);
-  const uint8_t code = redop("reduce", opts.reduceOp, t);
   root_in("reduce", opts.rootRank, size_);
-  Op op("reduce", wire::kReduce, c10d::OpType::REDUCE, opts.timeout);
+  root_tensor("reduce", opts.rootTensor);
+  return reduce_to(t, opts.reduceOp, int(opts.rootRank), opts.timeout);
+}
+
+intrusive_ptr<c10d::Work> Backend::reduce_to(const at::Tensor& t, const c10d::ReduceOp& how, int root,
+                                             std::chrono::milliseconds timeout) {
+  const uint8_t code = redop("reduce", how, t);
+  Op op("reduce", wire::kReduce, c10d::OpType::REDUCE, timeout);
   op.elements(t);
   op.redop = code;
-  op.root = int32_t(opts.rootRank);
+  op.root = int32_t(root);
   // the root's t takes the result; the others' stays as it was (NCCL's reduce)
-  op.inputs = {Tensors{premul(opts.reduceOp, t, opts.rootRank == rank_, "reduce")}};
-  if (opts.rootRank == rank_) {
+  op.inputs = {Tensors{premul(how, t, root == rank_, "reduce")}};
+  if (root == rank_) {
     op.outputs = {{0, {t}}};
   }
   op.result = Tensors{t};
@@ -1139,7 +1182,17 @@ intrusive_ptr<c10d::Work> Backend::allgather(std::vector<Tensors>& outputs, Tens
                                              const c10d::AllgatherOptions& opts) {
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor& t = single(cfg_.cuda_refusal, "all_gather", "tensor", inputs);
-  const Tensors& outs = output_list(cfg_.cuda_refusal, "all_gather", "tensor_list", outputs, t, size_);
+  const bool uneven = sizes_differ(outputs);
+  const Tensors& outs = output_list(cfg_.cuda_refusal, "all_gather", "tensor_list", outputs, t, size_,
+                                    uneven ? rank_ : -1);
+  if (uneven) {  // as ProcessGroupNCCL: each rank's tensor broadcast from it
+    return per_root("all_gather", size_, outs, [&](int r) {
+      if (r == rank_) {
+        outs[r].copy_(t);  // on the caller's stream, before the op
+      }
+      return broadcast_from(outs[r], r, opts.timeout);
+    });
+  }
   Op op("all_gather", wire::kAllGather, c10d::OpType::ALLGATHER, opts.timeout);
   op.elements(t);
   op.inputs = {Tensors{t}, std::nullopt};
@@ -1229,7 +1282,17 @@ intrusive_ptr<c10d::Work> Backend::reduce_scatter(Tensors& outputs, std::vector<
   if (inputs.size() != 1) {
     value_error("gocomm reduce_scatter: expected one input list");
   }
-  const Tensors& ins = output_list(cfg_.cuda_refusal, "reduce_scatter", "input_list", inputs, out, size_);
+  const bool uneven = sizes_differ(inputs);
+  const Tensors& ins = output_list(cfg_.cuda_refusal, "reduce_scatter", "input_list", inputs, out, size_,
+                                   uneven ? rank_ : -1);
+  if (uneven) {  // as ProcessGroupNCCL: each rank's part reduced to it (the input list stays as it was)
+    return per_root("reduce_scatter", size_, Tensors{out}, [&](int r) {
+      if (r == rank_) {
+        out.copy_(ins[r]);
+      }
+      return reduce_to(r == rank_ ? out : ins[r], opts.reduceOp, r, opts.timeout);
+    });
+  }
   Op op("reduce_scatter", wire::kReduceScatter, c10d::OpType::REDUCE_SCATTER, opts.timeout);
   op.elements(out);
   op.redop = redop("reduce_scatter", opts.reduceOp, out);
