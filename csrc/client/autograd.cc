@@ -287,18 +287,22 @@ struct MoeCombineBackward : public torch::autograd::Node {
     const Tensor p = at::arange(rows, f32.dtype(at::kLong));
     const Tensor e = at::bucketize(p, ends, /*out_int32=*/false, /*right=*/true);
     const Tensor ids = rz.slice(1, h, h + k);
-    const Tensor match = ids.eq((e + pg->getRank() * per).to(at::kFloat).unsqueeze(1));
-    const Tensor j = match.to(at::kInt).argmax(1, /*keepdim=*/true);
+    // the slots whose id is this row's expert: one, or c where the token named the expert c
+    // times; its c rows then share those slots' weights and dot products evenly (exact where
+    // the expert gives its c copies of the token one output, as a row-wise expert does)
+    const Tensor match = ids.eq((e + pg->getRank() * per).to(at::kFloat).unsqueeze(1)).to(at::kFloat);
+    const Tensor c = match.sum(1);
     // rows past the grouped ones (padded outputs) hold whatever the memory held, NaN too:
     // selected away, not multiplied by 0
-    const Tensor has = match.any(1).logical_and(e.lt(per));
+    const Tensor has = c.gt(0).logical_and(e.lt(per));
     const Tensor zero = at::zeros({}, f32);
-    const Tensor wp = at::where(has, rz.slice(1, h + k, h + 2 * k).gather(1, j).squeeze(1), zero);
+    const Tensor share = at::where(has, c.clamp_min(1).reciprocal(), zero);
+    const Tensor wp = at::where(has, (rz.slice(1, h + k, h + 2 * k) * match).sum(1) * share, zero);
     const Tensor gy = rz.slice(1, 0, h);
     const Tensor grad_y = at::where(has.unsqueeze(1), gy * wp.unsqueeze(1), zero).to(y.scalar_type());
-    // g[t] . y[p] of each row, in its slot's column (columns padded to 16 bytes), summed back
-    const Tensor dot = at::where(has, (gy * y.to(at::kFloat)).sum(1), zero);
-    const Tensor d = at::zeros({rows, (k + 3) / 4 * 4}, f32).scatter_(1, j.to(at::kLong), dot.unsqueeze(1));
+    // g[t] . y[p] of each row, in its slots' columns (padded to 16 bytes), summed back
+    const Tensor dot = at::where(has, (gy * y.to(at::kFloat)).sum(1) * share, zero);
+    const Tensor d = at::cat({match * dot.unsqueeze(1), at::zeros({rows, (k + 3) / 4 * 4 - k}, f32)}, 1);
     const Tensor gw = r.combine(d, got, at::kFloat).slice(1, 0, k).to(w.scalar_type());
     return {grad_y, gw};
   }

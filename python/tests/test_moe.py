@@ -155,7 +155,8 @@ def check_all_to_all_v(rk, seed, device="cpu"):
 
 
 def _routing(seed, src, tokens, experts, k, n, label):
-    """topk_idx [tokens, k] of rank src (distinct experts per token; -1 sprinkled in)."""
+    """topk_idx [tokens, k] of rank src (distinct experts per token; -1 sprinkled in; or a
+    token's last slot repeating its first)."""
     g = torch.Generator().manual_seed(seed * 7919 + src * 31 + len(label))
     if label == "all to rank 0":
         pool = experts // n  # only rank 0's experts
@@ -167,6 +168,8 @@ def _routing(seed, src, tokens, experts, k, n, label):
     if label == "with -1":
         drop = torch.rand(tokens, k, generator=g) < 0.3
         idx = torch.where(drop, -1, idx)
+    if label == "duplicate ids":
+        idx[:, -1] = idx[:, 0]
     return idx
 
 
@@ -485,7 +488,7 @@ def check_moe_backward(rk, seed, device="cpu", dtype=torch.float32, sync_free=Fa
     experts = per * n
     mats = gen(seed, "mbW", 0, (experts, hidden, hidden), torch.float64) / hidden**0.5
     tol = 2e-4 if dtype == torch.float32 else 6e-2
-    for label in ("uniform", "with -1", "all to rank 0", "no tokens on rank 0"):
+    for label in ("uniform", "with -1", "all to rank 0", "no tokens on rank 0", "duplicate ids"):
         tokens_of = [0 if (label == "no tokens on rank 0" and src == 0) else 4 + 2 * src for src in range(n)]
         xs = [gen(seed, f"mbx{label}", src, (tokens_of[src], hidden), torch.float64) for src in range(n)]
         idxs = [_routing(seed, src, tokens_of[src], experts, k, n, label) for src in range(n)]
