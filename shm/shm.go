@@ -194,13 +194,17 @@ func openPeer(pid, fd int) (*os.File, unix.Stat_t, error) {
 func Unmap(b []byte) error { return unix.Munmap(b) }
 
 // ReadPeer reads the first n bytes of a regular file another process of this host holds
-// open as fd (the probe that tells two sidecars they can map each other's segments).
-func ReadPeer(pid, fd, n int) ([]byte, error) {
-	f, _, err := openPeer(pid, fd)
+// open as fd (the probe that tells two sidecars they can map each other's segments): only a
+// file of exactly size bytes with no name left (created, then unlinked, as a probe is).
+func ReadPeer(pid, fd, n int, size int64) ([]byte, error) {
+	f, st, err := openPeer(pid, fd)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
+	if st.Size != size || st.Nlink != 0 {
+		return nil, fmt.Errorf("shm: peer file /proc/%d/fd/%d is not a probe (%d bytes, %d links)", pid, fd, st.Size, st.Nlink)
+	}
 	b := make([]byte, n)
 	if _, err := f.ReadAt(b, 0); err != nil {
 		return nil, fmt.Errorf("shm: read peer file: %w", err)

@@ -39,9 +39,10 @@ import (
 // whoever can also reset the connection, and grant nothing.
 //
 // Same-host probe: a dialer that can lend its shared segments names a small file it holds
-// open (pid, fd) and the random token written in it. Once the dialer's proof verified, an
-// acceptor that can open that file through /proc/<pid>/fd/<fd> (a regular file only) and
-// read the token is on the same host, in the same namespaces and allowed to map the
+// open (pid, fd) and the random token written in it (after a magic, in a file of a fixed size
+// with no name left). Once the dialer's proof verified, an acceptor that can open that file
+// through /proc/<pid>/fd/<fd> (a regular file only, of another process than the acceptor's,
+// and a probe by its size, links and magic) and read the token is on the same host, in the same namespaces and allowed to map the
 // dialer's segments: it grants flagRefs, and the dialer then sends large payloads by
 // reference (see kindRef), naming only that pid. A link granted no references that carries
 // one breaks the group (Endpoint.reader).

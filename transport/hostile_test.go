@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
@@ -216,7 +217,20 @@ func TestHandshakeTimesOut(t *testing.T) {
 	}
 }
 
-// fifoProbe makes a FIFO, holds it open in this process and returns the probe naming it.
+// heldElsewhere starts a child process that holds f open as its fd 3 (the acceptor refuses
+// probes naming its own process) and returns the child's pid.
+func heldElsewhere(t *testing.T, f *os.File) int {
+	t.Helper()
+	cmd := exec.Command("sleep", "60")
+	cmd.ExtraFiles = []*os.File{f}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	return cmd.Process.Pid
+}
+
+// fifoProbe makes a FIFO, held open by a child process, and returns the probe naming it.
 func fifoProbe(t *testing.T) probe {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "fifo")
@@ -227,8 +241,61 @@ func fifoProbe(t *testing.T) probe {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { f.Close() })
-	return probe{pid: os.Getpid(), fd: int(f.Fd())}
+	defer f.Close()
+	return probe{pid: heldElsewhere(t, f), fd: 3}
+}
+
+// fileProbe writes content (padded to size) into a file, unlinks it where unlinked, has a
+// child process hold it and returns the probe naming it with token.
+func fileProbe(t *testing.T, content []byte, size int, unlinked bool, token [16]byte) probe {
+	t.Helper()
+	f, err := os.CreateTemp(t.TempDir(), "probe")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	b := make([]byte, size)
+	copy(b, content)
+	if _, err := f.Write(b); err != nil {
+		t.Fatal(err)
+	}
+	if unlinked {
+		os.Remove(f.Name())
+	}
+	return probe{pid: heldElsewhere(t, f), fd: 3, token: token}
+}
+
+// TestProbeRefusesForgeries: the same-host probe passes only for a probe file (its size, no
+// name left, the magic, then the token) of another process than the acceptor's; a file whose
+// first bytes are public (a ring file's header), or the acceptor's own probe, passes for none.
+func TestProbeRefusesForgeries(t *testing.T) {
+	n, err := Listen(Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quiet(), ShmDir: t.TempDir(),
+		Locate: func([]byte) (int, uint64, uint64, bool) { return 0, 0, 0, false }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	var tok [16]byte
+	rand.Read(tok[:])
+	good := append([]byte(probeMagic), tok[:]...)
+	var ringTok [16]byte
+	copy(ringTok[:], "GOCOMMR1\x01\x00\x00\x00")
+	for _, c := range []struct {
+		name string
+		p    probe
+		want bool
+	}{
+		{"a probe file of another process", fileProbe(t, good, probeSize, true, tok), true},
+		{"the acceptor's own probe", n.probe, false},
+		{"a file with a name left", fileProbe(t, good, probeSize, false, tok), false},
+		{"a file of another size", fileProbe(t, good, 1<<20, true, tok), false},
+		{"the token without the magic", fileProbe(t, tok[:], probeSize, true, tok), false},
+		{"a ring file's public header", fileProbe(t, ringTok[:], probeSize, true, ringTok), false},
+	} {
+		if got := n.canMap(c.p); got != c.want {
+			t.Errorf("%s: canMap = %v, want %v", c.name, got, c.want)
+		}
+	}
 }
 
 // TestProbeOnlyAfterProof: the acceptor opens the dialer's probe file only after the
@@ -388,8 +455,10 @@ func TestRefIntoAnotherProcess(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ep.Close()
-	// the fake peer passes the probe with this process's own probe file
-	c, refs := fakeDialer(t, n.Addr(), secret, n.probe)
+	// the fake peer passes the probe with a probe file another process holds
+	var tok [16]byte
+	rand.Read(tok[:])
+	c, refs := fakeDialer(t, n.Addr(), secret, fileProbe(t, append([]byte(probeMagic), tok[:]...), probeSize, true, tok))
 	if !refs {
 		t.Fatal("references not granted to a peer that passed the probe")
 	}

@@ -29,6 +29,7 @@ type Node struct {
 	locate    func(b []byte) (fd int, ino, off uint64, ok bool)
 	probe     probe
 	probeSeg  *shm.Segment
+	probeSelf bool // Config.ProbeOwnProcess
 	// peerTimeout: a link that carries no frame for this long is dead (Config.PeerTimeout)
 	peerTimeout time.Duration
 	// handshake bounds an unauthenticated link's handshake; handshakesMax caps how many are
@@ -86,6 +87,10 @@ type Config struct {
 	Locate func(b []byte) (fd int, ino, off uint64, ok bool)
 	// ShmDir holds the probe file peers open to check they share this host.
 	ShmDir string
+	// ProbeOwnProcess lets a dialer pass the same-host probe with a probe of this very
+	// process (tests that run several nodes in one process). Off, as pgserver runs: a peer
+	// naming this process would get references into every file it holds.
+	ProbeOwnProcess bool
 	// PeerTimeout is the most a dead or silent peer holds up the group: every link carries a
 	// heartbeat at a fifth of it when idle, and a link that carries no frame for four fifths
 	// of it, or takes none of this side's bytes for all of it, breaks the group with the
@@ -119,6 +124,7 @@ func Listen(cfg Config) (*Node, error) {
 		handshake:   cmp.Or(cfg.HandshakeTimeout, 5*time.Second),
 		// a cap of 1 would let every new connection close the one before it
 		handshakesMax: max(cmp.Or(cfg.HandshakesMax, 64), 2),
+		probeSelf:     cfg.ProbeOwnProcess,
 		unmatchedMax:  cmp.Or(cfg.UnmatchedMax, 1<<30),
 		groups:        map[[16]byte]*Endpoint{},
 		gone:          map[[16]byte]*departed{},
@@ -138,10 +144,18 @@ func Listen(cfg Config) (*Node, error) {
 	return n, nil
 }
 
+// The probe file: probeMagic, then the token, in probeSize bytes. A peer reads it only where
+// it is a probe (that size, unlinked, the magic first), so the prefix of another file of some
+// process (a ring file, whose first bytes are public) cannot pass for one.
+const (
+	probeMagic = "GOCOMMP1"
+	probeSize  = 4096
+)
+
 // makeProbe creates the small file (held open, already unlinked) whose token proves to a
 // peer that it can open this process's segments.
 func (n *Node) makeProbe(dir string) error {
-	seg, err := shm.Create(dir, "gocomm-probe", 4096)
+	seg, err := shm.Create(dir, "gocomm-probe", probeSize)
 	if err != nil {
 		return err
 	}
@@ -149,20 +163,23 @@ func (n *Node) makeProbe(dir string) error {
 		seg.Close()
 		return err
 	}
-	copy(seg.Data, n.probe.token[:])
+	copy(seg.Data, probeMagic)
+	copy(seg.Data[len(probeMagic):], n.probe.token[:])
 	seg.Unlink()
 	n.probeSeg = seg
 	n.probe.pid, n.probe.fd = os.Getpid(), int(seg.File.Fd())
 	return nil
 }
 
-// canMap runs the acceptor's side of the same-host probe.
+// canMap runs the acceptor's side of the same-host probe. The dialer must name a probe file
+// of a process other than this one: references into this process's own files would read
+// what other sessions keep there.
 func (n *Node) canMap(p probe) bool {
-	if n.locate == nil { // this side does not take part (it would also not map peers)
+	if n.locate == nil || (p.pid == os.Getpid() && !n.probeSelf) { // this side does not take part (it would also not map peers)
 		return false
 	}
-	b, err := shm.ReadPeer(p.pid, p.fd, len(p.token))
-	return err == nil && bytes.Equal(b, p.token[:])
+	b, err := shm.ReadPeer(p.pid, p.fd, len(probeMagic)+len(p.token), probeSize)
+	return err == nil && string(b[:len(probeMagic)]) == probeMagic && bytes.Equal(b[len(probeMagic):], p.token[:])
 }
 
 // Addr is the address peers dial.
