@@ -126,7 +126,7 @@ func cluster(t *testing.T, n int, timeout time.Duration) ([]*client, []*Group) {
 	for r := 0; r < n; r++ {
 		var srv *Server
 		node, err := transport.Listen(transport.Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quietLog(),
-			Locate: func(b []byte) (int, uint64, uint64, bool) { return srv.Locate(b) }})
+			Locate: func(b []byte) (int, uint64, uint64, bool) { return srv.Locate(b) }, ProbeOwnProcess: true})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -49,6 +49,9 @@ type Session struct {
 	events         chan Event    // for the client's watch stream (Events)
 	done           chan struct{} // closed when the session ends
 	loop           sync.WaitGroup
+	// DestroyGroup calls past taking their group out of groups: Close waits for them before
+	// it unmaps what their ops and stream releases still touch (Add under mu while !closed)
+	destroying sync.WaitGroup
 
 	nccl bool // the client's NCCL is loaded here
 	// Sparse is the transport all_to_all_v of this client's CUDA tensors takes.
@@ -352,7 +355,9 @@ func (sess *Session) DestroyGroup(handle uint32) error {
 	sess.mu.Lock()
 	g := sess.groups[handle]
 	delete(sess.groups, handle)
-	if g != nil {
+	if g != nil { // Close clears groups when it sets closed: here the session is open
+		sess.destroying.Add(1)
+		defer sess.destroying.Done()
 		if sess.destroyed == nil {
 			sess.destroyed = map[uint32]string{}
 		}
@@ -421,6 +426,7 @@ func (sess *Session) Close(reason string) {
 		g.close(reason)
 		sess.srv.dropGroup(g)
 	}
+	sess.destroying.Wait()
 	sess.loop.Wait()
 	sess.graphs.close()
 	sess.cmpMu.Lock()
@@ -599,13 +605,19 @@ func (sess *Session) complete(seq uint64, status int32, source int, msg string) 
 	// spinning while this op ran (an op longer than Spin), wake it now, so that it spins
 	// again by then: woken by the submission itself, a sleeping loop costs the op its wake-up
 	// (measured: 1 GiB all_reduce alone +215 us with a 2 ms spin, none with 20 ms).
-	if sess.srv.cfg.Spin > 0 {
-		sess.cons.Nudge()
-	}
 	sess.cmpMu.Lock()
 	defer sess.cmpMu.Unlock()
+	if sess.srv.cfg.Spin > 0 && sess.prod != nil { // prod nil: the rings may be unmapped
+		sess.cons.Nudge()
+	}
 	for sess.prod != nil {
-		err := sess.prod.Write(time.Now().Add(time.Second), 20*time.Microsecond, wire.RecDone, 0, payload)
+		// a closed session's client reads no more: one try, no wait for room (waiting a
+		// second a completion held Close up by that much per queued op)
+		wait := time.Second
+		if sess.isClosed() {
+			wait = 0
+		}
+		err := sess.prod.Write(time.Now().Add(wait), 20*time.Microsecond, wire.RecDone, 0, payload)
 		if err == nil {
 			return
 		}
