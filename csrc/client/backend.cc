@@ -1575,6 +1575,14 @@ void Backend::shutdown() {
   }
 }
 
+void Backend::release_resources() {
+  user.reset();
+  cfg_.on_shutdown = nullptr;
+  cfg_.on_abort = nullptr;
+  cfg_.shmem_id = nullptr;
+  cfg_.store.reset();
+}
+
 void Backend::abort() {
   if (closed_ || disp_->lost()) {
     return;

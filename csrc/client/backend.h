@@ -151,6 +151,10 @@ class Backend : public c10d::Backend {
 
   // Leave the group: the control plane's DestroyGroup; later ops raise.
   void shutdown() override;
+  // Torch dropped its last reference: the Python objects the group's callbacks hold go (the
+  // control plane's _Group, whose BackendRef is a weak reference back here: a cycle that kept
+  // both alive, with the group's Store and so the rendezvous port), and the Store.
+  void release_resources() override;
   // Fail everything pending on the group, on this rank and its peers, then leave it.
   void abort() override;
 

@@ -3,6 +3,8 @@ group's identity (backend, ranks, name), several groups in flight at once."""
 
 from __future__ import annotations
 
+import socket
+
 import torch
 import torch.distributed as dist
 from ranklib import Checker, gen
@@ -211,3 +213,42 @@ def check_debug_detail(rk, seed):
 def test_torch_distributed_debug_detail(worlds, seed):
     with worlds.fresh(3, label="-dbgdetail", env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}) as w:
         w.run(check_debug_detail, seed=seed)
+
+
+_REINIT = """
+import gc, socket, sys
+import torch, torch.distributed as dist
+import gocomm
+from gocomm import _backend
+port = int(sys.argv[1])
+for i in range(3):
+    dist.init_process_group("gocomm", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    assert t.tolist() == [1.0] * 4, t
+    dist.destroy_process_group()
+gc.collect()
+assert len(_backend._groups) == 0, f"{len(_backend._groups)} groups still alive"
+s = socket.socket()
+s.bind(("127.0.0.1", port))  # torch's TCPStore, held by a group that is gone, would hold it
+print("ok")
+"""
+
+
+def test_destroyed_groups_are_freed(tmp_path):
+    """init, all_reduce and destroy three times on one rendezvous port: every gocomm group is
+    freed once torch drops it (its backend's callbacks held the control plane's group, which
+    held the backend weakly: neither went, nor the group's Store, whose server kept the port),
+    and the port is free again afterwards, as with gloo."""
+    import os
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(
+        [sys.executable, "-c", _REINIT, str(port)], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+    )
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
