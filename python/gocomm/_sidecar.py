@@ -194,10 +194,10 @@ class Sidecar:
             "--parent-pid",
             str(os.getpid()),
         ]
-        # the rest of its settings (GOCOMM_LOG_LEVEL, GOCOMM_SPIN, ...) it reads from the
-        # environment it inherits
-        with open(self.log_file, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True)
+        # the rest of its settings (GOCOMM_LOG_LEVEL, GOCOMM_SPIN, ...) it reads from the environment it
+        # inherits; its log is never opened through a link; a session of its own: Ctrl-C is the rank's
+        with open(os.open(self.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600), "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         return sock
 
     def _check_version(self, theirs: str) -> None:

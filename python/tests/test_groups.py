@@ -235,11 +235,9 @@ print("ok")
 """
 
 
-def test_destroyed_groups_are_freed(tmp_path):
-    """init, all_reduce and destroy three times on one rendezvous port: every gocomm group is
-    freed once torch drops it (its backend's callbacks held the control plane's group, which
-    held the backend weakly: neither went, nor the group's Store, whose server kept the port),
-    and the port is free again afterwards, as with gloo."""
+def _run_alone(script: str, cwd) -> None:
+    """script in a one-rank job of its own (a new session: its signals reach nobody else),
+    given a free port; it prints ok at the end."""
     import os
     import subprocess
     import sys
@@ -249,6 +247,47 @@ def test_destroyed_groups_are_freed(tmp_path):
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     r = subprocess.run(
-        [sys.executable, "-c", _REINIT, str(port)], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+        [sys.executable, "-c", script, str(port)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
     )
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_destroyed_groups_are_freed(tmp_path):
+    """init, all_reduce and destroy three times on one rendezvous port: every gocomm group is
+    freed once torch drops it (its backend's callbacks held the control plane's group, which
+    held the backend weakly: neither went, nor the group's Store, whose server kept the port),
+    and the port is free again afterwards, as with gloo."""
+    _run_alone(_REINIT, tmp_path)
+
+
+_CTRL_C = """
+import os, signal, sys, time
+import torch, torch.distributed as dist
+import gocomm
+dist.init_process_group("gocomm", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
+t = torch.ones(4)
+dist.all_reduce(t)
+try:
+    os.killpg(os.getpgrp(), signal.SIGINT)  # what a terminal's Ctrl-C does
+    time.sleep(10)
+    raise SystemExit("no KeyboardInterrupt")
+except KeyboardInterrupt:
+    time.sleep(3)  # a sidecar that took the signal too has aborted the group by now
+dist.all_reduce(t)  # a rank that catches it (to save a checkpoint, say) goes on
+assert t.tolist() == [1.0] * 4, t
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_ctrl_c_is_the_ranks(tmp_path):
+    """SIGINT to the job's process group (Ctrl-C in a terminal) reaches the rank, which may
+    catch it and run collectives, and not its sidecar (a session of its own), which stopped
+    and aborted the groups."""
+    _run_alone(_CTRL_C, tmp_path)
