@@ -170,7 +170,7 @@ class Sidecar:
 
     def _start(self, rank: int, rendezvous: str) -> str:
         exe = find_pgserver()
-        rdir = runtime_dir()
+        rdir = os.path.abspath(runtime_dir())  # the socket, a gRPC target, must be absolute
         sock = os.path.join(rdir, f"pgserver-{os.getpid()}-r{rank}.sock")
         log_dir = _config.log_dir() or rdir
         try:

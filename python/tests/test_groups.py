@@ -235,9 +235,9 @@ print("ok")
 """
 
 
-def _run_alone(script: str, cwd) -> None:
+def _run_alone(script: str, cwd, **env) -> None:
     """script in a one-rank job of its own (a new session: its signals reach nobody else),
-    given a free port; it prints ok at the end."""
+    given a free port, with env added; it prints ok at the end."""
     import os
     import subprocess
     import sys
@@ -245,7 +245,7 @@ def _run_alone(script: str, cwd) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **env}
     r = subprocess.run(
         [sys.executable, "-c", script, str(port)],
         capture_output=True,
@@ -291,3 +291,10 @@ def test_ctrl_c_is_the_ranks(tmp_path):
     catch it and run collectives, and not its sidecar (a session of its own), which stopped
     and aborted the groups."""
     _run_alone(_CTRL_C, tmp_path)
+
+
+def test_relative_runtime_dir(tmp_path):
+    """XDG_RUNTIME_DIR given relative (to the job's working directory): the sidecar's socket
+    still makes a gRPC target (unix:rel/... is not one, and the start waited its full timeout
+    to say pgserver did not answer)."""
+    _run_alone(_REINIT, tmp_path, XDG_RUNTIME_DIR="rel", GOCOMM_START_TIMEOUT="20")
