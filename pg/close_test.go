@@ -4,7 +4,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/gocomm/gocomm/transport"
 	"github.com/gocomm/gocomm/wire"
 )
 
@@ -13,44 +12,16 @@ import (
 // out) and unmapped the ring, into which the group's completion and stream release then
 // wrote (a SIGSEGV of the sidecar). Close now waits for DestroyGroup to finish first.
 func TestCloseWaitsForDestroyGroup(t *testing.T) {
-	eng := &fakeEngine{hang: true}
-	var sessions []*Session
-	var groups []*Group
-	var blobs [][]byte
-	for r := 0; r < 2; r++ {
-		node, err := transport.Listen(transport.Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quietLog()})
-		if err != nil {
-			t.Fatal(err)
-		}
-		srv := NewServer(Config{Version: "test", ShmDir: t.TempDir(), Device: eng}, node, quietLog())
-		t.Cleanup(func() { srv.Shutdown("test over"); node.Close() })
-		sess, err := srv.Attach(1, r, 64<<10, "/fake/libnccl.so.2")
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := sess.AttachDevice([16]byte{byte(r)}); err != nil {
-			t.Fatal(err)
-		}
-		g, blob, err := sess.CreateGroup("g", r, 2, nil, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
-		sessions, groups, blobs = append(sessions, sess), append(groups, g), append(blobs, blob)
-	}
-	for r := 0; r < 2; r++ {
-		if _, err := sessions[r].ConnectGroup(groups[r].Handle, blobs, []byte("0123456789abcdef0123456789abcdef")); err != nil {
-			t.Fatal(err)
-		}
-	}
-	c := attachClient(t, sessions[0])
+	clients, groups := deviceCluster(t, 2, time.Minute, &fakeEngine{hang: true})
+	c := clients[0]
 	seg := uint32(wire.CUDASegment | 1)
 	c.registerIPC(seg, 1<<20)
 	c.submit(cudaAllReduce(groups[0], seg, 1000, 1)) // never finishes on the fake GPU
 	time.Sleep(200 * time.Millisecond)
 	destroyed := make(chan error, 1)
-	go func() { destroyed <- sessions[0].DestroyGroup(groups[0].Handle) }()
+	go func() { destroyed <- c.sess.DestroyGroup(groups[0].Handle) }()
 	time.Sleep(200 * time.Millisecond)
-	sessions[0].Gone("the training process died")
+	c.sess.Gone("the training process died")
 	select {
 	case err := <-destroyed:
 		if err != nil {
