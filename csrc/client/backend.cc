@@ -1026,11 +1026,12 @@ const Tensors& tensor_list(const std::string& refusal, const std::string& op, co
   return ts;
 }
 
-// The one list of size tensors shaped like `like` that list-style collectives take; only >= 0:
-// the one entry that must have like's size (all_gather's and reduce_scatter's lists, whose
-// tensors may differ in size from rank to rank as ProcessGroupNCCL takes them).
+// The one list of size tensors shaped like `like` that list-style collectives take. Tensors
+// that differ in size from rank to rank (which ProcessGroupNCCL takes as one broadcast or
+// reduce a root) are refused: a rank can check only its own entry, so a wrong size elsewhere
+// would send ops its peers never match, where refusing raises on every rank before sending.
 const Tensors& output_list(const std::string& refusal, const std::string& op, const std::string& name,
-                           const std::vector<Tensors>& lists, const at::Tensor& like, int size, int only = -1) {
+                           const std::vector<Tensors>& lists, const at::Tensor& like, int size) {
   if (lists.size() != 1) {
     value_error("gocomm " + op + ": expected one " + name);
   }
@@ -1042,7 +1043,7 @@ const Tensors& output_list(const std::string& refusal, const std::string& op, co
   for (size_t i = 0; i < ts.size(); i++) {
     const std::string n = name + "[" + std::to_string(i) + "]";
     match_dtype(op, n, ts[i], like);
-    if ((only < 0 || int(i) == only) && ts[i].numel() != like.numel()) {
+    if (ts[i].numel() != like.numel()) {
       value_error("gocomm " + op + ": " + n + " has " + std::to_string(ts[i].numel()) + " elements (shape " +
                   shape_name(ts[i].sizes()) + "), want " + std::to_string(like.numel()) + " (shape " + shape_name(like.sizes()) +
                   ")");
@@ -1061,28 +1062,6 @@ intrusive_ptr<c10d::Work> pairwise(const char* name, Tensors& outputs, Tensors& 
     works.push_back(c10::static_intrusive_pointer_cast<Work>(each(outputs[i], inputs[i])));
   }
   return BatchWork::make(name, std::move(works), outputs);
-}
-
-// Whether a list op's tensors differ in size.
-bool sizes_differ(const std::vector<Tensors>& lists) {
-  for (const auto& ts : lists) {
-    for (const auto& t : ts) {
-      if (t.numel() != ts[0].numel()) {
-        return true;
-      }
-    }
-  }
-  return false;
-}
-
-// One op rooted at each rank of the group (each(root) returns its Work), waited for as one.
-template <typename Each>
-intrusive_ptr<c10d::Work> per_root(const char* name, int size, Tensors result, const Each& each) {
-  std::vector<intrusive_ptr<Work>> works;
-  for (int r = 0; r < size; r++) {
-    works.push_back(c10::static_intrusive_pointer_cast<Work>(each(r)));
-  }
-  return BatchWork::make(name, std::move(works), std::move(result));
 }
 
 }  // namespace
@@ -1182,17 +1161,7 @@ intrusive_ptr<c10d::Work> Backend::allgather(std::vector<Tensors>& outputs, Tens
                                              const c10d::AllgatherOptions& opts) {
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor& t = single(cfg_.cuda_refusal, "all_gather", "tensor", inputs);
-  const bool uneven = sizes_differ(outputs);
-  const Tensors& outs = output_list(cfg_.cuda_refusal, "all_gather", "tensor_list", outputs, t, size_,
-                                    uneven ? rank_ : -1);
-  if (uneven) {  // as ProcessGroupNCCL: each rank's tensor broadcast from it
-    return per_root("all_gather", size_, outs, [&](int r) {
-      if (r == rank_) {
-        outs[r].copy_(t);  // on the caller's stream, before the op
-      }
-      return broadcast_from(outs[r], r, opts.timeout);
-    });
-  }
+  const Tensors& outs = output_list(cfg_.cuda_refusal, "all_gather", "tensor_list", outputs, t, size_);
   Op op("all_gather", wire::kAllGather, c10d::OpType::ALLGATHER, opts.timeout);
   op.elements(t);
   op.inputs = {Tensors{t}, std::nullopt};
@@ -1282,17 +1251,7 @@ intrusive_ptr<c10d::Work> Backend::reduce_scatter(Tensors& outputs, std::vector<
   if (inputs.size() != 1) {
     value_error("gocomm reduce_scatter: expected one input list");
   }
-  const bool uneven = sizes_differ(inputs);
-  const Tensors& ins = output_list(cfg_.cuda_refusal, "reduce_scatter", "input_list", inputs, out, size_,
-                                   uneven ? rank_ : -1);
-  if (uneven) {  // as ProcessGroupNCCL: each rank's part reduced to it (the input list stays as it was)
-    return per_root("reduce_scatter", size_, Tensors{out}, [&](int r) {
-      if (r == rank_) {
-        out.copy_(ins[r]);
-      }
-      return reduce_to(r == rank_ ? out : ins[r], opts.reduceOp, r, opts.timeout);
-    });
-  }
+  const Tensors& ins = output_list(cfg_.cuda_refusal, "reduce_scatter", "input_list", inputs, out, size_);
   Op op("reduce_scatter", wire::kReduceScatter, c10d::OpType::REDUCE_SCATTER, opts.timeout);
   op.elements(out);
   op.redop = redop("reduce_scatter", opts.reduceOp, out);

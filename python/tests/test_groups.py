@@ -273,6 +273,7 @@ import gocomm
 dist.init_process_group("gocomm", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
 t = torch.ones(4)
 dist.all_reduce(t)
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a job started in the background ignores it
 try:
     os.killpg(os.getpgrp(), signal.SIGINT)  # what a terminal's Ctrl-C does
     time.sleep(10)
