@@ -1115,14 +1115,10 @@ intrusive_ptr<c10d::Work> Backend::broadcast(Tensors& tensors, const c10d::Broad
   const at::Tensor& t = single(cfg_.cuda_refusal, "broadcast", "tensor", tensors, true);
   root_in("broadcast", opts.rootRank, size_);
   root_tensor("broadcast", opts.rootTensor);
-  return broadcast_from(t, int(opts.rootRank), opts.timeout);
-}
-
-intrusive_ptr<c10d::Work> Backend::broadcast_from(const at::Tensor& t, int root, std::chrono::milliseconds timeout) {
-  const bool me = root == rank_;
-  Op op("broadcast", wire::kBroadcast, c10d::OpType::BROADCAST, timeout);
+  const bool me = opts.rootRank == rank_;
+  Op op("broadcast", wire::kBroadcast, c10d::OpType::BROADCAST, opts.timeout);
   op.elements(t);
-  op.root = int32_t(root);
+  op.root = int32_t(opts.rootRank);
   if (me) {
     op.inputs = {Tensors{t}};
   } else {
@@ -1136,21 +1132,16 @@ intrusive_ptr<c10d::Work> Backend::broadcast_from(const at::Tensor& t, int root,
 intrusive_ptr<c10d::Work> Backend::reduce(Tensors& tensors, const c10d::ReduceOptions& opts) {
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor& t = single(cfg_.cuda_refusal, "reduce", "tensor", tensors, true);
+  const uint8_t code = redop("reduce", opts.reduceOp, t);
   root_in("reduce", opts.rootRank, size_);
   root_tensor("reduce", opts.rootTensor);
-  return reduce_to(t, opts.reduceOp, int(opts.rootRank), opts.timeout);
-}
-
-intrusive_ptr<c10d::Work> Backend::reduce_to(const at::Tensor& t, const c10d::ReduceOp& how, int root,
-                                             std::chrono::milliseconds timeout) {
-  const uint8_t code = redop("reduce", how, t);
-  Op op("reduce", wire::kReduce, c10d::OpType::REDUCE, timeout);
+  Op op("reduce", wire::kReduce, c10d::OpType::REDUCE, opts.timeout);
   op.elements(t);
   op.redop = code;
-  op.root = int32_t(root);
+  op.root = int32_t(opts.rootRank);
   // the root's t takes the result; the others' stays as it was (NCCL's reduce)
-  op.inputs = {Tensors{premul(how, t, root == rank_, "reduce")}};
-  if (root == rank_) {
+  op.inputs = {Tensors{premul(opts.reduceOp, t, opts.rootRank == rank_, "reduce")}};
+  if (opts.rootRank == rank_) {
     op.outputs = {{0, {t}}};
   }
   op.result = Tensors{t};

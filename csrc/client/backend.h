@@ -214,10 +214,6 @@ class Backend : public c10d::Backend {
                                       std::vector<std::pair<at::Tensor, std::vector<at::Tensor>*>>& unpack,
                                       const std::vector<at::Tensor>& result, int device);
   uint8_t redop(const char* op, const c10d::ReduceOp& want, const at::Tensor& t);
-  // broadcast and reduce of one checked tensor
-  c10::intrusive_ptr<c10d::Work> broadcast_from(const at::Tensor& t, int root, std::chrono::milliseconds timeout);
-  c10::intrusive_ptr<c10d::Work> reduce_to(const at::Tensor& t, const c10d::ReduceOp& how, int root,
-                                           std::chrono::milliseconds timeout);
   // t scaled for PREMUL_SUM (in place, or a copy), else t itself (backend.cc)
   at::Tensor premul(const c10d::ReduceOp& want, const at::Tensor& t, bool in_place, const std::string& op);
   void need_slot(const std::string& op);
