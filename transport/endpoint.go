@@ -387,10 +387,14 @@ func takeP2P(r *Request, e *early) error {
 	r.src = e.src
 	if e.f.length != uint64(r.sink.Len()) {
 		e.release()
-		return fmt.Errorf("%w: recv: rank %d sent %d bytes with tag %d, the receiving tensor holds %d", ErrMismatch,
-			r.src, e.f.length, int64(e.f.seq), r.sink.Len())
+		return p2pSizeError(r.src, e.f.length, int64(e.f.seq), r.sink.Len())
 	}
 	return e.take(r.sink)
+}
+
+func p2pSizeError(from int, sent uint64, tag int64, holds int) error {
+	return fmt.Errorf("%w: recv: rank %d sent %d bytes with tag %d, the receiving tensor holds %d", ErrMismatch,
+		from, sent, tag, holds)
 }
 
 // lockOpen locks ep for matching or queueing r; where the endpoint is broken it finishes r

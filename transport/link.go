@@ -150,7 +150,7 @@ func (ep *Endpoint) reader(from int, raw net.Conn, refPID int) {
 		case kindColl:
 			err = ep.deliverColl(from, &f, p, scratch)
 		case kindP2P:
-			err = ep.deliverP2P(from, &f, p)
+			err = ep.deliverP2P(from, &f, p, scratch)
 		case kindAck:
 			ep.mu.Lock()
 			r := ep.acks[ackKey{from, f.seq}]
@@ -349,10 +349,40 @@ func (ep *Endpoint) deliverColl(from int, f *frame, p payload, scratch []byte) e
 }
 
 // deliverP2P matches a point-to-point frame with the earliest posted receive for its source
-// and tag (or any source), or keeps it early.
-func (ep *Endpoint) deliverP2P(from int, f *frame, p payload) error {
+// and tag (or any source), or keeps it early. A matched frame goes straight into the
+// receive's sink: only frames no receive waits for are charged to the sender's unmatched
+// bytes, so a posted receive takes a message of any size.
+func (ep *Endpoint) deliverP2P(from int, f *frame, p payload, scratch []byte) error {
 	tag := int64(f.seq)
 	k := p2pKey{from, tag}
+	ep.mu.Lock()
+	if ep.broken != nil {
+		ep.mu.Unlock()
+		return p.discard(f.length)
+	}
+	if r := ep.matchP2PLocked(k); r != nil {
+		ep.fills.Add(1)
+		ep.mu.Unlock()
+		defer ep.fills.Done()
+		r.src = from
+		if f.length != uint64(r.sink.Len()) {
+			r.finish(p2pSizeError(from, f.length, tag, r.sink.Len()))
+			return p.discard(f.length)
+		}
+		if p.ref != nil {
+			err := r.sink.Take(p.ref)
+			p.ack()
+			r.finish(err)
+			return nil
+		}
+		if err := r.sink.Fill(p.conn, scratch); err != nil {
+			r.finish(fmt.Errorf("%w: receiving from rank %d: %v", ErrPeerLost, from, err))
+			return err
+		}
+		r.finish(nil)
+		return nil
+	}
+	ep.mu.Unlock()
 	e, err := p.keep(ep, f, from)
 	if err != nil {
 		return err
@@ -363,14 +393,7 @@ func (ep *Endpoint) deliverP2P(from int, f *frame, p payload) error {
 		e.release()
 		return nil
 	}
-	var r *Request
-	sq, aq := ep.p2pPosted[k], ep.anyPosted[tag]
-	switch {
-	case len(sq) > 0 && (len(aq) == 0 || sq[0].post < aq[0].post):
-		r, ep.p2pPosted[k] = sq[0], sq[1:]
-	case len(aq) > 0:
-		r, ep.anyPosted[tag] = aq[0], aq[1:]
-	}
+	r := ep.matchP2PLocked(k) // posted while the frame was read
 	if r == nil {
 		ep.arrivals++
 		e.arrival = ep.arrivals
@@ -381,6 +404,20 @@ func (ep *Endpoint) deliverP2P(from int, f *frame, p payload) error {
 	ep.mu.Unlock()
 	r.finish(takeP2P(r, e))
 	return nil
+}
+
+// matchP2PLocked takes the earliest posted receive for k's source and tag, or for any
+// source and k's tag; nil when none waits. ep.mu is held.
+func (ep *Endpoint) matchP2PLocked(k p2pKey) *Request {
+	var r *Request
+	sq, aq := ep.p2pPosted[k], ep.anyPosted[k.tag]
+	switch {
+	case len(sq) > 0 && (len(aq) == 0 || sq[0].post < aq[0].post):
+		r, ep.p2pPosted[k] = sq[0], sq[1:]
+	case len(aq) > 0:
+		r, ep.anyPosted[k.tag] = aq[0], aq[1:]
+	}
+	return r
 }
 
 // outMsg is one frame queued on a link.

@@ -243,6 +243,53 @@ func TestPointToPoint(t *testing.T) {
 	}
 }
 
+// TestPostedReceiveTakesAnySize: the unmatched-bytes cap bounds what waits for a receive,
+// not what a posted receive takes: a message 4x the cap goes straight into a receive
+// posted before it arrives, and one of the wrong size fails that receive only.
+func TestPostedReceiveTakesAnySize(t *testing.T) {
+	const capBytes, msg = 1 << 20, 4 << 20
+	nodes, addrs := listen(t, 2)
+	nodes[1].unmatchedMax = capBytes
+	eps := make([]*Endpoint, 2)
+	for r := range nodes {
+		ep, err := nodes[r].Join([]byte("a secret of at least sixteen bytes"), r, addrs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(ep.Close)
+		eps[r] = ep
+	}
+	ctx := ctxT(t)
+	data := make([]byte, msg)
+	for i := range data {
+		data[i] = byte(i * 7)
+	}
+	for round := range 3 {
+		got := make([]byte, msg)
+		r := eps[1].RecvP2P(0, int64(round), copySink{Dst: got})
+		if err := eps[0].SendP2P(1, int64(round), data).Wait(ctx); err != nil {
+			t.Fatalf("round %d: send: %v", round, err)
+		}
+		if err := r.Wait(ctx); err != nil || !bytes.Equal(got, data) {
+			t.Fatalf("round %d: receive: %v (bytes equal: %v)", round, err, bytes.Equal(got, data))
+		}
+	}
+	short := eps[1].RecvP2P(0, 9, copySink{Dst: make([]byte, 8)})
+	eps[0].SendP2P(1, 9, data)
+	if err := short.Wait(ctx); !errors.Is(err, ErrMismatch) {
+		t.Fatalf("a %d-byte message into an 8-byte receive = %v, want ErrMismatch", msg, err)
+	}
+	got := make([]byte, 8)
+	r := eps[1].RecvP2P(0, 10, copySink{Dst: got})
+	eps[0].SendP2P(1, 10, bytes.Repeat([]byte{5}, 8))
+	if err := r.Wait(ctx); err != nil || got[7] != 5 {
+		t.Fatalf("after the mismatch: %v %v", got, err)
+	}
+	if eps[1].Broken() != nil || eps[1].unmatched[0].Load() != 0 {
+		t.Fatalf("broken %v, %d bytes charged", eps[1].Broken(), eps[1].unmatched[0].Load())
+	}
+}
+
 // TestPeerLoss: when a peer's node dies, a receive that waits on it fails promptly.
 func TestPeerLoss(t *testing.T) {
 	nodes, eps := group(t, 2, "a secret of at least sixteen bytes")
