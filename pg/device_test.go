@@ -407,8 +407,8 @@ func TestDeviceOps(t *testing.T) {
 		want string
 	}{
 		{"unregistered segment", cudaAllReduce(g, wire.CUDASegment|9, 10, 6), "not registered"},
-		{"past the end of the allocation", cudaAllReduce(g, seg, 1<<19, 6), "outside CUDA segment"},
-		{"bitwise op", func() wire.Desc { d := cudaAllReduce(g, seg, 10, 6); d.RedOp = wire.BXor; return d }(), "bxor"},
+		{"past the end of the allocation", cudaAllReduce(g, seg, 1<<19, 7), "outside CUDA segment"},
+		{"bitwise op", func() wire.Desc { d := cudaAllReduce(g, seg, 10, 8); d.RedOp = wire.BXor; return d }(), "bxor"},
 		{"recv from any rank", wire.Desc{Group: g.Handle, Kind: wire.OpRecv, DType: wire.Float32, Device: wire.DeviceCUDA, Root: -1, Count: 1,
 			StreamValue: 1, Bufs: []wire.BufRef{{Segment: seg, Length: 4}}}, "any rank"},
 	} {
@@ -422,13 +422,67 @@ func TestDeviceOps(t *testing.T) {
 	// a segment the engine could not map: the op names why
 	c.registerIPC(wire.CUDASegment|7, 7)
 	c.submit(wire.Desc{Group: g.Handle, Kind: wire.OpSend, DType: wire.Uint8, Device: wire.DeviceCUDA, Root: 1, Count: 4,
-		StreamValue: 1, Bufs: []wire.BufRef{{Segment: wire.CUDASegment | 7, Length: 4}}})
+		StreamValue: 2, Bufs: []wire.BufRef{{Segment: wire.CUDASegment | 7, Length: 4}}})
 	if d := c.next(5 * time.Second); d.status != wire.StatusInvalid || !strings.Contains(d.msg, "CUDA_ERROR_INVALID_VALUE") {
 		t.Fatalf("op on an unmapped segment: %+v", d)
 	}
 	// a refused CUDA op breaks the group (the client's counter already counted it)
 	if g.Broken() == nil {
 		t.Fatal("the group survived a refused CUDA op")
+	}
+}
+
+// TestStreamValuesChecked: a CUDA op whose stream value repeats or goes back (on either lane),
+// or skips a send/recv value, is refused naming it, and breaks the group (the device engine
+// never parks it); the ops before it are not refused.
+func TestStreamValuesChecked(t *testing.T) {
+	seg := uint32(wire.CUDASegment | 1)
+	p2p := func(g *Group, value uint32) wire.Desc {
+		return wire.Desc{Group: g.Handle, Kind: wire.OpSend, DType: wire.Uint8, Device: wire.DeviceCUDA, Root: 1, Count: 4,
+			StreamValue: value, Bufs: []wire.BufRef{{Segment: seg, Length: 4}}}
+	}
+	for _, tc := range []struct {
+		name   string
+		good   func(*Group) []wire.Desc
+		bad    func(*Group) wire.Desc
+		reason string
+	}{
+		{"repeated collective value", func(g *Group) []wire.Desc { return []wire.Desc{cudaAllReduce(g, seg, 10, 1)} },
+			func(g *Group) wire.Desc { return cudaAllReduce(g, seg, 10, 1) }, "not past the group's last, 1"},
+		{"collective value gone back", func(g *Group) []wire.Desc {
+			return []wire.Desc{cudaAllReduce(g, seg, 10, 1), cudaAllReduce(g, seg, 10, 3)}
+		}, func(g *Group) wire.Desc { return cudaAllReduce(g, seg, 10, 2) }, "not past the group's last, 3"},
+		{"repeated send value", func(g *Group) []wire.Desc { return []wire.Desc{p2p(g, 1)} },
+			func(g *Group) wire.Desc { return p2p(g, 1) }, "not past the group's last, 1"},
+		{"skipped send value", func(g *Group) []wire.Desc { return []wire.Desc{p2p(g, 1)} },
+			func(g *Group) wire.Desc { return p2p(g, 3) }, "skips send/recv values after 1"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			eng := &fakeEngine{}
+			clients, groups := deviceCluster(t, 2, 5*time.Second, eng)
+			c, g := clients[0], groups[0]
+			c.registerIPC(seg, 1<<20)
+			good := tc.good(g)
+			for _, d := range good {
+				c.submit(d)
+			}
+			c.submit(tc.bad(g))
+			refused := 0 // the ops before it may finish or fail with the break, not be refused
+			for range len(good) + 1 {
+				if d := c.next(5 * time.Second); d.status == wire.StatusInvalid {
+					refused++
+					if !strings.Contains(d.msg, tc.reason) {
+						t.Fatalf("completion %+v, want invalid containing %q", d, tc.reason)
+					}
+				}
+			}
+			if refused != 1 {
+				t.Fatalf("%d ops refused, want the bad one", refused)
+			}
+			if g.Broken() == nil {
+				t.Fatal("the group survived")
+			}
+		})
 	}
 }
 

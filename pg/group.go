@@ -184,14 +184,27 @@ func (g *Group) releaseStreams(why string) {
 
 // noteStream records a CUDA op's stream value (its client already wrote it as ready, or
 // will): the next group on the slot counts on from past it. Only the serve goroutine calls it.
-func (g *Group) noteStream(d *wire.Desc) {
+// The client counts each lane up by one per op, in ring order: a value at or below the last
+// would be waited for by no stream write of its own (and a duplicate would displace its twin
+// in the device engine's p2p sequencer), and the sequencer writes send/recv values one by
+// one, so a skipped one would park every later send and recv. Either is refused (the error),
+// which breaks the group and releases its streams.
+func (g *Group) noteStream(d *wire.Desc) error {
 	lane := 0 // collectives count on the first pair of counters, send/recv on the second
 	if !d.Kind.Collective() {
 		lane = 1
 	}
-	if v := d.StreamValue; int32(v-g.last[lane].Load()) > 0 {
+	v, last := d.StreamValue, g.last[lane].Load()
+	if int32(v-last) > 0 {
 		g.last[lane].Store(v)
 	}
+	switch {
+	case int32(v-last) <= 0:
+		return fmt.Errorf("%w: stream value %d of a CUDA %s is not past the group's last, %d", wire.ErrInvalid, v, d.Kind, last)
+	case lane == 1 && v != last+1:
+		return fmt.Errorf("%w: stream value %d of a CUDA %s skips send/recv values after %d", wire.ErrInvalid, v, d.Kind, last)
+	}
+	return nil
 }
 
 func (g *Group) reject(d wire.Desc, err error) {

@@ -235,7 +235,7 @@ func TestMalformedDescriptors(t *testing.T) {
 		}, "complex64"},
 		{"cuda op without a device", func() {
 			c.submit(wire.Desc{Group: g.Handle, Kind: wire.OpAllReduce, DType: wire.Float32, RedOp: wire.Sum, Device: wire.DeviceCUDA,
-				Count: 1, Bufs: []wire.BufRef{{Segment: wire.CUDASegment | 1, Length: 4}}})
+				Count: 1, StreamValue: 1, Bufs: []wire.BufRef{{Segment: wire.CUDASegment | 1, Length: 4}}})
 		}, "never attached its GPU"},
 		{"length that does not match the count", func() {
 			c.submit(wire.Desc{Group: g.Handle, Kind: wire.OpAllReduce, DType: wire.Float32, RedOp: wire.Sum, Count: 2,

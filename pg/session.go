@@ -510,7 +510,9 @@ func (sess *Session) submit(payload []byte) {
 		return
 	}
 	if d.Device == wire.DeviceCUDA {
-		g.noteStream(&d)
+		if serr := g.noteStream(&d); err == nil {
+			err = serr
+		}
 	}
 	if err == nil {
 		err = d.Validate(g.Rank, g.Size)
