@@ -424,7 +424,7 @@ Backend::Backend(std::shared_ptr<Dispatcher> dispatcher, Config cfg)
       cfg_.log(level, msg);
     }
   };
-  h.abort = [this] { abort(); };
+  h.abort = [this](const std::string& why) { abort_for(why); };
   engine_ = std::make_unique<inproc::Engine>(cfg_.rank, cfg_.size, cfg_.name, cfg_.timeout_s, ar_inprocess_,
                                              a2a_inprocess_, cfg_.inprocess, std::move(h));
 }
@@ -1311,7 +1311,7 @@ intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Tensor&
                 " rows (input_split_sizes) but expects " + std::to_string(outs[me]) + " (output_split_sizes)");
   }
   if (input.is_cuda() && a2a_inprocess_) {
-    if (auto w = engine_->all_to_all_single(output, input, ins)) {
+    if (auto w = engine_->all_to_all_single(output, input, ins, outs)) {
       return w;
     }
   }
@@ -1534,11 +1534,15 @@ void Backend::release_resources() {
 }
 
 void Backend::abort() {
+  abort_for("abort()");
+}
+
+void Backend::abort_for(const std::string& why) {
   if (closed_ || disp_->lost()) {
     return;
   }
   if (cfg_.on_abort) {
-    cfg_.on_abort();
+    cfg_.on_abort(why);
   }
   shutdown();
 }

@@ -74,9 +74,9 @@ class Backend : public c10d::Backend {
     inproc::Engine::Settings inprocess;
     // the "gocomm" logger (level, message), in the control plane
     std::function<void(int, const std::string&)> log;
-    // the control plane's DestroyGroup and Abort rpcs
+    // the control plane's DestroyGroup and Abort rpcs (Abort's reason reaches the peers)
     std::function<void()> on_shutdown;
-    std::function<void()> on_abort;
+    std::function<void(const std::string&)> on_abort;
     // the default (world) group: the sidecar's NVSHMEM all_to_all_v kernel serves it (its PEs
     // are the world's ranks)
     bool world = false;
@@ -157,6 +157,8 @@ class Backend : public c10d::Backend {
   void release_resources() override;
   // Fail everything pending on the group, on this rank and its peers, then leave it.
   void abort() override;
+  // abort(), with why as the reason the peers raise with.
+  void abort_for(const std::string& why);
 
   // An op whose caller waits at once and never sees a Work (the sparse all-to-all in the
   // sidecar's NVSHMEM kernel): bufs already named (Dispatcher::cuda_ref), keep alive until

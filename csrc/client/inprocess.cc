@@ -43,7 +43,7 @@ constexpr int kA2MaxParts = 128, kA2MaxOuts = 16;
 constexpr int64_t kA2Head = 64 << 10;  // A2_HEAD: signals before it, the receive buffer after
 constexpr int64_t kA2Table = 9920;  // A2_TABLE: u64 [MAX_OUTS][MAX_RANKS], the receive buffers
 constexpr int64_t kFastMax = 2 << 20;  // bytes: a pair that fits goes before the meta rows are in
-static_assert(sizeof(A2Args) == 8 * 8 + 5 * 8 + 7 * 8 + 8 * 8 + 8 + 16, "a2av_ipc.cu's A2Args");
+static_assert(sizeof(A2Args) == 8 * 8 + 5 * 8 + 7 * 8 + 2 * 8 * 8 + 8 + 16 + 8, "a2av_ipc.cu's A2Args");
 
 // moe.cu's low-latency layout
 constexpr int64_t kLlHead = 64 << 10;  // LL_HEAD: the words before it, the rows after
@@ -490,7 +490,7 @@ void A2Path::give_up() {
   words_[0] = 1;
 }
 
-void A2Path::report() {
+std::string A2Path::report() {
   static const char* what[2] = {"splits that were negative or more rows than the input (nothing sent)",
                                 "row sizes that differ between ranks (nothing received)"};
   for (int i = 0; i < 2; i++) {
@@ -501,11 +501,28 @@ void A2Path::report() {
       seen_[i] = got;
     }
   }
+  const uint32_t got = words_[3];
+  if (got == seen_[2]) {
+    return {};
+  }
+  const uint32_t n = got - seen_[2];
+  seen_[2] = got;
+  // the kernel writes the first one's details before its source (kernels/inprocess/a2av_ipc.cu)
+  const uint32_t src = words_[4];
+  std::atomic_thread_fence(std::memory_order_acquire);
+  std::string first;
+  if (src > 0) {
+    first = ": rank " + std::to_string(src - 1) + " sent " + std::to_string(int32_t(words_[5])) +
+            " rows where output_split_sizes expected " + std::to_string(int32_t(words_[6]));
+  }
+  return "gocomm all_to_all_single on group " + repr_of(e_.name()) + ": " + std::to_string(n) +
+         " earlier call(s) received other rows than their output_split_sizes said (the ranks' splits mismatch)" +
+         first + "; those outputs are not valid and the group is aborted";
 }
 
 std::pair<cuda::Stream, bool> A2Path::run_at(uint64_t in, int64_t in_rows, uint64_t splits, bool splits32,
                                                     const int64_t* host_splits, uint64_t out, int64_t out_rows,
-                                                    uint64_t out_splits, int64_t row) {
+                                                    uint64_t out_splits, int64_t row, const int64_t* expect) {
   cuda::Stream stream = c10::cuda::getCurrentCUDAStream(device_).stream();
   // graph replays are ordered by the caller (kernels/inprocess/a2av_ipc.cu, invariant 1)
   const bool cap = capturing();
@@ -516,6 +533,10 @@ std::pair<cuda::Stream, bool> A2Path::run_at(uint64_t in, int64_t in_rows, uint6
   a_.splits32 = splits != 0 && splits32 ? 1 : 0;
   if (splits == 0 && host_splits != nullptr) {
     std::memcpy(a_.host_splits, host_splits, sizeof(int64_t) * a_.n);
+  }
+  a_.expecting = expect != nullptr ? 1 : 0;
+  if (expect != nullptr) {
+    std::memcpy(a_.expect, expect, sizeof(int64_t) * a_.n);
   }
   a_.in = in;
   a_.out = out;
@@ -545,10 +566,10 @@ std::pair<cuda::Stream, bool> A2Path::run_at(uint64_t in, int64_t in_rows, uint6
 
 std::pair<cuda::Stream, bool> A2Path::exchange(uint64_t in, int64_t in_rows, uint64_t splits, bool splits32,
                                                       const int64_t* host_splits, uint64_t out, int64_t out_rows,
-                                                      uint64_t out_splits, int64_t row) {
+                                                      uint64_t out_splits, int64_t row, const int64_t* expect) {
   std::lock_guard<std::mutex> lock(mu_);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  return run_at(in, in_rows, splits, splits32, host_splits, out, out_rows, out_splits, row);
+  return run_at(in, in_rows, splits, splits32, host_splits, out, out_rows, out_splits, row, expect);
 }
 
 int A2Path::add_output(const std::vector<uint64_t>& maps, int64_t nbytes) {
@@ -668,11 +689,14 @@ bool Engine::open() const {
 void Engine::fail_kernel(const std::string& op) {
   char t[64];
   std::snprintf(t, sizeof(t), "%.0f", timeout_s_);
-  const std::string why = "gocomm " + op + " on group " + repr_of(name_) + ": an earlier " + op + " timed out after " +
-                          t + "s waiting for a peer; its result was not valid and the group is aborted";
+  fail_group("gocomm " + op + " on group " + repr_of(name_) + ": an earlier " + op + " timed out after " + t +
+             "s waiting for a peer; its result was not valid and the group is aborted");
+}
+
+void Engine::fail_group(const std::string& why) {
   try {
     if (h_.abort) {
-      h_.abort();
+      h_.abort(why);
     }
   } catch (const std::exception& e) {
     log(kWarning, "gocomm: aborting group " + repr_of(name_) + ": " + e.what());
@@ -762,6 +786,13 @@ std::shared_ptr<A2Path> Engine::a2av_path(int idx) {
     h_.fall_back("all_to_all_v", "an earlier all_to_all_v kernel timed out; the group is aborted");
     fail_kernel("all_to_all_v");
   }
+  if (path) {
+    const std::string why = path->report();
+    if (!why.empty()) {
+      h_.fall_back("all_to_all_v", "an earlier all_to_all_single's splits mismatched; the group is aborted");
+      fail_group(why);
+    }
+  }
   return path;
 }
 
@@ -785,7 +816,8 @@ std::shared_ptr<LlPath> Engine::ll_path(int idx, const LlShape& want) {
 }
 
 c10::intrusive_ptr<c10d::Work> Engine::all_to_all_single(const at::Tensor& output, const at::Tensor& input,
-                                                         const std::vector<int64_t>& ins) {
+                                                         const std::vector<int64_t>& ins,
+                                                         const std::vector<int64_t>& outs) {
   if (output.device() != input.device()) {
     C10_THROW_ERROR(ValueError, "gocomm all_to_all_single: output is on " + output.device().str() + ", input on " +
                                     input.device().str());
@@ -795,9 +827,8 @@ c10::intrusive_ptr<c10d::Work> Engine::all_to_all_single(const at::Tensor& outpu
     return {};
   }
   const int64_t row = row_bytes("all_to_all_single", input, output.size(0));
-  path->report();
   const auto es = path->exchange(reinterpret_cast<uint64_t>(input.data_ptr()), input.size(0), 0, false, ins.data(),
-                                 reinterpret_cast<uint64_t>(output.data_ptr()), output.size(0), 0, row);
+                                 reinterpret_cast<uint64_t>(output.data_ptr()), output.size(0), 0, row, outs.data());
   record("all_to_all_single", input, path->device());
   return c10::make_intrusive<KernelWork>(std::vector<at::Tensor>{output}, es.first, path->device(),
                                          c10d::OpType::ALLTOALL_BASE, es.second, lasting_stream(path->device()));
@@ -811,7 +842,6 @@ std::pair<at::Tensor, at::Tensor> Engine::all_to_all_v(A2Path& path, const at::T
                                 ? in_splits
                                 : in_splits.to(input.device()).contiguous();
   at::Tensor out_splits = fresh({size_}, splits.options());
-  path.report();
   path.exchange(reinterpret_cast<uint64_t>(input.data_ptr()), input.size(0),
                  reinterpret_cast<uint64_t>(splits.data_ptr()), splits.scalar_type() == at::kInt, nullptr,
                  reinterpret_cast<uint64_t>(out.data_ptr()), out.size(0), reinterpret_cast<uint64_t>(out_splits.data_ptr()),

@@ -181,8 +181,10 @@ struct A2Args {
   uint64_t in, splits, out, out_splits, err;
   int64_t capacity, row_bytes, in_rows, out_id, out_off, stage_bytes, fast_bytes;
   int64_t host_splits[kMaxRanks];
+  int64_t expect[kMaxRanks];
   uint64_t timeout_ns;
   uint32_t rank, n, parts, splits32;
+  uint32_t expecting;
 };
 
 // One group's all_reduce on one device.
@@ -217,20 +219,23 @@ class A2Path {
   bool gpus_shared() const { return gpus_shared_; }
   bool failed() const;
   void give_up();
-  // Log what the kernels found since the last call (they cannot raise).
-  void report();
+  // Log what the kernels found since the last call (they cannot raise). Returns why the
+  // group must fail where an op received other rows than its caller expected (empty if none).
+  std::string report();
   // Queue an exchange of rows of row bytes on the current stream, under the engine's lock:
   // splits 0 takes host_splits (the host's, at most kMaxRanks); splits32: the splits (and
   // out_splits) are int32, else int64; out's out_rows rows are the capacity. Where out lies
   // in a receive buffer the peers write into it; elsewhere the rows pass through recv.
-  // Returns the op's stream and whether it was capturing.
+  // expect: the rows the caller expects from each rank (all_to_all_single's output splits,
+  // checked on the GPU and reported by report()), or null. Returns the op's stream and
+  // whether it was capturing.
   std::pair<cuda::Stream, bool> run_at(uint64_t in, int64_t in_rows, uint64_t splits, bool splits32,
                                        const int64_t* host_splits, uint64_t out, int64_t out_rows,
-                                       uint64_t out_splits, int64_t row);
+                                       uint64_t out_splits, int64_t row, const int64_t* expect = nullptr);
   // run_at under the engine's lock, on device (the MoE path's exchanges and the engine's).
   std::pair<cuda::Stream, bool> exchange(uint64_t in, int64_t in_rows, uint64_t splits, bool splits32,
                                          const int64_t* host_splits, uint64_t out, int64_t out_rows,
-                                         uint64_t out_splits, int64_t row);
+                                         uint64_t out_splits, int64_t row, const int64_t* expect = nullptr);
   // Record a receive buffer (every rank's, mapped here) in the table the kernel reads; its
   // number. No rank may use it before every rank has (the caller's collective).
   int add_output(const std::vector<uint64_t>& maps, int64_t nbytes);
@@ -242,8 +247,8 @@ class A2Path {
   int device_, threads_, grid_;
   int64_t cap_;
   bool gpus_shared_;
-  volatile uint32_t* words_;  // late, invalid ops, row-size ops
-  uint32_t seen_[2] = {0, 0};
+  volatile uint32_t* words_;  // late, invalid ops, row-size ops, unexpected ops and the first's details
+  uint32_t seen_[3] = {0, 0, 0};
   A2Args a_{};
   cuda::Function fn_;
   StreamOrder order_;
@@ -330,17 +335,18 @@ class Engine {
     std::function<void(const std::string&, const std::string&)> fall_back;
     // log at a Python logging level (20 info, 30 warning) through the "gocomm" logger
     std::function<void(int, const std::string&)> log;
-    // abort the group (its peers too)
-    std::function<void()> abort;
+    // abort the group (its peers too), saying why
+    std::function<void(const std::string&)> abort;
   };
 
   Engine(int rank, int size, std::string name, double timeout_s, bool ar, bool a2a, Settings s, Hooks h);
 
   // all_reduce of a CUDA tensor, or null where the in-process kernel does not take it.
   c10::intrusive_ptr<c10d::Work> all_reduce(const at::Tensor& t, uint8_t redop);
-  // all_to_all_single of CUDA tensors (ins: the checked input splits), or null.
+  // all_to_all_single of CUDA tensors (ins, outs: the checked input and output splits), or
+  // null. Rows received other than outs say make the group's next call raise (report()).
   c10::intrusive_ptr<c10d::Work> all_to_all_single(const at::Tensor& output, const at::Tensor& input,
-                                                   const std::vector<int64_t>& ins);
+                                                   const std::vector<int64_t>& ins, const std::vector<int64_t>& outs);
   // gocomm.all_to_all_v's in-process path (the caller checked the arguments and found the
   // path: ops.cc): (out, out_splits on input's device); out's rows are the capacity.
   std::pair<at::Tensor, at::Tensor> all_to_all_v(A2Path& path, const at::Tensor& input, const at::Tensor& in_splits,
@@ -385,6 +391,8 @@ class Engine {
                              const std::string& captured, Setup setup);
   bool open() const;
   [[noreturn]] void fail_kernel(const std::string& op);
+  // Abort the group (its peers too) and raise DistBackendError, both saying why.
+  [[noreturn]] void fail_group(const std::string& why);
   // Collective (every rank calls it at the same op): see the file's top.
   std::optional<Shared> share(int device, const std::string& what, std::string why, int64_t cap, int64_t nbytes,
                               int64_t settings);

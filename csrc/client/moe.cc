@@ -366,7 +366,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_cuda(const a
   const moe::Routing routing{meta,          at_(Carve::kSendOrder), at_(Carve::kSendRank), at_(Carve::kTIdx),
                              at_(Carve::kTOffs), at_(Carve::kMask),      at_(Carve::kBcount)};
   moe::route_pack(dev, payload, xi, ii, wi, t, k, experts, n, routing, send_cap, xbytes, at_(Carve::kSync), flag);
-  path->report();
   path->exchange(uint64_t(payload), send_cap, uint64_t(meta), false, nullptr, uint64_t(recv), cap,
                  uint64_t(recv_splits), row);
   const moe::Grouping grouping{at_(Carve::kRowsSorted), at_(Carve::kWSorted), int64_t(addr(tpe)),

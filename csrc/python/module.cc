@@ -402,14 +402,17 @@ PYBIND11_MODULE(_C, m) {
              st.a2a_threads = a2a.attr("threads").cast<int>();
              st.a2a_blocks = a2a.attr("blocks").cast<int>();
              cfg.log = logger(std::move(log));
-             for (auto [src, dst] : {std::pair{&on_shutdown, &cfg.on_shutdown}, std::pair{&on_abort, &cfg.on_abort}}) {
-               if (given(*src)) {
-                 auto f = hold(std::move(*src));
-                 *dst = [f] {
-                   py::gil_scoped_acquire gil;
-                   (*f)();
-                 };
-               }
+             if (given(on_shutdown)) {
+               cfg.on_shutdown = [f = hold(std::move(on_shutdown))] {
+                 py::gil_scoped_acquire gil;
+                 (*f)();
+               };
+             }
+             if (given(on_abort)) {
+               cfg.on_abort = [f = hold(std::move(on_abort))](const std::string& why) {
+                 py::gil_scoped_acquire gil;
+                 (*f)(why);
+               };
              }
              cfg.world = cfg.routes ? cfg.routes->world() : world;  // the table's word where there is one
              if (given(shmem_id)) {

@@ -82,7 +82,10 @@
 // shim aborts the group at its next call; the shim also sets it when the group broke, and
 // waits then give up at once), [1] = ops whose splits this rank found invalid
 // (negative, or more rows than its input: it published zeros and sent nothing), [2] = ops
-// with a row size that differs between ranks (nothing written).
+// with a row size that differs between ranks (nothing written), [3] = ops where a peer sent
+// other rows than the caller expected from it (expect: all_to_all_single's
+// output_split_sizes; the output is not valid then, and the shim raises at its next call),
+// [4..6] = the first such: the source rank + 1, the rows it sent, the rows expected.
 //
 // All blocks must be resident at once (they wait for each other across GPUs): the shim
 // caps the grid at what the GPU holds at once (the occupancy API), on an idle GPU.
@@ -115,8 +118,10 @@ struct A2Args {
   int64_t stage_bytes;  // recv's size (every rank's is the same): invariant 5
   int64_t fast_bytes;   // a fast slot's size (every rank's is the same; 0: none): invariant 6
   int64_t host_splits[A2_MAX_RANKS];  // the splits where splits is 0 (known on the host)
+  int64_t expect[A2_MAX_RANKS];       // the rows expected from each rank, where expecting
   uint64_t timeout_ns;
   uint32_t rank, n, parts, splits32;  // splits32: in and out splits are int32, else int64
+  uint32_t expecting;                 // expect holds the caller's output splits
 };
 
 struct Ctl {
@@ -341,8 +346,8 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
   //    waiting marks the rank failed (invariant 1); every block counts the op (invariant 4).
   __syncthreads();
   if (blockIdx.x == 0) {
-    __shared__ int mismatch;
-    if (threadIdx.x == 0) mismatch = 0;
+    __shared__ int mismatch, unexpected;  // unexpected: the first rank that sent other rows, or n
+    if (threadIdx.x == 0) mismatch = 0, unexpected = n;
     __syncthreads();
     for (int s = threadIdx.x; s < n; s += blockDim.x) {
       const int64_t* m = rows[s];
@@ -353,13 +358,23 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
         reinterpret_cast<int64_t*>(a.out_splits)[s] = m[me];
       }
       if (m[n + 1] != rb) mismatch = 1;
+      if (a.expecting && m[me] != a.expect[s]) atomicMin(&unexpected, s);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
       volatile uint32_t* err = reinterpret_cast<volatile uint32_t*>(a.err);
       if (!valid) err[1] = err[1] + 1;
       if (mismatch) err[2] = err[2] + 1;
-      if (!valid || mismatch) __threadfence_system();  // the host reads the words
+      if (unexpected < n) {
+        if (err[4] == 0) {  // the first: the host reads the source last
+          err[5] = (uint32_t)rows[unexpected][me];
+          err[6] = (uint32_t)a.expect[unexpected];
+          __threadfence_system();
+          err[4] = unexpected + 1;
+        }
+        err[3] = err[3] + 1;
+      }
+      if (!valid || mismatch || unexpected < n) __threadfence_system();  // the host reads the words
     }
   }
   if (threadIdx.x == 0) {

@@ -250,9 +250,9 @@ class _Group:
             b.mark_broken(detail)
             b.sidecar_broke()
 
-    def _abort(self) -> None:
-        """The backend's abort(): fail everything pending on the group, here and on its peers."""
-        self._sc.call("Abort", pb.AbortRequest(session=self._sc.session, group=self._handle, reason="abort()"))
+    def _abort(self, reason: str) -> None:
+        """abort(), or a kernel's failure: fail the group's ops here and on its peers, with reason."""
+        self._sc.call("Abort", pb.AbortRequest(session=self._sc.session, group=self._handle, reason=reason))
 
     def stats(self) -> dict:
         """This group's counters from the sidecar."""

@@ -1367,6 +1367,63 @@ def test_inprocess_kernel_timeout(worlds, seed):
         w.run(check_kernel_timeout, seed=seed, timeout=RUN_LIMIT_S)
 
 
+def check_a2a_single_mismatch(rk, seed):
+    """all_to_all_single by the in-process kernel where rank 1 sends rank 0 other rows than
+    rank 0's output_split_sizes expect (fewer: they would land misplaced; more: they would
+    not fit): rank 0's next call on the group raises DistBackendError naming the source and
+    both counts, and aborts the group, so rank 1's next calls raise too with that reason,
+    both well within the group's timeout (30 s). The call before, with matching splits, is
+    exact; the world group is untouched."""
+    import datetime
+
+    from gocomm import _client
+
+    dev = torch.device("cuda", rk.rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    ck, me = Checker("all_to_all_single splits mismatch", seed, rk.rank), rk.rank
+    for case, sent in (("fewer", 2), ("more", 4)):
+        sub = dist.new_group(backend="gocomm", timeout=datetime.timedelta(seconds=30))
+
+        def call(to_rank0, case=case, sub=sub):
+            ins, outs = ([2, 1], [2, 3]) if me == 0 else ([to_rank0, 1], [1, 1])
+            x = gen(seed, f"mm{case}{to_rank0}", me, (sum(ins), 16), torch.float32).to(dev)
+            out = torch.full((sum(outs), 16), -1.0, device=dev)
+            dist.all_to_all_single(out, x, outs, ins, group=sub)
+            return x, out
+
+        with ck.case(case):
+            x, out = call(3)  # matching splits: sets the path up
+            xs = [gen(seed, f"mm{case}3", p, (3 + p, 16), torch.float32) for p in range(2)]
+            want = torch.cat([xs[0][:2], xs[1][:3]]) if me == 0 else torch.cat([xs[0][2:3], xs[1][3:4]])
+            ck.same("matching splits", out.cpu(), want)
+            call(sent)  # rank 1 sends `sent` rows where rank 0 expects 3
+            torch.cuda.synchronize()
+            t0, err = time.monotonic(), None
+            for _ in range(20):
+                try:
+                    call(3)
+                    torch.cuda.synchronize()
+                except dist.DistBackendError as e:
+                    err = str(e)
+                    break
+                time.sleep(0.2)
+            waited = time.monotonic() - t0
+            ck.expect("a later call raised in time", err is not None and waited < 15, f"{waited:.1f}s: {err}")
+            want = f"rank 1 sent {sent} rows where output_split_sizes expected 3"
+            ck.expect("the error names the mismatch", err is not None and want in err, str(err))
+        dist.destroy_process_group(sub)
+    runs = [r for r in _client.C.inprocess_launches() if r["op"] == "all_to_all_single"]
+    ck.expect("the in-process kernel ran the calls", len(runs) >= 4, f"{len(runs)} launches")
+    dist.all_reduce(torch.ones(1))  # CPU, on the world: both ranks past the trial
+    return ck.done()
+
+
+def test_a2a_single_mismatch(worlds, seed):
+    """2 ranks with the in-process kernels forced (on one GPU they share it)."""
+    with worlds.fresh(2, label="a2a-mismatch", env=_sharing(2)) as w:
+        w.run(check_a2a_single_mismatch, seed=seed, timeout=RUN_LIMIT_S)
+
+
 def _future_case(rk, seed, what, key):
     """The future checks' start: this rank's device (made current), a Checker, every rank's
     float32 input of 2^14 elements from the seed, and their sum in float64."""
