@@ -24,13 +24,20 @@ $(OBJ)/module.o: csrc/python/module.cc $(wildcard csrc/client/*.h) csrc/build/co
 	@mkdir -p $(OBJ)
 	$(CXX) $(CXXFLAGS) -isystem $(PY_INC) -c $< -o $@
 
+# STDCXX: the libstdc++ the Python runs torch with, linked by path (csrc/config.py), and a
+# client that defines libstdc++'s own functions anyway (a private copy) is refused
 $(LIB): $(CORE)
 	@mkdir -p $(dir $@)
-	$(CXX) -shared -o $@.tmp $(CORE) $(LIBS) -ldl -lpthread && mv -f $@.tmp $@
+	$(CXX) -shared -o $@.tmp $(CORE) $(LIBS) $(STDCXX) -ldl -lpthread
+	@if nm -D --defined-only $@.tmp | grep -q ' _ZNSo9_M_insertI'; then \
+	  echo "gocomm client build: $(CXX) put a private copy of libstdc++ in $@ (its lib directory has libstdc++.a only?):" \
+	    "it would crash formatting numbers; build with a g++ that links libstdc++.so (CXX=/usr/bin/g++)" >&2; \
+	  rm -f $@.tmp; exit 1; fi
+	mv -f $@.tmp $@
 
 $(MODULE): $(OBJ)/module.o $(LIB)
 	$(CXX) -shared -o $@.tmp $(OBJ)/module.o -Lpython/gocomm/lib -lgocomm_client -Wl,-rpath,'$$ORIGIN/lib' \
-	  $(LIBS) -ltorch_python && mv -f $@.tmp $@
+	  $(LIBS) -ltorch_python $(STDCXX) && mv -f $@.tmp $@
 
 # what the extension was built for: the import-time check compares it with the running torch
 $(RECORD): csrc/build/config.mk

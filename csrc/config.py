@@ -21,6 +21,22 @@ def fail(what: str) -> None:
     sys.exit(f"gocomm client build: {what}")
 
 
+def loaded_libstdcxx() -> str:
+    """The libstdc++ this Python runs torch with (from its memory map), or "". The client links
+    it by path: a compiler whose own lib directory holds only libstdc++.a (a relocated GCC)
+    would otherwise put a private copy of libstdc++ in the client, whose locale is never set
+    up, so that formatting a number (an error's message) crashes the process."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1]
+                if "/libstdc++.so" in path and os.path.exists(path):
+                    return path
+    except OSError:
+        pass
+    return ""
+
+
 def main() -> None:
     out = sys.argv[1]
     cxx = sys.argv[2] if len(sys.argv) > 2 else "g++"
@@ -70,6 +86,7 @@ def main() -> None:
         f"PY_INC := {py_inc}",
         f"EXT_SUFFIX := {sysconfig.get_config_var('EXT_SUFFIX')}",
         f"ABI := {int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"STDCXX := {loaded_libstdcxx()}",
         f"BUILD_RECORD := {json.dumps(record, sort_keys=True)}",
     ]
     text = "\n".join(lines) + "\n"

@@ -104,3 +104,6 @@ def test_the_build_settings_are_written(tmp_path):
     text = (tmp_path / "config.mk").read_text()
     for var in ("TORCH_INC", "CUDA_INC", "PY_INC", "EXT_SUFFIX", "ABI", "BUILD_RECORD"):
         assert f"{var} := " in text, text
+    # the libstdc++ torch runs with, linked by path (a relocated g++ would embed libstdc++.a)
+    stdcxx = next(line.split(" := ", 1)[1] for line in text.splitlines() if line.startswith("STDCXX := "))
+    assert "libstdc++.so" in stdcxx and os.path.exists(stdcxx), text
