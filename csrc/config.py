@@ -13,9 +13,9 @@ import shutil
 import sys
 import sysconfig
 
-
 # what torch's CUDA stream headers include from CUDA's
 _CUDA_HEADERS = ("cuda_runtime_api.h", os.path.join("crt", "host_defines.h"))
+
 
 def fail(what: str) -> None:
     sys.exit(f"gocomm client build: {what}")
@@ -45,10 +45,14 @@ def main() -> None:
     try:
         import torch
     except ImportError as e:
-        fail(f"{sys.executable} cannot import torch ({e}); pass CLIENT_PY=<a python with torch>")
+        fail(
+            f"{sys.executable} cannot import torch ({e}); pass CLIENT_PY=<a python with torch>"
+        )
     tdir = os.path.dirname(torch.__file__)
     tinc = os.path.join(tdir, "include")
-    if not os.path.exists(os.path.join(tinc, "torch", "csrc", "distributed", "c10d", "Backend.hpp")):
+    if not os.path.exists(
+        os.path.join(tinc, "torch", "csrc", "distributed", "c10d", "Backend.hpp")
+    ):
         fail(f"torch's C++ headers are missing under {tinc} (a torch wheel ships them)")
     tlib = os.path.join(tdir, "lib")
     cuda_inc = os.environ.get("CUDA_INCLUDE", "")
@@ -64,7 +68,9 @@ def main() -> None:
             if all(os.path.exists(os.path.join(cand, h)) for h in _CUDA_HEADERS):
                 cuda_inc = cand
                 break
-    if not cuda_inc or not all(os.path.exists(os.path.join(cuda_inc, h)) for h in _CUDA_HEADERS):
+    if not cuda_inc or not all(
+        os.path.exists(os.path.join(cuda_inc, h)) for h in _CUDA_HEADERS
+    ):
         fail(
             "CUDA's headers (cuda_runtime_api.h and crt/host_defines.h) are missing: install the nvidia-cuda-runtime "
             "and nvidia-cuda-nvcc wheels torch pins (python/requirements.lock), or pass CUDA_INCLUDE=<dir> "
@@ -72,7 +78,9 @@ def main() -> None:
         )
     py_inc = sysconfig.get_paths()["include"]
     if not os.path.exists(os.path.join(py_inc, "Python.h")):
-        fail(f"Python's headers (Python.h) are missing under {py_inc}: install python3-dev for {sys.version.split()[0]}")
+        fail(
+            f"Python's headers (Python.h) are missing under {py_inc}: install python3-dev for {sys.version.split()[0]}"
+        )
     record = {
         "torch": torch.__version__,
         "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
