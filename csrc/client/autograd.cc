@@ -213,6 +213,16 @@ struct Routing {
   std::optional<int64_t> bound;  // max_tokens_per_rank where the rows were padded to it
   std::string group;
   bool inproc = false;  // the forward ran the in-process ops (moe.cc)
+  int64_t version = 0;  // idx's when the forward ran (idx shares topk_idx's version counter)
+
+  // The routing is the forward's: topk_idx changed in place since would replay another, so
+  // the backward raises, as torch's saved tensors do.
+  void check_unchanged() const {
+    TORCH_CHECK(idx._version() == version,
+                "gocomm moe backward: topk_idx was modified by an inplace operation after the forward (its version "
+                "is ",
+                idx._version(), ", it was ", version, "); the backward replays the forward's routing");
+  }
 
   int64_t padded_rows() const { return bound ? *bound * group_size(group) * idx.size(1) : 0; }
   // dispatch of z (float32, columns a multiple of 4) along the routing with unit weights;
@@ -253,6 +263,7 @@ struct MoeDispatchBackward : public torch::autograd::Node {
     if (!g.defined()) {
       return {Tensor()};
     }
+    r.check_unchanged();
     // a unit-weight handle of the same routing (16 bytes a row: every path takes it), for a
     // combine of g's rows in x's dtype
     const Dispatched got =
@@ -272,6 +283,7 @@ struct MoeCombineBackward : public torch::autograd::Node {
     if (!g.defined()) {
       return {Tensor(), Tensor()};
     }
+    r.check_unchanged();
     const Tensor y = y_.unpack(), w = w_.unpack();
     const auto pg = c10d::resolve_process_group(r.group);
     const int64_t k = r.idx.size(1), h = g.size(1), per = r.experts / pg->getSize();
@@ -323,7 +335,7 @@ void dispatch_backward(const Tensor& x, const Tensor& idx, int64_t experts, std:
   }
   auto node = std::shared_ptr<MoeDispatchBackward>(new MoeDispatchBackward(), torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(x));
-  node->r = Routing{idx.detach(), experts, x.size(0), bound, group, inproc};
+  node->r = Routing{idx.detach(), experts, x.size(0), bound, group, inproc, idx._version()};
   node->dtype = x.scalar_type();
   torch::autograd::set_history(const_cast<Tensor&>(recv), node);
 }
@@ -345,7 +357,7 @@ void combine_backward(const char* op, const Tensor& y, const std::optional<Tenso
   }
   auto node = std::shared_ptr<MoeCombineBackward>(new MoeCombineBackward(), torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(y, wt));
-  node->r = Routing{idx->detach(), experts, tokens, bound(), group, inproc};
+  node->r = Routing{idx->detach(), experts, tokens, bound(), group, inproc, idx->_version()};
   node->y_ = torch::autograd::SavedVariable(y, false);
   node->w_ = torch::autograd::SavedVariable(wt, false);
   torch::autograd::set_history(const_cast<Tensor&>(out), node);

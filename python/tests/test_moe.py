@@ -593,6 +593,16 @@ def check_no_silent_backward(rk, seed, device="cpu"):
             with torch.no_grad():
                 recv, _, handle = gocomm.moe.dispatch(xi, idx, wi, experts, **kw)
                 ck.expect("no_grad: no graph", gocomm.moe.combine(recv, handle).grad_fn is None)
+    with ck.case("topk_idx changed in place after the forward: the backward raises"):
+        mine = idx.clone()
+        recv, _, handle = gocomm.moe.dispatch(x, mine, w, experts)
+        out = gocomm.moe.combine(recv * 2, handle)
+        mine[:, 0] = mine[:, 1]  # another routing than the forward's
+        try:
+            out.sum().backward()
+            ck.fail("in-place topk_idx", "backward returned")
+        except RuntimeError as e:
+            ck.expect("names topk_idx", "topk_idx was modified by an inplace operation" in str(e), str(e))
     splits = torch.tensor([5 if d == me else 0 for d in range(n)], device=dev)
     with ck.case("all_to_all_v with out= refuses a gradient at the call, as torch's out= ops"):
         try:
