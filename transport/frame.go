@@ -36,9 +36,13 @@ const (
 const (
 	frameMagic  = 0x46504347 // "GCPF"
 	frameHeader = 48
-	// maxFrame bounds one frame's payload, so a corrupt or hostile length cannot make a
-	// reader allocate without limit. Algorithms slice larger messages.
-	maxFrame = 1 << 31
+	// maxFrame bounds one frame's payload length. What a frame can make a reader allocate is
+	// bounded elsewhere: a frame no receive waits for is charged to its sender's unmatched
+	// bytes before it is read (Config.UnmatchedMax), one a receive waits for must have its
+	// exact size and is read into it, and an abort's reason is cut at maxReason. So a
+	// message of any size a tensor has (a p2p send, an all-to-all block of 2 GiB or more)
+	// goes as one frame; this only refuses lengths no tensor has (2^50, as the cap's range).
+	maxFrame = 1 << 50
 )
 
 // Signature identifies a collective call; ranks of a group must agree on it.

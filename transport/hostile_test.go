@@ -469,6 +469,76 @@ func TestRefIntoAnotherProcess(t *testing.T) {
 	}
 }
 
+// patternSink takes a message of n bytes without keeping it: byte i must be i mod 251
+// (sampled).
+type patternSink struct {
+	n   int
+	bad *int // the first offset that broke the pattern, or -1
+}
+
+func (s patternSink) Len() int { return s.n }
+
+func (s patternSink) Fill(r io.Reader, scratch []byte) error {
+	for off := 0; off < s.n; {
+		k, err := io.ReadFull(r, scratch[:min(len(scratch), s.n-off)])
+		if err != nil {
+			return err
+		}
+		for i := 0; i < k; i += 997 { // a sample of each read: every byte would cost seconds
+			if scratch[i] != byte((off+i)%251) && *s.bad < 0 {
+				*s.bad = off + i
+			}
+		}
+		off += k
+	}
+	return nil
+}
+
+func (s patternSink) Take(b []byte) error { return s.Fill(bytes.NewReader(b), make([]byte, 64<<10)) }
+
+// TestMessageOver2GiB: a peer's 2.25 GiB message (a CPU tensor between hosts: one frame)
+// goes into the receive that waits for it, whole and in order; frames were once refused
+// past 2 GiB, which broke the group.
+func TestMessageOver2GiB(t *testing.T) {
+	const size = 9 << 28 // 2.25 GiB
+	secret := []byte("a secret of at least sixteen bytes")
+	n, err := Listen(Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quiet()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	peer := newFakePeer(t, secret)
+	peer.refuseAll()
+	ep, err := n.Join(secret, 1, []string{peer.ln.Addr().String(), n.Addr()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ep.Close()
+	bad := -1
+	r := ep.RecvP2P(0, 5, patternSink{n: size, bad: &bad})
+	c, _ := fakeDialer(t, n.Addr(), secret, probe{})
+	hdr := make([]byte, frameHeader)
+	(&frame{kind: kindP2P, seq: 5, length: size}).encode(hdr)
+	chunk := make([]byte, 251<<14) // whole periods of the pattern: every chunk is the same
+	for i := range chunk {
+		chunk[i] = byte(i % 251)
+	}
+	go func() {
+		c.Write(hdr)
+		for left := size; left > 0; left -= len(chunk) {
+			if _, err := c.Write(chunk[:min(left, len(chunk))]); err != nil {
+				return
+			}
+		}
+	}()
+	if err := r.Wait(ctxT(t)); err != nil || bad >= 0 {
+		t.Fatalf("receive: %v, first wrong byte at %d", err, bad)
+	}
+	if ep.Broken() != nil {
+		t.Fatal(ep.Broken())
+	}
+}
+
 // TestUnmatchedBytesCapped: a peer sends many messages nobody receives. Under the cap they
 // are kept and received in full later (and the charge goes back to zero); past it the
 // group breaks with an error naming the knob, and the node's memory does not grow with
