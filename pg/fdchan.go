@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -118,14 +120,24 @@ func closeFDs(fds []int) {
 	}
 }
 
+// fdHelloWait is how long a connection may take to send its hello: the client sends it as
+// it connects, and one that never does would hold a goroutine and a descriptor for good.
+var fdHelloWait = 10 * time.Second
+
 // serveFD serves one client connection (invariants 1-3).
 func (s *Server) serveFD(c *net.UnixConn) {
 	defer c.Close()
 	buf := make([]byte, fdRegHeader+8*fdPerMessage+8)
 	oob := make([]byte, unix.CmsgSpace(4*(fdPerMessage+13)))
+	c.SetReadDeadline(time.Now().Add(fdHelloWait))
 	sess, err := s.fdHello(c, buf, oob)
+	c.SetReadDeadline(time.Time{})
 	if errors.Is(err, io.EOF) { // a connection that sent nothing: a sibling's liveness probe
 		s.log.Debug("fd socket connection closed before its hello", "err", err)
+		return
+	}
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		s.log.Warn("closed an fd socket connection that sent no hello", "within", fdHelloWait)
 		return
 	}
 	if err != nil {

@@ -3,6 +3,7 @@ package pg
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -301,4 +302,37 @@ func TestFDSocketProbeIsQuiet(t *testing.T) {
 	if n := strings.Count(logs.String(), "refused an fd socket connection"); n != 1 {
 		t.Fatalf("%d refusals logged, want the bad hello's only:\n%s", n, logs.String())
 	}
+}
+
+// TestFDSocketSilentConnectionClosed: a connection that sends no hello is closed after
+// fdHelloWait (with a warning), not held for good; one that says hello in time is served.
+func TestFDSocketSilentConnectionClosed(t *testing.T) {
+	defer func(w time.Duration) { fdHelloWait = w }(fdHelloWait)
+	fdHelloWait = 200 * time.Millisecond
+	eng := &fakeEngine{}
+	clients, _ := deviceCluster(t, 1, 5*time.Second, eng)
+	srv := clients[0].sess.srv
+	var logs syncBuf
+	srv.log = slog.New(slog.NewTextHandler(&logs, nil))
+	path := fdServe(t, srv)
+	silent := fdDial(t, path)
+	start := time.Now()
+	silent.SetReadDeadline(start.Add(5 * time.Second))
+	if n, err := silent.Read(make([]byte, 64)); n != 0 || err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("read on a silent connection = %d, %v; want it closed by the sidecar", n, err)
+	}
+	if waited := time.Since(start); waited < fdHelloWait || waited > 3*time.Second {
+		t.Fatalf("closed after %v, want about %v", waited, fdHelloWait)
+	}
+	if !strings.Contains(logs.String(), "sent no hello") {
+		t.Fatalf("no warning:\n%s", logs.String())
+	}
+	conn := fdDial(t, path)
+	fdSend(t, conn, fdHelloMsg(clients[0].sess.ID, clients[0].sess.FDToken()), nil)
+	if _, err := fdAnswer(t, conn); err != nil {
+		t.Fatalf("a hello in time: %v", err)
+	}
+	time.Sleep(2 * fdHelloWait) // past the hello's deadline: the connection stays served
+	fdSend(t, conn, fdRegMsg(1, 1, 0, []uint64{4096}), nil)
+	fdAnswer(t, conn) // a reply (a refusal: no fd came with it), not a closed connection
 }
