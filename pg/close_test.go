@@ -1,9 +1,13 @@
 package pg
 
 import (
+	"os"
+	"path/filepath"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/gocomm/gocomm/transport"
 	"github.com/gocomm/gocomm/wire"
 )
 
@@ -57,5 +61,43 @@ func TestCloseDropsCompletionsNobodyReads(t *testing.T) {
 	c.sess.Gone("client died")
 	if took := time.Since(start); took > 3*time.Second {
 		t.Fatalf("Close with %d queued ops and a full completion ring took %v", queued, took)
+	}
+}
+
+// TestAllocDuringCloseLeavesNoSegment: segments allocated while their session closes (the
+// client's AllocSegment rpc racing its own end) are all unmapped and unlinked: none is added
+// after the session emptied its table.
+func TestAllocDuringCloseLeavesNoSegment(t *testing.T) {
+	dir := t.TempDir()
+	node, err := transport.Listen(transport.Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quietLog()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := NewServer(Config{Version: "test", ShmDir: dir}, node, quietLog())
+	defer func() { srv.Shutdown("test over"); node.Close() }()
+	for round := range 20 {
+		sess, err := srv.Attach(int64(os.Getpid()), 0, 64<<10, "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		for range 4 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for {
+					if _, _, _, err := sess.AllocSegment(4096); err != nil {
+						return
+					}
+				}
+			}()
+		}
+		time.Sleep(time.Duration(round%5) * time.Millisecond)
+		sess.Close("test")
+		wg.Wait()
+		left, _ := filepath.Glob(filepath.Join(dir, "gocomm-seg-*"))
+		if len(left) > 0 {
+			t.Fatalf("round %d: %d segment files left after the session closed", round, len(left))
+		}
 	}
 }

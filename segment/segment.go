@@ -45,6 +45,7 @@ type Table[M Mem] struct {
 	mu       sync.Mutex
 	segs     map[uint32]*entry[M]
 	unmapped uint64 // segments closed so far
+	closed   bool   // DropAll or Take ran: the session ends, Add refuses
 }
 
 // Stats says what a table holds: what the client registered and did not drop, what is
@@ -76,10 +77,15 @@ func (t *Table[M]) Has(id uint32) bool {
 	return e != nil && !e.dropped
 }
 
-// Add registers mem as segment id.
+// Add registers mem as segment id. Once the table was emptied for good (DropAll, Take) it
+// refuses (wire.ErrNotFound), and the caller unmaps mem: a segment made while its session
+// closed would otherwise stay mapped with nothing left to drop it.
 func (t *Table[M]) Add(id uint32, mem M) error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	if t.closed {
+		return fmt.Errorf("%s %d: %w: its session is closing", t.kind, id, wire.ErrNotFound)
+	}
 	if _, dup := t.segs[id]; dup {
 		return fmt.Errorf("%w: %s %d registered twice", wire.ErrInvalid, t.kind, id)
 	}
@@ -184,9 +190,11 @@ func (t *Table[M]) Find(match func(M) bool) (M, bool) {
 	return zero, false
 }
 
-// DropAll drops every segment; ones still referenced are unmapped by their last release.
+// DropAll drops every segment, and every later Add is refused; ones still referenced are
+// unmapped by their last release.
 func (t *Table[M]) DropAll() error {
 	t.mu.Lock()
+	t.closed = true
 	ids := make([]uint32, 0, len(t.segs))
 	for id, e := range t.segs {
 		if !e.dropped {
@@ -208,6 +216,7 @@ func (t *Table[M]) DropAll() error {
 func (t *Table[M]) Take() []M {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	t.closed = true
 	all := make([]M, 0, len(t.segs))
 	for _, e := range t.segs {
 		all = append(all, e.mem)

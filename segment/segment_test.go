@@ -114,3 +114,26 @@ func TestCheckExtent(t *testing.T) {
 		}
 	}
 }
+
+// TestAddAfterTheEnd: once a table was emptied for good (DropAll, Take: the session ends),
+// Add refuses, so the caller unmaps what it made instead of leaving it in a dead table.
+func TestAddAfterTheEnd(t *testing.T) {
+	for _, end := range []string{"DropAll", "Take"} {
+		closed := 0
+		tab := New[fakeMem]("segment")
+		if err := tab.Add(1, fakeMem{64, &closed}); err != nil {
+			t.Fatal(err)
+		}
+		if end == "DropAll" {
+			tab.DropAll()
+		} else {
+			tab.Take()
+		}
+		if err := tab.Add(2, fakeMem{64, &closed}); !errors.Is(err, wire.ErrNotFound) || !strings.Contains(err.Error(), "closing") {
+			t.Fatalf("%s: Add after it = %v, want ErrNotFound naming the close", end, err)
+		}
+		if st := tab.Stats(); st.Live != 0 || st.Mapped != 0 {
+			t.Fatalf("%s: %+v", end, st)
+		}
+	}
+}
