@@ -286,6 +286,21 @@ func (ep *Endpoint) lost(peer int, err error, pending, answered bool) error {
 // leftError is what a request that needs a peer which left the group in order fails with.
 func leftError(peer int) error { return fmt.Errorf("%w: rank %d left the group", ErrPeerLost, peer) }
 
+func allLeftError() error {
+	return fmt.Errorf("%w: receive from any rank: every other rank left the group", ErrPeerLost)
+}
+
+// allLeftLocked: no other rank is left to send anything (an any-source receive waits for
+// nobody). ep.mu is held.
+func (ep *Endpoint) allLeftLocked() bool {
+	for p := range ep.size {
+		if p != ep.rank && !ep.left[p] {
+			return false
+		}
+	}
+	return true
+}
+
 // opName names op codes in errors about a peer's signature; SetOpNames installs it.
 var opName func(op uint8) string
 
@@ -369,6 +384,11 @@ func (ep *Endpoint) RecvP2P(from int, tag int64, s Sink) *Request {
 	if from >= 0 && ep.left[from] {
 		ep.mu.Unlock()
 		r.finish(leftError(from))
+		return r
+	}
+	if from < 0 && ep.allLeftLocked() {
+		ep.mu.Unlock()
+		r.finish(allLeftError())
 		return r
 	}
 	ep.postCount++

@@ -229,7 +229,8 @@ func (ep *Endpoint) resolveRef(from int, f *frame, conn io.Reader, trailer []byt
 }
 
 // failPostedFrom fails the receives that wait on a peer that left, and the sends by
-// reference that wait for its ack (a leaver acks nothing more).
+// reference that wait for its ack (a leaver acks nothing more); receives from any rank
+// fail once every other rank left.
 func (ep *Endpoint) failPostedFrom(from int) {
 	ep.mu.Lock()
 	var reqs []*Request
@@ -251,9 +252,19 @@ func (ep *Endpoint) failPostedFrom(from int) {
 			delete(ep.p2pPosted, k)
 		}
 	}
+	var anyReqs []*Request // receives from any rank, once no rank is left to send
+	if ep.allLeftLocked() {
+		for tag, q := range ep.anyPosted {
+			anyReqs = append(anyReqs, q...)
+			delete(ep.anyPosted, tag)
+		}
+	}
 	ep.mu.Unlock()
 	for _, r := range reqs {
 		r.finish(leftError(from))
+	}
+	for _, r := range anyReqs {
+		r.finish(allLeftError())
 	}
 }
 

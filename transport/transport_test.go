@@ -695,6 +695,41 @@ func TestLeaverBreaksNothing(t *testing.T) {
 	}
 }
 
+// TestAnySourceReceiveWhenPeersLeave: a receive from any rank waits while some rank is left
+// to send (a leaver alone does not fail it), and fails, naming why, once every other rank
+// left; one posted after that fails at once.
+func TestAnySourceReceiveWhenPeersLeave(t *testing.T) {
+	_, eps := group(t, 3, "a secret of at least sixteen bytes")
+	for _, ep := range eps {
+		ep.Connect()
+	}
+	time.Sleep(100 * time.Millisecond) // every link up
+	ctx := ctxT(t)
+	got := make([]byte, 8)
+	first := eps[0].RecvP2P(-1, 4, copySink{Dst: got})
+	eps[1].Close()
+	time.Sleep(peerLostGrace + 300*time.Millisecond)
+	if err := eps[2].SendP2P(0, 4, bytes.Repeat([]byte{7}, 8)).Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Wait(ctx); err != nil || first.Source() != 2 || got[0] != 7 {
+		t.Fatalf("any source with rank 2 still there: %v from %d (%v)", got, first.Source(), err)
+	}
+	second := eps[0].RecvP2P(-1, 5, copySink{Dst: got})
+	eps[2].Close()
+	wait, cancel := context.WithTimeout(ctx, peerLostGrace+5*time.Second)
+	defer cancel()
+	if err := second.Wait(wait); !errors.Is(err, ErrPeerLost) || !strings.Contains(err.Error(), "every other rank left") {
+		t.Fatalf("any source once every rank left = %v, want it named", err)
+	}
+	if err := eps[0].RecvP2P(-1, 6, copySink{Dst: got}).Wait(ctx); !strings.Contains(fmt.Sprint(err), "every other rank left") {
+		t.Fatalf("any source posted after = %v", err)
+	}
+	if err := eps[0].Broken(); err != nil {
+		t.Fatalf("leavers broke the group: %v", err)
+	}
+}
+
 // TestCloseWhileDialRetries: a rank that leaves while its dial to a peer is retrying (the
 // peer has not joined the group yet: ranks create a group at different times) lets that dial
 // go on, at most closeGrace, and carries its bye. The peer, joining in the grace, hears that
