@@ -774,3 +774,31 @@ func TestCloseWhileDialRetries(t *testing.T) {
 		}
 	}
 }
+
+// TestDeparturesAreBounded: a node remembers at most goneMax groups it left (the oldest are
+// forgotten), so that making and destroying groups all along does not grow it; the latest
+// are still answered as left.
+func TestDeparturesAreBounded(t *testing.T) {
+	defer func(m int) { goneMax = m }(goneMax)
+	goneMax = 8
+	nodes, addrs := listen(t, 1)
+	var last [16]byte
+	for i := range 3 * goneMax {
+		ep, err := nodes[0].Join([]byte(fmt.Sprintf("a secret of at least sixteen bytes %d", i)), 0, addrs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		last = ep.id
+		ep.Close()
+	}
+	n := nodes[0]
+	n.mu.Lock()
+	kept, order := len(n.gone), len(n.left)
+	n.mu.Unlock()
+	if kept != goneMax || order != goneMax {
+		t.Fatalf("%d departures kept (%d in order), want %d", kept, order, goneMax)
+	}
+	if _, _, _, err := n.answerLink(last); !errors.Is(err, errLeft) {
+		t.Fatalf("the latest group left is answered %v, want errLeft", err)
+	}
+}
