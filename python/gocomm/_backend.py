@@ -199,11 +199,6 @@ class _Group:
         if b is not None:
             b.abort()
 
-    def _sparse_transport(self) -> str:
-        """This group's sparse all-to-all transport ("nvshmem" or "nccl"): NVSHMEM where every
-        member's sidecar chose it when its client attached, and all are on one host."""
-        return self._routes.transport
-
     def _a2av_path(self, idx: int):
         """The in-process all_to_all_v path on device idx (a gocomm._C.A2Path; set up,
         collectively, at the group's first call there), or None where the group does not take

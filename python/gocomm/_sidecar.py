@@ -122,51 +122,56 @@ class Sidecar:
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.enable_http_proxy", 0)],
         )
         self.stub = pb_grpc.PGServerStub(self.channel)
-        self._wait_ready()
-        self.info = self.call("Info", pb.InfoRequest())
-        self._check_version(self.info.version)
-        nccl = _client.C.nccl_path() if self.info.cuda_available and torch.cuda.is_available() else ""
-        env = {k: v for k, v in os.environ.items() if k.startswith("GOCOMM_")}
-        resp = self.call("Attach", pb.AttachRequest(client_pid=os.getpid(), rank=rank, nccl_path=nccl, client_env=env))
-        for line in resp.knob_warnings:  # a sidecar started apart (GOCOMM_SIDECAR) read its own environment
-            log.warning("gocomm rank %d: %s", rank, line)
-        self.session = resp.session
-        # how all_to_all_v of this process's CUDA tensors moves, chosen by the sidecar at attach
-        self.sparse_transport = resp.sparse_transport or "nccl"
-        self.sparse_reason = resp.sparse_reason
-        # the node's and this client's facts, each with its reason (name -> (value, reason))
-        self.capabilities = {c.name: (c.value, c.reason) for c in resp.capabilities}
-        # the knobs as the sidecar read them from its environment (config/config.go), so both
-        # sides use one reading: the sparse all-to-all's settings (pb.A2AConfig: recv_bytes,
-        # blocks, threads) and the client's own (pb.ClientKnobs: cuda, ar_*, ...)
-        if not (resp.HasField("a2a") and resp.HasField("knobs")):
-            raise SidecarError(f"pgserver on {self.socket} reported no settings at attach: older than this shim?")
-        self.a2a, self.knobs = resp.a2a, resp.knobs
-        # why this client's CUDA tensors cannot be served ("" where they can): the sidecar's word
-        self.cuda_refusal = resp.cuda_refusal
-        # GOCOMM_TRACE_BUFFER_SIZE as the sidecar read it: the shim's kernel launch record uses it too
-        self.trace_size = resp.trace_buffer_size
-        self.info = self.call("Info", pb.InfoRequest())  # now naming that choice
-        self._watch = self.stub.Watch(pb.WatchRequest(session=self.session))
-        first = next(self._watch)
-        if first.kind != "attached":
-            raise SidecarError(f"pgserver answered the watch with {first.kind!r}")
-        # the session's data plane: ring, arena (its first segment now), IPC registrations, and
-        # the fd socket that takes the chunks of expandable segments (decision 0029)
-        self.fd_socket, self.fd_token = resp.fd_socket, resp.fd_token
-        self.client = _client.C.Dispatcher(
-            resp.ring_path,
-            resp.ring_bytes,
-            self._grow,
-            16 << 20,
-            self._attach,
-            fd_socket=resp.fd_socket,
-            session=self.session,
-            fd_token=resp.fd_token,
-            rank=rank,
-            log=log.log,
-        )
-        threading.Thread(target=self._watch_loop, name="gocomm-watch", daemon=True).start()
+        try:  # a pgserver started here goes with a start that fails after it answered
+            self._wait_ready()
+            self.info = self.call("Info", pb.InfoRequest())
+            self._check_version(self.info.version)
+            nccl = _client.C.nccl_path() if self.info.cuda_available and torch.cuda.is_available() else ""
+            env = {k: v for k, v in os.environ.items() if k.startswith("GOCOMM_")}
+            req = pb.AttachRequest(client_pid=os.getpid(), rank=rank, nccl_path=nccl, client_env=env)
+            resp = self.call("Attach", req)
+            for line in resp.knob_warnings:  # a sidecar started apart (GOCOMM_SIDECAR) read its own environment
+                log.warning("gocomm rank %d: %s", rank, line)
+            self.session = resp.session
+            # how all_to_all_v of this process's CUDA tensors moves, chosen by the sidecar at attach
+            self.sparse_transport = resp.sparse_transport or "nccl"
+            self.sparse_reason = resp.sparse_reason
+            # the node's and this client's facts, each with its reason (name -> (value, reason))
+            self.capabilities = {c.name: (c.value, c.reason) for c in resp.capabilities}
+            # the knobs as the sidecar read them from its environment (config/config.go), so both
+            # sides use one reading: the sparse all-to-all's settings (pb.A2AConfig: recv_bytes,
+            # blocks, threads) and the client's own (pb.ClientKnobs: cuda, ar_*, ...)
+            if not (resp.HasField("a2a") and resp.HasField("knobs")):
+                raise SidecarError(f"pgserver on {self.socket} reported no settings at attach: older than this shim?")
+            self.a2a, self.knobs = resp.a2a, resp.knobs
+            # why this client's CUDA tensors cannot be served ("" where they can): the sidecar's word
+            self.cuda_refusal = resp.cuda_refusal
+            # GOCOMM_TRACE_BUFFER_SIZE as the sidecar read it: the shim's kernel launch record uses it too
+            self.trace_size = resp.trace_buffer_size
+            self.info = self.call("Info", pb.InfoRequest())  # now naming that choice
+            self._watch = self.stub.Watch(pb.WatchRequest(session=self.session))
+            first = next(self._watch)
+            if first.kind != "attached":
+                raise SidecarError(f"pgserver answered the watch with {first.kind!r}")
+            # the session's data plane: ring, arena (its first segment now), IPC registrations, and
+            # the fd socket that takes the chunks of expandable segments (decision 0029)
+            self.fd_socket, self.fd_token = resp.fd_socket, resp.fd_token
+            self.client = _client.C.Dispatcher(
+                resp.ring_path,
+                resp.ring_bytes,
+                self._grow,
+                16 << 20,
+                self._attach,
+                fd_socket=resp.fd_socket,
+                session=self.session,
+                fd_token=resp.fd_token,
+                rank=rank,
+                log=log.log,
+            )
+            threading.Thread(target=self._watch_loop, name="gocomm-watch", daemon=True).start()
+        except BaseException:
+            self.close()
+            raise
 
     def _start(self, rank: int, rendezvous: str) -> str:
         exe = find_pgserver()
@@ -210,7 +215,6 @@ class Sidecar:
             log.warning("gocomm %s: pgserver on %s is an unversioned (dev) build", ours, self.socket)
             return
         where = f"started from {find_pgserver()}" if self.proc is not None else "attached through GOCOMM_SIDECAR"
-        self.close()
         raise SidecarError(
             f"gocomm {ours} cannot use pgserver {theirs or '(no version)'} ({where}, {self.socket}): "
             f"install the matching gocomm, or point GOCOMM_PGSERVER/GOCOMM_SIDECAR at a pgserver {ours}"
@@ -230,7 +234,6 @@ class Sidecar:
                 if self.proc is None and waited > min(timeout, 3) and not os.path.exists(self.socket):
                     raise SidecarError(f"GOCOMM_SIDECAR: no pgserver socket at {self.socket}") from None
                 if waited > timeout:
-                    self.close()  # a pgserver started here goes with the failed start
                     raise SidecarError(f"pgserver did not answer on {self.socket} within {timeout}s") from None
 
     def _log_tail(self) -> str:
@@ -406,3 +409,4 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
+os.register_at_fork(after_in_child=lambda: globals().update(_sidecar=None))  # a forked child's exit leaves it be

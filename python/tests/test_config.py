@@ -279,6 +279,60 @@ def test_a_failed_start_leaves_no_pgserver(fresh, tmp_path):
     assert lines[3] == "left: []", p.stdout
 
 
+def test_a_start_failing_after_pgserver_answered_leaves_none(fresh, tmp_path):
+    """A start that fails after pgserver answered (here the data plane's client, at its last
+    step) raises, and the pgserver started for it goes too, at each of three tries."""
+    code = (
+        "import os, torch.distributed as dist, gocomm, gocomm._client as cl\n"
+        "def refuse(*a, **k):\n"
+        "    raise RuntimeError('no data plane today')\n"
+        "cl.C.Dispatcher = refuse\n"
+        "for _ in range(3):\n"
+        "    try:\n"
+        "        dist.init_process_group('gocomm', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "        print('started')\n"
+        "    except Exception as e:\n"
+        "        print(type(e).__name__, e)\n"
+        "mine = f'--parent-pid\\0{os.getpid()}\\0'.encode()\n"
+        "def cmd(p):\n"
+        "    try:\n"
+        "        return open(f'/proc/{p}/cmdline', 'rb').read()\n"
+        "    except OSError:\n"
+        "        return b''\n"
+        "print('left:', [p for p in os.listdir('/proc') if p.isdigit() and mine in cmd(p)])\n"
+    )
+    env = dict(os.environ, GOCOMM_LOG_DIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    lines = p.stdout.splitlines()
+    assert p.returncode == 0 and len(lines) == 4, p.stdout + p.stderr
+    assert all("no data plane today" in line for line in lines[:3]), p.stdout
+    assert lines[3] == "left: []", p.stdout
+
+
+def test_a_forked_child_leaves_the_parents_sidecar_be(fresh, tmp_path):
+    """A child forked from a rank that exits normally (its atexit hooks run) does not close the
+    parent's sidecar (it sees none): the parent's group works on after."""
+    code = (
+        "import os, sys, torch, torch.distributed as dist, gocomm, gocomm._sidecar as sc\n"
+        "dist.init_process_group('gocomm', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "t = torch.ones(4)\n"
+        "dist.all_reduce(t)\n"
+        "parent = sc.current().proc.pid\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    print('child sees', sc.current(), flush=True)\n"
+        "    sys.exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "dist.all_reduce(t)\n"
+        "print('parent', t.tolist(), sc.current().proc.pid == parent, flush=True)\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = dict(os.environ, GOCOMM_LOG_DIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.splitlines() == ["child sees None", "parent [1.0, 1.0, 1.0, 1.0] True"], p.stdout + p.stderr
+
+
 def test_an_orderly_close_lets_pgserver_exit_by_itself(fresh, tmp_path):
     """close() asks a started pgserver to shut down: the Shutdown rpc is answered and pgserver
     exits 0 after its cleanup (its sockets gone), five times over on a loaded machine.

@@ -642,9 +642,7 @@ def check_all_to_all_v_nvshmem(rk, seed, inprocess):
     dev, _ = _setup(rk)
     n, me = rk.size, rk.rank
     ck = Checker("all_to_all_v " + ("in this process" if inprocess else "on NVSHMEM"), seed, me)
-    ck.expect(
-        "transport", _state(rk.world.pg)._sparse_transport() == "nvshmem", _state(rk.world.pg)._sparse_transport()
-    )
+    ck.expect("transport", _state(rk.world.pg)._routes.transport == "nvshmem", _state(rk.world.pg)._routes.transport)
     path = _state(rk.world.pg)._a2av_path(dev.index)
     ck.expect("path", (path is not None) == inprocess, f"in-process kernel {path}, wanted {inprocess}")
     for label, splits_of in ROUTINGS.items():
@@ -1687,7 +1685,7 @@ def test_premul_cuda(worlds, seed, engine):
 
 def check_transport(rk, want):
     """The sidecar's sparse transport, as the shim reads it."""
-    got = _state(rk.world.pg)._sparse_transport()
+    got = _state(rk.world.pg)._routes.transport
     if got != want:
         raise AssertionError(f"rank {rk.rank}: sparse transport {got}, want {want}")
     return got

@@ -42,7 +42,7 @@ def check_all_to_all_v(rk, seed, device="cpu"):
     # On the NVSHMEM path (CUDA, where the sidecars chose it) the output is the whole buffer
     # (the rows are its first sum(out_splits)) and an overflow shows in the counts: nothing
     # on that path waits for the GPU, so nothing can raise.
-    nv = device == "cuda" and _state(rk.world.pg)._sparse_transport() == "nvshmem"
+    nv = device == "cuda" and _state(rk.world.pg)._routes.transport == "nvshmem"
     ck = Checker(f"all_to_all_v on {device}" + (" (NVSHMEM)" if nv else ""), seed, me)
     for label, splits_of in ROUTINGS.items():
         send = splits_of(seed, me, n)
@@ -624,7 +624,7 @@ def check_sparse_choice(rk):
     """The sidecar says which sparse transport it chose for this client and why (info and
     the group agree); a client without CUDA NCCL gets NCCL."""
     detail = gocomm.info()["engines"]["sparse"][1]
-    transport = _state(rk.world.pg)._sparse_transport()
+    transport = _state(rk.world.pg)._routes.transport
     if not detail.startswith(transport + ": ") or len(detail) <= len(transport) + 2:
         raise AssertionError(f"rank {rk.rank}: info says {detail!r}, the group {transport!r}")
     if not torch.cuda.is_available() and transport != "nccl":

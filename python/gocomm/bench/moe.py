@@ -149,7 +149,7 @@ def _measure(rank, world, dev, nccl, sync, args, tokens) -> dict:
         "tokens": tokens,
         "bytes": moved,
         "world": world,
-        "transport": gocomm._backend.state(dist.group.WORLD)._sparse_transport(),
+        "transport": gocomm._backend.state(dist.group.WORLD)._routes.transport,
     }
 
     def nccl_known():
