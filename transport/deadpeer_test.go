@@ -24,16 +24,7 @@ func liveGroup(t *testing.T, n int, peerTimeout time.Duration) []*Endpoint {
 		t.Cleanup(func() { node.Close() })
 		nodes[r], addrs[r] = node, node.Addr()
 	}
-	eps := make([]*Endpoint, n)
-	for r := range nodes {
-		ep, err := nodes[r].Join([]byte("a secret of at least sixteen bytes"), r, addrs)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(ep.Close)
-		eps[r] = ep
-	}
-	return eps
+	return joinAll(t, nodes, addrs, "a secret of at least sixteen bytes")
 }
 
 // TestHeartbeatsKeepIdleLinksAlive: links that carry no op for several peer timeouts stay

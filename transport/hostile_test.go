@@ -410,15 +410,8 @@ func waitBroken(t *testing.T, ep *Endpoint) error {
 // nothing is mapped.
 func TestRefWithoutNegotiation(t *testing.T) {
 	secret := []byte("a secret of at least sixteen bytes")
-	nodes, addrs := listen(t, 1)
-	peer := newFakePeer(t, secret)
-	peer.refuseAll()
-	ep, err := nodes[0].Join(secret, 1, []string{peer.ln.Addr().String(), addrs[0]})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ep.Close()
-	c, refs := fakeDialer(t, addrs[0], secret, probe{})
+	n, ep := besideFake(t, secret, Config{})
+	c, refs := fakeDialer(t, n.Addr(), secret, probe{})
 	if refs {
 		t.Fatal("references granted without a probe")
 	}
@@ -438,23 +431,32 @@ func TestRefWithoutNegotiation(t *testing.T) {
 	}
 }
 
-// TestRefIntoAnotherProcess: references were granted for the probed process, and a frame
-// names another one: the group breaks.
-func TestRefIntoAnotherProcess(t *testing.T) {
-	secret := []byte("a secret of at least sixteen bytes")
-	n, err := Listen(Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quiet(), ShmDir: t.TempDir(),
-		Locate: func([]byte) (int, uint64, uint64, bool) { return 0, 0, 0, false }})
+// besideFake starts a node with cfg (listening on loopback, quiet) and joins it as rank 1 of
+// a group whose rank 0 is a fake peer that refuses every link; it closes at the test's end.
+func besideFake(t *testing.T, secret []byte, cfg Config) (*Node, *Endpoint) {
+	t.Helper()
+	cfg.Listen, cfg.Advertise, cfg.Log = "127.0.0.1:0", "127.0.0.1", quiet()
+	n, err := Listen(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer n.Close()
+	t.Cleanup(func() { n.Close() })
 	peer := newFakePeer(t, secret)
 	peer.refuseAll()
 	ep, err := n.Join(secret, 1, []string{peer.ln.Addr().String(), n.Addr()})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ep.Close()
+	t.Cleanup(ep.Close)
+	return n, ep
+}
+
+// TestRefIntoAnotherProcess: references were granted for the probed process, and a frame
+// names another one: the group breaks.
+func TestRefIntoAnotherProcess(t *testing.T) {
+	secret := []byte("a secret of at least sixteen bytes")
+	n, ep := besideFake(t, secret, Config{ShmDir: t.TempDir(),
+		Locate: func([]byte) (int, uint64, uint64, bool) { return 0, 0, 0, false }})
 	// the fake peer passes the probe with a probe file another process holds
 	var tok [16]byte
 	rand.Read(tok[:])
@@ -502,18 +504,7 @@ func (s patternSink) Take(b []byte) error { return s.Fill(bytes.NewReader(b), ma
 func TestMessageOver2GiB(t *testing.T) {
 	const size = 9 << 28 // 2.25 GiB
 	secret := []byte("a secret of at least sixteen bytes")
-	n, err := Listen(Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quiet()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer n.Close()
-	peer := newFakePeer(t, secret)
-	peer.refuseAll()
-	ep, err := n.Join(secret, 1, []string{peer.ln.Addr().String(), n.Addr()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ep.Close()
+	n, ep := besideFake(t, secret, Config{})
 	bad := -1
 	r := ep.RecvP2P(0, 5, patternSink{n: size, bad: &bad})
 	c, _ := fakeDialer(t, n.Addr(), secret, probe{})
@@ -546,18 +537,7 @@ func TestMessageOver2GiB(t *testing.T) {
 func TestUnmatchedBytesCapped(t *testing.T) {
 	const msg, capBytes = 60 << 10, 4 << 20
 	secret := []byte("a secret of at least sixteen bytes")
-	n, err := Listen(Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quiet(), UnmatchedMax: capBytes})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer n.Close()
-	peer := newFakePeer(t, secret)
-	peer.refuseAll()
-	ep, err := n.Join(secret, 1, []string{peer.ln.Addr().String(), n.Addr()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ep.Close()
+	n, ep := besideFake(t, secret, Config{UnmatchedMax: capBytes})
 	c, _ := fakeDialer(t, n.Addr(), secret, probe{})
 	send := func(tag int64) {
 		hdr := make([]byte, frameHeader)

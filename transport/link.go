@@ -313,18 +313,7 @@ func (ep *Endpoint) deliverColl(from int, f *frame, p payload, scratch []byte) e
 			ep.Break(err)
 			return p.discard(f.length)
 		}
-		if p.ref != nil {
-			err := r.sink.Take(p.ref)
-			p.ack()
-			r.finish(err)
-			return nil
-		}
-		if err := r.sink.Fill(p.conn, scratch); err != nil {
-			r.finish(fmt.Errorf("%w: receiving from rank %d: %v", ErrPeerLost, from, err))
-			return err
-		}
-		r.finish(nil)
-		return nil
+		return fill(r, from, p, scratch)
 	}
 	e, err := p.keep(ep, f, from)
 	if err != nil {
@@ -359,6 +348,23 @@ func (ep *Endpoint) deliverColl(from int, f *frame, p payload, scratch []byte) e
 	return nil
 }
 
+// fill hands a payload of the right size to the receive r waits with (taken out of posted,
+// its fill counted) and finishes r. A returned error means the link is unusable.
+func fill(r *Request, from int, p payload, scratch []byte) error {
+	if p.ref != nil {
+		err := r.sink.Take(p.ref)
+		p.ack()
+		r.finish(err)
+		return nil
+	}
+	if err := r.sink.Fill(p.conn, scratch); err != nil {
+		r.finish(fmt.Errorf("%w: receiving from rank %d: %v", ErrPeerLost, from, err))
+		return err
+	}
+	r.finish(nil)
+	return nil
+}
+
 // deliverP2P matches a point-to-point frame with the earliest posted receive for its source
 // and tag (or any source), or keeps it early. A matched frame goes straight into the
 // receive's sink: only frames no receive waits for are charged to the sender's unmatched
@@ -380,18 +386,7 @@ func (ep *Endpoint) deliverP2P(from int, f *frame, p payload, scratch []byte) er
 			r.finish(p2pSizeError(from, f.length, tag, r.sink.Len()))
 			return p.discard(f.length)
 		}
-		if p.ref != nil {
-			err := r.sink.Take(p.ref)
-			p.ack()
-			r.finish(err)
-			return nil
-		}
-		if err := r.sink.Fill(p.conn, scratch); err != nil {
-			r.finish(fmt.Errorf("%w: receiving from rank %d: %v", ErrPeerLost, from, err))
-			return err
-		}
-		r.finish(nil)
-		return nil
+		return fill(r, from, p, scratch)
 	}
 	ep.mu.Unlock()
 	e, err := p.keep(ep, f, from)

@@ -38,7 +38,13 @@ func listen(t *testing.T, n int) ([]*Node, []string) {
 func group(t *testing.T, n int, secret string) ([]*Node, []*Endpoint) {
 	t.Helper()
 	nodes, addrs := listen(t, n)
-	eps := make([]*Endpoint, n)
+	return nodes, joinAll(t, nodes, addrs, secret)
+}
+
+// joinAll joins nodes (rank r at addrs[r]) to one group; the endpoints close at the test's end.
+func joinAll(t *testing.T, nodes []*Node, addrs []string, secret string) []*Endpoint {
+	t.Helper()
+	eps := make([]*Endpoint, len(nodes))
 	for r := range nodes {
 		ep, err := nodes[r].Join([]byte(secret), r, addrs)
 		if err != nil {
@@ -47,7 +53,7 @@ func group(t *testing.T, n int, secret string) ([]*Node, []*Endpoint) {
 		t.Cleanup(ep.Close)
 		eps[r] = ep
 	}
-	return nodes, eps
+	return eps
 }
 
 func ctxT(t *testing.T) context.Context {
@@ -250,15 +256,7 @@ func TestPostedReceiveTakesAnySize(t *testing.T) {
 	const capBytes, msg = 1 << 20, 4 << 20
 	nodes, addrs := listen(t, 2)
 	nodes[1].unmatchedMax = capBytes
-	eps := make([]*Endpoint, 2)
-	for r := range nodes {
-		ep, err := nodes[r].Join([]byte("a secret of at least sixteen bytes"), r, addrs)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(ep.Close)
-		eps[r] = ep
-	}
+	eps := joinAll(t, nodes, addrs, "a secret of at least sixteen bytes")
 	ctx := ctxT(t)
 	data := make([]byte, msg)
 	for i := range data {

@@ -245,6 +245,36 @@ def test_attached_sidecar_knobs_are_its_own(fresh, tmp_path, caplog):
         proc.wait(timeout=30)
 
 
+def _three_failed_starts(prelude: str, after: str, env: dict, why: str) -> None:
+    """In a process of its own: prelude, three tries of init_process_group, after, then the
+    pgservers the process started that still run. Each try must fail naming why, none left."""
+    code = (
+        "import os, torch.distributed as dist, gocomm\n" + prelude + "for _ in range(3):\n"
+        "    try:\n"
+        "        dist.init_process_group('gocomm', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "        print('started')\n"
+        "    except Exception as e:\n"
+        "        print(type(e).__name__, e)\n" + after + _LEFT_PGSERVERS
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    lines = p.stdout.splitlines()
+    assert p.returncode == 0 and len(lines) == 4, p.stdout + p.stderr
+    assert all(why in line for line in lines[:3]), p.stdout
+    assert lines[3] == "left: []", p.stdout
+
+
+# prints the pgservers this process started that still run ("left: [pids]")
+_LEFT_PGSERVERS = (
+    "mine = f'--parent-pid\\0{os.getpid()}\\0'.encode()\n"
+    "def cmd(p):\n"
+    "    try:\n"
+    "        return open(f'/proc/{p}/cmdline', 'rb').read()\n"
+    "    except OSError:\n"
+    "        return b''\n"
+    "print('left:', [p for p in os.listdir('/proc') if p.isdigit() and mine in cmd(p)])\n"
+)
+
+
 def test_a_failed_start_leaves_no_pgserver(fresh, tmp_path):
     """A sidecar that does not answer within GOCOMM_START_TIMEOUT fails init_process_group;
     the pgserver started for it goes too, at each of three tries in one process (they shared
@@ -254,59 +284,21 @@ def test_a_failed_start_leaves_no_pgserver(fresh, tmp_path):
     slow = tmp_path / "slowpg.sh"
     slow.write_text(f'#!/bin/sh\nsleep 3\nexec {sc.find_pgserver()} "$@"\n')
     slow.chmod(0o755)
-    code = (
-        "import os, time, torch.distributed as dist, gocomm\n"
-        "for _ in range(3):\n"
-        "    try:\n"
-        "        dist.init_process_group('gocomm', store=dist.HashStore(), rank=0, world_size=1)\n"
-        "        print('started')\n"
-        "    except Exception as e:\n"
-        "        print(type(e).__name__, e)\n"
-        "time.sleep(4)  # past the wrapper's sleep: a pgserver left behind would be up by now\n"
-        "mine = f'--parent-pid\\0{os.getpid()}\\0'.encode()\n"
-        "def cmd(p):\n"
-        "    try:\n"
-        "        return open(f'/proc/{p}/cmdline', 'rb').read()\n"
-        "    except OSError:\n"
-        "        return b''\n"
-        "print('left:', [p for p in os.listdir('/proc') if p.isdigit() and mine in cmd(p)])\n"
-    )
     env = dict(os.environ, GOCOMM_START_TIMEOUT="0.5", GOCOMM_PGSERVER=str(slow), GOCOMM_LOG_DIR=str(tmp_path))
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    lines = p.stdout.splitlines()
-    assert p.returncode == 0 and len(lines) == 4, p.stdout + p.stderr
-    assert all("did not answer" in line for line in lines[:3]), p.stdout
-    assert lines[3] == "left: []", p.stdout
+    # past the wrapper's sleep after the tries: a pgserver left behind would be up by then
+    _three_failed_starts("import time\n", "time.sleep(4)\n", env, "did not answer")
 
 
 def test_a_start_failing_after_pgserver_answered_leaves_none(fresh, tmp_path):
     """A start that fails after pgserver answered (here the data plane's client, at its last
     step) raises, and the pgserver started for it goes too, at each of three tries."""
-    code = (
-        "import os, torch.distributed as dist, gocomm, gocomm._client as cl\n"
+    prelude = (
+        "import gocomm._client as cl\n"
         "def refuse(*a, **k):\n"
         "    raise RuntimeError('no data plane today')\n"
         "cl.C.Dispatcher = refuse\n"
-        "for _ in range(3):\n"
-        "    try:\n"
-        "        dist.init_process_group('gocomm', store=dist.HashStore(), rank=0, world_size=1)\n"
-        "        print('started')\n"
-        "    except Exception as e:\n"
-        "        print(type(e).__name__, e)\n"
-        "mine = f'--parent-pid\\0{os.getpid()}\\0'.encode()\n"
-        "def cmd(p):\n"
-        "    try:\n"
-        "        return open(f'/proc/{p}/cmdline', 'rb').read()\n"
-        "    except OSError:\n"
-        "        return b''\n"
-        "print('left:', [p for p in os.listdir('/proc') if p.isdigit() and mine in cmd(p)])\n"
     )
-    env = dict(os.environ, GOCOMM_LOG_DIR=str(tmp_path))
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    lines = p.stdout.splitlines()
-    assert p.returncode == 0 and len(lines) == 4, p.stdout + p.stderr
-    assert all("no data plane today" in line for line in lines[:3]), p.stdout
-    assert lines[3] == "left: []", p.stdout
+    _three_failed_starts(prelude, "", dict(os.environ, GOCOMM_LOG_DIR=str(tmp_path)), "no data plane today")
 
 
 def test_a_forked_child_leaves_the_parents_sidecar_be(fresh, tmp_path):
