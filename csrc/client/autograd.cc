@@ -213,12 +213,15 @@ struct Routing {
   std::optional<int64_t> bound;  // max_tokens_per_rank where the rows were padded to it
   std::string group;
   bool inproc = false;  // the forward ran the in-process ops (moe.cc)
-  int64_t version = 0;  // idx's when the forward ran (idx shares topk_idx's version counter)
+  int64_t version = 0;  // idx's when the forward ran (version_of), or -1: not tracked
+
+  // idx's version (it shares topk_idx's counter); -1 for an inference tensor, which has none
+  static int64_t version_of(const Tensor& idx) { return idx.is_inference() ? -1 : idx._version(); }
 
   // The routing is the forward's: topk_idx changed in place since would replay another, so
   // the backward raises, as torch's saved tensors do.
   void check_unchanged() const {
-    TORCH_CHECK(idx._version() == version,
+    TORCH_CHECK(version < 0 || idx._version() == version,
                 "gocomm moe backward: topk_idx was modified by an inplace operation after the forward (its version "
                 "is ",
                 idx._version(), ", it was ", version, "); the backward replays the forward's routing");
@@ -335,7 +338,7 @@ void dispatch_backward(const Tensor& x, const Tensor& idx, int64_t experts, std:
   }
   auto node = std::shared_ptr<MoeDispatchBackward>(new MoeDispatchBackward(), torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(x));
-  node->r = Routing{idx.detach(), experts, x.size(0), bound, group, inproc, idx._version()};
+  node->r = Routing{idx.detach(), experts, x.size(0), bound, group, inproc, Routing::version_of(idx)};
   node->dtype = x.scalar_type();
   torch::autograd::set_history(const_cast<Tensor&>(recv), node);
 }
@@ -357,7 +360,7 @@ void combine_backward(const char* op, const Tensor& y, const std::optional<Tenso
   }
   auto node = std::shared_ptr<MoeCombineBackward>(new MoeCombineBackward(), torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(y, wt));
-  node->r = Routing{idx->detach(), experts, tokens, bound(), group, inproc, idx->_version()};
+  node->r = Routing{idx->detach(), experts, tokens, bound(), group, inproc, Routing::version_of(*idx)};
   node->y_ = torch::autograd::SavedVariable(y, false);
   node->w_ = torch::autograd::SavedVariable(wt, false);
   torch::autograd::set_history(const_cast<Tensor&>(out), node);

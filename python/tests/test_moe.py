@@ -603,6 +603,13 @@ def check_no_silent_backward(rk, seed, device="cpu"):
             ck.fail("in-place topk_idx", "backward returned")
         except RuntimeError as e:
             ck.expect("names topk_idx", "topk_idx was modified by an inplace operation" in str(e), str(e))
+    with ck.case("topk_idx an inference tensor (no version to check): the backward runs"):
+        with torch.inference_mode():
+            frozen = idx.clone()
+        xi = x.detach().clone().requires_grad_()
+        recv, _, handle = gocomm.moe.dispatch(xi, frozen, w.detach(), experts)
+        gocomm.moe.combine(recv * 2, handle).sum().backward()
+        ck.expect("x has a gradient", xi.grad is not None and bool(torch.isfinite(xi.grad).all()), str(xi.grad))
     splits = torch.tensor([5 if d == me else 0 for d in range(n)], device=dev)
     with ck.case("all_to_all_v with out= refuses a gradient at the call, as torch's out= ops"):
         try:
