@@ -3,6 +3,7 @@
 #include "shm_file.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <ATen/Parallel.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -89,7 +90,8 @@ Dispatcher::Dispatcher(Config cfg)
       ring_(std::make_unique<Ring>(cfg_.ring_path, cfg_.ring_bytes)),
       arena_(std::make_unique<Arena>(cfg_.grow, cfg_.first_segment)),
       fd_(cfg_.fd_socket, cfg_.session, cfg_.fd_token),
-      ipc_([this](uint16_t type, const std::vector<uint8_t>& payload) { put(type, payload); }) {
+      ipc_([this](uint16_t type, const std::vector<uint8_t>& payload) { put(type, payload); }),
+      owner_(::getpid()) {
   if (fd_.configured()) {
     ipc_.set_send_fds([this](uint32_t seg, const std::vector<int>& fds, const std::vector<uint64_t>& sizes) {
       fd_.send(seg, fds, sizes);
@@ -99,6 +101,9 @@ Dispatcher::Dispatcher(Config cfg)
 
 Dispatcher::~Dispatcher() {
   close();
+  if (::getpid() != owner_) {
+    return;  // the parent's registrations and pages
+  }
   // Unregistered before they are unmapped: a later session's pages may be mapped at the same
   // address.
   for (void* p : {static_cast<void*>(page_), static_cast<void*>(counters_host_)}) {
@@ -117,6 +122,16 @@ Dispatcher::~Dispatcher() {
 
 void Dispatcher::close() {
   if (stop_.exchange(true)) {
+    return;
+  }
+  if (::getpid() != owner_) {
+    // A child forked from the process that made it: the completion thread was not forked,
+    // and failing the ops would store into the parent's counter pages (its streams would
+    // run past ops still in flight). The child leaves it all to the parent; the thread's
+    // handle names no thread here (join and detach fail), so it is left undestroyed.
+    if (thread_.joinable()) {
+      new std::thread(std::move(thread_));
+    }
     return;
   }
   ipc_.close();  // its sender may wait in put, which gives up once stop_ is set

@@ -228,6 +228,9 @@ class Dispatcher {
   uint32_t* counters_host_ = nullptr;  // the same words, mapped here (fail_all stores to them)
   std::atomic<bool> stop_{false};
   std::thread thread_;
+  // the process that made it: a child forked from it (its copy of the session, the ring and
+  // the counter pages are the parent's) fails, sends and stores nothing at close
+  int owner_;
   // graph triggers (dev_mu_): the page (an arena block, pinned and mapped for the device),
   // which triggers are live, and the free ones
   Arena::Block page_block_;

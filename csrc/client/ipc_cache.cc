@@ -67,7 +67,7 @@ IpcCache::Driver IpcCache::Driver::real() {
   return d;
 }
 
-IpcCache::IpcCache(Put put, Driver driver) : put_(std::move(put)), drv_(std::move(driver)) {
+IpcCache::IpcCache(Put put, Driver driver) : put_(std::move(put)), drv_(std::move(driver)), owner_(::getpid()) {
   sender_ = std::thread([this] { send_loop(); });
   std::lock_guard<std::mutex> lock(registry_mu());
   registry().push_back(this);
@@ -83,6 +83,15 @@ IpcCache::~IpcCache() {
 }
 
 void IpcCache::close() {
+  if (::getpid() != owner_) {
+    // a child forked from the process that made it: the sender was not forked, and a lock
+    // a parent's thread held at the fork stays held here; nothing of it is touched, and the
+    // sender's handle, which names no thread here (join and detach fail), is left undestroyed
+    if (sender_.joinable()) {
+      new std::thread(std::move(sender_));
+    }
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(registry_mu());
     auto& r = registry();

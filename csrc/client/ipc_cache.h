@@ -127,6 +127,7 @@ class IpcCache {
   bool stop_ = false;
   std::atomic<bool> hooked_{false};
   std::thread sender_;
+  int owner_;  // the process that made it: a child forked from it closes nothing (close())
 };
 
 }  // namespace gocomm

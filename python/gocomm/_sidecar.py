@@ -400,7 +400,7 @@ def current() -> Sidecar | None:
 
 
 def shutdown() -> None:
-    """Stop this process's sidecar (also run at interpreter exit)."""
+    """Stop this process's sidecar (also at exit; a forked child forgets its parent's and the lock)."""
     global _sidecar
     with _lock:
         sc, _sidecar = _sidecar, None
@@ -409,4 +409,4 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
-os.register_at_fork(after_in_child=lambda: globals().update(_sidecar=None))  # a forked child's exit leaves it be
+os.register_at_fork(after_in_child=lambda: globals().update(_sidecar=None, _lock=threading.Lock()))

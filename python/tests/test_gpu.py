@@ -1422,6 +1422,46 @@ def test_a2a_single_mismatch(worlds, seed):
         w.run(check_a2a_single_mismatch, seed=seed, timeout=RUN_LIMIT_S)
 
 
+def check_forked_child_keeps_counters(rk, seed):
+    """A child forked from a rank whose sidecar serves its GPU closes its copy of the sidecar's
+    client (as freeing it, or its exit hook, would): the stream counter pages it shares with
+    the parent and the sidecar stay as they were (closing used to release every stream by
+    storing done = ready + 2^30 into them, so the parent's streams would run past ops still in
+    flight), and the parent's CUDA ops go on."""
+    import gocomm._sidecar as sc
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    ck = Checker("forked child keeps the counters", seed, rk.rank)
+    x = torch.ones(1 << 16, device=dev)
+    out = torch.empty(1 << 16, device=dev)
+    dist.all_gather_into_tensor(out, x)  # the sidecar's NCCL: the counters are mapped
+    torch.cuda.synchronize()
+    # the pages' file is unlinked once mapped: read them where they are mapped
+    pages = [int(line.split("-")[0], 16) for line in open("/proc/self/maps") if "gocomm-counters" in line]
+    ck.expect("the counter pages are mapped", len(pages) > 0, "no gocomm-counters mapping")
+    if pages:
+        before = ctypes.string_at(pages[0], 4096)
+        mine = sc.current()
+        pid = os.fork()
+        if pid == 0:
+            mine.client.close()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        ck.expect("the child exited", status == 0, f"status {status}")
+        after = ctypes.string_at(pages[0], 4096)
+        ck.expect("the counters are untouched", before == after, "the child stored into them")
+    x.add_(1)
+    dist.all_gather_into_tensor(out, x)
+    ck.expect("the parent's next op", bool((out == 2).all()), str(out[:4]))
+    return ck.done()
+
+
+def test_forked_child_keeps_counters(worlds, seed):
+    with worlds.fresh(1, label="fork") as w:
+        w.run(check_forked_child_keeps_counters, seed=seed, timeout=RUN_LIMIT_S)
+
+
 def _future_case(rk, seed, what, key):
     """The future checks' start: this rank's device (made current), a Checker, every rank's
     float32 input of 2^14 elements from the seed, and their sum in float64."""
