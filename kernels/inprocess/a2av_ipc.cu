@@ -371,6 +371,7 @@ extern "C" __global__ void __launch_bounds__(512) gocomm_a2av_ipc(const A2Args a
           err[6] = (uint32_t)a.expect[unexpected];
           __threadfence_system();
           err[4] = unexpected + 1;
+          __threadfence_system();  // the host reads [3], then [4]
         }
         err[3] = err[3] + 1;
       }
