@@ -315,8 +315,8 @@ func TestFDSocketSilentConnectionClosed(t *testing.T) {
 	var logs syncBuf
 	srv.log = slog.New(slog.NewTextHandler(&logs, nil))
 	path := fdServe(t, srv)
+	start := time.Now() // before the dial: the sidecar's wait starts as it accepts
 	silent := fdDial(t, path)
-	start := time.Now()
 	silent.SetReadDeadline(start.Add(5 * time.Second))
 	if n, err := silent.Read(make([]byte, 64)); n != 0 || err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
 		t.Fatalf("read on a silent connection = %d, %v; want it closed by the sidecar", n, err)
