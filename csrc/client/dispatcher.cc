@@ -11,6 +11,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <new>
 
 namespace gocomm {
 
@@ -127,8 +128,16 @@ void Dispatcher::close() {
   if (::getpid() != owner_) {
     // A child forked from the process that made it: the completion thread was not forked,
     // and failing the ops would store into the parent's counter pages (its streams would
-    // run past ops still in flight). The child leaves it all to the parent; the thread's
-    // handle names no thread here (join and detach fail), so it is left undestroyed.
+    // run past ops still in flight). The child leaves it all to the parent: its locks (a
+    // parent's thread may have held one at the fork) are made afresh, later ops raise and
+    // nothing goes into the parent's ring, and the thread's handle, which names no thread
+    // here (join and detach fail), is left undestroyed.
+    new (&mu_) std::mutex();
+    new (&dev_mu_) std::mutex();
+    forked_ = true;
+    lost_ = "this process was forked from the one whose sidecar session this is (a child uses a sidecar of its own)";
+    fd_.forget_after_fork();
+    ipc_.close();
     if (thread_.joinable()) {
       new std::thread(std::move(thread_));
     }
@@ -215,6 +224,9 @@ void Dispatcher::send(wire::Desc& d, const std::function<std::string()>& op, uin
 }
 
 Dispatcher::Refused Dispatcher::push(uint16_t type, const std::vector<uint8_t>& payload) {
+  if (forked_) {
+    return Refused::kLost;  // the ring is the parent's (close)
+  }
   while (!ring_->submit(type, payload.data(), payload.size())) {
     if (lost()) {
       return Refused::kLost;

@@ -229,8 +229,10 @@ class Dispatcher {
   std::atomic<bool> stop_{false};
   std::thread thread_;
   // the process that made it: a child forked from it (its copy of the session, the ring and
-  // the counter pages are the parent's) fails, sends and stores nothing at close
+  // the counter pages are the parent's) fails, sends and stores nothing at close, and
+  // nothing after (forked_)
   int owner_;
+  std::atomic<bool> forked_{false};
   // graph triggers (dev_mu_): the page (an arena block, pinned and mapped for the device),
   // which triggers are live, and the free ones
   Arena::Block page_block_;

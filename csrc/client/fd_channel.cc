@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 #include <stdexcept>
 
 namespace gocomm {
@@ -59,6 +60,13 @@ void FdChannel::close() {
   drop_locked();
 }
 
+void FdChannel::forget_after_fork() {
+  new (&mu_) std::mutex();
+  std::lock_guard<std::mutex> lock(mu_);
+  drop_locked();
+  forked_ = true;
+}
+
 void FdChannel::drop_locked() {
   if (sock_ >= 0) {
     ::close(sock_);
@@ -69,6 +77,9 @@ void FdChannel::drop_locked() {
 void FdChannel::connect_locked() {
   if (sock_ >= 0) {
     return;
+  }
+  if (forked_) {
+    throw std::runtime_error("gocomm: this process was forked from the one whose sidecar session this is");
   }
   if (path_.empty()) {
     throw std::runtime_error("gocomm: the sidecar has no fd socket (a pgserver of an older gocomm?)");

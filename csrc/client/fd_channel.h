@@ -37,6 +37,9 @@ class FdChannel {
   void send(uint32_t seg, const std::vector<int>& fds, const std::vector<uint64_t>& sizes);
   // Closes the connection (a later send opens a new one).
   void close();
+  // In a child forked from the process that made it: drops the connection (the parent's)
+  // without the lock, which a parent's thread may have held at the fork; later sends raise.
+  void forget_after_fork();
   bool configured() const { return !path_.empty(); }
 
  private:
@@ -52,6 +55,7 @@ class FdChannel {
   const double timeout_s_;
   std::mutex mu_;
   int sock_ = -1;
+  bool forked_ = false;  // forget_after_fork ran: the session is another process's
 };
 
 }  // namespace gocomm

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <new>
 #include <stdexcept>
 
 namespace gocomm {
@@ -84,9 +85,16 @@ IpcCache::~IpcCache() {
 
 void IpcCache::close() {
   if (::getpid() != owner_) {
-    // a child forked from the process that made it: the sender was not forked, and a lock
-    // a parent's thread held at the fork stays held here; nothing of it is touched, and the
-    // sender's handle, which names no thread here (join and detach fail), is left undestroyed
+    // A child forked from the process that made it: the sender was not forked, a lock a
+    // parent's thread held at the fork stays held here, and the condition variable counts
+    // the sender as waiting (destroying it would wait for it). Locks and condition are made
+    // afresh, the sender's handle, which names no thread here (join and detach fail), is left
+    // undestroyed, and nothing is sent; the registry (whose lock may be held too) keeps this
+    // entry, which the process's allocator hooks never reach (no CUDA after a fork).
+    new (&mu_) std::mutex();
+    new (&reg_mu_) std::mutex();
+    new (&cv_) std::condition_variable();
+    stop_ = true;
     if (sender_.joinable()) {
       new std::thread(std::move(sender_));
     }

@@ -225,7 +225,7 @@ class _Group:
         for key, e in list(served.items()):
             if e.group is self:
                 served.pop(key, None)
-        if self._sc.lost or self._sc._closed:
+        if self._sc.lost or self._sc._closed or _sidecar.current() is not self._sc:  # gone, or a forked child's
             return
         try:
             self._sc.call(

@@ -305,7 +305,9 @@ def test_a_forked_child_leaves_the_parents_sidecar_be(fresh, tmp_path):
     """A child forked from a rank that exits normally (its atexit hooks run) does not close the
     parent's sidecar (it sees none): the parent's group works on after. The child's copy of
     the sidecar's client, closed there (as freeing it would), neither waits for the threads
-    the fork did not copy nor fails the parent's ops or stores into its pages."""
+    the fork did not copy nor fails the parent's ops or stores into its pages; an op of the
+    child on the inherited group then raises (nothing goes into the parent's ring), and the
+    child's destroy_process_group leaves the parent's group be."""
     code = (
         "import os, sys, torch, torch.distributed as dist, gocomm, gocomm._sidecar as sc\n"
         "dist.init_process_group('gocomm', store=dist.HashStore(), rank=0, world_size=1)\n"
@@ -316,6 +318,12 @@ def test_a_forked_child_leaves_the_parents_sidecar_be(fresh, tmp_path):
         "if pid == 0:\n"
         "    print('child sees', sc.current(), flush=True)\n"
         "    mine.client.close()\n"
+        "    try:\n"
+        "        dist.all_reduce(torch.ones(4))\n"
+        "        print('child op ran', flush=True)\n"
+        "    except dist.DistBackendError as e:\n"
+        "        print('child op raised:', 'forked' in str(e), flush=True)\n"
+        "    dist.destroy_process_group()\n"
         "    sys.exit(0)\n"
         "os.waitpid(pid, 0)\n"
         "dist.all_reduce(t)\n"
@@ -325,7 +333,8 @@ def test_a_forked_child_leaves_the_parents_sidecar_be(fresh, tmp_path):
     env = dict(os.environ, GOCOMM_LOG_DIR=str(tmp_path))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert p.stdout.splitlines() == ["child sees None", "parent [1.0, 1.0, 1.0, 1.0] True"], p.stdout + p.stderr
+    want = ["child sees None", "child op raised: True", "parent [1.0, 1.0, 1.0, 1.0] True"]
+    assert p.stdout.splitlines() == want, p.stdout + p.stderr
 
 
 def test_an_orderly_close_lets_pgserver_exit_by_itself(fresh, tmp_path):
