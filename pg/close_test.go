@@ -24,15 +24,25 @@ func TestCloseWaitsForDestroyGroup(t *testing.T) {
 	time.Sleep(200 * time.Millisecond)
 	destroyed := make(chan error, 1)
 	go func() { destroyed <- c.sess.DestroyGroup(groups[0].Handle) }()
-	time.Sleep(200 * time.Millisecond)
-	c.sess.Gone("the training process died")
+	// DestroyGroup has begun (it takes the group out as it counts itself in destroying) and
+	// waits for the op that never finishes
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if _, err := c.sess.Group(groups[0].Handle); err != nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("DestroyGroup never began")
+		}
+	}
+	time.Sleep(100 * time.Millisecond)
+	c.sess.Gone("the training process died") // returns once DestroyGroup is done with the ring
 	select {
 	case err := <-destroyed:
 		if err != nil {
 			t.Fatalf("DestroyGroup: %v", err)
 		}
-	default:
-		t.Fatal("the session closed while DestroyGroup still ran")
+	case <-time.After(5 * time.Second): // only the goroutine's send can lag behind Gone
+		t.Fatal("DestroyGroup did not return")
 	}
 }
 
