@@ -158,8 +158,10 @@ lint: gen
 	cp go.mod /tmp/gocomm-go.mod.$$$$ && cp go.sum /tmp/gocomm-go.sum.$$$$ && $(GO) mod tidy && \
 	  if ! diff -q go.mod /tmp/gocomm-go.mod.$$$$ >/dev/null || ! diff -q go.sum /tmp/gocomm-go.sum.$$$$ >/dev/null; then \
 	    echo "go mod tidy changed go.mod/go.sum: commit the tidy result"; exit 1; fi
-	$(VENV)/bin/ruff check python setup.py csrc/config.py
-	$(VENV)/bin/ruff format --check python setup.py csrc/config.py
+	$(VENV)/bin/ruff check python setup.py
+	$(VENV)/bin/ruff format --check python setup.py
+	$(VENV)/bin/ruff check --config python/pyproject.toml csrc/config.py
+	$(VENV)/bin/ruff format --check --config python/pyproject.toml csrc/config.py
 
 test-go: gen kernels
 	$(GO) test -count=1 ./...

@@ -45,14 +45,10 @@ def main() -> None:
     try:
         import torch
     except ImportError as e:
-        fail(
-            f"{sys.executable} cannot import torch ({e}); pass CLIENT_PY=<a python with torch>"
-        )
+        fail(f"{sys.executable} cannot import torch ({e}); pass CLIENT_PY=<a python with torch>")
     tdir = os.path.dirname(torch.__file__)
     tinc = os.path.join(tdir, "include")
-    if not os.path.exists(
-        os.path.join(tinc, "torch", "csrc", "distributed", "c10d", "Backend.hpp")
-    ):
+    if not os.path.exists(os.path.join(tinc, "torch", "csrc", "distributed", "c10d", "Backend.hpp")):
         fail(f"torch's C++ headers are missing under {tinc} (a torch wheel ships them)")
     tlib = os.path.join(tdir, "lib")
     cuda_inc = os.environ.get("CUDA_INCLUDE", "")
@@ -68,9 +64,7 @@ def main() -> None:
             if all(os.path.exists(os.path.join(cand, h)) for h in _CUDA_HEADERS):
                 cuda_inc = cand
                 break
-    if not cuda_inc or not all(
-        os.path.exists(os.path.join(cuda_inc, h)) for h in _CUDA_HEADERS
-    ):
+    if not cuda_inc or not all(os.path.exists(os.path.join(cuda_inc, h)) for h in _CUDA_HEADERS):
         fail(
             "CUDA's headers (cuda_runtime_api.h and crt/host_defines.h) are missing: install the nvidia-cuda-runtime "
             "and nvidia-cuda-nvcc wheels torch pins (python/requirements.lock), or pass CUDA_INCLUDE=<dir> "
