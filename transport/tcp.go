@@ -39,13 +39,12 @@ type Node struct {
 	unmatchedMax  int64
 	rejects       *rateLog
 
-	mu      sync.Mutex
-	groups  map[[16]byte]*Endpoint
-	gone    map[[16]byte]*departed // groups this node left: a link for one is answered at once
-	left    []goneID               // gone's keys, oldest first: at most goneMax are kept
-	goneSeq uint64
-	closed  bool
-	ending  bool // Ending: a link for a group not here is answered errGone, not errUnknownGroup
+	mu     sync.Mutex
+	groups map[[16]byte]*Endpoint
+	gone   map[[16]byte]*departed // groups this node left: a link for one is answered at once
+	left   []goneID               // gone's entries, oldest first: at most goneMax are kept
+	closed bool
+	ending bool // Ending: a link for a group not here is answered errGone, not errUnknownGroup
 
 	hsMu      sync.Mutex
 	pending   []*handshaking // accepted links whose hello has not been answered, oldest first
@@ -269,13 +268,12 @@ func (n *Node) Join(secret []byte, rank int, peers []string) (*Endpoint, error) 
 type departed struct {
 	secret []byte // nil: the group was left in order (a bye); links are refused
 	reason string
-	seq    uint64 // when it was left (goneID)
 }
 
-// goneID names one departure (a group left, joined again and left is two).
+// goneID names one departure (a group left, joined again and left is two: two entries).
 type goneID struct {
-	id  [16]byte
-	seq uint64
+	id [16]byte
+	d  *departed
 }
 
 // goneMax bounds the departures a node remembers, so that a process that makes and destroys
@@ -292,14 +290,12 @@ func (n *Node) leave(ep *Endpoint) {
 	n.mu.Lock()
 	if n.groups[ep.id] == ep {
 		delete(n.groups, ep.id)
-		n.goneSeq++
-		d.seq = n.goneSeq
 		n.gone[ep.id] = d
-		n.left = append(n.left, goneID{ep.id, d.seq})
+		n.left = append(n.left, goneID{ep.id, d})
 		for len(n.left) > goneMax {
 			old := n.left[0]
 			n.left = n.left[1:]
-			if g := n.gone[old.id]; g != nil && g.seq == old.seq {
+			if n.gone[old.id] == old.d { // not a later departure of the same group
 				delete(n.gone, old.id)
 			}
 		}
