@@ -195,13 +195,14 @@ func (g *Group) noteStream(d *wire.Desc) error {
 		lane = 1
 	}
 	v, last := d.StreamValue, g.last[lane].Load()
-	if int32(v-last) > 0 {
+	ahead := int32(v - last) // wraps with the counters
+	if ahead > 0 {
 		g.last[lane].Store(v)
 	}
 	switch {
-	case int32(v-last) <= 0:
+	case ahead <= 0:
 		return fmt.Errorf("%w: stream value %d of a CUDA %s is not past the group's last, %d", wire.ErrInvalid, v, d.Kind, last)
-	case lane == 1 && v != last+1:
+	case lane == 1 && ahead != 1:
 		return fmt.Errorf("%w: stream value %d of a CUDA %s skips send/recv values after %d", wire.ErrInvalid, v, d.Kind, last)
 	}
 	return nil
