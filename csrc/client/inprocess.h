@@ -344,7 +344,7 @@ class Engine {
   // all_reduce of a CUDA tensor, or null where the in-process kernel does not take it.
   c10::intrusive_ptr<c10d::Work> all_reduce(const at::Tensor& t, uint8_t redop);
   // all_to_all_single of CUDA tensors (ins, outs: the checked input and output splits), or
-  // null. Rows received other than outs say make the group's next call raise (report()).
+  // null. Rows received other than outs say make a later call of the group raise (report()).
   c10::intrusive_ptr<c10d::Work> all_to_all_single(const at::Tensor& output, const at::Tensor& input,
                                                    const std::vector<int64_t>& ins, const std::vector<int64_t>& outs);
   // gocomm.all_to_all_v's in-process path (the caller checked the arguments and found the

@@ -84,7 +84,7 @@
 // (negative, or more rows than its input: it published zeros and sent nothing), [2] = ops
 // with a row size that differs between ranks (nothing written), [3] = ops where a peer sent
 // other rows than the caller expected from it (expect: all_to_all_single's
-// output_split_sizes; the output is not valid then, and the shim raises at its next call),
+// output_split_sizes; the output is not valid then, and the shim raises at a later call),
 // [4..6] = the first such: the source rank + 1, the rows it sent, the rows expected.
 //
 // All blocks must be resident at once (they wait for each other across GPUs): the shim
