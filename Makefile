@@ -171,30 +171,26 @@ test-py: all
 
 # On a GPU machine (Go is not needed there: build here, then copy the checkout with
 # python/gocomm/bin and python/gocomm/v1). GPU_ENV keeps NVLink multicast off, as the shared
-# machines this project is tested on require; MPS=1 runs under the CUDA MPS daemon (started
-# and stopped here, as `python -m gocomm.launch --mps` does for jobs).
+# machines this project is tested on require; MPS=1 runs under the CUDA MPS daemon, through
+# the launcher jobs use (`pgserver launch --mps`: it starts a daemon where none answers and
+# stops the one it started).
 GPU_ENV ?= NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 GPU_PY  ?= python3
 MPS     ?= 0
 TRANSPORT ?= auto
+MPS_RUN = $(if $(filter 1,$(MPS)),python/gocomm/bin/pgserver launch --mps --run --)
 test-gpu bench-gpu bench-moe bench-fsdp: export CUDA_MPS_PIPE_DIRECTORY ?= /tmp/gocomm-mps/pipe
 test-gpu bench-gpu bench-moe bench-fsdp: export CUDA_MPS_LOG_DIRECTORY ?= /tmp/gocomm-mps/log
 test-gpu:
-	@if [ "$(MPS)" = 1 ]; then PYTHONPATH=python $(GPU_PY) -c 'import os, gocomm.launch as l; print("MPS started:", l.start_mps(dict(os.environ)))'; fi
-	$(GPU_ENV) GOCOMM_TEST_FAIL_NOW=1 PYTHONPATH=python $(GPU_PY) -m pytest -v -rA -m gpu $(if $(K),-k "$(K)") python/tests; rc=$$?; \
-	  if [ "$(MPS)" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi; exit $$rc
+	$(MPS_RUN) env $(GPU_ENV) GOCOMM_TEST_FAIL_NOW=1 PYTHONPATH=python $(GPU_PY) -m pytest -v -rA -m gpu $(if $(K),-k "$(K)") python/tests
 
 bench-gpu:
-	@if [ "$(MPS)" = 1 ]; then PYTHONPATH=python $(GPU_PY) -c 'import os, gocomm.launch as l; print("MPS started:", l.start_mps(dict(os.environ)))'; fi
-	$(GPU_ENV) PYTHONPATH=python $(GPU_PY) -m gocomm.bench.gpu --json bench_gpu.json --png bench_gpu.png --perf docs/perf.md; rc=$$?; \
-	  if [ "$(MPS)" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi; exit $$rc
+	$(MPS_RUN) env $(GPU_ENV) PYTHONPATH=python $(GPU_PY) -m gocomm.bench.gpu --json bench_gpu.json --png bench_gpu.png --perf docs/perf.md
 
 # MoE all-to-all (issue 4's shapes): gocomm's ranks under MPS when MPS=1, torch's baselines
 # in their own processes without it; TRANSPORT=auto|nccl|nvshmem picks gocomm's sparse path.
 bench-moe:
-	@if [ "$(MPS)" = 1 ]; then PYTHONPATH=python $(GPU_PY) -c 'import os, gocomm.launch as l; print("MPS started:", l.start_mps(dict(os.environ)))'; fi
-	$(GPU_ENV) PYTHONPATH=python $(GPU_PY) -m gocomm.bench.moe --transport $(TRANSPORT) --json bench_moe.json --png bench_moe.png --perf docs/perf.md; rc=$$?; \
-	  if [ "$(MPS)" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi; exit $$rc
+	$(MPS_RUN) env $(GPU_ENV) PYTHONPATH=python $(GPU_PY) -m gocomm.bench.moe --transport $(TRANSPORT) --json bench_moe.json --png bench_moe.png --perf docs/perf.md
 
 # The link ceiling: every GPU pushing to every other at once, copy engines and SM stores (what
 # MoE prefill is read against; run it in the same lease as bench-moe).
@@ -204,9 +200,7 @@ bench-links:
 # An FSDP2 (fully_shard) training step of a ~1B-parameter transformer, gocomm against NCCL in
 # the same job: step time and the losses of 20 steps (exit 1 if they differ).
 bench-fsdp:
-	@if [ "$(MPS)" = 1 ]; then PYTHONPATH=python $(GPU_PY) -c 'import os, gocomm.launch as l; print("MPS started:", l.start_mps(dict(os.environ)))'; fi
-	$(GPU_ENV) PYTHONPATH=python $(GPU_PY) -m gocomm.bench.fsdp --json bench_fsdp.json --perf docs/perf.md; rc=$$?; \
-	  if [ "$(MPS)" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi; exit $$rc
+	$(MPS_RUN) env $(GPU_ENV) PYTHONPATH=python $(GPU_PY) -m gocomm.bench.fsdp --json bench_fsdp.json --perf docs/perf.md
 
 bench: all
 	$(PY) -m gocomm.bench.cpu --world 2,3,4 --perf docs/perf.md

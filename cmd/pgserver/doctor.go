@@ -90,12 +90,14 @@ func doctor(args []string, out io.Writer) error {
 	}
 	rows = append(rows, checkConfig(os.Getenv))
 	rows = append(rows, checkShm("/dev/shm", syscall.Statfs), checkFds(), checkPtrace("/proc/sys/kernel/yama/ptrace_scope"))
-	// a job started by `gocomm launch` finds its MPS daemon here: so does the driver we load
-	pipe := os.Getenv("CUDA_MPS_PIPE_DIRECTORY")
-	if pipe == "" {
-		pipe = fmt.Sprintf("/tmp/gocomm-mps-%d/pipe", os.Getuid())
-		os.Setenv("CUDA_MPS_PIPE_DIRECTORY", pipe)
+	// a job started by `gocomm launch` finds its MPS daemon where the launcher looks (mpsWhere):
+	// so does the driver we load
+	place := mpsWhere("", os.Getenv, mpsAnswers)
+	for _, kv := range place.env {
+		k, v, _ := strings.Cut(kv, "=")
+		os.Setenv(k, v)
 	}
+	pipe := place.pipe
 	rows = append(rows, checkCUDA(want, *ipc)...)
 	if *ipcErr != "" {
 		rows = append(rows, ipcFailed("CUDA IPC of a tensor: this process could not export one: "+*ipcErr))

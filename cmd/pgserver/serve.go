@@ -73,7 +73,7 @@ func parseFlags(args []string) (options, error) {
 	}
 	if err == nil && fs.NArg() > 0 {
 		// a command this pgserver does not have must not start a server instead
-		err = fmt.Errorf("unknown command %q (pgserver takes doctor, info, or flags only)", fs.Arg(0))
+		err = fmt.Errorf("unknown command %q (pgserver takes doctor, info, launch, or flags only)", fs.Arg(0))
 	}
 	return o, err
 }
@@ -85,6 +85,15 @@ func run(args []string) error {
 			return doctor(args[1:], os.Stdout)
 		case "info":
 			return info(args[1:], os.Stdout)
+		case "launch":
+			code, err := launch(args[1:], os.Stderr)
+			if errors.Is(err, flag.ErrHelp) {
+				code, err = 0, nil
+			}
+			if err != nil {
+				fmt.Fprintln(os.Stderr, "pgserver:", err)
+			}
+			os.Exit(code)
 		}
 	}
 	o, err := parseFlags(args)

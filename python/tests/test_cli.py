@@ -6,6 +6,7 @@ test-wheel)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -248,3 +249,58 @@ def test_launch_mps_dir_wins(tmp_path):
     assert calls and all(c.endswith(f"{d}/pipe") for c in calls), calls
     assert calls[0].startswith(" get_server_list") and any(c.startswith("-d") for c in calls), calls
     assert "quit" in calls[-1] and not os.path.exists(f"{log}.up"), calls
+
+
+_SLEEPER = """import os, sys, time
+open(os.path.join(sys.argv[1], f"pid{os.environ['RANK']}"), "w").write(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+def test_launch_sigterm_ends_the_job(tmp_path):
+    """A SIGTERM to `python -m gocomm.launch` (a scheduler's preemption) reaches torchrun, which
+    ends its workers; the launcher exits with a failure status within seconds and stops the MPS
+    daemon it started."""
+    import signal
+    import time
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "nvidia-cuda-mps-control").write_text(_FAKE_MPS)
+    (bindir / "nvidia-cuda-mps-control").chmod(0o755)
+    (tmp_path / "job.py").write_text(_SLEEPER)
+    log = tmp_path / "mps.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GOCOMM_", "CUDA_MPS"))}
+    env.update(PATH=f"{bindir}:/usr/bin:/bin", FAKE_MPS_LOG=str(log), PYTHONPATH=os.path.join(ROOT, "python"))
+    args = ["--mps", "--mps-dir", str(tmp_path / "mps"), "--", "--nproc-per-node", "2", "--master-port", "0"]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "gocomm.launch", *args, str(tmp_path / "job.py"), str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("pid*"))) < 2:
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate(timeout=5)[0]
+            time.sleep(0.1)
+        time.sleep(0.5)  # the pid files are written first thing: let the workers reach their sleep
+        workers = [int(f.read_text()) for f in tmp_path.glob("pid*")]
+        sent = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        out = p.communicate(timeout=40)[0]
+    finally:
+        p.kill()
+        for f in tmp_path.glob("pid*"):  # a launcher that failed leaves them behind
+            text = f.read_text()
+            if text.isdigit() and int(text) > 1:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(text), signal.SIGKILL)
+    assert p.returncode != 0, out
+    assert time.monotonic() - sent < 35, out
+    for pid in workers:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    calls = log.read_text().splitlines()
+    assert any(c.startswith("-d") for c in calls) and "quit" in calls[-1], calls
