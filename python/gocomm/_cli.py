@@ -93,7 +93,7 @@ def _print_info(d: dict) -> None:
     )
     p = d["pgserver"]
     if p["error"]:
-        print(f"pgserver {p['version'] or '?'} ({p['path'] or 'not found'}): {p['error']}")
+        print(f"pgserver {p['version'] or '?'} ({p['path']}): {p['error']}" if p["path"] else p["error"])
         return
     print(d["sidecar"]["text"], end="")  # the same probe the routes come from
     r = d["routes"]

@@ -6,9 +6,11 @@ answers its rare control-plane needs: a new arena segment, the GPU's attachment.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -45,8 +47,9 @@ def find_pgserver() -> str:
     found = shutil.which("pgserver")
     if found:
         return found
+    there = f"{here} is there but not executable (chmod +x it, or reinstall gocomm)" if os.path.exists(here) else ""
     raise SidecarError(
-        "gocomm cannot find pgserver: set GOCOMM_PGSERVER, run `make` in the gocomm checkout "
+        f"gocomm cannot find pgserver: {there or 'set GOCOMM_PGSERVER'}, run `make` in the gocomm checkout "
         f"(it puts the binary at {here}), or put pgserver on PATH"
     )
 
@@ -61,11 +64,13 @@ def runtime_dir() -> str:
     base = os.environ.get("XDG_RUNTIME_DIR")
     path = os.path.join(base, "gocomm") if base else os.path.join(tempfile.gettempdir(), f"gocomm-{os.getuid()}")
     fix = "remove it, or set XDG_RUNTIME_DIR to a directory of your own (the runtime dir is $XDG_RUNTIME_DIR/gocomm)"
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
+    except OSError as e:
+        raise SidecarError(f"cannot make the runtime directory {path} ({e}): {fix}") from e
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise SidecarError(f"runtime directory {path} is a symbolic link, which gocomm does not follow: {fix}")
@@ -101,6 +106,21 @@ def rendezvous_host(store, one_host: bool) -> str:
     return host or os.environ.get("MASTER_ADDR", "")
 
 
+def usable_socket(path: str, attached: bool) -> str:
+    """path, refused at once where no Unix socket can have it (108 bytes with its NUL), and for
+    an attached sidecar where nothing listens on it (a pgserver that exited left it behind)."""
+    where = "GOCOMM_SIDECAR" if attached else "XDG_RUNTIME_DIR (the runtime directory)"
+    if len(os.fsencode(path)) > 107:
+        raise SidecarError(f"socket path {path} is longer than a Unix socket's 107 bytes: shorten {where}")
+    if attached and os.path.exists(path):
+        with socket.socket(socket.AF_UNIX) as s:
+            try:
+                s.connect(path)
+            except ConnectionRefusedError:
+                raise SidecarError(f"GOCOMM_SIDECAR: nothing listens on {path} (a stale socket?)") from None
+    return path
+
+
 class Sidecar:
     """The connection to this process's pgserver: started here, or attached to with
     GOCOMM_SIDECAR=unix:///path. One per process, shared by every gocomm group."""
@@ -111,10 +131,11 @@ class Sidecar:
         self.log_file: str | None = None
         self._closed = False
         self._lost: str | None = None
+        self._failed = True  # until attached, and once a group broke: its log is kept at close
         self._on_broken: dict[int, weakref.WeakMethod] = {}  # group handle -> its hook
         address = _config.sidecar()  # unix:///path: the table refuses anything else
         if address:
-            self.socket = address[len("unix://") :]
+            self.socket = usable_socket(address[len("unix://") :], attached=True)
         else:
             self.socket = self._start(rank, rendezvous)
         self.channel = grpc.insecure_channel(
@@ -169,6 +190,7 @@ class Sidecar:
                 log=log.log,
             )
             threading.Thread(target=self._watch_loop, name="gocomm-watch", daemon=True).start()
+            self._failed = False
         except BaseException:
             self.close()
             raise
@@ -176,7 +198,7 @@ class Sidecar:
     def _start(self, rank: int, rendezvous: str) -> str:
         exe = find_pgserver()
         rdir = os.path.abspath(runtime_dir())  # the socket, a gRPC target, must be absolute
-        sock = os.path.join(rdir, f"pgserver-{os.getpid()}-r{rank}.sock")
+        sock = usable_socket(os.path.join(rdir, f"pgserver-{os.getpid()}-r{rank}.sock"), attached=False)
         log_dir = _config.log_dir() or rdir
         try:
             os.makedirs(log_dir, exist_ok=True)
@@ -201,7 +223,11 @@ class Sidecar:
         ]
         # the rest of its settings (GOCOMM_LOG_LEVEL, GOCOMM_SPIN, ...) it reads from the environment it
         # inherits; its log is never opened through a link; a session of its own: Ctrl-C is the rank's
-        with open(os.open(self.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600), "ab") as log:
+        try:
+            fd = os.open(self.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            raise SidecarError(f"cannot write the sidecar's log {self.log_file} ({e}): set GOCOMM_LOG_DIR") from e
+        with open(fd, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         return sock
 
@@ -312,6 +338,7 @@ class Sidecar:
         GOCOMM_ASYNC_ERROR_HANDLING 1 or 3, as torch's TORCH_NCCL_ASYNC_ERROR_HANDLING, the
         process is torn down at once instead, so a rank that waits on nothing cannot go on
         with a broken group."""
+        self._failed = True
         log.error("gocomm: %s (flight record: %s)", detail, self.log_file or "the sidecar's log")
         ref = self._on_broken.get(handle)
         hook = ref() if ref is not None else None
@@ -378,6 +405,9 @@ class Sidecar:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+            if self.proc.returncode == 0 and not (self._failed or self._lost or _config.log_dir()):
+                with contextlib.suppress(OSError):  # a clean run's log goes (GOCOMM_LOG_DIR keeps them)
+                    os.unlink(self.log_file)
         self.channel.close()
 
 

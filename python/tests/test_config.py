@@ -9,6 +9,7 @@ import logging
 import os
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -210,6 +211,88 @@ def test_attached_sidecar_missing_socket_fails_at_once(fresh, tmp_path):
     with pytest.raises(_sidecar.SidecarError, match=f"GOCOMM_SIDECAR: no pgserver socket at {sock}"):
         _sidecar.Sidecar(0)
     assert time.monotonic() - t0 < 5
+
+
+def test_attached_sidecar_stale_socket_fails_at_once(fresh, tmp_path):
+    """GOCOMM_SIDECAR naming a socket nothing listens on any more (its pgserver exited) raises
+    at once, saying so, rather than waiting all of GOCOMM_START_TIMEOUT."""
+    sock = tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(sock))  # bound, never listening, closed: the file a dead server leaves
+    fresh.setenv("GOCOMM_SIDECAR", f"unix://{sock}")
+    fresh.setenv("GOCOMM_START_TIMEOUT", "30")
+    t0 = time.monotonic()
+    with pytest.raises(_sidecar.SidecarError, match=f"GOCOMM_SIDECAR: nothing listens on {sock}"):
+        _sidecar.Sidecar(0)
+    assert time.monotonic() - t0 < 2
+
+
+def test_socket_path_too_long(fresh, tmp_path):
+    """A runtime directory (or GOCOMM_SIDECAR path) too long for a Unix socket's path raises
+    at once naming the path and what to shorten, before any pgserver starts."""
+    deep = tmp_path / ("d" * 100)
+    fresh.setenv("XDG_RUNTIME_DIR", str(deep))
+    with pytest.raises(_sidecar.SidecarError, match="longer than a Unix socket's 107 bytes: shorten XDG_RUNTIME_DIR"):
+        _sidecar.Sidecar(0)
+    fresh.delenv("XDG_RUNTIME_DIR")
+    fresh.setenv("GOCOMM_SIDECAR", f"unix://{deep}/s.sock")
+    _config.reload()
+    with pytest.raises(_sidecar.SidecarError, match="107 bytes: shorten GOCOMM_SIDECAR"):
+        _sidecar.Sidecar(0)
+
+
+def test_unwritable_dirs_say_so(fresh, tmp_path):
+    """A runtime directory that cannot be made (read-only parent) and a sidecar log that cannot
+    be written raise SidecarError naming the path and the knob, not a bare OSError."""
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    fresh.setenv("XDG_RUNTIME_DIR", str(ro))
+    if os.getuid() == 0:  # root writes anywhere: a file where the directory would go
+        ro.chmod(0o700)
+        (ro / "gocomm").mkdir()
+        fresh.setenv("XDG_RUNTIME_DIR", str(ro / "gocomm" / "x" / "y"))
+        (ro / "gocomm" / "x").write_text("")
+    with pytest.raises(_sidecar.SidecarError, match="cannot make the runtime directory .*XDG_RUNTIME_DIR"):
+        _sidecar.Sidecar(0)
+    fresh.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    fresh.setenv("GOCOMM_LOG_DIR", str(logs))
+    _config.reload()
+    (logs / f"pgserver-rank0-{os.getpid()}.log").mkdir()  # where the log file would be
+    with pytest.raises(_sidecar.SidecarError, match="cannot write the sidecar's log .*GOCOMM_LOG_DIR"):
+        _sidecar.Sidecar(0)
+
+
+def test_clean_runs_leave_no_log(fresh, tmp_path):
+    """A sidecar that served and ended cleanly leaves no log in the runtime directory (logs
+    of failed runs stay, and GOCOMM_LOG_DIR keeps every one)."""
+    fresh.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    sc = _sidecar.Sidecar(0)
+    assert os.path.exists(sc.log_file)
+    sc.close()
+    assert not os.path.exists(sc.log_file)
+    fresh.setenv("GOCOMM_LOG_DIR", str(tmp_path / "keep"))
+    _config.reload()
+    sc = _sidecar.Sidecar(0)
+    sc.close()
+    assert os.path.exists(sc.log_file)
+    fresh.delenv("GOCOMM_LOG_DIR")
+    _config.reload()
+    sc = _sidecar.Sidecar(0)
+    sc._group_broken(0, "a test's broken group")
+    sc.close()
+    assert os.path.exists(sc.log_file)
+
+
+def test_bundled_pgserver_not_executable(fresh, monkeypatch):
+    """A bundled pgserver that lost its execute bit (a copy that dropped modes) is named as
+    such, not as missing."""
+    here, real = os.path.join(os.path.dirname(_sidecar.__file__), "bin", "pgserver"), os.access
+    monkeypatch.setattr(_sidecar.os, "access", lambda p, m: p != here and real(p, m))
+    monkeypatch.setattr(_sidecar.shutil, "which", lambda _: None)
+    with pytest.raises(_sidecar.SidecarError, match=f"{here} is there but not executable"):
+        _sidecar.find_pgserver()
 
 
 def test_bad_log_dir_says_so(fresh, tmp_path):
