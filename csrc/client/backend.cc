@@ -435,7 +435,10 @@ std::string Backend::group_name() const {
 }
 
 std::string Backend::label(const std::string& op) const {
-  return op + " on group '" + group_name() + "'";
+  // the description torch sets on the group (new_group's group_desc), as ProcessGroupNCCL logs it
+  const std::string& desc = getGroupDesc();
+  const bool said = !desc.empty() && desc != "undefined";
+  return op + " on group '" + group_name() + "'" + (said ? " (" + desc + ")" : "");
 }
 
 std::string Backend::capturable() const {

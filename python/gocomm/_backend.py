@@ -283,6 +283,8 @@ def state(pg) -> _Group | None:
 
 def create(dist_opts, backend_opts=None):
     """The creator torch calls for backend="gocomm" (extended API): the group's C++ backend."""
+    if backend_opts is not None:  # what torch's NCCL takes as ProcessGroupNCCL.Options
+        log.warning("gocomm: pg_options (%s) ignored: gocomm is set by GOCOMM_* variables", type(backend_opts).__name__)
     g = _Group(
         dist_opts.store,
         dist_opts.group_rank,

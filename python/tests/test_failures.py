@@ -159,22 +159,24 @@ def check_world_works(rk, seed):
 def check_wait_timeout(rk, seed):
     """Rank 0 waits 0.2 s for an all_reduce (alone and in a coalesced batch of two) that rank 1
     joins 1.5 s late: wait() raises at 0.2 s saying the caller's timeout passed and the op goes
-    on; a later wait() returns the right sum and the group still works."""
+    on, naming the group's description (new_group's group_desc) as torch's NCCL does; a later
+    wait() returns the right sum and the group still works."""
     me = rk.rank
     ck = Checker("wait(timeout)", seed, me)
+    g = dist.new_group(backend="gocomm", group_desc="late_peer_test")
     for batch in (False, True):
         with ck.case("a batch of two" if batch else "one op"):
             if me == 1:
                 time.sleep(1.5)
             ts = [torch.full((8,), float(me + 1 + i)) for i in range(2 if batch else 1)]
             if batch:
-                with dist._coalescing_manager(async_ops=True) as cm:
+                with dist._coalescing_manager(group=g, async_ops=True) as cm:
                     for t in ts:
-                        dist.all_reduce(t)
+                        dist.all_reduce(t, group=g)
                 assert len(cm.works) == 1, cm.works  # the backend's one Work of the batch
                 work = cm.works[0]
             else:
-                work = dist.all_reduce(ts[0], async_op=True)
+                work = dist.all_reduce(ts[0], group=g, async_op=True)
             if me == 0:
                 t0 = time.monotonic()
                 try:
@@ -188,9 +190,11 @@ def check_wait_timeout(rk, seed):
                         "wait()'s timeout of 0.2s" in str(e) and "still running" in str(e),
                         str(e),
                     )
+                    ck.expect("names the group's description", "(late_peer_test)" in str(e), str(e))
             work.wait()
             for i, t in enumerate(ts):
                 ck.expect(f"sum {i}", bool(torch.all(t == 3 + 2 * i)), str(t.tolist()))
+    dist.destroy_process_group(g)
     ck.done()
     return check_world_works(rk, seed)
 

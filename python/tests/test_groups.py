@@ -299,3 +299,27 @@ def test_relative_runtime_dir(tmp_path):
     still makes a gRPC target (unix:rel/... is not one, and the start waited its full timeout
     to say pgserver did not answer)."""
     _run_alone(_REINIT, tmp_path, XDG_RUNTIME_DIR="rel", GOCOMM_START_TIMEOUT="20")
+
+
+_OPTIONS = """
+import logging, sys
+import torch, torch.distributed as dist
+import gocomm
+said = []
+logging.getLogger("gocomm").addHandler(type("H", (logging.Handler,), {"emit": lambda s, r: said.append(r.getMessage())})())
+dist.init_process_group("gocomm", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
+assert not any("pg_options" in m for m in said), said
+g = dist.new_group([0], pg_options=dist.ProcessGroupGloo._Options(), group_desc="with_options")
+assert any("pg_options (_Options) ignored" in m for m in said), said
+t = torch.ones(4)
+dist.all_reduce(t, group=g)
+assert t.tolist() == [1.0] * 4, t
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_pg_options_are_said_ignored(tmp_path):
+    """pg_options (torch's NCCL takes ProcessGroupNCCL.Options there) are ignored with a
+    warning naming them: gocomm's settings are its GOCOMM_* variables; the group works."""
+    _run_alone(_OPTIONS, tmp_path)
