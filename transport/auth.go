@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"syscall"
 )
 
 // Link handshake. The dialer speaks first; both sides prove they hold the group's secret
@@ -36,7 +37,9 @@ import (
 // the group and joining it, which no abort frame can tell, as the acceptor never learnt the
 // group's secret) and statusBusy (the acceptor has too many links in their handshake and
 // dropped this one: the dialer retries within its dial timeout). They can be forged by
-// whoever can also reset the connection, and grant nothing.
+// whoever can also reset the connection, and grant nothing. A link closed after a signed
+// answer, before the grant or abort reason, is retried as statusBusy is (closedForRoom): the
+// acceptor closes the oldest links waiting for their proof to make room (Node.claim).
 //
 // Same-host probe: a dialer that can lend its shared segments names a small file it holds
 // open (pid, fd) and the random token written in it (after a magic, in a file of a fixed size
@@ -193,7 +196,7 @@ func dialHandshake(rw io.ReadWriter, secret []byte, from, to int, pr probe) (ref
 	if ans[32] == statusAborted {
 		reason, err := readAbort(rw)
 		if err != nil {
-			return false, fmt.Errorf("read the abort reason: %w", err)
+			return false, closedForRoom("read the abort reason", err)
 		}
 		return false, fmt.Errorf("%w by rank %d: %s", ErrAborted, to, reason)
 	}
@@ -202,12 +205,23 @@ func dialHandshake(rw io.ReadWriter, secret []byte, from, to int, pr probe) (ref
 	}
 	var g [grantSize]byte
 	if _, err := io.ReadFull(rw, g[:]); err != nil {
-		return false, fmt.Errorf("read grant: %w", err)
+		return false, closedForRoom("read grant", err)
 	}
 	if !hmac.Equal(g[1:], mac(secret, "grt", hb, append(ans[:32:32], g[0]))) {
 		return false, ErrAuth
 	}
 	return g[0]&flagRefs != 0, nil
+}
+
+// closedForRoom: a link the acceptor closed after its signed answer, before the grant or the
+// abort reason, was most likely closed to make room for newer handshakes (Node.claim): it is
+// errBusy, which the dialer retries within its dial timeout. Only someone who can reset the
+// connection can cause it otherwise, which costs the dialer a retry.
+func closedForRoom(step string, err error) error {
+	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) {
+		return fmt.Errorf("%s: %w (%w)", step, errBusy, err)
+	}
+	return fmt.Errorf("%s: %w", step, err)
 }
 
 // readAbort reads an abort frame's reason (at most maxReason bytes of it).
@@ -247,12 +261,13 @@ func writeAbort(w io.Writer, reason string) error {
 // acceptHandshake reads the dialer's hello, asks lookup for the group's secret (lookup must
 // not wait or hold anything: the dialer is not authenticated yet), checks the dialer's proof
 // and only then runs the same-host probe with canMap. It returns the hello so the caller
-// can route the link, and whether references were granted. When lookup gives a reason the
+// can route the link, and whether references were granted. proved, where given, is asked once
+// the proof verified, before anything is sent on it: its error ends the handshake there. When lookup gives a reason the
 // group broke, the dialer is sent that reason instead and the error is ErrAborted: the link
 // is not to be used. A lookup error wrapping errUnknownGroup or errLeft is answered with
 // that status before the error is returned; one wrapping errBusy, likewise. A connection
 // that closes before a byte of its hello is errNoHello.
-func acceptHandshake(rw io.ReadWriter, lookup func(group [16]byte) (secret []byte, aborted string, err error), canMap func(probe) bool) (hello, bool, error) {
+func acceptHandshake(rw io.ReadWriter, lookup func(group [16]byte) (secret []byte, aborted string, err error), canMap func(probe) bool, proved func() error) (hello, bool, error) {
 	hb := make([]byte, helloSize)
 	if _, err := io.ReadFull(rw, hb); errors.Is(err, io.EOF) { // not a byte (a partial hello is ErrUnexpectedEOF)
 		return hello{}, false, errNoHello
@@ -297,6 +312,11 @@ func acceptHandshake(rw io.ReadWriter, lookup func(group [16]byte) (secret []byt
 	}
 	if !hmac.Equal(proof[:], mac(secret, "cli", hb, ans[:32])) {
 		return h, false, ErrAuth
+	}
+	if proved != nil {
+		if err := proved(); err != nil {
+			return h, false, err
+		}
 	}
 	if aborted != "" {
 		if err := writeAbort(rw, aborted); err != nil {

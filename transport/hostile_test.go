@@ -100,7 +100,7 @@ func TestFloodBeforeAuth(t *testing.T) {
 		}
 	}
 	nodes[1].hsMu.Lock()
-	held := len(nodes[1].pending) + nodes[1].answering
+	held := len(nodes[1].pending) + len(nodes[1].answering)
 	nodes[1].hsMu.Unlock()
 	if held > 2*capN {
 		t.Errorf("%d unauthenticated links held, cap %d", held, capN)
@@ -310,7 +310,7 @@ func TestProbeOnlyAfterProof(t *testing.T) {
 		done := make(chan error, 1)
 		go func() {
 			_, refs, err := acceptHandshake(a, func([16]byte) ([]byte, string, error) { return secret, "", nil },
-				func(p probe) bool { probed = true; return false })
+				func(p probe) bool { probed = true; return false }, nil)
 			if refs {
 				err = errors.New("references granted")
 			}
@@ -661,4 +661,93 @@ func TestLinkClosedBeforeHelloIsQuiet(t *testing.T) {
 	c.Write(make([]byte, helloSize))
 	c.Close()
 	waitFor("not a gocomm peer")
+}
+
+// TestForgedHellosKeepNoPeerOut: a hello is sent in the clear, so whoever saw one can send it
+// again (or forge one for that group) and leave the answer unproved. Far more of those than
+// the cap, holding every node's links that wait for a proof, do not keep a group that joins
+// meanwhile from linking up: the oldest waiting links make room, well before the handshake
+// timeout would have freed them, and the real dialer that lost its place retries.
+func TestForgedHellosKeepNoPeerOut(t *testing.T) {
+	const capN = 4
+	var nodes []*Node
+	var addrs []string
+	for range 2 {
+		n, err := Listen(Config{Listen: "127.0.0.1:0", Advertise: "127.0.0.1", Log: quiet(), HandshakesMax: capN,
+			HandshakeTimeout: 10 * time.Second, JoinWait: 5 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer n.Close()
+		nodes, addrs = append(nodes, n), append(addrs, n.Addr())
+	}
+	seen := []byte("a group whose hello was seen on the wire")
+	join := func(secret []byte) []*Endpoint {
+		t.Helper()
+		eps := make([]*Endpoint, 2)
+		errs := make(chan error, 2)
+		for r := range 2 {
+			go func() {
+				var err error
+				eps[r], err = nodes[r].Join(secret, r, addrs)
+				errs <- err
+			}()
+		}
+		for range 2 {
+			if err := <-errs; err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, ep := range eps {
+			t.Cleanup(func() { ep.Close() })
+		}
+		return eps
+	}
+	join(seen)
+	// the forger: hellos of the seen group to both nodes, each read for its answer and left there
+	var forged []net.Conn
+	defer func() {
+		for _, c := range forged {
+			c.Close()
+		}
+	}()
+	answered := 0
+	for i := range 3 * capN {
+		c, err := net.Dial("tcp", addrs[i%2])
+		if err != nil {
+			t.Fatal(err)
+		}
+		forged = append(forged, c)
+		h := hello{group: GroupID(seen), from: uint32(1 - i%2), to: uint32(i % 2)}
+		rand.Read(h.nonce[:])
+		c.Write(h.encode())
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		var ans [answerSize]byte
+		if _, err := io.ReadFull(c, ans[:]); err == nil && ans[32] == statusOK {
+			answered++
+		}
+	}
+	if answered < 2*capN {
+		t.Fatalf("%d of %d forged hellos were answered: the forger held no slots", answered, 3*capN)
+	}
+	start := time.Now()
+	eps := join([]byte("a group that joins during the forgery"))
+	if took := time.Since(start); took > 3*time.Second {
+		t.Errorf("the new group took %v to link up (handshake timeout 10 s)", took)
+	}
+	got := make([]byte, 16)
+	r := eps[1].Op(0, sigF32).Recv(0, Tag{}, copySink{Dst: got})
+	if err := eps[0].Op(0, sigF32).Send(1, Tag{}, []byte("sixteen bytes!!!")).Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Wait(ctxT(t)); err != nil || string(got) != "sixteen bytes!!!" {
+		t.Fatalf("%v %q", err, got)
+	}
+	for _, n := range nodes {
+		n.hsMu.Lock()
+		if len(n.answering) > capN {
+			t.Errorf("%d links wait for their proof, cap %d", len(n.answering), capN)
+		}
+		n.hsMu.Unlock()
+	}
 }

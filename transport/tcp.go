@@ -48,14 +48,13 @@ type Node struct {
 
 	hsMu      sync.Mutex
 	pending   []*handshaking // accepted links whose hello has not been answered, oldest first
-	answering int            // links past their hello, waiting for the dialer's proof
+	answering []*handshaking // links past their hello, waiting for the dialer's proof, oldest first
 }
 
 // handshaking is an accepted link in its handshake.
 type handshaking struct {
 	conn    net.Conn
 	evicted bool // closed to make room; the handshake must not go on
-	claimed bool // past its hello: counted in answering, no longer evicted
 }
 
 // Config of a Node.
@@ -379,41 +378,58 @@ func (n *Node) admit(conn net.Conn) *handshaking {
 }
 
 // claim moves h from the links waiting for their hello's answer to those waiting for the
-// dialer's proof, which are also at most handshakesMax (errBusy past that). An evicted link
-// is ErrAuth: its connection is closed.
+// dialer's proof, which are also at most handshakesMax: past that the oldest of those is
+// closed, as admit does. A hello costs nothing to forge or replay for whoever saw a group's
+// id (it goes in the clear), so refusing the newest instead would let a few forged hellos
+// every handshake timeout keep every real peer out; a real dialer's proof follows the
+// answer within a round trip, and one closed before its grant retries (dialHandshake). An
+// evicted link is ErrAuth: its connection is closed.
 func (n *Node) claim(h *handshaking) error {
 	n.hsMu.Lock()
 	defer n.hsMu.Unlock()
 	if h.evicted {
 		return fmt.Errorf("%w: dropped to make room for newer links", ErrAuth)
 	}
-	n.drop(h)
-	if n.answering >= n.handshakesMax {
-		return errBusy
+	n.pending = remove(n.pending, h)
+	if len(n.answering) >= n.handshakesMax {
+		old := n.answering[0]
+		n.answering = n.answering[1:]
+		old.evicted = true
+		old.conn.Close()
+		n.rejects.warn("closed a peer link waiting for its proof to make room", "remote", old.conn.RemoteAddr().String(), "cap", n.handshakesMax)
 	}
-	h.claimed = true
-	n.answering++
+	n.answering = append(n.answering, h)
 	return nil
 }
 
-// done takes h out of the links in their handshake.
-func (n *Node) done(h *handshaking) {
+// proved takes h, whose dialer's proof verified, out of the links claim may close; one it
+// closed already is ErrAuth.
+func (n *Node) proved(h *handshaking) error {
 	n.hsMu.Lock()
 	defer n.hsMu.Unlock()
-	n.drop(h)
-	if h.claimed {
-		h.claimed = false
-		n.answering--
+	if h.evicted {
+		return fmt.Errorf("%w: dropped to make room for newer links", ErrAuth)
 	}
+	n.answering = remove(n.answering, h)
+	return nil
 }
 
-func (n *Node) drop(h *handshaking) {
-	for i, p := range n.pending {
+// done takes h out of the links in their handshake; it reports whether h was evicted.
+func (n *Node) done(h *handshaking) bool {
+	n.hsMu.Lock()
+	defer n.hsMu.Unlock()
+	n.pending = remove(n.pending, h)
+	n.answering = remove(n.answering, h)
+	return h.evicted
+}
+
+func remove(hs []*handshaking, h *handshaking) []*handshaking {
+	for i, p := range hs {
 		if p == h {
-			n.pending = append(n.pending[:i], n.pending[i+1:]...)
-			return
+			return append(hs[:i], hs[i+1:]...)
 		}
 	}
+	return hs
 }
 
 func (n *Node) accept(hs *handshaking) {
@@ -429,8 +445,11 @@ func (n *Node) accept(hs *handshaking) {
 		var err error
 		ep, secret, reason, err = n.answerLink(id)
 		return secret, reason, err
-	}, n.canMap)
-	n.done(hs)
+	}, n.canMap, func() error { return n.proved(hs) })
+	if n.done(hs) && err != nil { // closed to make room (admit, claim), which said so
+		conn.Close()
+		return
+	}
 	if errors.Is(err, ErrAborted) {
 		n.log.Info("answered a link with the group's abort", "remote", conn.RemoteAddr().String(), "from", h.from, "to", h.to, "detail", err)
 		conn.Close()
