@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstring>
 
@@ -439,6 +440,29 @@ std::string Backend::label(const std::string& op) const {
   const std::string& desc = getGroupDesc();
   const bool said = !desc.empty() && desc != "undefined";
   return op + " on group '" + group_name() + "'" + (said ? " (" + desc + ")" : "");
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> Backend::getBackendOptions() {
+  return c10::make_intrusive<Options>(getBackendName(),
+                                      std::chrono::milliseconds(int64_t(std::min(cfg_.timeout_s, 1e12 / 1000) * 1000)));
+}
+
+c10::intrusive_ptr<c10d::Backend> Backend::split(const c10::intrusive_ptr<c10d::Store>& store,
+                                                 const std::vector<int>& ranks,
+                                                 const c10::intrusive_ptr<Options>& opts) {
+  TORCH_CHECK(cfg_.on_split, "gocomm split_group of group '" + group_name() + "': this group cannot make subgroups");
+  refuse_if_unusable("split_group");
+  if (std::find(ranks.begin(), ranks.end(), cfg_.rank) == ranks.end()) {
+    return {};  // not a member: nothing to make (no communicator is split, so none to join)
+  }
+  std::lock_guard<std::mutex> lock(split_mu_);
+  if (auto made = split_.lock(); made && split_name_ == opts->group_name) {
+    return made;
+  }
+  auto made = cfg_.on_split(store, ranks, double(opts->timeout.count()) / 1000, opts->group_name);
+  split_ = made;
+  split_name_ = opts->group_name;
+  return made;
 }
 
 std::string Backend::capturable() const {

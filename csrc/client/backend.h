@@ -85,12 +85,23 @@ class Backend : public c10d::Backend {
     c10::intrusive_ptr<c10d::Store> store;
     // the control plane's ShmemID rpc on device (the GPU attached first)
     ShmemRpc shmem_id;
+    // makes a subgroup of this group's ranks (torch's split_group): the group's Store for it
+    // (torch's prefix of the new group's name), the members' ranks in this group (sorted,
+    // this rank among them), its timeout in seconds and name; returns its backend
+    std::function<c10::intrusive_ptr<c10d::Backend>(const c10::intrusive_ptr<c10d::Store>&, const std::vector<int>&,
+                                                    double, const std::string&)>
+        on_split;
   };
 
   Backend(std::shared_ptr<Dispatcher> dispatcher, Config cfg);
 
   const std::string getBackendName() const override { return "gocomm"; }
-  bool supportsSplitting() const override { return false; }
+  // split_group (which DeviceMesh takes where the default group was given a device_id): a new
+  // gocomm group of the members, made as new_group makes one (no communicator is split)
+  bool supportsSplitting() const override { return bool(cfg_.on_split); }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override;
   // batch_isend_irecv hands each op over on its own (the sidecar orders p2p per peer and
   // direction, docs/decisions/0004); startCoalescing/endCoalescing still serve
   // _coalescing_manager(device=...): the ops between run as they come, one Work for all.
@@ -243,6 +254,11 @@ class Backend : public c10d::Backend {
   std::vector<c10::intrusive_ptr<Work>> coalesced_;
   std::mutex nvshmem_mu_;
   bool nvshmem_ready_ = false;
+  // the last subgroup split made, by name: torch's splitGroup asks each device type's backend,
+  // which is this one for both cpu and cuda, and must get one group (held weakly: torch owns it)
+  std::mutex split_mu_;
+  std::string split_name_;
+  c10::weak_intrusive_ptr<c10d::Backend> split_{c10::intrusive_ptr<c10d::Backend>()};
 };
 
 }  // namespace gocomm

@@ -378,7 +378,7 @@ PYBIND11_MODULE(_C, m) {
                        const std::string& cuda_refusal, std::shared_ptr<gocomm::Routes> routes,
                        py::object knobs, py::object a2a, py::object log, py::object on_shutdown, py::object on_abort,
                        py::object state, bool world, c10::intrusive_ptr<c10d::Store> store,
-                       py::object shmem_id) {
+                       py::object shmem_id, py::object on_split) {
              gocomm::Backend::Config cfg;
              cfg.rank = rank;
              cfg.size = size;
@@ -419,6 +419,15 @@ PYBIND11_MODULE(_C, m) {
                cfg.store = std::move(store);
                cfg.shmem_id = shmem_rpc(std::move(shmem_id));
              }
+             if (given(on_split)) {
+               cfg.on_split = [f = hold(std::move(on_split))](const c10::intrusive_ptr<c10d::Store>& s,
+                                                              const std::vector<int>& ranks, double timeout_s,
+                                                              const std::string& name) {
+                 py::gil_scoped_acquire gil;
+                 return c10::intrusive_ptr<c10d::Backend>(
+                     (*f)(s, ranks, timeout_s, name).cast<c10::intrusive_ptr<gocomm::Backend>>());
+               };
+             }
              auto b = c10::make_intrusive<gocomm::Backend>(std::move(disp), std::move(cfg));
              b->user = hold(std::move(state));
              return b;
@@ -426,13 +435,18 @@ PYBIND11_MODULE(_C, m) {
            py::arg("dispatcher"), py::arg("rank"), py::arg("size"), py::arg("handle"), py::arg("slot"),
            py::arg("counter_base"), py::arg("timeout_s"), py::arg("name"), py::arg("cuda_refusal"),
            py::arg("routes"), py::arg("knobs"), py::arg("a2a"), py::arg("log"), py::arg("on_shutdown"), py::arg("on_abort"),
-           py::arg("state"), py::arg("world") = false, py::arg("store") = nullptr, py::arg("shmem_id") = py::none())
+           py::arg("state"), py::arg("world") = false, py::arg("store") = nullptr, py::arg("shmem_id") = py::none(),
+           py::arg("on_split") = py::none())
       .def_property_readonly("state",
                              [](gocomm::Backend& b) -> py::object {
                                auto p = std::static_pointer_cast<py::object>(b.user);
                                return p ? *p : py::none();
                              },
                              "The control plane's state of this group (gocomm._backend._Group).")
+      .def_property_readonly(
+          "options", [](gocomm::Backend&) { return py::none(); },
+          "What torch's split_group copies as a subgroup's options: none, so that split() is handed the group's own "
+          "(getBackendOptions: its timeout), gocomm's settings being its GOCOMM_* variables.")
       .def_property_readonly("broken", &gocomm::Backend::broken, "The first failure of an op of this group, or None.")
       .def("mark_broken", &gocomm::Backend::mark_broken, py::arg("why"),
            "The group broke (the sidecar's report): every later call on it raises why.")

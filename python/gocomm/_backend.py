@@ -167,6 +167,7 @@ class _Group:
             # first call (the compiled client's exchange_shmem_id), handed over by _shmem_id
             store=store,
             shmem_id=self._shmem_id,
+            on_split=self._split,
         )
         self._ref = _client.C.BackendRef(backend)
         # the sidecar's word that the group broke (a peer died or went silent, an op timed
@@ -176,6 +177,16 @@ class _Group:
         self.backend = backend  # dropped by create() once torch holds it: see backend
         _groups.add(self)
         log.info("gocomm group %r rank %d/%d on handle %d via %s", group_name, rank, size, self._handle, conn.transport)
+
+    def _split(self, store, ranks: list[int], timeout_s: float, name: str):
+        """torch's split_group of this group (the backend's split): a new group of ranks (this
+        group's ranks, this one among them) through store, made as new_group makes one; its backend."""
+        global_ranks = [self._global_ranks[r] for r in ranks]
+        g = _Group(
+            store, ranks.index(self._rank), len(ranks), datetime.timedelta(seconds=timeout_s), name, global_ranks
+        )
+        backend, g.backend = g.backend, None
+        return backend
 
     # ----- what the MoE API and gocomm.info() ask of a group -----------------------------------------
 

@@ -3,6 +3,7 @@ group's identity (backend, ranks, name), several groups in flight at once."""
 
 from __future__ import annotations
 
+import datetime
 import socket
 
 import torch
@@ -120,6 +121,33 @@ def check_group_lifecycle(rk, seed):
         if me in (1, 2, 3):
             ck.reduced("group b", tb, xb[1:], dist.ReduceOp.SUM, torch.float64)
         settle_and_destroy(ga, gb)
+    with ck.case("split_group, and a split of the split"):
+        # what init_process_group(device_id=...) leaves (a device cannot be named without a
+        # GPU), and DeviceMesh then splits the default group instead of calling new_group
+        dist.group.WORLD.bound_device_id = torch.device("cuda", 0)
+        try:
+            ck.expect("the backend says it splits", b.supports_splitting is True, repr(b.supports_splitting))
+            halves = [[r for r in range(n) if r % 2 == p] for p in (0, 1)]
+            g = dist.split_group(split_ranks=halves, group_desc="halves", timeout=datetime.timedelta(seconds=30))
+            mine = halves[me % 2]
+            ck.expect("split ranks", dist.get_process_group_ranks(g) == mine, str(dist.get_process_group_ranks(g)))
+            ck.expect("split desc", g.group_desc == "halves", g.group_desc)
+            gb = g._get_backend(torch.device("cpu"))
+            ck.expect("one backend for cpu and cuda", g._get_backend(torch.device("cuda")) is gb, "two")
+            ck.expect("its timeout", gb.options is None and gb.state._timeout == 30, str(gb.state._timeout))
+            x = [gen(seed, "split", r, (1000,), torch.float64) for r in range(n)]
+            t = x[me].clone()
+            dist.all_reduce(t, group=g)
+            ck.reduced("all_reduce in my half", t, [x[r] for r in mine], dist.ReduceOp.SUM, torch.float64)
+            sub = dist.split_group(parent_pg=g, split_ranks=[[0]])  # the half's rank 0 alone
+            ck.expect("a split's non-member gets None", (sub is None) == (mine.index(me) != 0), repr(sub))
+            if sub is not None:
+                t = x[me].clone()
+                dist.broadcast(t, group_src=0, group=sub)
+                ck.same("broadcast in a group of one", t, x[me])
+            settle_and_destroy(sub, g)
+        finally:
+            dist.group.WORLD.bound_device_id = None
     with ck.case("world still works"):
         t = torch.ones(4)
         dist.all_reduce(t)
