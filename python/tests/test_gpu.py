@@ -1422,6 +1422,47 @@ def test_a2a_single_mismatch(worlds, seed):
         w.run(check_a2a_single_mismatch, seed=seed, timeout=RUN_LIMIT_S)
 
 
+def check_device_mesh_split(rk, seed):
+    """init_device_mesh where the default group was given its device (init_process_group's
+    device_id sets bound_device_id, as here) splits that group (split_group) instead of calling
+    new_group: a 2 x 2 mesh of four ranks, each dimension's group all_reduces CUDA tensors
+    (the in-process kernel, the ranks sharing a GPU) and CPU ones against float64 sums."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dev = torch.device("cuda", rk.rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    ck, me = Checker("device mesh by split_group", seed, rk.rank), rk.rank
+    dist.group.WORLD.bound_device_id = dev
+    try:
+        mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
+        for name, want in (("dp", [me % 2, me % 2 + 2]), ("tp", [me - me % 2, me - me % 2 + 1])):
+            with ck.case(name):
+                g = mesh.get_group(name)
+                ck.expect("its ranks", dist.get_process_group_ranks(g) == want, str(dist.get_process_group_ranks(g)))
+                ck.expect("a split group", g.group_desc.startswith("mesh_"), g.group_desc)
+                for where in ("cuda", "cpu"):
+                    x = [gen(seed, name + where, r, (4096,), torch.float32) for r in range(rk.size)]
+                    t = x[me].to(dev) if where == "cuda" else x[me].clone()
+                    dist.all_reduce(t, group=g)
+                    ck.reduced(
+                        f"all_reduce of {where} tensors",
+                        t.cpu(),
+                        [x[r] for r in want],
+                        dist.ReduceOp.SUM,
+                        torch.float32,
+                    )
+        dist.barrier(group=rk.world.gloo)
+    finally:
+        dist.group.WORLD.bound_device_id = None
+    return ck.done()
+
+
+def test_device_mesh_split(worlds, seed):
+    """4 ranks with the in-process kernels forced (on one GPU they share it)."""
+    with worlds.fresh(4, label="mesh-split", env=_sharing(4)) as w:
+        w.run(check_device_mesh_split, seed=seed, timeout=RUN_LIMIT_S)
+
+
 def check_forked_child_keeps_counters(rk, seed):
     """A child forked from a rank whose sidecar serves its GPU closes its copy of the sidecar's
     client (as freeing it, or its exit hook, would): the stream counter pages it shares with
