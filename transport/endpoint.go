@@ -254,10 +254,16 @@ const peerLostGrace = time.Second
 // the endpoint closed; then break with err (kept only if nothing broke it first). A peer
 // that left in order (it said bye, or its node answered the dial so: answered) breaks
 // nothing where this rank had nothing queued for it (pending false): it left as the reader's
-// bye handling has it, and whatever needs it later fails naming its departure. It returns
-// the error the link's requests fail with.
+// bye handling has it, and whatever needs it later fails naming its departure. A peer
+// whose node answered that it left may still have frames on their way to this rank on its
+// own link, its bye after them: where that link is up, the wait lets them in first, so a
+// receive they match is not failed for a departure they preceded. It returns the error the
+// link's requests fail with.
 func (ep *Endpoint) lost(peer int, err error, pending, answered bool) error {
-	if !answered {
+	ep.mu.Lock()
+	inbound := ep.in[peer] != nil
+	ep.mu.Unlock()
+	if !answered || inbound {
 		t := time.NewTimer(peerLostGrace)
 		defer t.Stop()
 		select {

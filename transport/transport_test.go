@@ -800,3 +800,57 @@ func TestDeparturesAreBounded(t *testing.T) {
 		t.Fatalf("the latest group left is answered %v, want errLeft", err)
 	}
 }
+
+// TestLeaverFramesBeforeItsDeparture: rank 0 sends rank 1 a message and leaves; rank 1's
+// dial to it is answered "left" before rank 1 read the message (and the bye behind it) off
+// rank 0's own link. Rank 1's receive from any rank (its only peer left) takes the message
+// rather than failing for a departure the message preceded, and one posted after the bye
+// fails naming it.
+func TestLeaverFramesBeforeItsDeparture(t *testing.T) {
+	nodes, addrs := listen(t, 1)
+	secret := []byte("a secret of at least sixteen bytes")
+	peer := newFakePeer(t, secret)
+	ep, err := nodes[0].Join(secret, 1, []string{peer.ln.Addr().String(), addrs[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(ep.Close)
+	own := peer.link(addrs[0])
+	got := make([]byte, 1<<16)
+	r := ep.RecvP2P(-1, 3, copySink{Dst: got})
+	ep.Connect()
+	c, err := peer.ln.Accept() // rank 1's dial: rank 0's node says it left
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(c, make([]byte, helloSize)); err != nil {
+		t.Fatal(err)
+	}
+	ans := make([]byte, answerSize)
+	ans[32] = statusLeft
+	c.Write(ans)
+	c.Close()
+	time.Sleep(200 * time.Millisecond) // < peerLostGrace
+	select {
+	case <-r.done:
+		t.Fatalf("the receive ended before the leaver's link did: %v", r.Wait(ctxT(t)))
+	default:
+	}
+	// what rank 0 wrote before it left, read only now
+	msg := bytes.Repeat([]byte{9}, len(got))
+	hdr, bye := make([]byte, frameHeader), make([]byte, frameHeader)
+	(&frame{kind: kindP2P, seq: 3, length: uint64(len(msg))}).encode(hdr)
+	(&frame{kind: kindBye}).encode(bye)
+	if _, err := own.Write(append(append(hdr, msg...), bye...)); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Wait(ctxT(t)); err != nil || r.Source() != 0 || !bytes.Equal(got, msg) {
+		t.Fatalf("receive from any rank = %v from %d", err, r.Source())
+	}
+	if err := ep.RecvP2P(-1, 4, copySink{Dst: got}).Wait(ctxT(t)); !strings.Contains(fmt.Sprint(err), "every other rank left") {
+		t.Fatalf("any source posted after the bye = %v", err)
+	}
+	if err := ep.Broken(); err != nil {
+		t.Fatalf("the leaver broke the group: %v", err)
+	}
+}
