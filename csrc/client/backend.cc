@@ -457,6 +457,7 @@ c10::intrusive_ptr<c10d::Backend> Backend::split(const c10::intrusive_ptr<c10d::
   }
   std::lock_guard<std::mutex> lock(split_mu_);
   if (auto made = split_.lock(); made && split_name_ == opts->group_name) {
+    split_.reset();  // its one other device type's call: no weak reference is kept past it
     return made;
   }
   auto made = cfg_.on_split(store, ranks, double(opts->timeout.count()) / 1000, opts->group_name);
@@ -1557,7 +1558,10 @@ void Backend::release_resources() {
   cfg_.on_shutdown = nullptr;
   cfg_.on_abort = nullptr;
   cfg_.shmem_id = nullptr;
+  cfg_.on_split = nullptr;  // holds the control plane's group, which refers back to this backend
   cfg_.store.reset();
+  std::lock_guard<std::mutex> lock(split_mu_);
+  split_.reset();
 }
 
 void Backend::abort() {

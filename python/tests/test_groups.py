@@ -254,6 +254,10 @@ for i in range(3):
     t = torch.ones(4)
     dist.all_reduce(t)
     assert t.tolist() == [1.0] * 4, t
+    g = dist.new_group([0])
+    dist.all_reduce(t, group=g)
+    dist.destroy_process_group(g)
+    del g
     dist.destroy_process_group()
 gc.collect()
 assert len(_backend._groups) == 0, f"{len(_backend._groups)} groups still alive"
