@@ -71,7 +71,10 @@ def runtime_dir() -> str:
         pass
     except OSError as e:
         raise SidecarError(f"cannot make the runtime directory {path} ({e}): {fix}") from e
-    st = os.lstat(path)
+    try:
+        st = os.lstat(path)
+    except OSError as e:  # a file where a directory above it should be
+        raise SidecarError(f"runtime directory {path}: {e}: {fix}") from e
     if stat.S_ISLNK(st.st_mode):
         raise SidecarError(f"runtime directory {path} is a symbolic link, which gocomm does not follow: {fix}")
     if not stat.S_ISDIR(st.st_mode):
@@ -107,17 +110,23 @@ def rendezvous_host(store, one_host: bool) -> str:
 
 
 def usable_socket(path: str, attached: bool) -> str:
-    """path, refused at once where no Unix socket can have it (108 bytes with its NUL), and for
-    an attached sidecar where nothing listens on it (a pgserver that exited left it behind)."""
-    where = "GOCOMM_SIDECAR" if attached else "XDG_RUNTIME_DIR (the runtime directory)"
-    if len(os.fsencode(path)) > 107:
-        raise SidecarError(f"socket path {path} is longer than a Unix socket's 107 bytes: shorten {where}")
+    """path, refused at once where no Unix socket can have it (108 bytes with its NUL; a sidecar
+    started here also binds <path less .sock>.fd.sock, 3 bytes longer), and for an attached
+    sidecar where nothing listens on it (a pgserver that exited left it behind)."""
+    where, most = ("GOCOMM_SIDECAR", 107) if attached else ("XDG_RUNTIME_DIR (the runtime directory)", 104)
+    if len(os.fsencode(path)) > most:
+        raise SidecarError(f"socket path {path} is over {most} bytes, too long for a Unix socket here: shorten {where}")
     if attached and os.path.exists(path):
         with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(5)
             try:
                 s.connect(path)
             except ConnectionRefusedError:
                 raise SidecarError(f"GOCOMM_SIDECAR: nothing listens on {path} (a stale socket?)") from None
+            except TimeoutError:
+                pass  # a listener that does not accept yet: the start's wait decides
+            except OSError as e:
+                raise SidecarError(f"GOCOMM_SIDECAR: cannot connect to {path}: {e}") from None
     return path
 
 
@@ -223,6 +232,7 @@ class Sidecar:
         ]
         # the rest of its settings (GOCOMM_LOG_LEVEL, GOCOMM_SPIN, ...) it reads from the environment it
         # inherits; its log is never opened through a link; a session of its own: Ctrl-C is the rank's
+        self._own_log = not os.path.lexists(self.log_file)  # an earlier sidecar's of this process is kept
         try:
             fd = os.open(self.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except OSError as e:
@@ -405,7 +415,7 @@ class Sidecar:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-            if self.proc.returncode == 0 and not (self._failed or self._lost or _config.log_dir()):
+            if self.proc.returncode == 0 and self._own_log and not (self._failed or self._lost or _config.log_dir()):
                 with contextlib.suppress(OSError):  # a clean run's log goes (GOCOMM_LOG_DIR keeps them)
                     os.unlink(self.log_file)
         self.channel.close()

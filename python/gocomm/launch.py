@@ -15,11 +15,14 @@ from __future__ import annotations
 import os
 import sys
 
-from ._sidecar import find_pgserver
+from ._sidecar import SidecarError, find_pgserver
 
 
 def main(argv=None) -> None:
-    exe = find_pgserver()
+    try:
+        exe = find_pgserver()
+    except SidecarError as e:
+        sys.exit(f"gocomm launch: {e}")
     os.execv(exe, [exe, "launch", "--python", sys.executable, *(sys.argv[1:] if argv is None else argv)])
 
 

@@ -232,12 +232,16 @@ def test_socket_path_too_long(fresh, tmp_path):
     at once naming the path and what to shorten, before any pgserver starts."""
     deep = tmp_path / ("d" * 100)
     fresh.setenv("XDG_RUNTIME_DIR", str(deep))
-    with pytest.raises(_sidecar.SidecarError, match="longer than a Unix socket's 107 bytes: shorten XDG_RUNTIME_DIR"):
+    with pytest.raises(
+        _sidecar.SidecarError, match="over 104 bytes, too long for a Unix socket here: shorten XDG_RUNTIME_DIR"
+    ):
         _sidecar.Sidecar(0)
     fresh.delenv("XDG_RUNTIME_DIR")
     fresh.setenv("GOCOMM_SIDECAR", f"unix://{deep}/s.sock")
     _config.reload()
-    with pytest.raises(_sidecar.SidecarError, match="107 bytes: shorten GOCOMM_SIDECAR"):
+    with pytest.raises(
+        _sidecar.SidecarError, match="over 107 bytes, too long for a Unix socket here: shorten GOCOMM_SIDECAR"
+    ):
         _sidecar.Sidecar(0)
 
 
@@ -253,6 +257,10 @@ def test_unwritable_dirs_say_so(fresh, tmp_path):
         fresh.setenv("XDG_RUNTIME_DIR", str(ro / "gocomm" / "x" / "y"))
         (ro / "gocomm" / "x").write_text("")
     with pytest.raises(_sidecar.SidecarError, match="cannot make the runtime directory .*XDG_RUNTIME_DIR"):
+        _sidecar.Sidecar(0)
+    (tmp_path / "afile").write_text("")
+    fresh.setenv("XDG_RUNTIME_DIR", str(tmp_path / "afile"))  # a file where the directory's parent goes
+    with pytest.raises(_sidecar.SidecarError, match="runtime directory .*afile/gocomm.*XDG_RUNTIME_DIR"):
         _sidecar.Sidecar(0)
     fresh.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     logs = tmp_path / "logs"
@@ -283,6 +291,11 @@ def test_clean_runs_leave_no_log(fresh, tmp_path):
     sc._group_broken(0, "a test's broken group")
     sc.close()
     assert os.path.exists(sc.log_file)
+    with open(sc.log_file, "a") as f:  # what an earlier sidecar of this process (lost, say) wrote
+        f.write("an earlier sidecar's record\n")
+    sc = _sidecar.Sidecar(0)  # appends to the same file, and leaves it
+    sc.close()
+    assert "an earlier sidecar's record" in open(sc.log_file).read()
 
 
 def test_bundled_pgserver_not_executable(fresh, monkeypatch):
