@@ -172,15 +172,14 @@ test-py: all
 # On a GPU machine (Go is not needed there: build here, then copy the checkout with
 # python/gocomm/bin and python/gocomm/v1). GPU_ENV keeps NVLink multicast off, as the shared
 # machines this project is tested on require; MPS=1 runs under the CUDA MPS daemon, through
-# the launcher jobs use (`pgserver launch --mps`: it starts a daemon where none answers and
-# stops the one it started).
+# the launcher jobs use (`pgserver launch --mps`: a daemon that answers on
+# CUDA_MPS_PIPE_DIRECTORY or NVIDIA's default pipe is used, else one is started in
+# /tmp/gocomm-mps-<uid> and stopped after).
 GPU_ENV ?= NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 GPU_PY  ?= python3
 MPS     ?= 0
 TRANSPORT ?= auto
 MPS_RUN = $(if $(filter 1,$(MPS)),python/gocomm/bin/pgserver launch --mps --run --)
-test-gpu bench-gpu bench-moe bench-fsdp: export CUDA_MPS_PIPE_DIRECTORY ?= /tmp/gocomm-mps/pipe
-test-gpu bench-gpu bench-moe bench-fsdp: export CUDA_MPS_LOG_DIRECTORY ?= /tmp/gocomm-mps/log
 test-gpu:
 	$(MPS_RUN) env $(GPU_ENV) GOCOMM_TEST_FAIL_NOW=1 PYTHONPATH=python $(GPU_PY) -m pytest -v -rA -m gpu $(if $(K),-k "$(K)") python/tests
 

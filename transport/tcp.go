@@ -191,10 +191,11 @@ func (n *Node) Close() error {
 	n.closed = true
 	n.mu.Unlock()
 	n.hsMu.Lock()
-	for _, h := range n.pending {
+	for _, h := range append(n.pending, n.answering...) {
+		h.evicted = true // a proof that comes after cannot be granted
 		h.conn.Close()
 	}
-	n.pending = nil
+	n.pending, n.answering = nil, nil
 	n.hsMu.Unlock()
 	if n.probeSeg != nil {
 		n.probeSeg.Close()

@@ -11,6 +11,9 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"runtime"
+	"slices"
+	"strings"
 	"syscall"
 	"time"
 
@@ -68,6 +71,7 @@ func mpsAsk(env []string, args []string, stdin string) error {
 	cmd := exec.CommandContext(ctx, mpsControl, args...)
 	cmd.Env = append(os.Environ(), env...)
 	cmd.Stdin = bytes.NewBufferString(stdin)
+	cmd.WaitDelay = 5 * time.Second // a daemon that kept our pipes must not hold this call
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := cmd.Run(); err != nil {
@@ -85,7 +89,8 @@ func mpsAnswers(env []string) bool { return mpsAsk(env, nil, "get_server_list\n"
 // first where none answers (before any rank makes a CUDA context, which is when MPS has to be
 // up) and stops the one it started when the job ends; the job is torchrun with the arguments
 // after "--" (or, with --run, those arguments as a command). Signals the launcher gets go on
-// to the job; the launcher exits with the job's status (128+n where a signal n ended it).
+// to the job (passOn). It returns the job's exit status, or -n where signal n ended the job
+// (the caller ends the same way, so a shell sees what it would have seen without it).
 func launch(args []string, stderr io.Writer) (int, error) {
 	fs := flag.NewFlagSet("pgserver launch", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -101,6 +106,15 @@ func launch(args []string, stderr io.Writer) (int, error) {
 		return 2, errors.New("launch: give the job's arguments after -- (torchrun's, or with --run a command)")
 	}
 	say := func(format string, a ...any) { fmt.Fprintf(stderr, "gocomm launch: "+format+"\n", a...) }
+	// From here until the daemon it started is stopped, a signal is the job's to take, not
+	// the launcher's end. One ignored when the launcher started (nohup) stays ignored.
+	sigs := make(chan os.Signal, 8)
+	for _, s := range launchSignals {
+		if !signal.Ignored(s) {
+			signal.Notify(sigs, s)
+		}
+	}
+	defer signal.Stop(sigs) // after the daemon's stop, deferred below
 	place := mpsWhere(*dir, os.Getenv, mpsAnswers)
 	started := false
 	switch {
@@ -122,40 +136,55 @@ func launch(args []string, stderr io.Writer) (int, error) {
 			}
 		}()
 	}
+	select {
+	case s := <-sigs: // while the daemon started: no job to pass it to
+		if s := s.(syscall.Signal); ends(s) {
+			say("%v before the job started: not starting it", s)
+			return -int(s), nil
+		}
+	default:
+	}
 	cmd := exec.Command(*python, append([]string{"-m", "torch.distributed.run"}, rest...)...)
 	if *run {
 		cmd = exec.Command(rest[0], rest[1:]...)
 	}
 	cmd.Env = append(os.Environ(), place.env...)
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, stderr
-	sigs := make(chan os.Signal, 8)
-	signal.Notify(sigs, launchSignals...)
-	defer signal.Stop(sigs)
+	// A launcher killed outright (SIGKILL) still ends the job: the child gets SIGTERM when the
+	// thread that started it ends, so that thread stays this goroutine's until the job ends.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	if err := cmd.Start(); err != nil {
 		return 127, fmt.Errorf("launch: %w", err)
 	}
-	// The job shares the launcher's process group: where that group has the terminal, a
-	// key's signal (Ctrl-C, Ctrl-\) reached the job too, and is not sent twice.
-	fromTerminal := func(s os.Signal) bool {
-		if s != syscall.SIGINT && s != syscall.SIGQUIT {
-			return false
-		}
-		fg, err := unix.IoctlGetInt(int(os.Stdin.Fd()), unix.TIOCGPGRP)
-		return err == nil && fg == unix.Getpgrp()
-	}
 	done := make(chan error, 1)
 	go func() { done <- cmd.Wait() }()
+	handles := os.Getenv("TORCHELASTIC_SIGNALS_TO_HANDLE")
+	ending := 0
 	for {
 		select {
 		case s := <-sigs:
-			if !fromTerminal(s) {
-				_ = cmd.Process.Signal(s)
+			sig := s.(syscall.Signal)
+			switch to := passOn(sig, *run, handles, ending, terminalIsOurs()); to {
+			case 0:
+				if sig == syscall.SIGUSR1 || sig == syscall.SIGUSR2 {
+					say("%v not passed on: torchrun would end on it and leave its workers running (name it in TORCHELASTIC_SIGNALS_TO_HANDLE to have torchrun take it)", sig)
+				}
+			case syscall.SIGKILL:
+				say("%v again: killing the job", sig)
+				_ = cmd.Process.Signal(to)
+			default:
+				_ = cmd.Process.Signal(to)
+			}
+			if ends(sig) {
+				ending++
 			}
 		case err := <-done:
 			var exit *exec.ExitError
 			if errors.As(err, &exit) {
 				if ws, ok := exit.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
-					return 128 + int(ws.Signal()), nil
+					return -int(ws.Signal()), nil
 				}
 				return exit.ExitCode(), nil
 			}
@@ -165,6 +194,51 @@ func launch(args []string, stderr io.Writer) (int, error) {
 			return 0, nil
 		}
 	}
+}
+
+// ends: a signal that asks the job to end.
+func ends(s syscall.Signal) bool {
+	return s == syscall.SIGINT || s == syscall.SIGTERM || s == syscall.SIGHUP || s == syscall.SIGQUIT
+}
+
+// passOn is what the launcher sends the job for signal s (0: nothing). The job shares the
+// launcher's process group: where that group has the terminal (ours), Ctrl-C and Ctrl-\
+// reached the job already and are not sent twice (a kill -INT of the launcher alone, from
+// elsewhere, is then not passed on either: no signal says who sent it). torchrun ends its
+// workers on SIGINT, SIGTERM, SIGHUP and SIGQUIT, and on SIGUSR1/2 only where
+// TORCHELASTIC_SIGNALS_TO_HANDLE (handles) names them: otherwise they would kill torchrun
+// alone and leave its workers, which run in sessions of their own, running. A command
+// (--run) gets every signal, and SIGKILL for a second one that asks it to end (ending: how
+// many came before); torchrun is not killed so, which would orphan its workers.
+func passOn(s syscall.Signal, run bool, handles string, ending int, ours bool) syscall.Signal {
+	if ours && (s == syscall.SIGINT || s == syscall.SIGQUIT) {
+		return 0
+	}
+	if run {
+		if ends(s) && ending > 0 {
+			return syscall.SIGKILL
+		}
+		return s
+	}
+	if s == syscall.SIGUSR1 || s == syscall.SIGUSR2 {
+		name := map[syscall.Signal]string{syscall.SIGUSR1: "SIGUSR1", syscall.SIGUSR2: "SIGUSR2"}[s]
+		if !slices.Contains(strings.Split(handles, ","), name) {
+			return 0
+		}
+	}
+	return s
+}
+
+// terminalIsOurs: this process's controlling terminal has this process group in the
+// foreground (whatever stdin is).
+func terminalIsOurs() bool {
+	f, err := os.OpenFile("/dev/tty", os.O_RDONLY|syscall.O_NOCTTY, 0)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	fg, err := unix.IoctlGetInt(int(f.Fd()), unix.TIOCGPGRP)
+	return err == nil && fg == unix.Getpgrp()
 }
 
 // mpsStart starts the control daemon on place's directories and checks that it answers.

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"os"
+	"os/signal"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -81,12 +82,12 @@ func TestMPSWhere(t *testing.T) {
 	}
 }
 
-// TestLaunchExitStatus: the launcher exits with the job's status, 128+n where signal n
-// ended it (as a shell reports it).
+// TestLaunchExitStatus: launch returns the job's status, -n where signal n ended it (the
+// launcher then ends by that signal, or exits 128+n: endAsJob).
 func TestLaunchExitStatus(t *testing.T) {
 	t.Setenv("CUDA_MPS_PIPE_DIRECTORY", t.TempDir())
 	fakeMPS(t)
-	for script, want := range map[string]int{"exit 0": 0, "exit 3": 3, "kill -9 $$": 137, "kill -TERM $$": 143} {
+	for script, want := range map[string]int{"exit 0": 0, "exit 3": 3, "kill -9 $$": -9, "kill -TERM $$": -15} {
 		var stderr bytes.Buffer
 		code, err := launch([]string{"--run", "--", "sh", "-c", script}, &stderr)
 		if err != nil || code != want {
@@ -102,6 +103,74 @@ func TestLaunchExitStatus(t *testing.T) {
 	}
 	if code, err := launch([]string{"--mps"}, &bytes.Buffer{}); code != 2 || err == nil {
 		t.Errorf("no job: status %d, %v", code, err)
+	}
+	if got := endAsJob(-int(syscall.SIGSEGV)); got != 128+int(syscall.SIGSEGV) {
+		t.Errorf("a job's SIGSEGV: %d, want 139 (and no core of the launcher)", got)
+	}
+}
+
+// TestPassOn: which signal the job gets for each the launcher gets.
+func TestPassOn(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		sig     syscall.Signal
+		run     bool
+		handles string
+		ending  int
+		ours    bool
+		want    syscall.Signal
+	}{
+		{"SIGTERM to torchrun", syscall.SIGTERM, false, "", 0, false, syscall.SIGTERM},
+		{"a second SIGTERM to torchrun: not SIGKILL, which would orphan its workers", syscall.SIGTERM, false, "", 1, false, syscall.SIGTERM},
+		{"Ctrl-C from our terminal reached the job already", syscall.SIGINT, false, "", 0, true, 0},
+		{"SIGINT with no terminal of ours", syscall.SIGINT, false, "", 0, false, syscall.SIGINT},
+		{"SIGTERM while our group has the terminal", syscall.SIGTERM, true, "", 0, true, syscall.SIGTERM},
+		{"SIGUSR1: torchrun would die of it alone", syscall.SIGUSR1, false, "SIGTERM,SIGINT", 0, false, 0},
+		{"SIGUSR1 that torchrun handles", syscall.SIGUSR1, false, "SIGTERM,SIGUSR1", 0, false, syscall.SIGUSR1},
+		{"SIGUSR2 to a command", syscall.SIGUSR2, true, "", 0, false, syscall.SIGUSR2},
+		{"a second SIGTERM to a command", syscall.SIGTERM, true, "", 1, false, syscall.SIGKILL},
+		{"a first SIGHUP to a command", syscall.SIGHUP, true, "", 0, false, syscall.SIGHUP},
+	} {
+		if got := passOn(c.sig, c.run, c.handles, c.ending, c.ours); got != c.want {
+			t.Errorf("%s: %v, want %v", c.name, got, c.want)
+		}
+	}
+}
+
+// TestLaunchKeepsIgnoredSignals: a signal ignored where the launcher started (nohup) stays
+// ignored in the job, as without the launcher.
+func TestLaunchKeepsIgnoredSignals(t *testing.T) {
+	t.Setenv("CUDA_MPS_PIPE_DIRECTORY", t.TempDir())
+	fakeMPS(t)
+	signal.Ignore(syscall.SIGHUP)
+	defer signal.Reset(syscall.SIGHUP)
+	code, err := launch([]string{"--run", "--", "sh", "-c", "kill -HUP $$; exit 5"}, &bytes.Buffer{})
+	if code != 5 || err != nil {
+		t.Fatalf("status %d, %v; want the job's 5 (SIGHUP ignored as the launcher found it)", code, err)
+	}
+}
+
+// TestLaunchSignalWhileMPSStarts: a SIGTERM while the daemon starts stops it and starts no job.
+func TestLaunchSignalWhileMPSStarts(t *testing.T) {
+	logFile := fakeMPS(t)
+	slow := filepath.Join(t.TempDir(), "nvidia-cuda-mps-control")
+	os.WriteFile(slow, []byte("#!/bin/sh\ncase \"$*\" in -d*) sleep 0.5 ;; esac\nexec "+mpsControl+" \"$@\"\n"), 0o700)
+	mpsControl = slow
+	dir, ran := t.TempDir(), filepath.Join(t.TempDir(), "ran")
+	go func() {
+		time.Sleep(200 * time.Millisecond)
+		syscall.Kill(os.Getpid(), syscall.SIGTERM)
+	}()
+	var stderr bytes.Buffer
+	code, err := launch([]string{"--mps", "--mps-dir", dir, "--run", "--", "touch", ran}, &stderr)
+	if code != -int(syscall.SIGTERM) || err != nil {
+		t.Fatalf("status %d, %v; want -15 (%s)", code, err, stderr.String())
+	}
+	if _, err := os.Stat(ran); err == nil {
+		t.Error("the job ran after the launcher was told to end")
+	}
+	if c := calls(t, logFile); !strings.Contains(c[len(c)-1], "quit") {
+		t.Errorf("the daemon started was not stopped: %q", c)
 	}
 }
 

@@ -304,3 +304,36 @@ def test_launch_sigterm_ends_the_job(tmp_path):
             os.kill(pid, 0)
     calls = log.read_text().splitlines()
     assert any(c.startswith("-d") for c in calls) and "quit" in calls[-1], calls
+
+
+def test_launch_killed_takes_its_job(tmp_path):
+    """A launcher killed outright (SIGKILL, nothing of it runs) still ends its job: the job gets
+    SIGTERM as the launcher goes (no orphan holding the GPUs)."""
+    import signal
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GOCOMM_", "CUDA_MPS"))}
+    env.update(PATH="/usr/bin:/bin", PYTHONPATH=os.path.join(ROOT, "python"))
+    pid_file = tmp_path / "pid"
+    job = f"echo $$ > {pid_file}; exec sleep 60"
+    p = subprocess.Popen([sys.executable, "-m", "gocomm.launch", "--run", "--", "sh", "-c", job], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            assert p.poll() is None and time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(child, signal.SIGKILL)
+            pytest.fail("the job outlived its launcher by 5 s")
+    finally:
+        p.kill()
