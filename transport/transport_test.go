@@ -480,6 +480,21 @@ func (p *fakePeer) link(addr string) net.Conn {
 	return c
 }
 
+// joinBesideFake joins rank 1 of a two-rank group on a node of its own, rank 0 being a fake
+// peer: the endpoint, the fake and the node's address.
+func joinBesideFake(t *testing.T) (*Endpoint, *fakePeer, string) {
+	t.Helper()
+	nodes, addrs := listen(t, 1)
+	secret := []byte("a secret of at least sixteen bytes")
+	peer := newFakePeer(t, secret)
+	ep, err := nodes[0].Join(secret, 1, []string{peer.ln.Addr().String(), addrs[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(ep.Close)
+	return ep, peer, addrs[0]
+}
+
 // refuseLink accepts rank 1's link and closes it unanswered.
 func (p *fakePeer) refuseLink() {
 	c, err := p.ln.Accept()
@@ -510,17 +525,10 @@ func TestLinkFailureWaitsForTheAbort(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			nodes, addrs := listen(t, 1)
-			secret := []byte("a secret of at least sixteen bytes")
-			peer := newFakePeer(t, secret)
-			ep, err := nodes[0].Join(secret, 1, []string{peer.ln.Addr().String(), addrs[0]})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(ep.Close)
+			ep, peer, addr := joinBesideFake(t)
 			var own net.Conn
 			if tc.ownLink {
-				own = peer.link(addrs[0])
+				own = peer.link(addr)
 			}
 			r := ep.Op(0, sigF32).Recv(0, Tag{}, copySink{Dst: make([]byte, 16)})
 			start := time.Now()
@@ -535,7 +543,7 @@ func TestLinkFailureWaitsForTheAbort(t *testing.T) {
 				}
 				own.Close()
 			}
-			err = r.Wait(ctxT(t))
+			err := r.Wait(ctxT(t))
 			took := time.Since(start)
 			if !errors.Is(err, tc.want) {
 				t.Fatalf("receive = %v, want %v", err, tc.want)
@@ -807,15 +815,8 @@ func TestDeparturesAreBounded(t *testing.T) {
 // rather than failing for a departure the message preceded, and one posted after the bye
 // fails naming it.
 func TestLeaverFramesBeforeItsDeparture(t *testing.T) {
-	nodes, addrs := listen(t, 1)
-	secret := []byte("a secret of at least sixteen bytes")
-	peer := newFakePeer(t, secret)
-	ep, err := nodes[0].Join(secret, 1, []string{peer.ln.Addr().String(), addrs[0]})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(ep.Close)
-	own := peer.link(addrs[0])
+	ep, peer, addr := joinBesideFake(t)
+	own := peer.link(addr)
 	got := make([]byte, 1<<16)
 	r := ep.RecvP2P(-1, 3, copySink{Dst: got})
 	ep.Connect()
