@@ -25,11 +25,15 @@ $(OBJ)/module.o: csrc/python/module.cc $(wildcard csrc/client/*.h) csrc/build/co
 	$(CXX) $(CXXFLAGS) -isystem $(PY_INC) -c $< -o $@
 
 # STDCXX: the libstdc++ the Python runs torch with, linked by path (csrc/config.py), and a
-# client that defines libstdc++'s own functions anyway (a private copy) is refused
+# client that defines libstdc++'s own functions anyway (a private copy) is refused; NM, the
+# compiler's own nm, must be there for that check (it is never skipped)
+NM ?= $(shell $(CXX) -print-prog-name=nm)
 $(LIB): $(CORE)
 	@mkdir -p $(dir $@)
 	$(CXX) -shared -o $@.tmp $(CORE) $(LIBS) $(STDCXX) -ldl -lpthread
-	@if nm -D --defined-only $@.tmp | grep -q ' _ZNSo9_M_insertI'; then \
+	@command -v $(NM) >/dev/null || { echo "gocomm client build: no nm ('$(NM)') to check the client's symbols with:" \
+	  "install binutils, or set NM" >&2; rm -f $@.tmp; exit 1; }
+	@if $(NM) -D --defined-only $@.tmp | grep -q ' _ZNSo9_M_insertI'; then \
 	  echo "gocomm client build: $(CXX) put a private copy of libstdc++ in $@ (its lib directory has libstdc++.a only?):" \
 	    "it would crash formatting numbers; build with a g++ that links libstdc++.so (CXX=/usr/bin/g++)" >&2; \
 	  rm -f $@.tmp; exit 1; fi
