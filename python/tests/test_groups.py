@@ -121,9 +121,36 @@ def check_group_lifecycle(rk, seed):
         if me in (1, 2, 3):
             ck.reduced("group b", tb, xb[1:], dist.ReduceOp.SUM, torch.float64)
         settle_and_destroy(ga, gb)
+    with ck.case("world still works"):
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        ck.same("world all_reduce", t, torch.full((4,), float(n)))
+    return ck.done()
+
+
+def test_group_lifecycle(worlds, seed):
+    worlds.get(4).run(check_group_lifecycle, seed=seed)
+
+
+def check_split_group(rk, seed):
+    """split_group of the world into halves, and a split of a half: each member gets its group
+    (ranks, description, one backend for cpu and cuda, the timeout given), non-members None,
+    and the groups reduce right. The world's bound_device_id is what init_process_group(
+    device_id=...) leaves (a device cannot be named without a GPU), with which DeviceMesh
+    splits the default group instead of calling new_group. A world of its own: torch names a
+    split group by its ranks and how many groups the rank has, so every member must have
+    made the same number before (a world other tests left groups in may not)."""
+    ck = Checker("split_group", seed, rk.rank)
+    me, n = rk.rank, rk.size
+    b = dist.group.WORLD._get_backend(torch.device("cpu"))
+
+    def settle_and_destroy(*groups):
+        dist.barrier(group=rk.world.gloo)
+        for g in groups:
+            if g is not None:
+                dist.destroy_process_group(g)
+
     with ck.case("split_group, and a split of the split"):
-        # what init_process_group(device_id=...) leaves (a device cannot be named without a
-        # GPU), and DeviceMesh then splits the default group instead of calling new_group
         dist.group.WORLD.bound_device_id = torch.device("cuda", 0)
         try:
             ck.expect("the backend says it splits", b.supports_splitting is True, repr(b.supports_splitting))
@@ -148,15 +175,12 @@ def check_group_lifecycle(rk, seed):
             settle_and_destroy(sub, g)
         finally:
             dist.group.WORLD.bound_device_id = None
-    with ck.case("world still works"):
-        t = torch.ones(4)
-        dist.all_reduce(t)
-        ck.same("world all_reduce", t, torch.full((4,), float(n)))
     return ck.done()
 
 
-def test_group_lifecycle(worlds, seed):
-    worlds.get(4).run(check_group_lifecycle, seed=seed)
+def test_split_group(worlds, seed):
+    with worlds.fresh(4, label="split") as w:
+        w.run(check_split_group, seed=seed)
 
 
 def check_destroy_right_after(rk, seed, rounds):
