@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -365,18 +366,30 @@ func (n *Node) admit(conn net.Conn) *handshaking {
 	h := &handshaking{conn: conn}
 	n.hsMu.Lock()
 	defer n.hsMu.Unlock()
-	if len(n.pending) >= n.handshakesMax {
-		old := n.pending[0]
-		n.pending = n.pending[1:]
-		old.evicted = true
-		old.conn.SetWriteDeadline(time.Now().Add(10 * time.Millisecond))
-		old.conn.Write(busyAnswer())
-		old.conn.Close()
-		n.rejects.warn("closed an unauthenticated peer link to make room", "remote", old.conn.RemoteAddr().String(), "cap", n.handshakesMax)
-	}
-	n.pending = append(n.pending, h)
+	n.pending = append(n.makeRoom(n.pending, true, "closed an unauthenticated peer link to make room"), h)
 	return h
 }
+
+// makeRoom closes the oldest link of q where q holds handshakesMax (hsMu held), answering it
+// statusBusy first where busy (a link that has not been answered yet), and logs why; it
+// returns the rest of q.
+func (n *Node) makeRoom(q []*handshaking, busy bool, why string) []*handshaking {
+	if len(q) < n.handshakesMax {
+		return q
+	}
+	old := q[0]
+	old.evicted = true
+	if busy {
+		old.conn.SetWriteDeadline(time.Now().Add(10 * time.Millisecond))
+		old.conn.Write(busyAnswer())
+	}
+	old.conn.Close()
+	n.rejects.warn(why, "remote", old.conn.RemoteAddr().String(), "cap", n.handshakesMax)
+	return q[1:]
+}
+
+// errEvicted: the link was closed to make room (makeRoom); the handshake must not go on.
+var errEvicted = fmt.Errorf("%w: dropped to make room for newer links", ErrAuth)
 
 // claim moves h from the links waiting for their hello's answer to those waiting for the
 // dialer's proof, which are also at most handshakesMax: past that the oldest of those is
@@ -389,17 +402,10 @@ func (n *Node) claim(h *handshaking) error {
 	n.hsMu.Lock()
 	defer n.hsMu.Unlock()
 	if h.evicted {
-		return fmt.Errorf("%w: dropped to make room for newer links", ErrAuth)
+		return errEvicted
 	}
 	n.pending = remove(n.pending, h)
-	if len(n.answering) >= n.handshakesMax {
-		old := n.answering[0]
-		n.answering = n.answering[1:]
-		old.evicted = true
-		old.conn.Close()
-		n.rejects.warn("closed a peer link waiting for its proof to make room", "remote", old.conn.RemoteAddr().String(), "cap", n.handshakesMax)
-	}
-	n.answering = append(n.answering, h)
+	n.answering = append(n.makeRoom(n.answering, false, "closed a peer link waiting for its proof to make room"), h)
 	return nil
 }
 
@@ -409,7 +415,7 @@ func (n *Node) proved(h *handshaking) error {
 	n.hsMu.Lock()
 	defer n.hsMu.Unlock()
 	if h.evicted {
-		return fmt.Errorf("%w: dropped to make room for newer links", ErrAuth)
+		return errEvicted
 	}
 	n.answering = remove(n.answering, h)
 	return nil
@@ -425,12 +431,7 @@ func (n *Node) done(h *handshaking) bool {
 }
 
 func remove(hs []*handshaking, h *handshaking) []*handshaking {
-	for i, p := range hs {
-		if p == h {
-			return append(hs[:i], hs[i+1:]...)
-		}
-	}
-	return hs
+	return slices.DeleteFunc(hs, func(p *handshaking) bool { return p == h })
 }
 
 func (n *Node) accept(hs *handshaking) {
