@@ -196,6 +196,23 @@ func launch(args []string, stderr io.Writer) (int, error) {
 	}
 }
 
+// endAsJob is the launcher's exit status for launch's: a job a signal ended (status -n) ends
+// the launcher with that signal where it only ends a process (SIGINT, SIGTERM, SIGHUP,
+// SIGKILL: a shell loop stops on Ctrl-C as it would without the launcher), with 128+n
+// otherwise (no core of the launcher for the job's SIGSEGV or SIGQUIT).
+func endAsJob(status int) int {
+	if status >= 0 {
+		return status
+	}
+	sig := syscall.Signal(-status)
+	if sig == syscall.SIGINT || sig == syscall.SIGTERM || sig == syscall.SIGHUP || sig == syscall.SIGKILL {
+		signal.Reset(sig)
+		_ = syscall.Kill(os.Getpid(), sig)
+		time.Sleep(time.Second) // delivered at once; the exit below only if it was not
+	}
+	return 128 + int(sig)
+}
+
 // ends: a signal that asks the job to end.
 func ends(s syscall.Signal) bool {
 	return s == syscall.SIGINT || s == syscall.SIGTERM || s == syscall.SIGHUP || s == syscall.SIGQUIT
@@ -220,11 +237,8 @@ func passOn(s syscall.Signal, run bool, handles string, ending int, ours bool) s
 		}
 		return s
 	}
-	if s == syscall.SIGUSR1 || s == syscall.SIGUSR2 {
-		name := map[syscall.Signal]string{syscall.SIGUSR1: "SIGUSR1", syscall.SIGUSR2: "SIGUSR2"}[s]
-		if !slices.Contains(strings.Split(handles, ","), name) {
-			return 0
-		}
+	if (s == syscall.SIGUSR1 || s == syscall.SIGUSR2) && !slices.Contains(strings.Split(handles, ","), unix.SignalName(s)) {
+		return 0
 	}
 	return s
 }

@@ -308,23 +308,6 @@ func openLog(path, level string, lc config.Log) (*slog.Logger, func(), error) {
 	return log, closeFn, nil
 }
 
-// endAsJob is the launcher's exit status for launch's: a job a signal ended (status -n) ends
-// the launcher with that signal where it only ends a process (SIGINT, SIGTERM, SIGHUP,
-// SIGKILL: a shell loop stops on Ctrl-C as it would without the launcher), with 128+n
-// otherwise (no core of the launcher for the job's SIGSEGV or SIGQUIT).
-func endAsJob(status int) int {
-	if status >= 0 {
-		return status
-	}
-	sig := syscall.Signal(-status)
-	if sig == syscall.SIGINT || sig == syscall.SIGTERM || sig == syscall.SIGHUP || sig == syscall.SIGKILL {
-		signal.Reset(sig)
-		_ = syscall.Kill(os.Getpid(), sig)
-		time.Sleep(time.Second) // delivered at once; the exit below only if it was not
-	}
-	return 128 + int(sig)
-}
-
 // watchParent stops the server when the parent process is gone (backs up PDEATHSIG, which
 // fires on the death of the parent's thread, not process).
 func watchParent(pid int, stop func(string)) {
