@@ -214,6 +214,22 @@ esac
 """
 
 
+def _fake_mps(tmp_path) -> str:
+    """A directory holding _FAKE_MPS as nvidia-cuda-mps-control, for PATH."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "nvidia-cuda-mps-control").write_text(_FAKE_MPS)
+    (bindir / "nvidia-cuda-mps-control").chmod(0o755)
+    return str(bindir)
+
+
+def _launch_env(path: str = "/usr/bin:/bin", **extra) -> dict:
+    """The environment of a `python -m gocomm.launch` run from the checkout: no GOCOMM_ or
+    CUDA_MPS_ variables of the caller's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GOCOMM_", "CUDA_MPS"))}
+    return env | {"PATH": path, "PYTHONPATH": os.path.join(ROOT, "python"), **extra}
+
+
 def test_launch_runs_torchrun(tmp_path):
     """`gocomm launch -- <torchrun args>` runs the job under torchrun: two ranks create the
     gocomm group and all_reduce; without --mps and no daemon it says the ranks will
@@ -233,10 +249,7 @@ def test_launch_runs_torchrun(tmp_path):
 def test_launch_mps_dir_wins(tmp_path):
     """`--mps --mps-dir D` starts MPS on D's pipe directory even where the environment names
     another, the job sees D, and the daemon it started is stopped when the job ends."""
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "nvidia-cuda-mps-control").write_text(_FAKE_MPS)
-    (bindir / "nvidia-cuda-mps-control").chmod(0o755)
+    bindir = _fake_mps(tmp_path)
     (tmp_path / "job.py").write_text("import os, sys\nprint('pipe', os.environ['CUDA_MPS_PIPE_DIRECTORY'])\n")
     log, d = tmp_path / "mps.log", tmp_path / "mps"
     env = {"PATH": f"{bindir}:/usr/bin:/bin", "FAKE_MPS_LOG": str(log), "CUDA_MPS_PIPE_DIRECTORY": "/elsewhere"}
@@ -264,14 +277,9 @@ def test_launch_sigterm_ends_the_job(tmp_path):
     import signal
     import time
 
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "nvidia-cuda-mps-control").write_text(_FAKE_MPS)
-    (bindir / "nvidia-cuda-mps-control").chmod(0o755)
     (tmp_path / "job.py").write_text(_SLEEPER)
     log = tmp_path / "mps.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GOCOMM_", "CUDA_MPS"))}
-    env.update(PATH=f"{bindir}:/usr/bin:/bin", FAKE_MPS_LOG=str(log), PYTHONPATH=os.path.join(ROOT, "python"))
+    env = _launch_env(f"{_fake_mps(tmp_path)}:/usr/bin:/bin", FAKE_MPS_LOG=str(log))
     args = ["--mps", "--mps-dir", str(tmp_path / "mps"), "--", "--nproc-per-node", "2", "--master-port", "0"]
     p = subprocess.Popen(
         [sys.executable, "-m", "gocomm.launch", *args, str(tmp_path / "job.py"), str(tmp_path)],
@@ -312,8 +320,7 @@ def test_launch_killed_takes_its_job(tmp_path):
     import signal
     import time
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GOCOMM_", "CUDA_MPS"))}
-    env.update(PATH="/usr/bin:/bin", PYTHONPATH=os.path.join(ROOT, "python"))
+    env = _launch_env()
     pid_file = tmp_path / "pid"
     job = f"echo $$ > {pid_file}; exec sleep 60"
     p = subprocess.Popen([sys.executable, "-m", "gocomm.launch", "--run", "--", "sh", "-c", job], env=env)
