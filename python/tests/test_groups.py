@@ -11,6 +11,16 @@ import torch.distributed as dist
 from ranklib import Checker, gen
 
 
+def _settle_and_destroy(rk, *groups):
+    """Members destroy their groups (None and NON_GROUP_MEMBER: not a member) only once every
+    rank is past the groups' ops (a gloo barrier): destroying right after one's own op is
+    test_destroy_right_after_a_collective."""
+    dist.barrier(group=rk.world.gloo)
+    for g in groups:
+        if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(g)
+
+
 def check_group_lifecycle(rk, seed):
     import gocomm
 
@@ -33,14 +43,6 @@ def check_group_lifecycle(rk, seed):
         )
         # the sidecar's NVSHMEM all_to_all_v kernel serves the default group only
         ck.expect("the backend knows it is the world's", b.world is True, repr(b.world))
-
-    # Members destroy their groups only once every rank is past the group's op (a gloo barrier):
-    # destroying right after one's own op is test_destroy_right_after_a_collective.
-    def settle_and_destroy(*groups):
-        dist.barrier(group=rk.world.gloo)
-        for g in groups:
-            if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
-                dist.destroy_process_group(g)
 
     for ranks in ([0, 2], [3, 1], [1, 2, 3], list(range(n))):
         label = f"new_group {ranks}"
@@ -83,7 +85,7 @@ def check_group_lifecycle(rk, seed):
                 dist.all_reduce(t, group=g)
                 ck.same(label + " all_reduce", t, torch.full((3,), float(sum(ranks))))
         with ck.case(label + ": destroy_process_group"):
-            settle_and_destroy(g)
+            _settle_and_destroy(rk, g)
     with ck.case("create and destroy a subgroup 10 times"):
         for i in range(10):
             g = dist.new_group([0, n - 1], backend="gocomm")
@@ -91,14 +93,14 @@ def check_group_lifecycle(rk, seed):
                 t = torch.full((2,), float(i + me))
                 dist.all_reduce(t, group=g)
                 ck.same(f"round {i}", t, torch.full((2,), float(2 * i + n - 1)))
-            settle_and_destroy(g)
+            _settle_and_destroy(rk, g)
     with ck.case("new_subgroups(group_size=2)"):
         mine, subs = dist.new_subgroups(group_size=2, backend="gocomm")
         t = torch.full((1,), float(me))
         dist.all_reduce(t, group=mine)
         base = me - me % 2
         ck.same("all_reduce in my subgroup", t, torch.full((1,), float(2 * base + 1)))
-        settle_and_destroy(*subs)
+        _settle_and_destroy(rk, *subs)
     with ck.case("overlapping groups in flight at once"):
         ga = dist.new_group([0, 1, 2], backend="gocomm")
         gb = dist.new_group([1, 2, 3], backend="gocomm")
@@ -120,7 +122,7 @@ def check_group_lifecycle(rk, seed):
             ck.reduced("group a", ta, xa[:3], dist.ReduceOp.SUM, torch.float64)
         if me in (1, 2, 3):
             ck.reduced("group b", tb, xb[1:], dist.ReduceOp.SUM, torch.float64)
-        settle_and_destroy(ga, gb)
+        _settle_and_destroy(rk, ga, gb)
     with ck.case("world still works"):
         t = torch.ones(4)
         dist.all_reduce(t)
@@ -143,13 +145,6 @@ def check_split_group(rk, seed):
     ck = Checker("split_group", seed, rk.rank)
     me, n = rk.rank, rk.size
     b = dist.group.WORLD._get_backend(torch.device("cpu"))
-
-    def settle_and_destroy(*groups):
-        dist.barrier(group=rk.world.gloo)
-        for g in groups:
-            if g is not None:
-                dist.destroy_process_group(g)
-
     with ck.case("split_group, and a split of the split"):
         dist.group.WORLD.bound_device_id = torch.device("cuda", 0)
         try:
@@ -172,7 +167,7 @@ def check_split_group(rk, seed):
                 t = x[me].clone()
                 dist.broadcast(t, group_src=0, group=sub)
                 ck.same("broadcast in a group of one", t, x[me])
-            settle_and_destroy(sub, g)
+            _settle_and_destroy(rk, sub, g)
         finally:
             dist.group.WORLD.bound_device_id = None
     return ck.done()
